@@ -1,0 +1,280 @@
+"""Every argument check of the public API, made before any memory is allocated or kernel launched.
+
+A failure raises TypeError (wrong kind of object or dtype) or ValueError (right kind, wrong
+value or shape) with a message that starts with the argument's name and says what was
+expected. Nothing here needs a GPU: foreign GPU arrays are classified before they are
+adopted, so mixed host/device inputs are reported without touching a device.
+"""
+
+import math
+import numbers
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import _arrays
+
+MAX_HEAD_DIM = 256
+LAYOUTS = ("bhsd", "bshd")
+BACKENDS = ("auto", "cuda", "numpy")
+
+_ARRAY_TYPES = "a numpy.ndarray, a cupy.ndarray, or an object with __cuda_array_interface__ or __dlpack__"
+_DTYPE_NAMES = ", ".join(dt.name for dt in _arrays.SUPPORTED_DTYPES)
+_WHERE = {_arrays.HOST: "host (NumPy)", _arrays.DEVICE: "GPU"}
+
+
+@dataclass(frozen=True)
+class Options:
+    """The keyword options of one call, checked; ``scale`` None means 1/sqrt(d)."""
+
+    causal: bool
+    scale: float | None
+    window: tuple | None
+    dropout_p: float
+    seed: int | None
+    block_mask: object
+    bias: object
+    alibi_slopes: object
+    softcap: float
+    layout: str
+    deterministic: bool
+    backend: str
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Sizes and placement of one attention problem, in (B, H, N, d) terms."""
+
+    kind: str  # _arrays.HOST or _arrays.DEVICE
+    device: int | None  # CUDA device of GPU inputs
+    dtype: np.dtype
+    layout: str
+    batch: int
+    q_heads: int
+    kv_heads: int
+    q_len: int
+    kv_len: int
+    head_dim: int
+    value_dim: int
+
+
+def check_flag(value, name):
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
+    return bool(value)
+
+
+def _check_choice(value, name, choices):
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+    return value
+
+
+def _check_real(value, name):
+    # bool is a numbers.Real, but True as a probability or scale is a bug, not a number.
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return value
+
+
+def _check_int(value, name):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+    return int(value)
+
+
+def _check_optional_array(value, name):
+    if value is not None and _arrays.kind_of(value) is None:
+        raise TypeError(f"{name} must be None or an array ({_ARRAY_TYPES}), got {type(value).__name__}")
+    return value
+
+
+def _check_window(window):
+    if window is None:
+        return None
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise TypeError(f"window must be None or a pair (left, right) of integers, got {window!r}")
+    return tuple(_check_int(w, "window") for w in window)
+
+
+def check_options(*, causal, scale, window, dropout_p, seed, block_mask, bias, alibi_slopes,
+                  softcap, layout, deterministic, backend):
+    """The keyword options, type- and range-checked (scale without its default yet)."""
+    if scale is not None:
+        scale = _check_real(scale, "scale")
+        if scale < 0:
+            raise ValueError(f"scale must be non-negative, got {scale!r}")
+    dropout_p = _check_real(dropout_p, "dropout_p")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+    if seed is not None:
+        seed = _check_int(seed, "seed")
+        if not 0 <= seed < 2**64:
+            raise ValueError(f"seed must be in [0, 2**64), got {seed}")
+    softcap = _check_real(softcap, "softcap")
+    if softcap < 0:
+        raise ValueError(f"softcap must be non-negative (0 turns it off), got {softcap!r}")
+    return Options(
+        causal=check_flag(causal, "causal"),
+        scale=scale,
+        window=_check_window(window),
+        dropout_p=dropout_p,
+        seed=seed,
+        block_mask=_check_optional_array(block_mask, "block_mask"),
+        bias=_check_optional_array(bias, "bias"),
+        alibi_slopes=_check_optional_array(alibi_slopes, "alibi_slopes"),
+        softcap=softcap,
+        layout=_check_choice(layout, "layout", LAYOUTS),
+        deterministic=check_flag(deterministic, "deterministic"),
+        backend=_check_choice(backend, "backend", BACKENDS),
+    )
+
+
+def resolve_scale(scale, head_dim):
+    return 1.0 / math.sqrt(head_dim) if scale is None else scale
+
+
+def _adopt_same_kind(named, kind, reference):
+    """Adopt each (name, x) as a numpy/cupy array after checking it is an array of ``kind``.
+
+    ``reference`` names what fixed ``kind`` (e.g. "q"), for the mixed-placement message.
+    """
+    adopted = []
+    for name, x in named:
+        x_kind = _arrays.kind_of(x)
+        if x_kind is None:
+            raise TypeError(f"{name} must be an array ({_ARRAY_TYPES}), got {type(x).__name__}")
+        if x_kind != kind:
+            raise TypeError(
+                f"{name} is a {_WHERE[x_kind]} array but {reference} is a {_WHERE[kind]} array; "
+                "arrays of one call must all be on the host or all on the GPU"
+            )
+        adopted.append(_arrays.adopt(x, name))
+    return adopted
+
+
+def _check_device(name, x, device, reference):
+    if _arrays.device_of(x) != device:
+        raise ValueError(
+            f"{name} is on GPU {_arrays.device_of(x)} but {reference} is on GPU {device}; "
+            "arrays of one call must be on one device"
+        )
+
+
+def _check_contiguous_last_axis(name, x):
+    if not _arrays.has_contiguous_last_axis(x):
+        raise ValueError(
+            f"{name} must have a contiguous last axis (stride {x.dtype.itemsize} bytes), got "
+            f"strides {x.strides}; pass ascontiguousarray({name}) instead"
+        )
+
+
+def check_inputs(q, k, v, *, layout):
+    """q, k, v adopted as numpy/cupy arrays (never copied), and the Problem they describe."""
+    kind = _arrays.kind_of(q)
+    q, k, v = _adopt_same_kind([("q", q), ("k", k), ("v", v)], kind, "q")
+    named = [("q", q), ("k", k), ("v", v)]
+    device = _arrays.device_of(q)
+    for name, x in named[1:]:
+        _check_device(name, x, device, "q")
+
+    if q.dtype not in _arrays.SUPPORTED_DTYPES:
+        raise TypeError(f"q must have dtype {_DTYPE_NAMES}, got {q.dtype}")
+    for name, x in named[1:]:
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {x.dtype} but q has {q.dtype}; q, k and v must share one dtype")
+
+    for name, x in named:
+        if layout == "bshd" and x.ndim != 4:
+            raise ValueError(f"{name} must be 4-D (B, N, H, d) for layout='bshd', got shape {x.shape}")
+        if x.ndim < 2:
+            raise ValueError(f"{name} must be at least 2-D (..., N, d) for layout='bhsd', got shape {x.shape}")
+    for name, x in named[1:]:
+        if x.ndim != q.ndim:
+            raise ValueError(f"{name} must have as many dimensions as q ({q.ndim}), got shape {x.shape}")
+
+    (q_lead, q_heads, q_len, head_dim), (k_lead, k_heads, k_len, k_dim), (v_lead, v_heads, v_len, value_dim) = (
+        _arrays.split_shape(x.shape, layout) for _, x in named
+    )
+    for name, lead in (("k", k_lead), ("v", v_lead)):
+        if lead != q_lead:
+            raise ValueError(f"{name} has batch (leading) dimensions {lead} but q has {q_lead}")
+    for name, heads in (("q", q_heads), ("k", k_heads), ("v", v_heads)):
+        if heads < 1:
+            raise ValueError(f"{name} must have at least one head, got shape {dict(named)[name].shape}")
+    if v_heads != k_heads:
+        raise ValueError(f"v has {v_heads} heads but k has {k_heads}; k and v must have the same heads")
+    if q_heads % k_heads:
+        raise ValueError(
+            f"q has {q_heads} heads, not a multiple of k's {k_heads} heads; grouped-query "
+            "attention needs the k/v head count to divide the q head count"
+        )
+    if q_len < 1:
+        raise ValueError(f"q must have at least one query (Nq >= 1), got shape {q.shape}")
+    if k_len < 1:
+        raise ValueError(f"k must have at least one key (Nk >= 1), got shape {k.shape}")
+    if v_len != k_len:
+        raise ValueError(f"v has {v_len} keys but k has {k_len}; k and v must have the same N")
+    if k_dim != head_dim:
+        raise ValueError(f"k has head dimension {k_dim} but q has {head_dim}; they must match")
+    for name, dim in (("q", head_dim), ("v", value_dim)):
+        if not 1 <= dim <= MAX_HEAD_DIM:
+            raise ValueError(f"{name} head dimension must be between 1 and {MAX_HEAD_DIM}, got {dim}")
+    for name, x in named:
+        _check_contiguous_last_axis(name, x)
+
+    problem = Problem(
+        kind=kind, device=device, dtype=q.dtype, layout=layout, batch=math.prod(q_lead),
+        q_heads=q_heads, kv_heads=k_heads, q_len=q_len, kv_len=k_len,
+        head_dim=head_dim, value_dim=value_dim,
+    )
+    return q, k, v, problem
+
+
+def check_do(do, *, o, kind, device):
+    """``do`` adopted, checked against the forward output ``o`` and the context's placement."""
+    (do,) = _adopt_same_kind([("do", do)], kind, "the forward pass's q")
+    if kind == _arrays.DEVICE:
+        _check_device("do", do, device, "the forward pass's q")
+    if do.dtype != o.dtype:
+        raise TypeError(f"do must have the dtype of o, {o.dtype}, got {do.dtype}")
+    if do.shape != o.shape:
+        raise ValueError(f"do must have the shape of o, {o.shape}, got {do.shape}")
+    _check_contiguous_last_axis("do", do)
+    return do
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What a context recorded about its saved arrays, to notice later changes."""
+
+    signatures: dict
+    fingerprints: dict  # host arrays only: checksumming GPU memory would need a sync
+
+
+def snapshot(arrays):
+    """Snapshot of the named saved arrays (a dict name -> array)."""
+    return Snapshot(
+        signatures={name: _arrays.signature(x) for name, x in arrays.items()},
+        fingerprints={name: _arrays.fingerprint(x) for name, x in arrays.items() if isinstance(x, np.ndarray)},
+    )
+
+
+def check_unchanged(arrays, snap):
+    """Raise ValueError if a saved array was replaced, reshaped or (host arrays) rewritten."""
+    for name, x in arrays.items():
+        if _arrays.kind_of(x) is None or _arrays.signature(x) != snap.signatures[name]:
+            raise ValueError(
+                f"ctx.{name} was replaced or reshaped after attention_forward; the context no "
+                "longer describes that forward pass"
+            )
+    for name, fp in snap.fingerprints.items():
+        if _arrays.fingerprint(arrays[name]) != fp:
+            raise ValueError(
+                f"{name} (saved in ctx.{name}) was modified in place after attention_forward, so "
+                "its gradients would be wrong; keep q, k, v and o unchanged until "
+                "attention_backward, or run attention_forward again"
+            )
