@@ -1,0 +1,223 @@
+"""The GPU backend: which kernel instantiation serves a problem, and how it is launched.
+
+Every kernel is a C++ template in ``kernels_cu/``; this module maps runtime options
+(dtype, head dim, the device's shared memory) to one instantiation, compiles it through
+``_nvrtc`` on first use, loads it with ``cupy.RawModule`` and launches it on CuPy's
+current stream. Importing this module never imports CuPy: the NumPy backend and the
+build check must work without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import numpy as np
+
+from . import _nvrtc
+
+# Head dims the kernels are instantiated for; any d <= 256 runs in the smallest one that
+# holds it, its padding columns zero-filled on load.
+HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+
+# Tensor-core forward tiles per head dim, (BLOCK_M, BLOCK_N, WARPS), in order of
+# preference; the first that fits the device's shared memory is used. The later entries
+# serve GPUs with ~100 KB per block (sm_86/sm_89) and A100's 164 KB.
+FWD_SM80_TILES = {
+    32: ((128, 64, 4),),
+    64: ((128, 64, 4),),
+    # From d = 96 two 16-row m-tiles per warp (S and O beside each other) exceed 255
+    # registers and spill (build check), so eight warps of one m-tile each.
+    96: ((128, 64, 8),),
+    128: ((128, 64, 8), (64, 64, 4)),
+    192: ((128, 64, 8), (64, 32, 4)),
+    256: ((128, 64, 8), (128, 32, 8), (32, 32, 2)),
+}
+# fp32/fp64 CUDA-core forward: rows (= keys) per tile, the largest whose shared memory
+# fits every sm_80+ GPU.
+SIMT_BLOCKS = (64, 32, 16)
+PORTABLE_SMEM = 99 * 1024
+
+_CPP_TYPE = {"float16": "half_t", "bfloat16": "bfloat16_t", "float32": "float", "float64": "double"}
+BUILD_ARCHS = ("sm_80", "sm_90a")
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One kernel instantiation and its launch shape."""
+
+    source: str
+    name_expression: str
+    threads: int
+    block_m: int
+    smem_bytes: int
+
+
+def padded_head_dim(d: int, dv: int) -> int:
+    need = max(d, dv)
+    for D in HEAD_DIMS:
+        if D >= need:
+            return D
+    raise ValueError(f"head dim {need} exceeds the largest supported ({HEAD_DIMS[-1]})")
+
+
+def _sm80_forward(dtype_name: str, D: int, tile) -> Variant:
+    block_m, block_n, warps = tile
+    smem = (block_m + 4 * block_n) * (D + 8) * 2
+    expr = f"flash_fwd_sm80<{_CPP_TYPE[dtype_name]}, {D}, {block_m}, {block_n}, {warps}>"
+    return Variant("fwd_sm80.cu", expr, warps * 32, block_m, smem)
+
+
+def _simt_forward(dtype_name: str, D: int) -> Variant:
+    itemsize = np.dtype(dtype_name).itemsize
+    for block in SIMT_BLOCKS:
+        smem = (2 * block * (D + 1) + block * (block + 1)) * itemsize
+        if smem <= PORTABLE_SMEM:
+            break
+    expr = f"flash_fwd_simt<{_CPP_TYPE[dtype_name]}, {D}, {block}>"
+    return Variant("fwd_simt.cu", expr, 256, block, smem)
+
+
+def forward_variants(dtype_name: str, D: int) -> list[Variant]:
+    """Every forward instantiation that may serve (dtype, D), in order of preference."""
+    if dtype_name in ("float16", "bfloat16"):
+        return [_sm80_forward(dtype_name, D, tile) for tile in FWD_SM80_TILES[D]]
+    return [_simt_forward(dtype_name, D)]
+
+
+def all_variants() -> list[Variant]:
+    """Every instantiation the package can launch (what the build check compiles)."""
+    return [v for name in _CPP_TYPE for D in HEAD_DIMS for v in forward_variants(name, D)]
+
+
+# --------------------------------------------------------------------------- device side
+
+
+def gpu_available() -> bool:
+    """CuPy importable, NVRTC loadable and at least one CUDA device present."""
+    try:
+        import cupy
+
+        _nvrtc.nvrtc_version()
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+def unsupported_reason(dtype, d: int, dv: int) -> str | None:
+    name = np.dtype(dtype).name
+    if name not in _CPP_TYPE:
+        return f"dtype {name} has no GPU kernel"
+    if max(d, dv) > HEAD_DIMS[-1]:
+        return f"head dim {max(d, dv)} > {HEAD_DIMS[-1]}"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _device_info(device_id: int) -> tuple[str, int]:
+    import cupy
+
+    props = cupy.cuda.runtime.getDeviceProperties(device_id)
+    cc = f"{props['major']}{props['minor']}"
+    return _nvrtc.target_for(cc), int(props["sharedMemPerBlockOptin"])
+
+
+@functools.lru_cache(maxsize=None)
+def _load(variant: Variant, device_id: int):
+    import cupy
+
+    arch, _ = _device_info(device_id)
+    compiled = _nvrtc.compile_kernel(variant.source, variant.name_expression, arch)
+    with cupy.cuda.Device(device_id):
+        kernel = cupy.RawModule(path=str(compiled.binary_path)).get_function(compiled.lowered_name)
+        if variant.smem_bytes > 48 * 1024:
+            kernel.max_dynamic_shared_size_bytes = variant.smem_bytes
+    return kernel
+
+
+def _choose(variants: list[Variant], device_id: int) -> Variant:
+    _, smem_limit = _device_info(device_id)
+    for v in variants:
+        if v.smem_bytes <= smem_limit:
+            return v
+    raise RuntimeError(f"no kernel tile fits this GPU's {smem_limit} bytes of shared memory per block")
+
+
+def precompile(*, dtypes=None, head_dims=None, device=None) -> list[str]:
+    """Compile and load, ahead of time, the kernels that calls on ``device`` will use.
+
+    Parameters
+    ----------
+    dtypes : iterable of dtype-like, optional
+        Default: float16, bfloat16, float32, float64.
+    head_dims : iterable of int, optional
+        Head dims to prepare (each maps to its padded instantiation). Default: all.
+    device : int, optional
+        CUDA device id. Default: the current device.
+
+    Returns
+    -------
+    list of str
+        The template instantiations now loaded.
+    """
+    import cupy
+
+    device_id = cupy.cuda.Device().id if device is None else int(device)
+    names = [np.dtype(t).name for t in (dtypes or _CPP_TYPE)]
+    for name in names:
+        if name not in _CPP_TYPE:
+            raise ValueError(f"dtypes: {name} is not one of {sorted(_CPP_TYPE)}")
+    dims = sorted({padded_head_dim(int(d), int(d)) for d in (head_dims or HEAD_DIMS)})
+    loaded = []
+    for name in names:
+        for D in dims:
+            v = _choose(forward_variants(name, D), device_id)
+            _load(v, device_id)
+            loaded.append(v.name_expression)
+    return loaded
+
+
+def _tensor_args(x) -> tuple:
+    """A (B, H, N, d) view as the kernels take it: pointer and three element strides."""
+    item = x.dtype.itemsize
+    return (x, np.int64(x.strides[0] // item), np.int64(x.strides[1] // item), np.int64(x.strides[2] // item))
+
+
+def _rows_16b_aligned(*arrays) -> bool:
+    """Every row start 16-byte aligned (so tiles may move with 16-byte copies)."""
+    for x in arrays:
+        if x.data.ptr % 16:
+            return False
+        for extent, stride in zip(x.shape[:3], x.strides[:3]):
+            if extent > 1 and stride % 16:
+                return False
+    return True
+
+
+def attention_forward(q, k, v, o, lse, *, scale: float, causal: bool) -> None:
+    """Launch the forward kernel: writes o (B, Hq, Nq, dv) and lse (B, Hq, Nq).
+
+    Inputs are (B, H, N, d) CuPy views with a contiguous last axis (validated by the
+    caller); nothing is copied and the host does not wait for the GPU.
+    """
+    B, Hq, Nq, d = q.shape
+    Hk, Nk, dv = k.shape[1], k.shape[2], v.shape[3]
+    if Hq > 65535 or B > 65535:
+        raise ValueError(f"q: at most 65535 heads and 65535 batch entries per call (got H={Hq}, B={B})")
+    device_id = q.device.id
+    variant = _choose(forward_variants(q.dtype.name, padded_head_dim(d, dv)), device_id)
+    kernel = _load(variant, device_id)
+    acc = np.float64 if q.dtype == np.float64 else np.float32
+    args = (*_tensor_args(q), *_tensor_args(k), *_tensor_args(v), *_tensor_args(o), lse,
+            np.int32(Hq // Hk), np.int32(Nq), np.int32(Nk), np.int32(d), np.int32(dv),
+            acc(scale * math.log2(math.e)), np.int32(bool(causal)))
+    if variant.source == "fwd_sm80.cu":
+        args += (np.int32(_rows_16b_aligned(q, k, v, o)),)
+    grid = (math.ceil(Nq / variant.block_m), Hq, B)
+    kernel(grid, (variant.threads,), args, shared_mem=variant.smem_bytes)
+
+
+def attention_backward(do, q, k, v, o, lse, dq, dk, dv, *, scale, causal, deterministic) -> None:
+    raise NotImplementedError(
+        "the GPU backward pass is not built yet; run the backward with backend='numpy'")

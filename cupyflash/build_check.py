@@ -1,0 +1,55 @@
+"""Compile every kernel instantiation for sm_80 and sm_90a and report ptxas' resources.
+
+Needs NVRTC, not a GPU: ``python -m cupyflash.build_check`` prints one row per
+instantiation and architecture (registers, spill bytes, stack frame, dynamic shared
+memory) and exits non-zero if a kernel fails to compile or a 16-bit tensor-core kernel
+spills.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+from . import _cuda, _nvrtc
+
+
+def build_all(archs=_cuda.BUILD_ARCHS, jobs: int = 2):
+    """Compile all instantiations for ``archs``; returns [(variant, Compiled)]."""
+    work = [(v, arch) for arch in archs for v in _cuda.all_variants()]
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        results = list(pool.map(lambda va: _nvrtc.compile_kernel(va[0].source, va[0].name_expression, va[1]), work))
+    return [(v, c) for (v, _), c in zip(work, results)]
+
+
+def must_not_spill(variant: _cuda.Variant) -> bool:
+    """The tensor-core kernels are tuned to live in registers; a spill there is a bug."""
+    return "half_t" in variant.name_expression or "bfloat16_t" in variant.name_expression
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", action="append", help="NVRTC target (repeatable); default sm_80 and sm_90a")
+    parser.add_argument("--jobs", type=int, default=2)
+    args = parser.parse_args(argv)
+    archs = tuple(args.arch or _cuda.BUILD_ARCHS)
+    print(f"NVRTC {'.'.join(map(str, _nvrtc.nvrtc_version()))}, kernels from {_nvrtc.KERNEL_DIR}")
+    try:
+        built = build_all(archs, args.jobs)
+    except _nvrtc.KernelBuildError as error:
+        print(error, file=sys.stderr)
+        return 1
+    failures = 0
+    print(f"{'arch':7} {'regs':>4} {'spill st/ld':>11} {'stack':>5} {'dyn smem':>8}  instantiation")
+    for v, c in built:
+        bad = must_not_spill(v) and (c.spill_stores or c.spill_loads)
+        failures += bool(bad)
+        print(f"{c.arch:7} {c.registers:4d} {c.spill_stores:5d}/{c.spill_loads:<5d} {c.stack_frame:5d} "
+              f"{v.smem_bytes:8d}  {v.name_expression}{'  <-- SPILLS' if bad else ''}")
+    print(f"{len(built)} instantiations built, {failures} with spills where none are allowed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

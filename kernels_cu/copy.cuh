@@ -1,0 +1,89 @@
+// Tile movement between global and shared memory.
+//
+// A tile is ROWS x COLS elements in shared memory with a row stride of COLS + CHUNK
+// elements: the 16 bytes of padding put the eight rows an ldmatrix phase reads into
+// distinct banks. Global rows may be shorter than COLS (head dims that are not a tile
+// size) and there may be fewer than ROWS of them (sequence tails): the missing elements
+// are zero-filled, so padded rows and columns contribute nothing to the products.
+#pragma once
+#include "elem.cuh"
+
+template <typename T> struct Chunk { static constexpr int elems = 16 / sizeof(T); };
+
+template <typename T, int COLS>
+struct SmemTile { static constexpr int stride = COLS + Chunk<T>::elems; };
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// 16-byte asynchronous copy; bytes past `src_bytes` are zero-filled (0 reads nothing).
+__device__ __forceinline__ void cp_async_16(void* dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 :: "r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" :: "n"(N));
+}
+
+// Load a ROWS x COLS tile starting at `src` (row stride `ld` elements) into `dst`.
+// `vec` says every row start is 16-byte aligned (base pointer and stride), which
+// allows cp.async; otherwise elements are copied one by one, synchronously. Either
+// way the data is visible after the caller's cp_async_wait + __syncthreads.
+template <typename T, int ROWS, int COLS, int NTHREADS>
+__device__ __forceinline__ void load_tile(T* dst, const T* src, i64 ld, int rows, int cols, bool vec) {
+    constexpr int CE = Chunk<T>::elems;
+    constexpr int CHUNKS_PER_ROW = COLS / CE;
+    constexpr int LDS = SmemTile<T, COLS>::stride;
+    // Each thread moves the same column chunk of every ROW_STEP-th row (when the thread
+    // count allows), so its addresses advance by a constant and cost few registers.
+    constexpr bool FIXED_COL = NTHREADS % CHUNKS_PER_ROW == 0;
+    constexpr int ROW_STEP = FIXED_COL ? NTHREADS / CHUNKS_PER_ROW : 1;
+    constexpr int ITERS = FIXED_COL ? (ROWS + ROW_STEP - 1) / ROW_STEP
+                                    : (ROWS * CHUNKS_PER_ROW + NTHREADS - 1) / NTHREADS;
+    #pragma unroll
+    for (int i = 0; i < ITERS; ++i) {
+        const int c = FIXED_COL ? threadIdx.x : threadIdx.x + i * NTHREADS;
+        const int r = FIXED_COL ? threadIdx.x / CHUNKS_PER_ROW + i * ROW_STEP : c / CHUNKS_PER_ROW;
+        const int col = (c % CHUNKS_PER_ROW) * CE;
+        if (r >= ROWS) break;
+        T* d = dst + r * LDS + col;
+        const int n = (r < rows) ? max(0, min(CE, cols - col)) : 0;
+        const T* s = src + r * ld + col;
+        if (vec) {
+            cp_async_16(d, n > 0 ? s : src, n * (int)sizeof(T));  // never dereference past the tensor
+        } else {
+            #pragma unroll
+            for (int e = 0; e < CE; ++e) {
+                T x;
+                if (e < n) x = s[e]; else x = T{};
+                d[e] = x;
+            }
+        }
+    }
+}
+
+// Store the first `rows` x `cols` of a shared-memory tile to global memory.
+template <typename T, int ROWS, int COLS, int NTHREADS>
+__device__ __forceinline__ void store_tile(T* dst, i64 ld, const T* src, int rows, int cols, bool vec) {
+    constexpr int CE = Chunk<T>::elems;
+    constexpr int CHUNKS_PER_ROW = COLS / CE;
+    constexpr int CHUNKS = ROWS * CHUNKS_PER_ROW;
+    constexpr int LDS = SmemTile<T, COLS>::stride;
+    #pragma unroll
+    for (int c = threadIdx.x; c < CHUNKS; c += NTHREADS) {
+        const int r = c / CHUNKS_PER_ROW;
+        const int col = (c % CHUNKS_PER_ROW) * CE;
+        if (r >= rows || col >= cols) continue;
+        const T* s = src + r * LDS + col;
+        T* d = dst + r * ld + col;
+        if (vec && col + CE <= cols) {
+            *reinterpret_cast<uint4*>(d) = *reinterpret_cast<const uint4*>(s);
+        } else {
+            for (int e = 0; e < CE && col + e < cols; ++e) d[e] = s[e];
+        }
+    }
+}

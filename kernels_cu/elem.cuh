@@ -1,0 +1,67 @@
+// Element types and conversions. The kernels include no CUDA header (cuda_fp16.h,
+// cuda_bf16.h), so NVRTC needs no include path: 16-bit types are their bits, and the
+// conversions are single PTX instructions.
+#pragma once
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef long long i64;
+
+struct half_t { u16 bits; };
+struct bfloat16_t { u16 bits; };
+
+// Accumulation type: fp32 for 16-bit and fp32 inputs, fp64 for fp64 inputs.
+template <typename T> struct Accum { typedef float type; };
+template <> struct Accum<double> { typedef double type; };
+
+__device__ __forceinline__ float to_float(half_t x) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.bits));
+    return f;
+}
+__device__ __forceinline__ float to_float(bfloat16_t x) {
+    return __uint_as_float(static_cast<u32>(x.bits) << 16);
+}
+
+template <typename T> __device__ __forceinline__ T from_float(float f);
+template <> __device__ __forceinline__ half_t from_float<half_t>(float f) {
+    half_t h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.bits) : "f"(f));
+    return h;
+}
+template <> __device__ __forceinline__ bfloat16_t from_float<bfloat16_t>(float f) {
+    bfloat16_t h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h.bits) : "f"(f));
+    return h;
+}
+
+// Two floats rounded into one 32-bit register, `lo` in the low half: the layout mma.sync
+// expects for a pair of neighbouring columns. (cvt's first source goes to the high half.)
+template <typename T> __device__ __forceinline__ u32 pack2(float lo, float hi);
+template <> __device__ __forceinline__ u32 pack2<half_t>(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+template <> __device__ __forceinline__ u32 pack2<bfloat16_t>(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// Base-2 exponential on the SFU: the online softmax works in log2 units with log2(e)
+// folded into the scale, so one FFMA and one MUFU.EX2 give each probability.
+__device__ __forceinline__ float exp2_fast(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+__device__ __forceinline__ double exp2_fast(double x) { return exp2(x); }
+
+#define LOG2E_F 1.4426950408889634f
+#define LN2_D 0.6931471805599453
+
+// math.h is not included under NVRTC without headers; -inf as a bit pattern.
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif

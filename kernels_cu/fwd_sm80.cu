@@ -1,0 +1,204 @@
+// Forward attention on the tensor cores (sm_80 and newer, fp16/bf16).
+//
+// FlashAttention-2 partitioning: one CTA per (query block, batch*head); the query rows
+// are split across warps (ROWS_PER_WARP each, in 16-row m-tiles) and every warp streams
+// the same K/V tiles from shared memory, so no warp ever reduces through shared memory.
+// K and V tiles are double-buffered with cp.async: tile j+1 of K loads while the warps
+// run the softmax of tile j, and tile j+1 of V while they multiply P by V.
+#include "elem.cuh"
+#include "copy.cuh"
+#include "mma.cuh"
+#include "mask.cuh"
+#include "softmax.cuh"
+#include "tensor.cuh"
+
+template <typename T, int D, int BLOCK_M, int BLOCK_N, int WARPS>
+struct FwdTile {
+    static constexpr int THREADS = WARPS * 32;
+    static constexpr int ROWS_PER_WARP = BLOCK_M / WARPS;
+    static constexpr int MT = ROWS_PER_WARP / 16;   // m-tiles per warp
+    static constexpr int NT = BLOCK_N / 8;          // n-tiles of S
+    static constexpr int DT = D / 8;                // n-tiles of O
+    static constexpr int KSTEPS = D / 16;           // k-steps of Q K^T
+    static constexpr int PSTEPS = BLOCK_N / 16;     // k-steps of P V
+    static constexpr int LD = SmemTile<T, D>::stride;
+    // Q fragments stay in registers when they fit beside S and O; otherwise each warp
+    // re-reads its own Q rows from shared memory for every K tile.
+    static constexpr bool Q_IN_REGS = MT * D <= 128;
+    static constexpr int SMEM_ELEMS = (BLOCK_M + 4 * BLOCK_N) * LD;
+    static_assert(ROWS_PER_WARP % 16 == 0 && D % 16 == 0 && BLOCK_N % 16 == 0, "tile shape");
+};
+
+template <typename T, int D, int BLOCK_M, int BLOCK_N, int WARPS>
+__global__ void __launch_bounds__(WARPS * 32)
+flash_fwd_sm80(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const T, v),
+               TENSOR_ARG(T, o), float* __restrict__ lse,
+               int group, int nq, int nk, int d, int dv,
+               float scale_log2, int causal, int vec)
+{
+    typedef FwdTile<T, D, BLOCK_M, BLOCK_N, WARPS> C;
+    constexpr int MT = C::MT, NT = C::NT, DT = C::DT;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    T* sQ = reinterpret_cast<T*>(smem_raw);
+    T* sK = sQ + BLOCK_M * C::LD;          // two buffers
+    T* sV = sK + 2 * BLOCK_N * C::LD;      // two buffers
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int g = lane / 4, t = lane % 4;
+    // Heavy (late, causal) query blocks first so the tail of the grid is short.
+    const int m_block = gridDim.x - 1 - blockIdx.x;
+    const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
+    const int q0 = m_block * BLOCK_M;
+    const int q_rows = min(BLOCK_M, nq - q0);
+    const MaskInfo mask{nq, nk, causal};
+    const int n_tiles = mask.key_tile_stop(q0, q0 + q_rows, BLOCK_N);
+
+    const Strided<const T> Q = TENSOR(const T, q), K = TENSOR(const T, k), V = TENSOR(const T, v);
+    const Strided<T> O = TENSOR(T, o);
+    const T* k_head = K.at(b, hk, 0);
+    const T* v_head = V.at(b, hk, 0);
+
+    load_tile<T, BLOCK_M, D, C::THREADS>(sQ, Q.at(b, h, q0), Q.row, q_rows, d, vec);
+    if (n_tiles > 0) load_tile<T, BLOCK_N, D, C::THREADS>(sK, k_head, K.row, min(BLOCK_N, nk), d, vec);
+    cp_async_commit();
+    if (n_tiles > 0) load_tile<T, BLOCK_N, D, C::THREADS>(sV, v_head, V.row, min(BLOCK_N, nk), dv, vec);
+    cp_async_commit();
+
+    const int warp_row0 = warp * C::ROWS_PER_WARP;
+    float acc[MT][DT][4];
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+        #pragma unroll
+        for (int dt = 0; dt < DT; ++dt)
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) acc[mt][dt][e] = 0.f;
+    OnlineSoftmax<MT> softmax;
+    softmax.init();
+    u32 q_frag[C::Q_IN_REGS ? MT : 1][C::Q_IN_REGS ? C::KSTEPS : 1][4];
+
+    for (int j = 0; j < n_tiles; ++j) {
+        const int k0 = j * BLOCK_N;
+        const T* sKj = sK + (j % 2) * BLOCK_N * C::LD;
+        const T* sVj = sV + (j % 2) * BLOCK_N * C::LD;
+        cp_async_wait<1>();   // Q and K_j have landed
+        __syncthreads();
+
+        if (C::Q_IN_REGS && j == 0) {
+            #pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+                #pragma unroll
+                for (int ks = 0; ks < C::KSTEPS; ++ks)
+                    load_a_frag<T, D>(q_frag[C::Q_IN_REGS ? mt : 0][C::Q_IN_REGS ? ks : 0], sQ, warp_row0 + mt * 16, ks * 16);
+        }
+
+        // S = Q K_j^T
+        float s[MT][NT][4];
+        #pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+            #pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+                #pragma unroll
+                for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
+        #pragma unroll
+        for (int ks = 0; ks < C::KSTEPS; ++ks) {
+            u32 a[MT][4];
+            #pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                if (C::Q_IN_REGS) {
+                    #pragma unroll
+                    for (int e = 0; e < 4; ++e) a[mt][e] = q_frag[C::Q_IN_REGS ? mt : 0][C::Q_IN_REGS ? ks : 0][e];
+                } else {
+                    load_a_frag<T, D>(a[mt], sQ, warp_row0 + mt * 16, ks * 16);
+                }
+            }
+            #pragma unroll
+            for (int np = 0; np < NT / 2; ++np) {
+                u32 bk[4];
+                load_bt_frags<T, D>(bk, sKj, np * 16, ks * 16);
+                #pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    MmaOp<T>::run(s[mt][2 * np], a[mt], bk[0], bk[1]);
+                    MmaOp<T>::run(s[mt][2 * np + 1], a[mt], bk[2], bk[3]);
+                }
+            }
+        }
+
+        // Prefetch K_{j+1} into the other buffer: every warp finished reading it (tile
+        // j-1) before the barrier above. An empty group keeps the wait counts uniform.
+        if (j + 1 < n_tiles)
+            load_tile<T, BLOCK_N, D, C::THREADS>(sK + ((j + 1) % 2) * BLOCK_N * C::LD, k_head + (i64)(k0 + BLOCK_N) * K.row,
+                                                 K.row, min(BLOCK_N, nk - k0 - BLOCK_N), d, vec);
+        cp_async_commit();
+
+        // Scale into log2 units, then hide what this row may not see.
+        const bool needs_mask = mask.tile_needs_mask(q0, k0, k0 + BLOCK_N);
+        #pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+            #pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+                #pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    float x = s[mt][nt][e] * scale_log2;
+                    if (needs_mask) {
+                        const int row = q0 + warp_row0 + mt * 16 + g + (e / 2) * 8;
+                        const int col = k0 + nt * 8 + 2 * t + (e % 2);
+                        if (!mask.visible(row, col)) x = -INFINITY;
+                    }
+                    s[mt][nt][e] = x;
+                }
+        softmax.update(s, acc);
+
+        cp_async_wait<1>();   // V_j has landed
+        __syncthreads();
+
+        // O += P V_j, P taken straight from the S accumulators
+        #pragma unroll
+        for (int ps = 0; ps < C::PSTEPS; ++ps) {
+            u32 a[MT][4];
+            #pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                a[mt][0] = pack2<T>(s[mt][2 * ps][0], s[mt][2 * ps][1]);
+                a[mt][1] = pack2<T>(s[mt][2 * ps][2], s[mt][2 * ps][3]);
+                a[mt][2] = pack2<T>(s[mt][2 * ps + 1][0], s[mt][2 * ps + 1][1]);
+                a[mt][3] = pack2<T>(s[mt][2 * ps + 1][2], s[mt][2 * ps + 1][3]);
+            }
+            #pragma unroll
+            for (int dp = 0; dp < DT / 2; ++dp) {
+                u32 bv[4];
+                load_b_frags<T, D>(bv, sVj, ps * 16, dp * 16);
+                #pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    MmaOp<T>::run(acc[mt][2 * dp], a[mt], bv[0], bv[1]);
+                    MmaOp<T>::run(acc[mt][2 * dp + 1], a[mt], bv[2], bv[3]);
+                }
+            }
+        }
+
+        if (j + 1 < n_tiles)
+            load_tile<T, BLOCK_N, D, C::THREADS>(sV + ((j + 1) % 2) * BLOCK_N * C::LD, v_head + (i64)(k0 + BLOCK_N) * V.row,
+                                                 V.row, min(BLOCK_N, nk - k0 - BLOCK_N), dv, vec);
+        cp_async_commit();
+    }
+
+    float row_lse[MT][2];
+    softmax.finalize(acc, row_lse);
+
+    // Epilogue: each warp rounds its rows into its own rows of the Q tile (no other warp
+    // reads them), then the CTA writes the tile out with wide, coalesced stores.
+    cp_async_wait<0>();   // with no key tile, the Q copies may still be in flight
+    __syncthreads();
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        #pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const int r = warp_row0 + mt * 16 + g + hh * 8;
+            #pragma unroll
+            for (int dt = 0; dt < DT; ++dt)
+                *reinterpret_cast<u32*>(sQ + r * C::LD + dt * 8 + 2 * t) =
+                    pack2<T>(acc[mt][dt][2 * hh], acc[mt][dt][2 * hh + 1]);
+            if (t == 0 && r < q_rows) lse[((i64)b * gridDim.y + h) * nq + q0 + r] = row_lse[mt][hh];
+        }
+    }
+    __syncthreads();
+    store_tile<T, BLOCK_M, D, C::THREADS>(O.at(b, h, q0), O.row, sQ, q_rows, dv, vec);
+}

@@ -1,0 +1,88 @@
+// Online-softmax row state for the tensor-core forward (FlashAttention-2, §3.1).
+//
+// A thread holds two rows of each 16-row m-tile (g and g + 8 in the mma C layout) and
+// two columns of each 8-wide n-tile; the four threads of a quad share a row. Scores
+// arrive already multiplied by scale * log2(e), so probabilities are exp2(s - m).
+// The running sum stays thread-local (one partial per quad member) and is reduced
+// across the quad once, at the end: the rescale factor is the same for the whole quad.
+#pragma once
+#include "elem.cuh"
+
+__device__ __forceinline__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+template <int MT>
+struct OnlineSoftmax {
+    float row_max[MT][2];   // running max of the scaled scores, log2 units
+    float row_sum[MT][2];   // this thread's part of the running sum of exp2(s - max)
+
+    __device__ __forceinline__ void init() {
+        #pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) { row_max[mt][h] = -INFINITY; row_sum[mt][h] = 0.f; }
+    }
+
+    // Fold one tile of scores into the state: s becomes P = exp2(s - new max) and the
+    // output accumulator is rescaled by exp2(old max - new max). A row that has seen
+    // only masked keys keeps max = -inf; subtracting 0 instead keeps its P at 0, not NaN.
+    template <int NT, int DT>
+    __device__ __forceinline__ void update(float (&s)[MT][NT][4], float (&acc)[MT][DT][4]) {
+        #pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                float tile_max = -INFINITY;
+                #pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+                    tile_max = fmaxf(tile_max, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
+                const float new_max = fmaxf(row_max[mt][h], quad_max(tile_max));
+                const float base = new_max == -INFINITY ? 0.f : new_max;
+                const float alpha = exp2_fast(row_max[mt][h] - base);
+                row_max[mt][h] = new_max;
+                float sum = 0.f;
+                #pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    #pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const float p = exp2_fast(s[mt][nt][2 * h + e] - base);
+                        s[mt][nt][2 * h + e] = p;
+                        sum += p;
+                    }
+                }
+                row_sum[mt][h] = row_sum[mt][h] * alpha + sum;
+                #pragma unroll
+                for (int dt = 0; dt < DT; ++dt) {
+                    acc[mt][dt][2 * h] *= alpha;
+                    acc[mt][dt][2 * h + 1] *= alpha;
+                }
+            }
+        }
+    }
+
+    // The single division by the row sum, and the natural-log LSE = ln2 * (max + log2 sum).
+    // Rows with no visible key give output 0 and LSE -inf.
+    template <int DT>
+    __device__ __forceinline__ void finalize(float (&acc)[MT][DT][4], float (&lse)[MT][2]) {
+        #pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const float sum = quad_sum(row_sum[mt][h]);
+                const float inv = sum > 0.f ? 1.f / sum : 0.f;
+                lse[mt][h] = sum > 0.f ? (row_max[mt][h] + __log2f(sum)) * (float)LN2_D : -INFINITY;
+                #pragma unroll
+                for (int dt = 0; dt < DT; ++dt) {
+                    acc[mt][dt][2 * h] *= inv;
+                    acc[mt][dt][2 * h + 1] *= inv;
+                }
+            }
+        }
+    }
+};
