@@ -1,4 +1,8 @@
-"""CPU tier: the NumPy backend and the mask rules against brute force and the oracle."""
+"""CPU tier: the NumPy backend and the mask rules against brute force and the oracle.
+
+Random data comes from the conftest ``rng`` fixture, seeded from the test id, so every
+case draws fresh data and a failure reproduces alone.
+"""
 
 from __future__ import annotations
 
@@ -166,8 +170,7 @@ def test_causal_is_bottom_right_aligned():
 
 @DTYPES
 @CASE_PARAMS
-def test_forward_matches_oracle(case, dtype):
-    rng = np.random.default_rng(1)
+def test_forward_matches_oracle(case, dtype, rng):
     q, k, v, _ = make_inputs(rng, case, dtype)
     o, lse = forward(q, k, v, case)
     ref_o, ref_lse = naive_attention(q, k, v, scale=scale_of(case), causal=case.causal)
@@ -179,8 +182,7 @@ def test_forward_matches_oracle(case, dtype):
 
 @DTYPES
 @CASE_PARAMS
-def test_backward_matches_oracle(case, dtype):
-    rng = np.random.default_rng(2)
+def test_backward_matches_oracle(case, dtype, rng):
     q, k, v, do = make_inputs(rng, case, dtype)
     o, lse = forward(q, k, v, case)
     grads = backward(do, q, k, v, o, lse, case)
@@ -202,8 +204,7 @@ FD_CASES = [
 
 
 @pytest.mark.parametrize("case", FD_CASES, ids=str)
-def test_backward_matches_finite_differences(case):
-    rng = np.random.default_rng(3)
+def test_backward_matches_finite_differences(case, rng):
     q, k, v, w = make_inputs(rng, case, np.float64)
     q, k, v = q.copy(), k.copy(), v.copy()  # perturbed in place below
 
@@ -226,9 +227,8 @@ def test_backward_matches_finite_differences(case):
 
 
 @DTYPES
-def test_rows_without_keys(dtype):
+def test_rows_without_keys(dtype, rng):
     case = Case(2, 4, 2, 7, 3, 8, 5, True, 4, 2)  # rows 0..3 see no key
-    rng = np.random.default_rng(4)
     q, k, v, do = make_inputs(rng, case, dtype)
     # Any NaN or division by zero on the way is an error, not just a wrong final value.
     with np.errstate(invalid="raise", divide="raise", over="raise"):
@@ -249,9 +249,8 @@ def test_rows_without_keys(dtype):
     np.testing.assert_allclose(dv, dv_s, rtol=TOL[dtype], atol=TOL[dtype])
 
 
-def test_inputs_not_modified():
+def test_inputs_not_modified(rng):
     case = Case(1, 4, 2, 37, 29, 16, 8, True, 8, 8, bshd=True)
-    rng = np.random.default_rng(5)
     arrays = make_inputs(rng, case, np.float32)
     copies = [x.copy() for x in arrays]
     for x in arrays:
@@ -267,11 +266,10 @@ def test_inputs_not_modified():
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_memory_stays_linear(causal):
+def test_memory_stays_linear(causal, rng):
     # An Nq x Nk float32 matrix would take 16 MiB here; the blockwise passes need tiles
     # of 64 KiB and O(N d) vectors. NumPy reports its buffers to tracemalloc.
     n, d = 2048, 16
-    rng = np.random.default_rng(6)
     q, k, v, do = (rng.standard_normal((1, 1, n, d), dtype=np.float32) for _ in range(4))
     quadratic = n * n * 4
     tracemalloc.start()
