@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor
 
 from . import _cuda, _nvrtc
 
@@ -18,9 +18,15 @@ from . import _cuda, _nvrtc
 def build_all(archs=_cuda.BUILD_ARCHS, jobs: int = 2):
     """Compile all instantiations for ``archs``; returns [(variant, Compiled)]."""
     work = [(v, arch) for arch in archs for v in _cuda.all_variants()]
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
-        results = list(pool.map(lambda va: _nvrtc.compile_kernel(va[0].source, va[0].name_expression, va[1]), work))
+    # Processes, not threads: NVRTC compiles hold the interpreter lock.
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        results = list(pool.map(_compile, work))
     return [(v, c) for (v, _), c in zip(work, results)]
+
+
+def _compile(variant_arch):
+    variant, arch = variant_arch
+    return _nvrtc.compile_kernel(variant.source, variant.name_expression, arch)
 
 
 def must_not_spill(variant: _cuda.Variant) -> bool:
