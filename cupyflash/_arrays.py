@@ -147,7 +147,8 @@ def read_only(x):
 
 
 def has_contiguous_last_axis(x):
-    return x.shape[-1] == 1 or x.strides[-1] == x.dtype.itemsize
+    # Strides of a length-1 axis, or of an empty array (NumPy makes them 0), address nothing.
+    return x.shape[-1] == 1 or x.size == 0 or x.strides[-1] == x.dtype.itemsize
 
 
 def signature(x):

@@ -142,7 +142,8 @@ def _adopt_same_kind(named, kind, reference):
 
     ``reference`` names what fixed ``kind`` (e.g. "q"), for the mixed-placement message.
     """
-    adopted = []
+    # Every object is classified before any is adopted: adopting a GPU array imports cupy
+    # and may touch the device, which a call mixing host and GPU arrays must not get to.
     for name, x in named:
         x_kind = _arrays.kind_of(x)
         if x_kind is None:
@@ -152,8 +153,7 @@ def _adopt_same_kind(named, kind, reference):
                 f"{name} is a {_WHERE[x_kind]} array but {reference} is a {_WHERE[kind]} array; "
                 "arrays of one call must all be on the host or all on the GPU"
             )
-        adopted.append(_arrays.adopt(x, name))
-    return adopted
+    return [_arrays.adopt(x, name) for name, x in named]
 
 
 def _check_device(name, x, device, reference):
