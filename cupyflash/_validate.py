@@ -43,17 +43,12 @@ class Options:
 
 @dataclass(frozen=True)
 class Problem:
-    """Sizes and placement of one attention problem, in (B, H, N, d) terms."""
+    """What the API needs to know of one attention problem to place and allocate it."""
 
     kind: str  # _arrays.HOST or _arrays.DEVICE
     device: int | None  # CUDA device of GPU inputs
     dtype: np.dtype
-    layout: str
-    batch: int
-    q_heads: int
-    kv_heads: int
-    q_len: int
-    kv_len: int
+    batch: int  # B: the leading dims merged, 0 for an empty batch
     head_dim: int
     value_dim: int
 
@@ -226,11 +221,8 @@ def check_inputs(q, k, v, *, layout):
     for name, x in named:
         _check_contiguous_last_axis(name, x)
 
-    problem = Problem(
-        kind=kind, device=device, dtype=q.dtype, layout=layout, batch=math.prod(q_lead),
-        q_heads=q_heads, kv_heads=k_heads, q_len=q_len, kv_len=k_len,
-        head_dim=head_dim, value_dim=value_dim,
-    )
+    problem = Problem(kind=kind, device=device, dtype=q.dtype, batch=math.prod(q_lead),
+                      head_dim=head_dim, value_dim=value_dim)
     return q, k, v, problem
 
 
@@ -259,7 +251,8 @@ def snapshot(arrays):
     """Snapshot of the named saved arrays (a dict name -> array)."""
     return Snapshot(
         signatures={name: _arrays.signature(x) for name, x in arrays.items()},
-        fingerprints={name: _arrays.fingerprint(x) for name, x in arrays.items() if isinstance(x, np.ndarray)},
+        fingerprints={name: _arrays.fingerprint(x) for name, x in arrays.items()
+                      if _arrays.kind_of(x) == _arrays.HOST},
     )
 
 
