@@ -25,7 +25,8 @@ H, B = 2048 // a.head_dim, 16384 // a.seqlen
 q, k, v = (cp.random.standard_normal((B, H, a.seqlen, a.head_dim), dtype=cp.float32).astype(a.dtype) for _ in range(3))
 variant = _cuda._choose(_cuda.forward_variants(q.dtype.name, _cuda.padded_head_dim(a.head_dim, a.head_dim)), 0)
 compiled = _nvrtc.compile_kernel(variant.source, variant.name_expression, _cuda._device_info(0)[0])
-print(variant.name_expression, compiled.binary_path, f"regs={compiled.registers}")
+print(f"{variant.name_expression}: regs={compiled.registers}")
+print(compiled.binary_path)
 for _ in range(a.repeat):
     cupyflash.attention(q, k, v, causal=a.causal)
 cp.cuda.Device().synchronize()

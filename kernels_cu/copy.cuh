@@ -13,10 +13,10 @@ template <typename T> struct Chunk { static constexpr int elems = 16 / sizeof(T)
 template <typename T, int COLS>
 struct SmemTile { static constexpr int stride = COLS + Chunk<T>::elems; };
 
+// Shared-memory address of a generic pointer. The builtin (unlike a cvta in inline asm)
+// lets the compiler fold constant tile offsets into the ldmatrix/cp.async immediates.
 __device__ __forceinline__ u32 smem_addr(const void* p) {
-    u32 a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
+    return static_cast<u32>(__cvta_generic_to_shared(p));
 }
 
 // 16-byte asynchronous copy; bytes past `src_bytes` are zero-filled (0 reads nothing).

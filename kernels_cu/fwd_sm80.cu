@@ -130,22 +130,26 @@ flash_fwd_sm80(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const 
                                                  K.row, min(BLOCK_N, nk - k0 - BLOCK_N), d, vec);
         cp_async_commit();
 
-        // Scale into log2 units, then hide what this row may not see.
-        const bool needs_mask = mask.tile_needs_mask(q0, k0, k0 + BLOCK_N);
+        // Scale into log2 units, then hide what this row may not see. The predicate runs
+        // only on tiles that cross the diagonal or the sequence end (a uniform branch).
         #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
             #pragma unroll
             for (int nt = 0; nt < NT; ++nt)
                 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    float x = s[mt][nt][e] * scale_log2;
-                    if (needs_mask) {
+                for (int e = 0; e < 4; ++e) s[mt][nt][e] *= scale_log2;
+        if (mask.tile_needs_mask(q0, k0, k0 + BLOCK_N)) {
+            #pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+                #pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+                    #pragma unroll
+                    for (int e = 0; e < 4; ++e) {
                         const int row = q0 + warp_row0 + mt * 16 + g + (e / 2) * 8;
                         const int col = k0 + nt * 8 + 2 * t + (e % 2);
-                        if (!mask.visible(row, col)) x = -INFINITY;
+                        if (!mask.visible(row, col)) s[mt][nt][e] = -INFINITY;
                     }
-                    s[mt][nt][e] = x;
-                }
+        }
         softmax.update(s, acc);
 
         cp_async_wait<1>();   // V_j has landed
