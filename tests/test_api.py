@@ -108,7 +108,7 @@ def test_gradients_match_oracle(rng, case, dtype):
 @pytest.mark.parametrize("causal", [False, True])
 def test_custom_scale(rng, causal):
     q, k, v = (_random(rng, (2, 2, 7, 8), np.float64) for _ in range(3))
-    o, ctx = cf.attention_forward(q, k, v, scale=0.3, causal=causal)
+    o, ctx = cf.attention_forward(q, k, v, scale=0.3, causal=causal, backend="numpy")
     assert ctx.scale == 0.3
     ref_o, _ = naive_attention(q, k, v, scale=0.3, causal=causal)
     assert _rel_err(o, ref_o) < 1e-12
@@ -116,18 +116,19 @@ def test_custom_scale(rng, causal):
 
 def test_default_scale_is_inverse_sqrt_head_dim(rng):
     q, k, v = (_random(rng, (1, 1, 3, 9), np.float32) for _ in range(3))
-    assert cf.attention_forward(q, k, v)[1].scale == 1 / 3
+    assert cf.attention_forward(q, k, v, backend="numpy")[1].scale == 1 / 3
 
 
 def test_scale_zero_averages_the_values(rng):
     q, k, v = (_random(rng, (2, 1, 4, 8), np.float64) for _ in range(3))
-    o = cf.attention(q, k, v, scale=0)
+    o = cf.attention(q, k, v, scale=0, backend="numpy")
     np.testing.assert_allclose(o, np.broadcast_to(v.mean(axis=-2, keepdims=True), o.shape), rtol=1e-14)
 
 
 def test_rows_without_keys_give_zero_output_and_minus_inf_lse(rng):
-    q, k, v = _random(rng, (1, 2, 6, 8), np.float32), *(_random(rng, (1, 2, 2, 8), np.float32) for _ in range(2))
-    o, ctx = cf.attention_forward(q, k, v, causal=True)
+    q = _random(rng, (1, 2, 6, 8), np.float32)
+    k, v = (_random(rng, (1, 2, 2, 8), np.float32) for _ in range(2))
+    o, ctx = cf.attention_forward(q, k, v, causal=True, backend="numpy")
     assert not np.isnan(o).any()
     np.testing.assert_array_equal(o[:, :, :4], 0)
     np.testing.assert_array_equal(ctx.lse[:, :, :4], -np.inf)
@@ -142,11 +143,11 @@ def test_rows_without_keys_give_zero_output_and_minus_inf_lse(rng):
 
 def test_layouts_agree(rng):
     q, k, v = (_random(rng, s, np.float64) for s in ((2, 11, 4, 8), (2, 7, 2, 8), (2, 7, 2, 5)))
-    o, ctx = cf.attention_forward(q, k, v, layout="bshd", causal=True)
+    o, ctx = cf.attention_forward(q, k, v, layout="bshd", causal=True, backend="numpy")
     do = _random(rng, o.shape, np.float64)
     grads = cf.attention_backward(do, ctx)
     t = lambda x: np.ascontiguousarray(x.transpose(0, 2, 1, 3))  # noqa: E731
-    o_t, ctx_t = cf.attention_forward(t(q), t(k), t(v), causal=True)
+    o_t, ctx_t = cf.attention_forward(t(q), t(k), t(v), causal=True, backend="numpy")
     grads_t = cf.attention_backward(t(do), ctx_t)
     np.testing.assert_allclose(t(o), o_t, rtol=1e-13, atol=1e-15)
     np.testing.assert_allclose(ctx.lse, ctx_t.lse, rtol=1e-13)
@@ -161,11 +162,11 @@ def test_strided_inputs_match_contiguous_ones(rng):
     # q strided along N, k a head/sequence transpose, v with leading axes that no single
     # stride describes (the one case the API copies).
     q, k, v = q_big[:, :, :, ::2], k_bshd.swapaxes(-2, -3), v_big[:, :3]
-    o, ctx = cf.attention_forward(q, k, v, causal=True)
+    o, ctx = cf.attention_forward(q, k, v, causal=True, backend="numpy")
     do = _random(rng, o.shape, np.float64)
     grads = cf.attention_backward(do, ctx)
     contiguous = [np.ascontiguousarray(x) for x in (q, k, v)]
-    o_c, ctx_c = cf.attention_forward(*contiguous, causal=True)
+    o_c, ctx_c = cf.attention_forward(*contiguous, causal=True, backend="numpy")
     np.testing.assert_allclose(o, o_c, rtol=1e-13, atol=1e-15)
     for g, g_c in zip(grads, cf.attention_backward(do, ctx_c)):
         np.testing.assert_allclose(g, g_c, rtol=1e-12, atol=1e-14)
@@ -175,7 +176,7 @@ def test_strided_view_is_not_copied(rng):
     q_big = _random(rng, (2, 4, 30, 8), np.float32)
     q = q_big[:, :, ::3]
     k, v = (_random(rng, (2, 2, 6, 8), np.float32) for _ in range(2))
-    _, ctx = cf.attention_forward(q, k, v)
+    _, ctx = cf.attention_forward(q, k, v, backend="numpy")
     assert np.shares_memory(ctx._saved[0], q_big)
 
 
@@ -189,8 +190,8 @@ def test_strided_view_is_not_copied(rng):
 def test_outputs_are_new_c_contiguous_arrays_in_the_input_layout(rng, layout, q_shape, k_shape, dtype):
     q, k = _random(rng, q_shape, dtype), _random(rng, k_shape, dtype)
     v = _random(rng, (*k_shape[:-1], 3), dtype)
-    o, lse = cf.attention(q, k, v, layout=layout, return_lse=True)
-    o_f, ctx = cf.attention_forward(q, k, v, layout=layout)
+    o, lse = cf.attention(q, k, v, layout=layout, return_lse=True, backend="numpy")
+    o_f, ctx = cf.attention_forward(q, k, v, layout=layout, backend="numpy")
     grads = cf.attention_backward(_random(rng, o.shape, dtype), ctx)
     assert o.shape == o_f.shape == (*q_shape[:-1], 3)
     expected_lse = q_shape[:-1] if layout == "bhsd" else (q_shape[0], q_shape[2], q_shape[1])
@@ -210,8 +211,8 @@ def test_inputs_are_not_modified(rng):
     q, k, v = (_random(rng, s, np.float16) for s in ((2, 4, 9, 8), (2, 2, 5, 8), (2, 2, 5, 8)))
     do = _random(rng, (2, 4, 9, 8), np.float16)
     before = [x.copy() for x in (q, k, v, do)]
-    cf.attention(q, k, v, causal=True, return_lse=True)
-    o, vjp = cf.attention_vjp(q, k, v, causal=True)
+    cf.attention(q, k, v, causal=True, return_lse=True, backend="numpy")
+    o, vjp = cf.attention_vjp(q, k, v, causal=True, backend="numpy")
     vjp(do)
     for x, x0 in zip((q, k, v, do), before):
         np.testing.assert_array_equal(x, x0)
@@ -221,7 +222,7 @@ def test_inputs_are_not_modified(rng):
 def test_empty_batch(rng):
     q, k, v = (np.zeros((0, 3, 2, n, 8), np.float32) for n in (4, 5, 5))
     k, v = k[:, :, :1], v[:, :, :1]
-    o, ctx = cf.attention_forward(q, k, v, causal=True)
+    o, ctx = cf.attention_forward(q, k, v, causal=True, backend="numpy")
     assert o.shape == (0, 3, 2, 4, 8) and ctx.lse.shape == (0, 3, 2, 4)
     assert [g.shape for g in cf.attention_backward(o, ctx)] == [q.shape, k.shape, v.shape]
 
@@ -241,9 +242,9 @@ class _HostDlpack:
 
 def test_foreign_host_arrays_come_back_as_numpy(rng):
     q, k, v = (_random(rng, (2, 3, 5, 8), np.float32) for _ in range(3))
-    o = cf.attention(*(_HostDlpack(x) for x in (q, k, v)))
+    o = cf.attention(*(_HostDlpack(x) for x in (q, k, v)), backend="numpy")
     assert type(o) is np.ndarray
-    np.testing.assert_array_equal(o, cf.attention(q, k, v))
+    np.testing.assert_array_equal(o, cf.attention(q, k, v, backend="numpy"))
 
 
 # Contexts and VJPs --------------------------------------------------------------------
@@ -254,11 +255,11 @@ def test_vjp_and_context_give_identical_gradients(rng, layout):
     q, k, v = (_random(rng, s, np.float32) for s in ((2, 6, 4, 8), (2, 5, 2, 8), (2, 5, 2, 8)))
     if layout == "bhsd":
         q, k, v = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
-    o, ctx = cf.attention_forward(q, k, v, causal=True, layout=layout)
-    o_vjp, vjp = cf.attention_vjp(q, k, v, causal=True, layout=layout)
+    o, ctx = cf.attention_forward(q, k, v, causal=True, layout=layout, backend="numpy")
+    o_vjp, vjp = cf.attention_vjp(q, k, v, causal=True, layout=layout, backend="numpy")
     do = _random(rng, o.shape, np.float32)
     np.testing.assert_array_equal(o, o_vjp)
-    np.testing.assert_array_equal(o, cf.attention(q, k, v, causal=True, layout=layout))
+    np.testing.assert_array_equal(o, cf.attention(q, k, v, causal=True, layout=layout, backend="numpy"))
     for g, g_vjp in zip(cf.attention_backward(do, ctx), vjp(do)):
         np.testing.assert_array_equal(g, g_vjp)
 
@@ -269,7 +270,8 @@ def test_context_keeps_the_forward_pass(rng):
                                   backend="numpy")
     for saved, original in ((ctx.q, q), (ctx.k, k), (ctx.v, v), (ctx.o, o)):
         assert np.shares_memory(saved, original) and not saved.flags.writeable
-    assert (ctx.causal, ctx.layout, ctx.backend, ctx.deterministic, ctx.seed) == (True, "bhsd", "numpy", True, 7)
+    assert (ctx.causal, ctx.layout, ctx.backend, ctx.deterministic, ctx.seed) == (
+        True, "bhsd", "numpy", True, 7)
     assert (ctx.window, ctx.dropout_p, ctx.block_mask, ctx.bias, ctx.alibi_slopes, ctx.softcap) == (
         None, 0.0, None, None, None, 0.0)
     assert ctx.device is None
@@ -278,7 +280,7 @@ def test_context_keeps_the_forward_pass(rng):
 
 def test_context_can_be_used_twice(rng):
     q, k, v = (_random(rng, (1, 2, 5, 8), np.float32) for _ in range(3))
-    o, ctx = cf.attention_forward(q, k, v, deterministic=True)
+    o, ctx = cf.attention_forward(q, k, v, deterministic=True, backend="numpy")
     do = _random(rng, o.shape, np.float32)
     for g1, g2 in zip(cf.attention_backward(do, ctx), cf.attention_backward(do, ctx)):
         np.testing.assert_array_equal(g1, g2)
@@ -307,7 +309,8 @@ def test_unimplemented_options_raise(rng, function, option, value):
 
 def test_seed_without_dropout_is_accepted(rng):
     q, k, v = (_random(rng, (1, 1, 4, 8), np.float32) for _ in range(3))
-    np.testing.assert_array_equal(cf.attention(q, k, v, seed=123, dropout_p=0.0), cf.attention(q, k, v))
+    seeded = cf.attention(q, k, v, seed=123, dropout_p=0.0, backend="numpy")
+    np.testing.assert_array_equal(seeded, cf.attention(q, k, v, backend="numpy"))
 
 
 # Backends -----------------------------------------------------------------------------
