@@ -41,6 +41,7 @@ PORTABLE_SMEM = 99 * 1024
 
 _CPP_TYPE = {"float16": "half_t", "bfloat16": "bfloat16_t", "float32": "float", "float64": "double"}
 BUILD_ARCHS = ("sm_80", "sm_90a")
+MAX_GRID_YZ = 65535   # grid y (heads) and z (batch) extents
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,8 +95,10 @@ def all_variants() -> list[Variant]:
 # --------------------------------------------------------------------------- device side
 
 
+@functools.lru_cache(maxsize=None)
 def gpu_available() -> bool:
-    """CuPy importable, NVRTC loadable and at least one CUDA device present."""
+    """CuPy importable, NVRTC loadable and at least one CUDA device present (asked once
+    per process: the answer does not change while it runs)."""
     try:
         import cupy
 
@@ -203,8 +206,13 @@ def attention_forward(q, k, v, o, lse, *, scale: float, causal: bool) -> None:
     """
     B, Hq, Nq, d = q.shape
     Hk, Nk, dv = k.shape[1], k.shape[2], v.shape[3]
-    if Hq > 65535 or B > 65535:
-        raise ValueError(f"q: at most 65535 heads and 65535 batch entries per call (got H={Hq}, B={B})")
+    if Hq > MAX_GRID_YZ:
+        raise ValueError(f"q: at most {MAX_GRID_YZ} heads per call, got {Hq}")
+    if B > MAX_GRID_YZ:  # the grid's z extent: launch the batch in slices
+        for b0 in range(0, B, MAX_GRID_YZ):
+            part = slice(b0, b0 + MAX_GRID_YZ)
+            attention_forward(q[part], k[part], v[part], o[part], lse[part], scale=scale, causal=causal)
+        return
     device_id = q.device.id
     variant = _choose(forward_variants(q.dtype.name, padded_head_dim(d, dv)), device_id)
     kernel = _load(variant, device_id)

@@ -1,0 +1,68 @@
+"""CPU tier: every kernel instantiation compiles for sm_80 and sm_90a with NVRTC (no GPU
+needed), the tensor-core kernels do not spill, and the sources ship with the package."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from cupyflash import _cuda, _nvrtc, build_check
+
+try:
+    _nvrtc.nvrtc_version()
+    _NVRTC = None
+except Exception as exc:  # pragma: no cover - depends on the machine
+    _NVRTC = f"NVRTC not loadable ({type(exc).__name__}); install cupyflash[cuda12] or [cuda13]"
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    if _NVRTC:
+        pytest.skip(_NVRTC)
+    return build_check.build_all(jobs=os.cpu_count() or 1)
+
+
+def test_every_instantiation_builds_for_both_archs(built):
+    names = {v.name_expression for v in _cuda.all_variants()}
+    for arch in _cuda.BUILD_ARCHS:
+        assert {v.name_expression for v, c in built if c.arch == arch} == names
+    assert all(c.lowered_name and c.binary_path.stat().st_size > 0 for _, c in built)
+
+
+def test_tensor_core_kernels_do_not_spill(built):
+    spilled = [(v.name_expression, c.arch, c.spill_stores, c.spill_loads)
+               for v, c in built if build_check.must_not_spill(v) and (c.spill_stores or c.spill_loads)]
+    assert not spilled
+
+
+def test_shared_memory_of_first_choice_tiles_fits_hopper_and_fallbacks_fit_100kb():
+    for name in ("float16", "bfloat16", "float32", "float64"):
+        for D in _cuda.HEAD_DIMS:
+            variants = _cuda.forward_variants(name, D)
+            assert variants[0].smem_bytes <= 227 * 1024
+            assert variants[-1].smem_bytes <= _cuda.PORTABLE_SMEM
+
+
+def test_ptxas_report_is_parsed():
+    log = ("ptxas info    : Function properties for k\nptxas         .     8 bytes stack frame, "
+           "4 bytes spill stores, 12 bytes spill loads\nptxas info    : Used 96 registers, used 1 barriers")
+    assert _nvrtc._parse_ptxas(log) == {"registers": 96, "spill_stores": 4, "spill_loads": 12,
+                                        "stack_frame": 8, "static_smem": 0}
+
+
+def test_kernel_sources_are_found_from_another_directory(tmp_path):
+    out = subprocess.run([sys.executable, "-c", "from cupyflash import _nvrtc; print(_nvrtc.KERNEL_DIR)"],
+                         cwd=tmp_path, capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    kernel_dir = out.stdout.strip()
+    assert os.path.isfile(os.path.join(kernel_dir, "fwd_sm80.cu"))
+
+
+def test_info_command_runs_without_a_gpu():
+    out = subprocess.run([sys.executable, "-m", "cupyflash", "info"], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.returncode == 0
+    assert "cupyflash" in out.stdout and "kernel cache" in out.stdout
+    if not _cuda.gpu_available():
+        assert "no GPU" in out.stdout
