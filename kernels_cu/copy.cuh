@@ -44,6 +44,17 @@ __device__ __forceinline__ void load_tile(T* dst, const T* src, i64 ld, int rows
     constexpr int ROW_STEP = FIXED_COL ? NTHREADS / CHUNKS_PER_ROW : 1;
     constexpr int ITERS = FIXED_COL ? (ROWS + ROW_STEP - 1) / ROW_STEP
                                     : (ROWS * CHUNKS_PER_ROW + NTHREADS - 1) / NTHREADS;
+    if (vec && FIXED_COL && rows >= ROWS && cols >= COLS) {
+        // A whole tile (every tile but a sequence's last): no bounds, no zero-fill.
+        const int r0 = threadIdx.x / CHUNKS_PER_ROW, col = (threadIdx.x % CHUNKS_PER_ROW) * CE;
+        const T* s = src + r0 * ld + col;
+        T* d = dst + r0 * LDS + col;
+        #pragma unroll
+        for (int i = 0; i < ITERS; ++i)
+            if (r0 + i * ROW_STEP < ROWS)
+                cp_async_16(d + i * ROW_STEP * LDS, s + i * ROW_STEP * ld, 16);
+        return;
+    }
     #pragma unroll
     for (int i = 0; i < ITERS; ++i) {
         const int c = FIXED_COL ? threadIdx.x : threadIdx.x + i * NTHREADS;

@@ -130,14 +130,8 @@ flash_fwd_sm80(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const 
                                                  K.row, min(BLOCK_N, nk - k0 - BLOCK_N), d, vec);
         cp_async_commit();
 
-        // Scale into log2 units, then hide what this row may not see. The predicate runs
-        // only on tiles that cross the diagonal or the sequence end (a uniform branch).
-        #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-            #pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-                #pragma unroll
-                for (int e = 0; e < 4; ++e) s[mt][nt][e] *= scale_log2;
+        // Hide what a row may not see; the predicate runs only on tiles that cross the
+        // diagonal or the sequence end (a uniform branch).
         if (mask.tile_needs_mask(q0, k0, k0 + BLOCK_N)) {
             #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
@@ -150,7 +144,7 @@ flash_fwd_sm80(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const 
                         if (!mask.visible(row, col)) s[mt][nt][e] = -INFINITY;
                     }
         }
-        softmax.update(s, acc);
+        softmax.update(s, acc, scale_log2);
 
         cp_async_wait<1>();   // V_j has landed
         __syncthreads();

@@ -21,10 +21,12 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], const void* row_p
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(row_ptr)));
 }
 
+// The mma asm is not volatile: it only reads and writes registers, so the compiler may
+// schedule it around the (volatile, shared-memory reading) ldmatrix loads.
 template <typename T> struct MmaOp;
 template <> struct MmaOp<half_t> {
     static __device__ __forceinline__ void run(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
                      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
                      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
@@ -32,7 +34,7 @@ template <> struct MmaOp<half_t> {
 };
 template <> struct MmaOp<bfloat16_t> {
     static __device__ __forceinline__ void run(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
                      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
                      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
@@ -60,4 +62,14 @@ template <typename T, int COLS>
 __device__ __forceinline__ void load_b_frags(u32 (&r)[4], const T* tile, int k0, int n0) {
     const int lane = threadIdx.x % 32;
     ldmatrix_x4_trans(r, tile + (k0 + lane % 8 + ((lane / 8) % 2) * 8) * SmemTile<T, COLS>::stride + n0 + (lane / 16) * 8);
+}
+
+// A fragment of X^T, 16x16 at (row0, col0) of X^T, for X stored row-major (dS^T stored
+// key-major, read as dS for dQ = dS K). Each 8x8 block of X^T is the transposing load of
+// the 8x8 block of X at (col0 + .., row0 + ..): a0 from X rows col0..+7, cols row0..+7;
+// a1 rows col0.., cols row0+8..; a2 rows col0+8.., cols row0..; a3 rows col0+8.., cols row0+8...
+template <typename T, int COLS>
+__device__ __forceinline__ void load_at_frag(u32 (&a)[4], const T* tile, int row0, int col0) {
+    const int lane = threadIdx.x % 32;
+    ldmatrix_x4_trans(a, tile + (col0 + lane % 8 + (lane / 16) * 8) * SmemTile<T, COLS>::stride + row0 + ((lane / 8) % 2) * 8);
 }

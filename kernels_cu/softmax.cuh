@@ -2,7 +2,9 @@
 //
 // A thread holds two rows of each 16-row m-tile (g and g + 8 in the mma C layout) and
 // two columns of each 8-wide n-tile; the four threads of a quad share a row. Scores
-// arrive already multiplied by scale * log2(e), so probabilities are exp2(s - m).
+// arrive unscaled (masked ones as -inf); the running max is kept in log2 units, so each
+// probability is one FFMA and one EX2: exp2(s * scale * log2(e) - max). That needs
+// scale_log2 > 0 (the host passes the smallest normal float for scale = 0).
 // The running sum stays thread-local (one partial per quad member) and is reduced
 // across the quad once, at the end: the rescale factor is the same for the whole quad.
 #pragma once
@@ -29,39 +31,65 @@ struct OnlineSoftmax {
             for (int h = 0; h < 2; ++h) { row_max[mt][h] = -INFINITY; row_sum[mt][h] = 0.f; }
     }
 
-    // Fold one tile of scores into the state: s becomes P = exp2(s - new max) and the
-    // output accumulator is rescaled by exp2(old max - new max). A row that has seen
-    // only masked keys keeps max = -inf; subtracting 0 instead keeps its P at 0, not NaN.
+    // Fold one tile of scores into the state: s becomes P = exp2(s * scale_log2 - max).
+    //
+    // The max is raised (and the output accumulator rescaled by exp2(old - new)) only
+    // when some row of the warp would otherwise see a probability above 2^RESCALE_SLACK:
+    // sum and accumulator always refer to the same max, so a stale max is exact, and
+    // after the first tiles most tiles skip the rescale's multiplies (FlashAttention-4's
+    // conditional rescaling). A row that has seen only masked keys keeps max = -inf;
+    // subtracting 0 instead keeps its P at 0, not NaN.
+    static constexpr float RESCALE_SLACK = 8.f;
+
     template <int NT, int DT>
-    __device__ __forceinline__ void update(float (&s)[MT][NT][4], float (&acc)[MT][DT][4]) {
+    __device__ __forceinline__ void update(float (&s)[MT][NT][4], float (&acc)[MT][DT][4], float scale_log2) {
+        float tile_max[MT][2];
+        bool grow = false;
         #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
             #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                float tile_max = -INFINITY;
+                float m = -INFINITY;
                 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt)
-                    tile_max = fmaxf(tile_max, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
-                const float new_max = fmaxf(row_max[mt][h], quad_max(tile_max));
-                const float base = new_max == -INFINITY ? 0.f : new_max;
-                const float alpha = exp2_fast(row_max[mt][h] - base);
-                row_max[mt][h] = new_max;
+                    m = fmaxf(m, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
+                tile_max[mt][h] = quad_max(m) * scale_log2;
+                grow |= tile_max[mt][h] > row_max[mt][h] + RESCALE_SLACK;
+            }
+        }
+        if (__any_sync(0xffffffffu, grow)) {
+            #pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                #pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const float new_max = fmaxf(row_max[mt][h], tile_max[mt][h]);
+                    const float alpha = exp2_fast(row_max[mt][h] - (new_max == -INFINITY ? 0.f : new_max));
+                    row_max[mt][h] = new_max;
+                    row_sum[mt][h] *= alpha;
+                    #pragma unroll
+                    for (int dt = 0; dt < DT; ++dt) {
+                        acc[mt][dt][2 * h] *= alpha;
+                        acc[mt][dt][2 * h + 1] *= alpha;
+                    }
+                }
+            }
+        }
+        #pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const float base = row_max[mt][h] == -INFINITY ? 0.f : row_max[mt][h];
                 float sum = 0.f;
                 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) {
                     #pragma unroll
                     for (int e = 0; e < 2; ++e) {
-                        const float p = exp2_fast(s[mt][nt][2 * h + e] - base);
+                        const float p = exp2_fast(fmaf(s[mt][nt][2 * h + e], scale_log2, -base));
                         s[mt][nt][2 * h + e] = p;
                         sum += p;
                     }
                 }
-                row_sum[mt][h] = row_sum[mt][h] * alpha + sum;
-                #pragma unroll
-                for (int dt = 0; dt < DT; ++dt) {
-                    acc[mt][dt][2 * h] *= alpha;
-                    acc[mt][dt][2 * h + 1] *= alpha;
-                }
+                row_sum[mt][h] += sum;
             }
         }
     }
