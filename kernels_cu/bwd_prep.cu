@@ -1,0 +1,61 @@
+// The backward pass's small element-wise kernels, for every dtype:
+//   flash_bwd_prep:       before the main kernels, the row workspaces lse2 and delta (bwd.cuh).
+//   flash_bwd_dq_convert: after a non-deterministic pass, dq = scale * the fp32 (fp64)
+//                         accumulator that the key-block CTAs added into with atomics.
+#include "elem.cuh"
+#include "bwd.cuh"
+#include "tensor.cuh"
+
+#define PREP_WARPS 8
+
+// One warp per query row; grid (nq_pad / PREP_WARPS, Hq, B).
+template <typename T>
+__global__ void __launch_bounds__(PREP_WARPS * 32)
+flash_bwd_prep(TENSOR_ARG(const T, o), TENSOR_ARG(const T, dout),
+               TENSOR_ARG(const typename Accum<T>::type, lse),
+               typename Accum<T>::type* __restrict__ lse2, typename Accum<T>::type* __restrict__ delta,
+               int nq, int dim_v, int nq_pad)
+{
+    typedef typename Accum<T>::type Acc;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int row = blockIdx.x * PREP_WARPS + warp;
+    const int h = blockIdx.y, b = blockIdx.z;
+    const i64 at = row_workspace_offset(b, h, gridDim.y, nq_pad) + row;
+    if (row >= nq) {   // the padding rows (bwd.cuh); whole warps leave together
+        if (lane == 0) { lse2[at] = Acc(INFINITY); delta[at] = Acc(0); }
+        return;
+    }
+    const Strided<const T> O = TENSOR(const T, o), dO = TENSOR(const T, dout);
+    const Strided<const Acc> L = TENSOR(const Acc, lse);
+    const T* o_row = O.at(b, h, row);
+    const T* do_row = dO.at(b, h, row);
+    Acc sum = 0;
+    for (int c = lane; c < dim_v; c += 32) sum += to_acc(o_row[c]) * to_acc(do_row[c]);
+    #pragma unroll
+    for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    if (lane == 0) {
+        const Acc l = *L.at(b, h, row);
+        lse2[at] = l == Acc(-INFINITY) ? Acc(INFINITY) : l * Acc(LOG2E_D);
+        delta[at] = sum;
+    }
+}
+
+#define CONVERT_PER_THREAD 4
+
+// dq (B, Hq, nq, d) from the contiguous accumulator of the same shape;
+// grid (ceil(nq * d / (256 * CONVERT_PER_THREAD)), Hq, B).
+template <typename T>
+__global__ void __launch_bounds__(256)
+flash_bwd_dq_convert(const typename Accum<T>::type* __restrict__ dq_accum, TENSOR_ARG(T, dq),
+                     int nq, int d, typename Accum<T>::type scale)
+{
+    const int h = blockIdx.y, b = blockIdx.z;
+    const Strided<T> DQ = TENSOR(T, dq);
+    const i64 plane = (i64)nq * d;
+    const typename Accum<T>::type* src = dq_accum + ((i64)b * gridDim.y + h) * plane;
+    #pragma unroll
+    for (int i = 0; i < CONVERT_PER_THREAD; ++i) {
+        const i64 e = ((i64)blockIdx.x * CONVERT_PER_THREAD + i) * blockDim.x + threadIdx.x;
+        if (e < plane) DQ.at(b, h, e / d)[e % d] = from_acc<T>(src[e] * scale);
+    }
+}
