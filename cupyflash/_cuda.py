@@ -89,7 +89,12 @@ def forward_variants(dtype_name: str, D: int) -> list[Variant]:
 
 def all_variants() -> list[Variant]:
     """Every instantiation the package can launch (what the build check compiles)."""
-    return [v for name in _CPP_TYPE for D in HEAD_DIMS for v in forward_variants(name, D)]
+    unique = {}   # the backward's per-dtype kernels serve every head dim
+    for name in _CPP_TYPE:
+        for D in HEAD_DIMS:
+            for v in (*forward_variants(name, D), *backward_variants(name, D)):
+                unique.setdefault((v.source, v.name_expression), v)
+    return list(unique.values())
 
 
 # --------------------------------------------------------------------------- device side
@@ -226,6 +231,166 @@ def attention_forward(q, k, v, o, lse, *, scale: float, causal: bool) -> None:
     kernel(grid, (variant.threads,), args, shared_mem=variant.smem_bytes)
 
 
+# --------------------------------------------------------------------------- backward
+#
+# A backward pass is a pre-pass (bwd_prep.cu: the per-row workspaces lse2 and delta), one
+# or two key-block launches that write dk and dv, and for dq either the deterministic
+# query-block kernel or, with deterministic=False, atomics from the key-block kernel into
+# an fp32 (fp64) workspace followed by a scaling/conversion kernel.
+
+# Tensor-core backward tiles per head dim, in order of preference; each kernel takes the
+# first that fits the device's shared memory. The first entries serve H100 (227 KB per
+# block), then A100 (163 KB), the last ~100 KB GPUs (sm_86/sm_89).
+# dK/dV kernel, (BLOCK_M, BLOCK_N, WARPS): query tile, key block, warps (16 keys or more each).
+BWD_SM80_KV_TILES = {
+    32: ((64, 128, 8),),
+    64: ((64, 128, 8),),
+    96: ((64, 64, 4),),
+    128: ((64, 128, 8), (32, 64, 4)),
+    192: ((64, 128, 8), (64, 64, 4), (32, 32, 2)),
+    256: ((64, 64, 4), (32, 64, 4), (16, 32, 2)),
+}
+# Deterministic dQ kernel, (BLOCK_M, BLOCK_N, WARPS): query block, key tile, warps (16 rows each).
+BWD_SM80_Q_TILES = {
+    32: ((64, 64, 4),),
+    64: ((64, 64, 4),),
+    96: ((64, 64, 4),),
+    128: ((128, 64, 8), (64, 32, 4)),
+    192: ((128, 64, 8), (64, 64, 4), (32, 32, 2)),
+    256: ((64, 64, 4), (64, 32, 4), (32, 16, 2)),
+}
+# From d = 192, dK and dV beside each other exceed the registers (build check): the
+# dK/dV kernel runs twice, once for dV and once for dK (+ dQ), recomputing P.
+BWD_SPLIT_MIN_HEAD_DIM = 192
+# fp32/fp64 CUDA-core backward: rows (= keys) per tile. fp64 takes 32 so that dK and dV
+# (2 * 2 * D / 16 doubles per thread) stay in registers up to d = 256.
+BWD_SIMT_BLOCK = {"float32": 64, "float64": 32}
+# bwd.cuh: the row workspaces are padded to a multiple of this many rows.
+BWD_ROW_PAD = 128
+# Bits of the GRADS template argument (bwd.cuh).
+GRAD_DV, GRAD_DK, GRAD_DQ = 1, 2, 4
+_PREP_WARPS = 8         # bwd_prep.cu: rows per CTA of the pre-pass
+_CONVERT_ELEMS = 1024   # bwd_prep.cu: elements per CTA of the dq conversion
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardPlan:
+    """The launches of one backward pass, each a list of candidate tiles (in order of
+    preference; the first that fits the device is used). In a Variant of a key-block
+    kernel, ``block_m`` is its key block (the grid's first axis)."""
+
+    kv: tuple            # one or two key-block launches, each (GRADS bits, [Variant, ...])
+    dq: list | None      # the deterministic dQ kernel; None: atomics, then conversion
+    prep: Variant
+    convert: Variant | None
+
+
+def _sm80_dkdv(dtype_name: str, D: int, tile, grads: int) -> Variant:
+    block_m, block_n, warps = tile
+    ld = D + 8
+    dk, dq = bool(grads & GRAD_DK), bool(grads & GRAD_DQ)
+    # bwd_sm80.cu BwdKVTile: K, V (with dK), Q and dO twice, dS^T (with dQ); lse2 (and delta) twice.
+    elems = block_n * ld * (1 + dk) + 4 * block_m * ld + dq * block_n * (block_m + 8)
+    smem = elems * 2 + (4 if dk else 2) * block_m * 4
+    expr = f"flash_bwd_dkdv_sm80<{_CPP_TYPE[dtype_name]}, {D}, {block_m}, {block_n}, {warps}, {grads}>"
+    return Variant("bwd_sm80.cu", expr, warps * 32, block_n, smem)
+
+
+def _sm80_dq(dtype_name: str, D: int, tile) -> Variant:
+    block_m, block_n, warps = tile
+    smem = (2 * block_m + 4 * block_n) * (D + 8) * 2   # bwd_sm80.cu BwdQTile: Q, dO, K and V twice
+    expr = f"flash_bwd_dq_sm80<{_CPP_TYPE[dtype_name]}, {D}, {block_m}, {block_n}, {warps}>"
+    return Variant("bwd_sm80.cu", expr, warps * 32, block_m, smem)
+
+
+def _simt_backward(dtype_name: str, D: int, kernel: str, grads: int | None) -> Variant:
+    block = BWD_SIMT_BLOCK[dtype_name]
+    smem = (4 * block * 33 + 2 * block * (block + 1)) * np.dtype(dtype_name).itemsize   # BwdSimtTile
+    targs = f"{_CPP_TYPE[dtype_name]}, {D}, {block}" + ("" if grads is None else f", {grads}")
+    return Variant("bwd_simt.cu", f"{kernel}<{targs}>", 256, block, smem)
+
+
+def backward_plan(dtype_name: str, D: int, deterministic: bool) -> BackwardPlan:
+    """The kernels of a backward pass for (dtype, padded head dim D, mode)."""
+    ctype = _CPP_TYPE[dtype_name]
+    dq_bit = 0 if deterministic else GRAD_DQ
+    prep = Variant("bwd_prep.cu", f"flash_bwd_prep<{ctype}>", _PREP_WARPS * 32, _PREP_WARPS, 0)
+    convert = None if deterministic else Variant(
+        "bwd_prep.cu", f"flash_bwd_dq_convert<{ctype}>", 256, _CONVERT_ELEMS, 0)
+    if dtype_name in ("float16", "bfloat16"):
+        tiles = BWD_SM80_KV_TILES[D]
+        passes = ((GRAD_DV, GRAD_DK | dq_bit) if D >= BWD_SPLIT_MIN_HEAD_DIM
+                  else (GRAD_DV | GRAD_DK | dq_bit,))
+        kv = tuple((grads, [_sm80_dkdv(dtype_name, D, t, grads) for t in tiles]) for grads in passes)
+        dq = [_sm80_dq(dtype_name, D, t) for t in BWD_SM80_Q_TILES[D]] if deterministic else None
+    else:
+        grads = GRAD_DV | GRAD_DK | dq_bit
+        kv = ((grads, [_simt_backward(dtype_name, D, "flash_bwd_dkdv_simt", grads)]),)
+        dq = [_simt_backward(dtype_name, D, "flash_bwd_dq_simt", None)] if deterministic else None
+    return BackwardPlan(kv=kv, dq=dq, prep=prep, convert=convert)
+
+
+def backward_variants(dtype_name: str, D: int) -> list[Variant]:
+    """Every backward instantiation that may serve (dtype, D), both modes."""
+    seen = {}
+    for deterministic in (True, False):
+        plan = backward_plan(dtype_name, D, deterministic)
+        for v in (plan.prep, plan.convert, *(v for _, launch in plan.kv for v in launch), *(plan.dq or ())):
+            if v is not None:
+                seen.setdefault(v.name_expression, v)
+    return list(seen.values())
+
+
 def attention_backward(do, q, k, v, o, lse, dq, dk, dv, *, scale, causal, deterministic) -> None:
-    raise NotImplementedError(
-        "the GPU backward pass is not built yet; run the backward with backend='numpy'")
+    """Launch the backward kernels: writes every element of dq, dk and dv.
+
+    Inputs are (B, H, N, d) CuPy views with a contiguous last axis (validated by the
+    caller), ``lse`` the forward's (B, Hq, Nq) log-sum-exp; nothing is copied and the host
+    does not wait for the GPU. Workspaces, allocated from CuPy's pool on the current
+    stream: lse2 and delta, 2 * B * Hq * ceil(Nq / 128) * 128 floats (doubles for fp64);
+    with ``deterministic=False`` also the dq accumulator, B * Hq * Nq * d floats (doubles).
+    ``deterministic=True`` computes dq without atomics, bitwise reproducibly.
+    """
+    import cupy
+
+    B, Hq, Nq, d = q.shape
+    Hk, Nk, dim_v = k.shape[1], k.shape[2], v.shape[3]
+    if Hq > 65535 or B > 65535:
+        raise ValueError(f"q: at most 65535 heads and 65535 batch entries per call (got H={Hq}, B={B})")
+    device_id = q.device.id
+    name = q.dtype.name
+    plan = backward_plan(name, padded_head_dim(d, dim_v), bool(deterministic))
+    acc = np.float64 if name == "float64" else np.float32
+    group = Hq // Hk
+    nq_pad = -(-Nq // BWD_ROW_PAD) * BWD_ROW_PAD
+
+    lse2 = cupy.empty((B, Hq, nq_pad), acc)
+    delta = cupy.empty((B, Hq, nq_pad), acc)
+    _load(plan.prep, device_id)(
+        (nq_pad // _PREP_WARPS, Hq, B), (plan.prep.threads,),
+        (*_tensor_args(o), *_tensor_args(do), *_tensor_args(lse), lse2, delta,
+         np.int32(Nq), np.int32(dim_v), np.int32(nq_pad)))
+
+    dq_accum = None if deterministic else cupy.zeros((B, Hq, Nq, d), acc)
+    shape_args = (np.int32(group), np.int32(Nq), np.int32(Nk), np.int32(d), np.int32(dim_v),
+                  np.int32(nq_pad), acc(scale * math.log2(math.e)), acc(scale), np.int32(bool(causal)))
+    sm80 = name in ("float16", "bfloat16")
+    tail = (np.int32(_rows_16b_aligned(q, k, v, do, dq, dk, dv)),) if sm80 else ()
+    inputs = (*_tensor_args(q), *_tensor_args(k), *_tensor_args(v), *_tensor_args(do))
+    for grads, candidates in plan.kv:
+        variant = _choose(candidates, device_id)
+        # A null pointer where the launch adds nothing into dq.
+        args = (*inputs, *_tensor_args(dk), *_tensor_args(dv),
+                dq_accum if grads & GRAD_DQ else np.uint64(0), lse2, delta, *shape_args, *tail)
+        grid = (math.ceil(Nk / variant.block_m), Hk, B)
+        _load(variant, device_id)(grid, (variant.threads,), args, shared_mem=variant.smem_bytes)
+
+    if plan.dq is not None:
+        variant = _choose(plan.dq, device_id)
+        args = (*inputs, *_tensor_args(dq), lse2, delta, *shape_args, *tail)
+        grid = (math.ceil(Nq / variant.block_m), Hq, B)
+        _load(variant, device_id)(grid, (variant.threads,), args, shared_mem=variant.smem_bytes)
+    else:
+        grid = (math.ceil(Nq * d / _CONVERT_ELEMS), Hq, B)
+        _load(plan.convert, device_id)(
+            grid, (plan.convert.threads,), (dq_accum, *_tensor_args(dq), np.int32(Nq), np.int32(d), acc(scale)))
