@@ -1,0 +1,195 @@
+"""GPU tier: the backward kernels against the float64 NumPy reference.
+
+Each case draws fresh random inputs and compares dq, dk and dv with the reference
+gradients computed in float64 from the same rounded inputs (the exact gradient of the
+attention the kernels were asked to differentiate). Half of the cases go through the public
+``attention_vjp``; the other half call ``_cuda.attention_backward`` directly on outputs
+poisoned with NaN, so an element the kernels never wrote shows up.
+"""
+
+import itertools
+
+import numpy as np
+import pytest
+
+import cupyflash
+from cupyflash import _reference
+
+pytestmark = pytest.mark.gpu
+
+TOLERANCE = {"bfloat16": 1e-2, "float16": 3e-3, "float32": 1e-5, "float64": 1e-12}
+DTYPES = ("float16", "bfloat16", "float32", "float64")
+HEAD_DIMS = (32, 64, 96, 128, 192, 256, 72)
+SEQLENS = ((1, 1), (17, 17), (127, 129), (128, 128), (129, 127), (1000, 1000), (17, 1000),
+           (1000, 17), (1, 128), (129, 1), (128, 1000), (1000, 127))
+
+
+def _dtype(name):
+    if name == "bfloat16":
+        import ml_dtypes
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def _cases():
+    """A rotating sample of the full product: every dtype x head dim x causal, twice, with
+    the sequence lengths, GQA ratio, layout, deterministic mode and call path cycled so
+    that each value appears with each dtype."""
+    combos = list(itertools.product(DTYPES, HEAD_DIMS, (False, True)))
+    for i, (dtype, d, causal) in enumerate(combos):
+        for j in range(2):
+            nq, nk = SEQLENS[(5 * i + 7 * j) % len(SEQLENS)]
+            group = (1, 4)[(i + j) % 2]
+            layout = ("bhsd", "bshd")[(i // 4 + j) % 2]
+            deterministic = bool((i // 2 + j) % 2)
+            path = ("vjp", "poisoned")[j]
+            yield pytest.param(
+                dtype, d, causal, nq, nk, group, layout, deterministic, path,
+                id=f"{dtype}-d{d}-{'causal' if causal else 'full'}-{nq}x{nk}-g{group}-{layout}"
+                   f"-{'det' if deterministic else 'atomic'}-{path}")
+
+
+def _inputs(rng, dtype, d, nq, nk, group, layout, dv=None, batch=2, kv_heads=2):
+    """Host arrays (q, k, v, do) in ``dtype`` and their CuPy copies, in ``layout``."""
+    import cupy as cp
+    dv = d if dv is None else dv
+    if nq * nk >= 10**5:   # the float64 reference runs on the host: keep long cases small
+        batch = kv_heads = 1
+    hq = kv_heads * group
+    if layout == "bhsd":
+        shapes = (batch, hq, nq, d), (batch, kv_heads, nk, d), (batch, kv_heads, nk, dv), (batch, hq, nq, dv)
+    else:
+        shapes = (batch, nq, hq, d), (batch, nk, kv_heads, d), (batch, nk, kv_heads, dv), (batch, nq, hq, dv)
+    host = [rng.standard_normal(s).astype(_dtype(dtype)) for s in shapes]
+    return host, [cp.asarray(x) for x in host]
+
+
+def _bhsd64(x, layout):
+    x = np.asarray(x).astype(np.float64)
+    return x if layout == "bhsd" else x.transpose(0, 2, 1, 3)
+
+
+def _reference_grads(host, layout, *, causal):
+    """Float64 reference gradients in (B, H, N, d), each with the norm its error is measured
+    against: its own norm, except where the gradient vanishes by cancellation. With a single
+    key the softmax is constant (P = 1), so dS = P o (dP - D) = 0 and dq = dk = 0 exactly:
+    what the kernels return is rounding noise, measured against the norm of the terms they
+    sum, scale * (P o (|dP| + |D|)) K for dq and its transpose times Q for dk."""
+    q, k, v, do = (_bhsd64(x, layout) for x in host)
+    scale = 1.0 / np.sqrt(q.shape[-1])
+    o, lse = _reference.attention_forward(q, k, v, scale=scale, causal=causal)
+    grads = _reference.attention_backward(do, q, k, v, o, lse, scale=scale, causal=causal)
+    norms = [np.linalg.norm(g.ravel()) for g in grads]
+    if k.shape[2] == 1:
+        group = q.shape[1] // k.shape[1]
+        k_rep, v_rep = (np.repeat(x, group, axis=1) for x in (k, v))
+        seen = ~np.isneginf(lse)[..., None]   # causal rows before the key see nothing
+        p = np.where(seen, np.exp(np.where(seen, scale * q @ k_rep.swapaxes(-1, -2) - lse[..., None], 0.0)), 0.0)
+        ds_terms = p * (np.abs(do @ v_rep.swapaxes(-1, -2)) + np.abs((do * o).sum(-1))[..., None])
+        dq_terms = scale * ds_terms @ k_rep
+        dk_terms = scale * (ds_terms.swapaxes(-1, -2) @ q).reshape(k.shape[0], k.shape[1], group, 1, -1).sum(2)
+        norms[0] = max(norms[0], np.linalg.norm(dq_terms.ravel()))
+        norms[1] = max(norms[1], np.linalg.norm(dk_terms.ravel()))
+    return grads, norms
+
+
+def _poisoned_backward(q, k, v, do, *, causal, layout, deterministic):
+    """Forward through the public API, then the backward kernels straight into NaN-filled
+    gradients in the caller's layout."""
+    import cupy as cp
+    from cupyflash import _arrays, _cuda
+
+    o, lse = cupyflash.attention(q, k, v, causal=causal, layout=layout, return_lse=True,
+                                 backend="cuda")
+    grads = [cp.full(x.shape, np.nan, dtype=x.dtype) for x in (q, k, v)]
+    views = [_arrays.bhsd_view(x, layout) for x in (do, q, k, v, o)]
+    _cuda.attention_backward(*views, _arrays.lse_bhs_view(lse, layout),
+                             *(_arrays.bhsd_view(g, layout) for g in grads),
+                             scale=1.0 / np.sqrt(q.shape[-1]), causal=causal,
+                             deterministic=deterministic)
+    return grads
+
+
+def _check(grads, reference, dtype, layout):
+    import cupy as cp
+    ref, norms = reference
+    for name, g, r, norm in zip(("dq", "dk", "dv"), grads, ref, norms):
+        out = _bhsd64(cp.asnumpy(g), layout)
+        assert not np.isnan(out).any(), f"{name}: unwritten or NaN elements"
+        err = np.linalg.norm((out - r).ravel()) / max(norm, 1e-300)
+        assert err < TOLERANCE[dtype], f"{name}: relative error {err:.3g}"
+
+
+@pytest.mark.parametrize("dtype,d,causal,nq,nk,group,layout,deterministic,path", list(_cases()))
+def test_backward_matches_reference(rng, dtype, d, causal, nq, nk, group, layout, deterministic, path):
+    host, (q, k, v, do) = _inputs(rng, dtype, d, nq, nk, group, layout)
+    if path == "vjp":
+        _, vjp = cupyflash.attention_vjp(q, k, v, causal=causal, layout=layout,
+                                         deterministic=deterministic, backend="cuda")
+        grads = vjp(do)
+    else:
+        grads = _poisoned_backward(q, k, v, do, causal=causal, layout=layout,
+                                   deterministic=deterministic)
+    _check(grads, _reference_grads(host, layout, causal=causal), dtype, layout)
+
+
+@pytest.mark.parametrize("dtype,d,dv", [("float16", 64, 32), ("bfloat16", 40, 136),
+                                        ("float32", 96, 24), ("float64", 16, 72)])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "det"])
+def test_value_dim_differs(rng, dtype, d, dv, deterministic):
+    host, (q, k, v, do) = _inputs(rng, dtype, d, 129, 200, 2, "bhsd", dv=dv)
+    grads = _poisoned_backward(q, k, v, do, causal=True, layout="bhsd", deterministic=deterministic)
+    _check(grads, _reference_grads(host, "bhsd", causal=True), dtype, "bhsd")
+
+
+@pytest.mark.parametrize("dtype,d", [("float16", 128), ("bfloat16", 256), ("bfloat16", 72),
+                                     ("float32", 64), ("float64", 192)])
+def test_deterministic_is_bitwise_reproducible(rng, dtype, d):
+    import cupy as cp
+    host, (q, k, v, do) = _inputs(rng, dtype, d, 300, 257, 4, "bshd")
+    runs = [_poisoned_backward(q, k, v, do, causal=True, layout="bshd", deterministic=True)
+            for _ in range(3)]
+    for name, first, *others in zip(("dq", "dk", "dv"), *runs):
+        bits = cp.asnumpy(first).view(np.uint8)
+        for other in others:
+            assert np.array_equal(bits, cp.asnumpy(other).view(np.uint8)), f"{name} differs between runs"
+    _check(runs[0], _reference_grads(host, "bshd", causal=True), dtype, "bshd")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "det"])
+def test_rows_without_keys_get_zero_dq(rng, dtype, deterministic):
+    """Causal with Nq > Nk: the first Nq - Nk query rows see no key (LSE -inf); their dq
+    is exactly 0 and no gradient holds a NaN."""
+    import cupy as cp
+    nq, nk = 200, 37
+    host, (q, k, v, do) = _inputs(rng, dtype, 64, nq, nk, 4, "bhsd")
+    grads = _poisoned_backward(q, k, v, do, causal=True, layout="bhsd", deterministic=deterministic)
+    dq = cp.asnumpy(grads[0]).astype(np.float64)
+    assert np.all(dq[:, :, : nq - nk] == 0)
+    _check(grads, _reference_grads(host, "bhsd", causal=True), dtype, "bhsd")
+
+
+def test_strided_inputs_without_alignment(rng):
+    """Every other row of a larger array (an odd row stride): the kernels take the
+    element-wise copy path instead of 16-byte copies."""
+    import cupy as cp
+    base = cp.asarray(rng.standard_normal((1, 3, 2 * 257, 72)).astype(np.float16))
+    q, k = base[:, :, ::2, :], base[:, :, 1::2, :]
+    v = cp.asarray(rng.standard_normal((1, 3, 257, 72)).astype(np.float16))
+    do = cp.asarray(rng.standard_normal((1, 3, 2 * 257, 72)).astype(np.float16))[:, :, 1::2, :]
+    host = [cp.asnumpy(x) for x in (q, k, v, do)]
+    for deterministic in (False, True):
+        grads = _poisoned_backward(q, k, v, do, causal=False, layout="bhsd", deterministic=deterministic)
+        _check(grads, _reference_grads(host, "bhsd", causal=False), "float16", "bhsd")
+
+
+def test_runs_on_the_current_stream(rng):
+    import cupy as cp
+    host, (q, k, v, do) = _inputs(rng, "bfloat16", 128, 512, 512, 2, "bhsd")
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        _, vjp = cupyflash.attention_vjp(q, k, v, causal=True, backend="cuda")
+        grads = vjp(do)
+        stream.synchronize()
+    _check(grads, _reference_grads(host, "bhsd", causal=True), "bfloat16", "bhsd")
