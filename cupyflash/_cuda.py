@@ -239,25 +239,31 @@ def attention_forward(q, k, v, o, lse, *, scale: float, causal: bool) -> None:
 # an fp32 (fp64) workspace followed by a scaling/conversion kernel.
 
 # Tensor-core backward tiles per head dim, in order of preference; each kernel takes the
-# first that fits the device's shared memory. The first entries serve H100 (227 KB per
-# block), then A100 (163 KB), the last ~100 KB GPUs (sm_86/sm_89).
-# dK/dV kernel, (BLOCK_M, BLOCK_N, WARPS): query tile, key block, warps (16 keys or more each).
+# first that fits the device's shared memory. The first entries serve H100/H200 (227 KB
+# per block), then A100 (163 KB), the last ~100 KB GPUs (sm_86/sm_89).
+# dK/dV kernel, (BLOCK_M, BLOCK_N, WARPS): query tile, key block, warps (16 keys or more
+# each; two m-tiles of 16 keys per warp halve the fragment loads per MMA where the
+# accumulators allow). H200, bf16, N = 8192, deterministic/atomic TFLOP/s (2.5x forward
+# FLOPs): d = 64 (64, 128, 4) 219/219, (64, 128, 8) 178/168; d = 128 (64, 128, 8) 185/188,
+# (64, 64, 4) 198/150; d = 256 (32, 128, 8) 122/141, (64, 64, 4) 97/89.
 BWD_SM80_KV_TILES = {
-    32: ((64, 128, 8),),
-    64: ((64, 128, 8),),
+    32: ((64, 128, 4),),
+    64: ((64, 128, 4),),
     96: ((64, 64, 4),),
     128: ((64, 128, 8), (32, 64, 4)),
-    192: ((64, 128, 8), (64, 64, 4), (32, 32, 2)),
-    256: ((64, 64, 4), (32, 64, 4), (16, 32, 2)),
+    192: ((32, 128, 8), (32, 64, 4), (32, 32, 2)),
+    256: ((32, 128, 8), (32, 64, 4), (16, 32, 2)),
 }
-# Deterministic dQ kernel, (BLOCK_M, BLOCK_N, WARPS): query block, key tile, warps (16 rows each).
+# Deterministic dQ kernel, (BLOCK_M, BLOCK_N, WARPS): query block, key tile, warps (16 rows
+# or more each). Same run, whole backward: d = 64 (128, 64, 4) 188, (64, 64, 4) 180;
+# d = 256 (128, 32, 8) 106, (64, 64, 4) 98.
 BWD_SM80_Q_TILES = {
-    32: ((64, 64, 4),),
-    64: ((64, 64, 4),),
+    32: ((128, 64, 4),),
+    64: ((128, 64, 4),),
     96: ((64, 64, 4),),
     128: ((128, 64, 8), (64, 32, 4)),
     192: ((128, 64, 8), (64, 64, 4), (32, 32, 2)),
-    256: ((64, 64, 4), (64, 32, 4), (32, 16, 2)),
+    256: ((128, 32, 8), (64, 32, 4), (32, 16, 2)),
 }
 # From d = 192, dK and dV beside each other exceed the registers (build check): the
 # dK/dV kernel runs twice, once for dV and once for dK (+ dQ), recomputing P.

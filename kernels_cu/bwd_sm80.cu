@@ -41,9 +41,9 @@ struct BwdKVTile {
     static constexpr int THREADS = WARPS * 32;
     static constexpr int ROWS_PER_WARP = BLOCK_N / WARPS;   // keys per warp
     static constexpr int MT = ROWS_PER_WARP / 16;           // key m-tiles per warp
-    // Queries per slice of a query tile (see the main loop); past d = 128, slices of 32
-    // beside the dK or dV accumulator spill (build check).
-    static constexpr int SLICE = (BLOCK_M < 32 || D > 128) ? 16 : 32;
+    // Queries per slice of a query tile (see the main loop). Slices of 32 beside the dK
+    // and dV accumulators spill (build check) past d = 128 or with two key m-tiles per warp.
+    static constexpr int SLICE = (BLOCK_M < 32 || D > 128 || MT > 1) ? 16 : 32;
     static constexpr int SNT = SLICE / 8;                   // query n-tiles of a slice of S^T, dP^T
     static constexpr int DT = D / 8;                        // n-tiles of dK, dV
     static constexpr int KSTEPS = D / 16;
