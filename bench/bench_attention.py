@@ -237,8 +237,8 @@ def main():
     props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
     gpu = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
     if args.tune:
-        tune("bfloat16", 64, [(128, 64, 4), (128, 128, 8), (128, 32, 4)])
-        tune("bfloat16", 128, [(128, 32, 4), (128, 64, 4), (128, 128, 8), (128, 64, 8)])
+        tune("bfloat16", 64, [(128, 64, 4, 64), (128, 64, 4, 32), (128, 128, 4, 32)])
+        tune("bfloat16", 128, [(128, 64, 4, 32), (128, 32, 4, 32), (128, 128, 4, 32), (128, 64, 4, 64)])
         return
     rows = []
     peers = ["torch-flash", "torch-cudnn", "torch-efficient", "naive-cupy"]
