@@ -1,0 +1,77 @@
+"""The examples' own numerics on tiny sizes: the training example's hand-written
+gradients against finite differences."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def load_example(name):
+    """Import examples/<name>.py as a module (the examples are scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def tiny_transformer():
+    return load_example("train_tiny_transformer")
+
+
+@pytest.mark.parametrize("heads", [1, 2])
+def test_transformer_gradients_match_finite_differences(tiny_transformer, rng, heads):
+    ex = tiny_transformer
+    # Odd N: more queries than pairs, so some keys are asked twice.
+    cfg = ex.Config(seq_len=7, vocab=5, d_model=4, heads=heads, dtype="float64")
+    params = ex.init_params(rng, cfg)
+    batch = ex.make_batch(rng, cfg, 3)
+
+    def loss_of(p):
+        return float(ex.forward(p, batch, cfg, backend="numpy")[0])
+
+    grads = ex.forward(params, batch, cfg, backend="numpy")[2]()
+    assert grads.keys() == params.keys()
+    eps = 1e-6
+    for name, p in params.items():
+        assert grads[name].shape == p.shape, name
+        numeric = np.empty_like(p)
+        for idx in np.ndindex(p.shape):  # every entry: the tiny model has a few hundred
+            saved = p[idx]
+            p[idx] = saved + eps
+            up = loss_of(params)
+            p[idx] = saved - eps
+            down = loss_of(params)
+            p[idx] = saved
+            numeric[idx] = (up - down) / (2 * eps)
+        err = np.linalg.norm(grads[name] - numeric) / max(np.linalg.norm(numeric), 1e-12)
+        assert err < 1e-6, f"{name}: relative error {err:.2e}"
+
+
+def test_transformer_batch_asks_for_stored_values(tiny_transformer, rng):
+    ex = tiny_transformer
+    cfg = ex.Config(seq_len=9, vocab=6, d_model=4, heads=1)
+    key_ids, value_ids, targets = ex.make_batch(rng, cfg, 5)
+    P = cfg.pairs
+    for keys, values, target in zip(key_ids, value_ids, targets):
+        assert len(set(keys[:P])) == P  # distinct keys, so each question has one answer
+        stored = dict(zip(keys[:P], values[:P]))
+        assert (values[P:] == cfg.blank).all()
+        assert [stored[key] for key in keys[P:]] == list(target)
+
+
+def test_transformer_learns_recall(tiny_transformer):
+    ex = tiny_transformer
+    cfg = ex.Config(seq_len=16, vocab=8, d_model=32, heads=2)
+    params, losses = ex.train(cfg, steps=150, batch=32, lr=1e-2, seed=0, xp=np,
+                              log=lambda _: None, backend="numpy")
+    loss, accuracy = ex.evaluate(params, cfg, batches=2, batch=32, seed=1, xp=np, backend="numpy")
+    assert losses[-1] < 0.5 * losses[0]
+    assert accuracy > 0.9, (loss, accuracy)
+
