@@ -1,5 +1,5 @@
 """The examples' own numerics on tiny sizes: the training example's hand-written
-gradients against finite differences."""
+gradients against finite differences, and the kernel-smoothing example against SciPy."""
 
 import importlib.util
 import sys
@@ -75,3 +75,27 @@ def test_transformer_learns_recall(tiny_transformer):
     assert losses[-1] < 0.5 * losses[0]
     assert accuracy > 0.9, (loss, accuracy)
 
+
+@pytest.fixture(scope="module")
+def kernel_smoothing():
+    return load_example("kernel_smoothing")
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("bandwidth", [0.02, 0.3])
+def test_smoothing_as_attention_matches_scipy(kernel_smoothing, rng, dtype, bandwidth):
+    ex = kernel_smoothing
+    x, y, f, _ = ex.make_problem(rng, 37, 301, dtype)  # sizes off the 128-row blocks
+    got = ex.smooth(x, y, f, bandwidth, backend="numpy")
+    assert got.shape == (37,) and got.dtype == np.dtype(dtype)
+    assert ex.relative_error(got, ex.smooth_direct(x, y, f, bandwidth)) <= ex.TOLERANCE[dtype]
+
+
+def test_smoothing_vector_values_away_from_the_origin(kernel_smoothing, rng):
+    # Uncentred 3-D points and several value columns per sample.
+    ex = kernel_smoothing
+    x, y = rng.uniform(2.0, 3.0, (50, 3)), rng.uniform(2.0, 3.0, (200, 3))
+    values = rng.standard_normal((200, 4))
+    got = ex.smooth(x, y, values, 0.25, backend="numpy")
+    assert got.shape == (50, 4)
+    assert ex.relative_error(got, ex.smooth_direct(x, y, values, 0.25)) <= 1e-12
