@@ -21,23 +21,20 @@ from . import _nvrtc
 # holds it, its padding columns zero-filled on load.
 HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 
-# Tensor-core forward tiles per head dim, (BLOCK_M, BLOCK_N, WARPS, SUB_N), in order of
-# preference; the first that fits the device's shared memory is used. SUB_N keys of a
-# loaded BLOCK_N-key tile are computed at a time (registers for S scale with SUB_N,
-# barriers and copies with BLOCK_N). The later entries serve GPUs with ~100 KB per
-# block (sm_86/sm_89) and A100's 164 KB.
+# Tensor-core forward tiles per head dim, (BLOCK_M, BLOCK_N, WARPS), in order of
+# preference; the first that fits the device's shared memory is used. The later entries
+# serve GPUs with ~100 KB per block (sm_86/sm_89) and A100's 164 KB.
 FWD_SM80_TILES = {
-    32: ((128, 64, 4, 64),),
-    # d = 64, H200, bf16, N = 16k: (128, 64, 4) 295 TFLOP/s, (128, 32, 4) 272, (128, 128, 8) 245.
-    64: ((128, 64, 4, 64),),
+    32: ((128, 64, 4),),
+    # d = 64, H200, bf16, N = 16k: (128, 64, 4) 293-295 TFLOP/s, (128, 32, 4) 272, (128, 128, 8) 245.
+    64: ((128, 64, 4),),
     # From d = 96, S and O of two 16-row m-tiles per warp fit 255 registers only with
-    # 32-key sub-tiles (and at d = 96 only with 32-key tiles: (128, 64, 4, 32) spills).
-    # d = 128, same run: (128, 32, 4) 323, (128, 128, 8) 286, (128, 64, 8) 266;
-    # (128, 64, 4) without sub-tiles 333 but spills.
-    96: ((128, 32, 4, 32),),
-    128: ((128, 64, 4, 32), (64, 64, 4, 64)),
-    192: ((128, 64, 8, 64), (64, 32, 4, 32)),
-    256: ((128, 64, 8, 64), (128, 32, 8, 32), (32, 32, 2, 32)),
+    # 32-key tiles. d = 128, same runs: (128, 32, 4) 323-324, (128, 128, 8) 286,
+    # (128, 64, 8) 266; (128, 64, 4) 333-342 but it spills (16 bytes on sm_90a).
+    96: ((128, 32, 4),),
+    128: ((128, 32, 4), (64, 64, 4)),
+    192: ((128, 64, 8), (64, 32, 4)),
+    256: ((128, 64, 8), (128, 32, 8), (32, 32, 2)),
 }
 # fp32/fp64 CUDA-core forward: rows (= keys) per tile, the largest whose shared memory
 # fits every sm_80+ GPU.
@@ -69,9 +66,9 @@ def padded_head_dim(d: int, dv: int) -> int:
 
 
 def _sm80_forward(dtype_name: str, D: int, tile) -> Variant:
-    block_m, block_n, warps, sub_n = tile
+    block_m, block_n, warps = tile
     smem = (block_m + 4 * block_n) * (D + 8) * 2
-    expr = f"flash_fwd_sm80<{_CPP_TYPE[dtype_name]}, {D}, {block_m}, {block_n}, {warps}, {sub_n}>"
+    expr = f"flash_fwd_sm80<{_CPP_TYPE[dtype_name]}, {D}, {block_m}, {block_n}, {warps}>"
     return Variant("fwd_sm80.cu", expr, warps * 32, block_m, smem)
 
 
@@ -227,17 +224,10 @@ def attention_forward(q, k, v, o, lse, *, scale: float, causal: bool) -> None:
     variant = _choose(forward_variants(q.dtype.name, padded_head_dim(d, dv)), device_id)
     kernel = _load(variant, device_id)
     acc = np.float64 if q.dtype == np.float64 else np.float32
-    scale_log2 = scale * math.log2(math.e)
-    tensor_cores = variant.source == "fwd_sm80.cu"
-    if tensor_cores:
-        # That kernel folds the scale into its exp2 (exp2(s * scale_log2 - max)) and needs
-        # it positive so that masked -inf scores stay -inf. The smallest normal float
-        # gives exactly scale 0's result: every exp2 argument rounds to 0.
-        scale_log2 = max(scale_log2, float(np.finfo(np.float32).tiny))
     args = (*_tensor_args(q), *_tensor_args(k), *_tensor_args(v), *_tensor_args(o), lse,
             np.int32(Hq // Hk), np.int32(Nq), np.int32(Nk), np.int32(d), np.int32(dv),
-            acc(scale_log2), np.int32(bool(causal)))
-    if tensor_cores:
+            acc(scale * math.log2(math.e)), np.int32(bool(causal)))
+    if variant.source == "fwd_sm80.cu":
         args += (np.int32(_rows_16b_aligned(q, k, v, o)),)
     grid = (math.ceil(Nq / variant.block_m), Hq, B)
     kernel(grid, (variant.threads,), args, shared_mem=variant.smem_bytes)

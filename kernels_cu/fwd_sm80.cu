@@ -4,9 +4,7 @@
 // are split across warps (ROWS_PER_WARP each, in 16-row m-tiles) and every warp streams
 // the same K/V tiles from shared memory, so no warp ever reduces through shared memory.
 // K and V tiles are double-buffered with cp.async: tile j+1 of K loads while the warps
-// run the softmax of tile j, and tile j+1 of V while they multiply P by V. A loaded tile
-// of BLOCK_N keys may be consumed SUB_N keys at a time (S, softmax, P V per sub-tile):
-// the barriers and copies are paid per BLOCK_N keys, the registers of S per SUB_N.
+// run the softmax of tile j, and tile j+1 of V while they multiply P by V.
 #include "elem.cuh"
 #include "copy.cuh"
 #include "mma.cuh"
@@ -14,32 +12,31 @@
 #include "softmax.cuh"
 #include "tensor.cuh"
 
-template <typename T, int D, int BLOCK_M, int BLOCK_N, int WARPS, int SUB_N>
+template <typename T, int D, int BLOCK_M, int BLOCK_N, int WARPS>
 struct FwdTile {
     static constexpr int THREADS = WARPS * 32;
     static constexpr int ROWS_PER_WARP = BLOCK_M / WARPS;
     static constexpr int MT = ROWS_PER_WARP / 16;   // m-tiles per warp
-    static constexpr int SUBS = BLOCK_N / SUB_N;    // sub-tiles per loaded tile
-    static constexpr int NT = SUB_N / 8;            // n-tiles of S
+    static constexpr int NT = BLOCK_N / 8;          // n-tiles of S
     static constexpr int DT = D / 8;                // n-tiles of O
     static constexpr int KSTEPS = D / 16;           // k-steps of Q K^T
-    static constexpr int PSTEPS = SUB_N / 16;       // k-steps of P V
+    static constexpr int PSTEPS = BLOCK_N / 16;     // k-steps of P V
     static constexpr int LD = SmemTile<T, D>::stride;
     // Q fragments stay in registers when they fit beside S and O; otherwise each warp
     // re-reads its own Q rows from shared memory for every K tile.
     static constexpr bool Q_IN_REGS = MT * D <= 128;
     static constexpr int SMEM_ELEMS = (BLOCK_M + 4 * BLOCK_N) * LD;
-    static_assert(ROWS_PER_WARP % 16 == 0 && D % 16 == 0 && SUB_N % 16 == 0 && BLOCK_N % SUB_N == 0, "tile shape");
+    static_assert(ROWS_PER_WARP % 16 == 0 && D % 16 == 0 && BLOCK_N % 16 == 0, "tile shape");
 };
 
-template <typename T, int D, int BLOCK_M, int BLOCK_N, int WARPS, int SUB_N>
+template <typename T, int D, int BLOCK_M, int BLOCK_N, int WARPS>
 __global__ void __launch_bounds__(WARPS * 32)
 flash_fwd_sm80(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const T, v),
                TENSOR_ARG(T, o), float* __restrict__ lse,
                int group, int nq, int nk, int d, int dv,
                float scale_log2, int causal, int vec)
 {
-    typedef FwdTile<T, D, BLOCK_M, BLOCK_N, WARPS, SUB_N> C;
+    typedef FwdTile<T, D, BLOCK_M, BLOCK_N, WARPS> C;
     constexpr int MT = C::MT, NT = C::NT, DT = C::DT;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* sQ = reinterpret_cast<T*>(smem_raw);
@@ -94,93 +91,83 @@ flash_fwd_sm80(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const 
                     load_a_frag<T, D>(q_frag[C::Q_IN_REGS ? mt : 0][C::Q_IN_REGS ? ks : 0], sQ, warp_row0 + mt * 16, ks * 16);
         }
 
+        // S = Q K_j^T
+        float s[MT][NT][4];
         #pragma unroll
-        for (int sub = 0; sub < C::SUBS; ++sub) {
-            const int n0 = sub * SUB_N;   // first key of the sub-tile within the tile
+        for (int mt = 0; mt < MT; ++mt)
+            #pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+                #pragma unroll
+                for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
+        #pragma unroll
+        for (int ks = 0; ks < C::KSTEPS; ++ks) {
+            u32 a[MT][4];
+            #pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                if (C::Q_IN_REGS) {
+                    #pragma unroll
+                    for (int e = 0; e < 4; ++e) a[mt][e] = q_frag[C::Q_IN_REGS ? mt : 0][C::Q_IN_REGS ? ks : 0][e];
+                } else {
+                    load_a_frag<T, D>(a[mt], sQ, warp_row0 + mt * 16, ks * 16);
+                }
+            }
+            #pragma unroll
+            for (int np = 0; np < NT / 2; ++np) {
+                u32 bk[4];
+                load_bt_frags<T, D>(bk, sKj, np * 16, ks * 16);
+                #pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    MmaOp<T>::run(s[mt][2 * np], a[mt], bk[0], bk[1]);
+                    MmaOp<T>::run(s[mt][2 * np + 1], a[mt], bk[2], bk[3]);
+                }
+            }
+        }
 
-            // S = Q K_sub^T
-            float s[MT][NT][4];
+        // Prefetch K_{j+1} into the other buffer: every warp finished reading it (tile
+        // j-1) before the barrier above. An empty group keeps the wait counts uniform.
+        if (j + 1 < n_tiles)
+            load_tile<T, BLOCK_N, D, C::THREADS>(sK + ((j + 1) % 2) * BLOCK_N * C::LD, k_head + (i64)(k0 + BLOCK_N) * K.row,
+                                                 K.row, min(BLOCK_N, nk - k0 - BLOCK_N), d, vec);
+        cp_async_commit();
+
+        // Hide what a row may not see; the predicate runs only on tiles that cross the
+        // diagonal or the sequence end (a uniform branch).
+        if (mask.tile_needs_mask(q0, k0, k0 + BLOCK_N)) {
             #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
                 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt)
                     #pragma unroll
-                    for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
+                    for (int e = 0; e < 4; ++e) {
+                        const int row = q0 + warp_row0 + mt * 16 + g + (e / 2) * 8;
+                        const int col = k0 + nt * 8 + 2 * t + (e % 2);
+                        if (!mask.visible(row, col)) s[mt][nt][e] = -INFINITY;
+                    }
+        }
+        softmax.update(s, acc, scale_log2);
+
+        cp_async_wait<1>();   // V_j has landed
+        __syncthreads();
+
+        // O += P V_j, P taken straight from the S accumulators
+        #pragma unroll
+        for (int ps = 0; ps < C::PSTEPS; ++ps) {
+            u32 a[MT][4];
             #pragma unroll
-            for (int ks = 0; ks < C::KSTEPS; ++ks) {
-                u32 a[MT][4];
+            for (int mt = 0; mt < MT; ++mt) {
+                a[mt][0] = pack2<T>(s[mt][2 * ps][0], s[mt][2 * ps][1]);
+                a[mt][1] = pack2<T>(s[mt][2 * ps][2], s[mt][2 * ps][3]);
+                a[mt][2] = pack2<T>(s[mt][2 * ps + 1][0], s[mt][2 * ps + 1][1]);
+                a[mt][3] = pack2<T>(s[mt][2 * ps + 1][2], s[mt][2 * ps + 1][3]);
+            }
+            #pragma unroll
+            for (int dp = 0; dp < DT / 2; ++dp) {
+                u32 bv[4];
+                load_b_frags<T, D>(bv, sVj, ps * 16, dp * 16);
                 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
-                    if (C::Q_IN_REGS) {
-                        #pragma unroll
-                        for (int e = 0; e < 4; ++e) a[mt][e] = q_frag[C::Q_IN_REGS ? mt : 0][C::Q_IN_REGS ? ks : 0][e];
-                    } else {
-                        load_a_frag<T, D>(a[mt], sQ, warp_row0 + mt * 16, ks * 16);
-                    }
-                }
-                #pragma unroll
-                for (int np = 0; np < NT / 2; ++np) {
-                    u32 bk[4];
-                    load_bt_frags<T, D>(bk, sKj, n0 + np * 16, ks * 16);
-                    #pragma unroll
-                    for (int mt = 0; mt < MT; ++mt) {
-                        MmaOp<T>::run(s[mt][2 * np], a[mt], bk[0], bk[1]);
-                        MmaOp<T>::run(s[mt][2 * np + 1], a[mt], bk[2], bk[3]);
-                    }
-                }
-            }
-
-            if (sub == 0) {
-                // Prefetch K_{j+1} into the other buffer: every warp finished reading it
-                // (tile j-1) before the barrier above. An empty group keeps the wait
-                // counts uniform.
-                if (j + 1 < n_tiles)
-                    load_tile<T, BLOCK_N, D, C::THREADS>(sK + ((j + 1) % 2) * BLOCK_N * C::LD, k_head + (i64)(k0 + BLOCK_N) * K.row,
-                                                         K.row, min(BLOCK_N, nk - k0 - BLOCK_N), d, vec);
-                cp_async_commit();
-            }
-
-            // Hide what a row may not see; the predicate runs only on sub-tiles that cross
-            // the diagonal or the sequence end (a uniform branch).
-            if (mask.tile_needs_mask(q0, k0 + n0, k0 + n0 + SUB_N)) {
-                #pragma unroll
-                for (int mt = 0; mt < MT; ++mt)
-                    #pragma unroll
-                    for (int nt = 0; nt < NT; ++nt)
-                        #pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            const int row = q0 + warp_row0 + mt * 16 + g + (e / 2) * 8;
-                            const int col = k0 + n0 + nt * 8 + 2 * t + (e % 2);
-                            if (!mask.visible(row, col)) s[mt][nt][e] = -INFINITY;
-                        }
-            }
-            softmax.update(s, acc, scale_log2);
-
-            if (sub == 0) {
-                cp_async_wait<1>();   // V_j has landed
-                __syncthreads();
-            }
-
-            // O += P V_sub, P taken straight from the S accumulators
-            #pragma unroll
-            for (int ps = 0; ps < C::PSTEPS; ++ps) {
-                u32 a[MT][4];
-                #pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    a[mt][0] = pack2<T>(s[mt][2 * ps][0], s[mt][2 * ps][1]);
-                    a[mt][1] = pack2<T>(s[mt][2 * ps][2], s[mt][2 * ps][3]);
-                    a[mt][2] = pack2<T>(s[mt][2 * ps + 1][0], s[mt][2 * ps + 1][1]);
-                    a[mt][3] = pack2<T>(s[mt][2 * ps + 1][2], s[mt][2 * ps + 1][3]);
-                }
-                #pragma unroll
-                for (int dp = 0; dp < DT / 2; ++dp) {
-                    u32 bv[4];
-                    load_b_frags<T, D>(bv, sVj, n0 + ps * 16, dp * 16);
-                    #pragma unroll
-                    for (int mt = 0; mt < MT; ++mt) {
-                        MmaOp<T>::run(acc[mt][2 * dp], a[mt], bv[0], bv[1]);
-                        MmaOp<T>::run(acc[mt][2 * dp + 1], a[mt], bv[2], bv[3]);
-                    }
+                    MmaOp<T>::run(acc[mt][2 * dp], a[mt], bv[0], bv[1]);
+                    MmaOp<T>::run(acc[mt][2 * dp + 1], a[mt], bv[2], bv[3]);
                 }
             }
         }
