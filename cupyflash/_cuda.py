@@ -224,10 +224,17 @@ def attention_forward(q, k, v, o, lse, *, scale: float, causal: bool) -> None:
     variant = _choose(forward_variants(q.dtype.name, padded_head_dim(d, dv)), device_id)
     kernel = _load(variant, device_id)
     acc = np.float64 if q.dtype == np.float64 else np.float32
+    scale_log2 = scale * math.log2(math.e)
+    tensor_cores = variant.source == "fwd_sm80.cu"
+    if tensor_cores:
+        # That kernel folds the scale into its exp2 (exp2(s * scale_log2 - max)) and needs
+        # it positive so that masked -inf scores stay -inf. The smallest normal float
+        # gives exactly scale 0's result: every exp2 argument rounds to 0.
+        scale_log2 = max(scale_log2, float(np.finfo(np.float32).tiny))
     args = (*_tensor_args(q), *_tensor_args(k), *_tensor_args(v), *_tensor_args(o), lse,
             np.int32(Hq // Hk), np.int32(Nq), np.int32(Nk), np.int32(d), np.int32(dv),
-            acc(scale * math.log2(math.e)), np.int32(bool(causal)))
-    if variant.source == "fwd_sm80.cu":
+            acc(scale_log2), np.int32(bool(causal)))
+    if tensor_cores:
         args += (np.int32(_rows_16b_aligned(q, k, v, o)),)
     grid = (math.ceil(Nq / variant.block_m), Hq, B)
     kernel(grid, (variant.threads,), args, shared_mem=variant.smem_bytes)
