@@ -1,0 +1,372 @@
+"""``python -m cupyflash.bench``: attention speed and memory on this GPU, cupyflash beside its peers.
+
+Grid (flash-attn's benchmark): B*N = 16384 tokens, H*d = 2048, N from 512 to 16384, d in
+{64, 128}, causal on and off, fp16 and bf16, plus fp32/fp64 rows. TFLOP/s counts
+4*B*H*N^2*d for the forward (half for causal) and 2.5x that for the backward. Peers are
+measured in the same process on the same GPU: torch SDPA's flash (FlashAttention-2),
+cudnn, efficient and math backends when torch is importable, and a naive CuPy attention.
+Times are medians of CUDA event timings after warm-up; memory is the peak of allocations
+made during one call, inputs excluded.
+
+    python -m cupyflash.bench --out results.json --plot     # the grid; JSON and PNG plots
+    python -m cupyflash.bench --seqlens 4096 16384 --head-dims 128 --dtypes bfloat16
+    python -m cupyflash.bench --plot-only results.json      # plots from saved results, no GPU
+
+The JSON holds ``gpu``, ``date``, ``commit``, ``versions``, ``compile`` and ``rows`` (one
+per implementation, pass and case: impl, pass, dtype, d, causal, N, B, H, ms, tflops,
+peak_mem_bytes; ms, tflops and memory are null where the case failed). Plots need
+matplotlib (``pip install cupyflash[bench]``). CuPy and torch are imported only when
+measuring, so ``--help`` and ``--plot-only`` run anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from . import __version__
+
+TOKENS, HIDDEN = 16384, 2048
+PEERS = ("torch-flash", "torch-cudnn", "torch-efficient", "torch-math", "naive-cupy")
+TORCH_BACKENDS = {"torch-flash": "FLASH_ATTENTION", "torch-cudnn": "CUDNN_ATTENTION",
+                  "torch-efficient": "EFFICIENT_ATTENTION", "torch-math": "MATH"}
+# The peer measured beside cupyflash for the fp16/bf16 grid and for each wide dtype (the
+# only torch backends that take fp32 and fp64 respectively).
+HALF_PEERS = ("torch-flash", "torch-cudnn", "torch-efficient", "naive-cupy")
+WIDE_PEERS = {"float32": "torch-efficient", "float64": "torch-math"}
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+def time_ms(fn, repeat=20, warmup=3):
+    """Median milliseconds of `fn` on the GPU (CUDA events around each call)."""
+    import cupy as cp
+
+    for _ in range(warmup):
+        fn()
+    start, stop = cp.cuda.Event(), cp.cuda.Event()
+    times = []
+    for _ in range(repeat):
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, stop))
+    return float(np.median(times))
+
+
+def cupy_peak(fn):
+    """Peak bytes held by CuPy allocations made during one call of `fn` (after a warm call)."""
+    import cupy as cp
+
+    # Defined here because its base class comes from cupy, imported only when measuring.
+    class PeakMemory(cp.cuda.MemoryHook):
+        name = "PeakMemory"
+
+        def __init__(self):
+            self.current = self.peak = 0
+
+        def malloc_postprocess(self, device_id, size, mem_size, mem_ptr, pmem_id):
+            self.current += mem_size
+            self.peak = max(self.peak, self.current)
+
+        def free_postprocess(self, device_id, mem_size, mem_ptr, pmem_id):
+            self.current -= mem_size
+
+    fn()
+    cp.cuda.Device().synchronize()
+    hook = PeakMemory()
+    with hook:
+        fn()
+        cp.cuda.Device().synchronize()
+    return hook.peak
+
+
+def torch_peak(torch, fn):
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def naive_attention(q, k, v, scale, causal):
+    """softmax(scale q k^T) v with the full score matrix, in CuPy."""
+    import cupy as cp
+
+    s = cp.matmul(q, k.swapaxes(-1, -2)).astype(cp.float32) * scale
+    if causal:
+        n = s.shape[-1]
+        s = cp.where(cp.tri(n, dtype=bool), s, -cp.inf)
+    s -= s.max(axis=-1, keepdims=True)
+    p = cp.exp(s)
+    p /= p.sum(axis=-1, keepdims=True)
+    return cp.matmul(p.astype(q.dtype), v)
+
+
+def flops(B, H, N, d, causal, pass_):
+    f = 4.0 * B * H * N * N * d / (2 if causal else 1)
+    return f * (2.5 if pass_ == "bwd" else 1.0)
+
+
+def _torch():
+    """(torch, SDPBackend, sdpa_kernel), or Nones where torch is missing or has no CUDA."""
+    try:
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        return torch, SDPBackend, sdpa_kernel
+    except Exception:
+        return None, None, None
+
+
+def bench_case(dtype, d, causal, N, passes, peers, rows, naive_max_n):
+    """Measure cupyflash and `peers` on one case; append a row per (impl, pass) to `rows`."""
+    import cupy as cp
+
+    import cupyflash
+
+    torch, SDPBackend, sdpa_kernel = _torch()
+    H, B = HIDDEN // d, TOKENS // N
+    scale = 1.0 / math.sqrt(d)
+    if torch:
+        # Inputs made by torch and viewed by CuPy: every implementation reads the same memory.
+        gen = torch.Generator(device="cuda").manual_seed(N * d + causal)
+        tq, tk, tv, tdo = (torch.randn(B, H, N, d, device="cuda", dtype=getattr(torch, dtype), generator=gen)
+                           for _ in range(4))
+        q, k, v, do = (cp.from_dlpack(t) for t in (tq, tk, tv, tdo))
+    else:
+        rng = cp.random.default_rng(N)
+        q, k, v, do = (rng.standard_normal((B, H, N, d), dtype=cp.float32).astype(dtype) for _ in range(4))
+
+    def record(impl, pass_, ms, peak):
+        tf = flops(B, H, N, d, causal, pass_) / (ms * 1e-3) / 1e12 if ms else None
+        rows.append(dict(impl=impl, dtype=dtype, d=d, causal=causal, N=N, B=B, H=H,
+                         ms=ms, tflops=tf, peak_mem_bytes=peak, **{"pass": pass_}))
+        print(f"{impl:16} {pass_:4} {dtype:9} d={d:3} causal={int(causal)} N={N:6}  "
+              f"{'%9.3f ms' % ms if ms else '   failed  '}  {'%7.1f TFLOP/s' % tf if tf else ''}", flush=True)
+
+    def guarded(impl, pass_, run, peak_fn):
+        try:
+            ms = time_ms(run)
+            record(impl, pass_, ms, peak_fn(run))
+        except Exception as exc:  # a case an implementation cannot run is recorded, not fatal
+            print(f"{impl} {pass_}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+            record(impl, pass_, None, None)
+
+    if "fwd" in passes:
+        guarded("cupyflash", "fwd", lambda: cupyflash.attention(q, k, v, causal=causal, scale=scale), cupy_peak)
+    if "bwd" in passes:
+        try:
+            o, ctx = cupyflash.attention_forward(q, k, v, causal=causal, scale=scale)
+            guarded("cupyflash", "bwd", lambda: cupyflash.attention_backward(do, ctx), cupy_peak)
+        except NotImplementedError as exc:
+            print(f"cupyflash bwd: {exc}")
+    for impl in peers:
+        if impl == "naive-cupy":
+            if N <= naive_max_n and "fwd" in passes:
+                guarded(impl, "fwd", lambda: naive_attention(q, k, v, scale, causal), cupy_peak)
+            continue
+        if torch is None:
+            continue
+        backend = getattr(SDPBackend, TORCH_BACKENDS[impl])
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+
+        def fwd():
+            with sdpa_kernel(backend):
+                return sdpa(tq, tk, tv, is_causal=causal, scale=scale)
+
+        if "fwd" in passes:
+            guarded(impl, "fwd", fwd, lambda f: torch_peak(torch, f))
+        if "bwd" in passes:
+            try:
+                xs = [t.detach().requires_grad_() for t in (tq, tk, tv)]
+                with sdpa_kernel(backend):
+                    out = sdpa(*xs, is_causal=causal, scale=scale)
+                guarded(impl, "bwd", lambda: torch.autograd.grad(out, xs, tdo, retain_graph=True),
+                        lambda f: torch_peak(torch, f))
+            except Exception as exc:
+                print(f"{impl} bwd: {type(exc).__name__}: {str(exc)[:200]}")
+                record(impl, "bwd", None, None)
+
+
+def compile_times():
+    """First-call compile time of one instantiation (cold cache) and its cached load."""
+    import cupy as cp
+
+    from . import _cuda, _nvrtc
+
+    old = os.environ.get("CUPYFLASH_CACHE_DIR")
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["CUPYFLASH_CACHE_DIR"] = tmp
+        try:
+            arch, _ = _cuda._device_info(cp.cuda.Device().id)
+            v = _cuda.forward_variants("bfloat16", 128)[0]
+            t0 = time.perf_counter()
+            _nvrtc.compile_kernel(v.source, v.name_expression, arch)
+            cold = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            _nvrtc.compile_kernel(v.source, v.name_expression, arch)
+            cached = time.perf_counter() - t0
+        finally:
+            if old is None:
+                del os.environ["CUPYFLASH_CACHE_DIR"]
+            else:
+                os.environ["CUPYFLASH_CACHE_DIR"] = old
+    return {"instantiation": v.name_expression, "cold_compile_s": cold, "cached_load_s": cached}
+
+
+def gpu_name():
+    import cupy as cp
+
+    name = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"]
+    return name.decode() if isinstance(name, bytes) else name
+
+
+def checkout_commit():
+    """The commit of the checkout cupyflash runs from, "-dirty" with uncommitted changes to
+    tracked files; "unknown" outside a git checkout (e.g. an installed wheel)."""
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
+
+    try:
+        # An installed copy may sit inside some other repository (a virtualenv in a
+        # project): only a checkout of cupyflash itself has cupyflash's commit.
+        toplevel = git("rev-parse", "--show-toplevel").stdout.strip()
+        head = git("rev-parse", "--verify", "--quiet", "HEAD")
+        if not toplevel or Path(toplevel).resolve() != root or head.returncode:
+            return "unknown"
+        dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
+    except OSError:  # no git
+        return "unknown"
+    return head.stdout.strip() + ("-dirty" if dirty else "")
+
+
+def versions():
+    import cupy as cp
+
+    torch = _torch()[0]
+    return {"cupyflash": __version__, "cupy": cp.__version__,
+            "cuda_runtime": cp.cuda.runtime.runtimeGetVersion(),
+            "driver": cp.cuda.runtime.driverGetVersion(),
+            "torch": getattr(torch, "__version__", None), "python": platform.python_version()}
+
+
+def run_grid(args):
+    """Every case the command line asks for, in order; returns the rows."""
+    rows = []
+    half_peers = [p for p in HALF_PEERS if p in args.peers]
+    for dtype in args.dtypes:
+        for d in args.head_dims:
+            for causal in (False, True):
+                for N in args.seqlens:
+                    bench_case(dtype, d, causal, N, args.passes, half_peers, rows, args.naive_max_n)
+    for dtype, peer in WIDE_PEERS.items():
+        for d in args.head_dims:
+            for N in args.wide_dtypes_seqlens:
+                bench_case(dtype, d, False, N, args.passes, [peer] if peer in args.peers else [], rows, 0)
+    return rows
+
+
+# --------------------------------------------------------------------------- reporting
+
+
+def summary(rows):
+    """cupyflash's TFLOP/s and its ratio to torch's flash backend (or the peer that runs
+    the dtype), per case."""
+    index = {(r["impl"], r["pass"], r["dtype"], r["d"], r["causal"], r["N"]): r for r in rows}
+    print(f"\n{'pass':4} {'dtype':9} {'d':>3} {'c':>1} {'N':>6} {'cupyflash':>9} {'flash':>7} {'cudnn':>7} {'ratio':>6}")
+    for (impl, pass_, dtype, d, causal, N), r in index.items():
+        if impl != "cupyflash" or not r["tflops"]:
+            continue
+        peer = {p: index.get((p, pass_, dtype, d, causal, N), {}).get("tflops") for p in TORCH_BACKENDS}
+        ref = peer["torch-flash"] or peer["torch-efficient"] or peer["torch-math"]
+
+        def fmt(x):
+            return f"{x:7.1f}" if x else "      -"
+
+        print(f"{pass_:4} {dtype:9} {d:3d} {int(causal)} {N:6d} {r['tflops']:9.1f} {fmt(peer['torch-flash'])} "
+              f"{fmt(peer['torch-cudnn'])} {(r['tflops'] / ref if ref else float('nan')):6.2f}")
+
+
+def write_plots(result, prefix):
+    """PNG plots of `result` (the JSON's dict) beside `prefix`; returns their paths, or
+    None (after saying why) without matplotlib."""
+    try:
+        from . import _bench_plots
+    except ImportError as exc:
+        print(f"no plots: matplotlib is not installed ({exc}); pip install 'cupyflash[bench]'",
+              file=sys.stderr)
+        return None
+    paths = _bench_plots.plot_results(result, prefix)
+    for path in paths:
+        print(f"plot written to {path}")
+    return paths
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m cupyflash.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384],
+                   metavar="N", help="sequence lengths (B = 16384 / N)")
+    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128], metavar="D",
+                   help="head dims (H = 2048 / d)")
+    p.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16"],
+                   choices=["float16", "bfloat16", "float32", "float64"], help="dtypes of the main grid")
+    p.add_argument("--wide-dtypes-seqlens", type=int, nargs="*", default=[1024, 4096], metavar="N",
+                   help="N for the fp32/fp64 rows (none: skip them)")
+    p.add_argument("--passes", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"])
+    p.add_argument("--peers", nargs="*", default=list(PEERS), choices=PEERS,
+                   help="implementations measured beside cupyflash (none: cupyflash alone)")
+    p.add_argument("--naive-max-n", type=int, default=8192,
+                   help="largest N for naive-cupy (its N x N matrix runs out of memory)")
+    p.add_argument("--out", type=Path, metavar="JSON", help="write the results here")
+    p.add_argument("--plot", action="store_true", help="also write PNG plots beside --out")
+    p.add_argument("--plot-only", type=Path, nargs="+", metavar="JSON",
+                   help="plot saved results (PNGs beside each file) and measure nothing")
+    args = p.parse_args(argv)
+    if args.plot and not args.out:
+        p.error("--plot writes the plots beside the results: give --out too")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.plot_only:
+        written = [write_plots(json.loads(path.read_text()), path.with_suffix("")) for path in args.plot_only]
+        return 0 if all(written) else 1
+
+    rows = run_grid(args)
+    result = {
+        "gpu": gpu_name(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": checkout_commit(),
+        "versions": versions(),
+        "compile": compile_times(),
+        "rows": rows,
+    }
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+    summary(rows)
+    if args.plot and not write_plots(result, args.out.with_suffix("")):
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
