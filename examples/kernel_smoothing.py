@@ -33,7 +33,6 @@ sizes.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from pathlib import Path
