@@ -17,10 +17,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from cupyflash import _cuda, bench  # noqa: E402
 
-# Forward tile candidates, (BLOCK_M, BLOCK_N, WARPS, SUB_N), per (dtype, head dim).
+# Forward tile candidates per (dtype, head dim), in the form of _cuda.FWD_SM80_TILES'
+# entries: (BLOCK_M, BLOCK_N, WARPS).
 TUNE_CANDIDATES = {
-    ("bfloat16", 64): [(128, 64, 4, 64), (128, 64, 4, 32), (128, 128, 4, 32)],
-    ("bfloat16", 128): [(128, 64, 4, 32), (128, 32, 4, 32), (128, 128, 4, 32), (128, 64, 4, 64)],
+    ("bfloat16", 64): [(128, 64, 4), (128, 32, 4), (128, 128, 8)],
+    ("bfloat16", 128): [(128, 32, 4), (128, 64, 4), (128, 128, 8), (128, 64, 8)],
 }
 
 
