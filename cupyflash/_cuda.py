@@ -154,8 +154,11 @@ def _choose(variants: list[Variant], device_id: int) -> Variant:
     raise RuntimeError(f"no kernel tile fits this GPU's {smem_limit} bytes of shared memory per block")
 
 
-def precompile(*, dtypes=None, head_dims=None, device=None) -> list[str]:
+def precompile(*, dtypes=None, head_dims=None, device=None, workers=None) -> list[str]:
     """Compile and load, ahead of time, the kernels that calls on ``device`` will use.
+
+    Compiles in parallel processes, so this is much faster than letting the first calls
+    compile their kernels one by one; the cubins land in the on-disk cache.
 
     Parameters
     ----------
@@ -165,27 +168,35 @@ def precompile(*, dtypes=None, head_dims=None, device=None) -> list[str]:
         Head dims to prepare (each maps to its padded instantiation). Default: all.
     device : int, optional
         CUDA device id. Default: the current device.
+    workers : int, optional
+        Compiler processes. Default: one per CPU.
 
     Returns
     -------
     list of str
-        The template instantiations now loaded.
+        The template instantiations now loaded (forward and backward).
     """
     import cupy
 
     device_id = cupy.cuda.Device().id if device is None else int(device)
-    names = [np.dtype(t).name for t in (dtypes or _CPP_TYPE)]
-    for name in names:
+    names = []
+    for t in (dtypes or _CPP_TYPE):
+        name = t if t in _CPP_TYPE else np.dtype(t).name
         if name not in _CPP_TYPE:
             raise ValueError(f"dtypes: {name} is not one of {sorted(_CPP_TYPE)}")
+        names.append(name)
     dims = sorted({padded_head_dim(int(d), int(d)) for d in (head_dims or HEAD_DIMS)})
-    loaded = []
+    arch, smem_limit = _device_info(device_id)
+    wanted = {}
     for name in names:
         for D in dims:
-            v = _choose(forward_variants(name, D), device_id)
-            _load(v, device_id)
-            loaded.append(v.name_expression)
-    return loaded
+            chosen = [_choose(forward_variants(name, D), device_id)]
+            chosen += [v for v in backward_variants(name, D) if v.smem_bytes <= smem_limit]
+            wanted.update((v.name_expression, v) for v in chosen)
+    _nvrtc.compile_many([(v.source, v.name_expression, arch) for v in wanted.values()], workers)
+    for v in wanted.values():
+        _load(v, device_id)
+    return list(wanted)
 
 
 def _tensor_args(x) -> tuple:

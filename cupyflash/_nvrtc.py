@@ -131,6 +131,25 @@ def compile_kernel(source_file: str, name_expression: str, arch: str) -> Compile
     return Compiled(name_expression, lowered, arch, binary_path, log=log, **_parse_ptxas(log))
 
 
+def _compile_one(job):
+    return compile_kernel(*job)
+
+
+def compile_many(jobs, workers: int | None = None) -> list[Compiled]:
+    """``compile_kernel(source_file, name_expression, arch)`` for each job, in parallel
+    processes (NVRTC holds the interpreter lock, so threads would run one at a time).
+    Spawned, not forked: the caller may hold a CUDA context, which a fork must not copy."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    jobs = list(jobs)
+    workers = min(len(jobs), workers or os.cpu_count() or 1)
+    if workers <= 1:
+        return [compile_kernel(*job) for job in jobs]
+    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return list(pool.map(_compile_one, jobs))
+
+
 def target_for(compute_capability: str) -> str:
     """The NVRTC target for a device: its own cubin where NVRTC knows the arch
     (``sm_90a`` on Hopper, for wgmma), else PTX for the newest arch NVRTC knows."""

@@ -443,22 +443,14 @@ def attention_vjp(q, k, v, *, causal=False, scale=None, window=None, dropout_p=0
     return o, vjp
 
 
-def precompile(*, dtypes=None, head_dims=None, device=None):
-    """Compile and load GPU kernels ahead of time, so first calls do not wait for NVRTC.
-
-    Parameters
-    ----------
-    dtypes : iterable of dtype-like, optional
-        Default: float16, bfloat16, float32, float64.
-    head_dims : iterable of int, optional
-        Head dims to prepare. Default: all.
-    device : int, optional
-        CUDA device id. Default: the current device.
-
-    Returns
-    -------
-    list of str
-        The kernel instantiations now loaded.
-    """
+def precompile(*, dtypes=None, head_dims=None, device=None, workers=None):
     from . import _cuda
-    return _cuda.precompile(dtypes=dtypes, head_dims=head_dims, device=device)
+    return _cuda.precompile(dtypes=dtypes, head_dims=head_dims, device=device, workers=workers)
+
+
+def _precompile_doc():
+    from . import _cuda   # importing _cuda never imports CuPy
+    return _cuda.precompile.__doc__
+
+
+precompile.__doc__ = _precompile_doc()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from concurrent.futures import ProcessPoolExecutor
 
 from . import _cuda, _nvrtc
 
@@ -18,15 +17,8 @@ from . import _cuda, _nvrtc
 def build_all(archs=_cuda.BUILD_ARCHS, jobs: int = 2):
     """Compile all instantiations for ``archs``; returns [(variant, Compiled)]."""
     work = [(v, arch) for arch in archs for v in _cuda.all_variants()]
-    # Processes, not threads: NVRTC compiles hold the interpreter lock.
-    with ProcessPoolExecutor(max_workers=jobs) as pool:
-        results = list(pool.map(_compile, work))
-    return [(v, c) for (v, _), c in zip(work, results)]
-
-
-def _compile(variant_arch):
-    variant, arch = variant_arch
-    return _nvrtc.compile_kernel(variant.source, variant.name_expression, arch)
+    compiled = _nvrtc.compile_many([(v.source, v.name_expression, arch) for v, arch in work], jobs)
+    return [(v, c) for (v, _), c in zip(work, compiled)]
 
 
 def must_not_spill(variant: _cuda.Variant) -> bool:

@@ -126,3 +126,16 @@ def test_runs_on_the_current_stream(rng):
         stream.synchronize()
     ref = cupyflash.attention(*(x.astype(np.float64) for x in host), backend="numpy")
     assert _rel_err(cp.asnumpy(o).astype(np.float64), ref) < TOLERANCE["bfloat16"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scale_zero_averages_the_visible_values(rng, dtype):
+    """scale = 0 makes every visible key equally likely: each row is the mean of the
+    values it sees (the tensor-core kernel runs it with the smallest positive scale)."""
+    import cupy as cp
+    host, (q, k, v) = _inputs(rng, dtype, 64, 70, 90, 1, "bhsd")
+    o = cupyflash.attention(q, k, v, scale=0.0, causal=True, backend="cuda")
+    v64 = host[2].astype(np.float64)
+    visible = np.arange(90)[None, :] <= np.arange(70)[:, None] + 20
+    ref = np.einsum("ij,bhjd->bhid", visible / visible.sum(1, keepdims=True), v64)
+    assert _rel_err(cp.asnumpy(o).astype(np.float64), ref) < TOLERANCE[dtype]
