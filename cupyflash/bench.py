@@ -335,6 +335,8 @@ def parse_args(argv=None):
     p.add_argument("--naive-max-n", type=int, default=8192,
                    help="largest N for naive-cupy (its N x N matrix runs out of memory)")
     p.add_argument("--out", type=Path, metavar="JSON", help="write the results here")
+    p.add_argument("--commit", help="record this as the commit (default: the checkout's own, "
+                   "\"unknown\" where the code is not a git checkout, e.g. a copy on a GPU host)")
     p.add_argument("--plot", action="store_true", help="also write PNG plots beside --out")
     p.add_argument("--plot-only", type=Path, nargs="+", metavar="JSON",
                    help="plot saved results (PNGs beside each file) and measure nothing")
@@ -354,7 +356,7 @@ def main(argv=None):
     result = {
         "gpu": gpu_name(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": checkout_commit(),
+        "commit": args.commit or checkout_commit(),
         "versions": versions(),
         "compile": compile_times(),
         "rows": rows,
