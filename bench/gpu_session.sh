@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
-# One device call: build every kernel for this GPU, run the GPU tests, the sanitizers on
-# small shapes, and the benchmark; logs and JSON go to $OUT, a short table comes last.
-# Usage (repository root, on the GPU machine): bash bench/gpu_session.sh [pytest -k expr]
+# One device call: build every kernel for this GPU, run the GPU tests, the benchmark, the
+# examples and the sanitizers on small shapes; logs and JSON go to $OUT, short summaries
+# come last. Each step has its own time limit so that a slow one cannot eat the others'.
+# Usage (repository root, on the GPU machine): COMMIT=<sha> bash bench/gpu_session.sh [pytest -k expr]
 set -u -o pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 CUPYFLASH_CACHE_DIR=${CUPYFLASH_CACHE_DIR:-/tmp/cupyflash-cache}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
 arch=$(python3 -c "from cupyflash import _cuda; print(_cuda._device_info(0)[0])")
-python3 -m cupyflash.build_check --arch "$arch" --jobs 16 > "$OUT/build.log" 2>&1; echo "build check rc=$? ($(tail -1 "$OUT/build.log"))"
-python3 -m pytest -m gpu tests -q -p no:cacheprovider ${1:+-k "$1"} > "$OUT/pytest.log" 2>&1; echo "gpu tests rc=$?"; tail -n 25 "$OUT/pytest.log"
-for tool in memcheck racecheck; do
-  timeout 150 compute-sanitizer --tool $tool --error-exitcode 9 python3 tests/sanitize_cases.py > "$OUT/sanitize-$tool.log" 2>&1
-  echo "$tool rc=$? : $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|sanitize cases' "$OUT/sanitize-$tool.log" | tr '\n' ' ')"
-done
-python3 bench/bench_attention.py ${BENCH_ARGS:-} --out "$OUT/bench.json" > "$OUT/bench.log" 2>&1; echo "bench rc=$?"
+timeout 90 python3 -m cupyflash.build_check --arch "$arch" --jobs 16 > "$OUT/build.log" 2>&1; echo "build check rc=$? ($(tail -1 "$OUT/build.log"))"
+timeout 120 python3 -m pytest -m gpu tests -q -p no:cacheprovider ${1:+-k "$1"} > "$OUT/pytest.log" 2>&1; echo "gpu tests rc=$?"; tail -n 12 "$OUT/pytest.log"
+timeout 200 python3 bench/bench_attention.py --naive-max-n 4096 ${COMMIT:+--commit "$COMMIT"} --out "$OUT/bench.json" > "$OUT/bench.log" 2>&1; echo "bench rc=$?"
+timeout 40 python3 examples/long_sequence.py > "$OUT/long_sequence.log" 2>&1; echo "long_sequence rc=$?"; cat "$OUT/long_sequence.log"
+timeout 50 python3 examples/train_tiny_transformer.py --steps 300 > "$OUT/train.log" 2>&1; echo "train rc=$?"; tail -n 3 "$OUT/train.log"
+timeout 40 compute-sanitizer --tool memcheck --error-exitcode 9 python3 tests/sanitize_cases.py > "$OUT/sanitize-memcheck.log" 2>&1
+echo "memcheck rc=$? : $(grep -E 'ERROR SUMMARY|sanitize cases' "$OUT/sanitize-memcheck.log" | tr '\n' ' ')"
+timeout 30 compute-sanitizer --tool racecheck --error-exitcode 9 python3 tests/sanitize_cases.py float16 > "$OUT/sanitize-racecheck.log" 2>&1
+echo "racecheck rc=$? : $(grep -E 'RACECHECK SUMMARY|sanitize cases' "$OUT/sanitize-racecheck.log" | tr '\n' ' ')"
 sed -n '/^pass /,$p' "$OUT/bench.log"

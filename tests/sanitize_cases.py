@@ -1,7 +1,9 @@
 """Small odd shapes through every GPU kernel, for compute-sanitizer (not a pytest file).
 
     compute-sanitizer --tool memcheck  python tests/sanitize_cases.py
-    compute-sanitizer --tool racecheck python tests/sanitize_cases.py
+    compute-sanitizer --tool racecheck python tests/sanitize_cases.py float16 float32
+
+Optional arguments restrict the dtypes (racecheck is slow).
 
 Exits non-zero if any output is NaN; the sanitizer reports memory errors and races.
 """
@@ -24,7 +26,8 @@ SHAPES = ((1, 1, 32), (17, 33, 72), (129, 65, 128), (65, 129, 256))
 def main():
     rng = np.random.default_rng(0)
     bad = 0
-    for dtype in (np.float16, ml_dtypes.bfloat16, np.float32, np.float64):
+    dtypes = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "float64": np.float64}
+    for dtype in [dtypes[name] for name in sys.argv[1:]] or dtypes.values():
         for nq, nk, d in SHAPES:
             for causal in (False, True):
                 q = cp.asarray(rng.standard_normal((1, 4, nq, d)).astype(dtype))
