@@ -29,15 +29,17 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" :: "n"(N));
 }
 
-// Load a ROWS x COLS tile starting at `src` (row stride `ld` elements) into `dst`.
+// Load a ROWS x COLS tile starting at `src` (row stride `ld` elements) into `dst`
+// (row stride LDS elements, a multiple of 16 bytes: other fragment reads than ldmatrix
+// want other paddings, see mma_wide.cuh).
 // `vec` says every row start is 16-byte aligned (base pointer and stride), which
 // allows cp.async; otherwise elements are copied one by one, synchronously. Either
 // way the data is visible after the caller's cp_async_wait + __syncthreads.
-template <typename T, int ROWS, int COLS, int NTHREADS>
+template <typename T, int ROWS, int COLS, int NTHREADS, int LDS = SmemTile<T, COLS>::stride>
 __device__ __forceinline__ void load_tile(T* dst, const T* src, i64 ld, int rows, int cols, bool vec) {
     constexpr int CE = Chunk<T>::elems;
     constexpr int CHUNKS_PER_ROW = COLS / CE;
-    constexpr int LDS = SmemTile<T, COLS>::stride;
+    static_assert(LDS % CE == 0 && LDS >= COLS, "16-byte aligned rows");
     // Each thread moves the same column chunk of every ROW_STEP-th row (when the thread
     // count allows), so its addresses advance by a constant and cost few registers.
     constexpr bool FIXED_COL = NTHREADS % CHUNKS_PER_ROW == 0;

@@ -57,6 +57,9 @@ __device__ __forceinline__ float exp2_fast(float x) {
     return y;
 }
 __device__ __forceinline__ double exp2_fast(double x) { return exp2(x); }
+// log2 for the LSE, once per row: the SFU's for fp32, the accurate one for fp64.
+__device__ __forceinline__ float log2_fast(float x) { return __log2f(x); }
+__device__ __forceinline__ double log2_fast(double x) { return log2(x); }
 
 #define LOG2E_F 1.4426950408889634f
 #define LN2_D 0.6931471805599453

@@ -27,4 +27,19 @@ struct MaskInfo {
     __device__ __forceinline__ bool tile_needs_mask(int q0, int k0, int k1) const {
         return k1 > nk || (causal && k1 > key_limit(q0));
     }
+    // Hide (-inf) what a row may not see in scores held as mma C fragments: element e of
+    // n-tile nt of m-tile mt is row row0 + 16 mt + g + 8 (e / 2), key k0 + 8 nt + 2 t + e % 2
+    // (g = lane / 4, t = lane % 4).
+    template <int MT, int NT, typename Acc>
+    __device__ __forceinline__ void apply(Acc (&s)[MT][NT][4], int row0, int k0) const {
+        const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+        #pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+            #pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+                #pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    if (!visible(row0 + mt * 16 + g + (e / 2) * 8, k0 + nt * 8 + 2 * t + (e % 2)))
+                        s[mt][nt][e] = -INFINITY;
+    }
 };

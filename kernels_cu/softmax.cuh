@@ -1,4 +1,5 @@
-// Online-softmax row state for the tensor-core forward (FlashAttention-2, §3.1).
+// Online-softmax row state for the tensor-core forwards (FlashAttention-2, §3.1), in the
+// accumulation type: fp32 (16-bit and fp32 inputs) or fp64.
 //
 // A thread holds two rows of each 16-row m-tile (g and g + 8 in the mma C layout) and
 // two columns of each 8-wide n-tile; the four threads of a quad share a row. Scores
@@ -10,25 +11,27 @@
 #pragma once
 #include "elem.cuh"
 
-__device__ __forceinline__ float quad_max(float x) {
-    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+template <typename Acc>
+__device__ __forceinline__ Acc quad_max(Acc x) {
+    x = fmax(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmax(x, __shfl_xor_sync(0xffffffffu, x, 2));
 }
-__device__ __forceinline__ float quad_sum(float x) {
+template <typename Acc>
+__device__ __forceinline__ Acc quad_sum(Acc x) {
     x += __shfl_xor_sync(0xffffffffu, x, 1);
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
-template <int MT>
+template <int MT, typename Acc = float>
 struct OnlineSoftmax {
-    float row_max[MT][2];   // running max of the scaled scores, log2 units
-    float row_sum[MT][2];   // this thread's part of the running sum of exp2(s - max)
+    Acc row_max[MT][2];   // running max of the scaled scores, log2 units
+    Acc row_sum[MT][2];   // this thread's part of the running sum of exp2(s - max)
 
     __device__ __forceinline__ void init() {
         #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
             #pragma unroll
-            for (int h = 0; h < 2; ++h) { row_max[mt][h] = -INFINITY; row_sum[mt][h] = 0.f; }
+            for (int h = 0; h < 2; ++h) { row_max[mt][h] = -INFINITY; row_sum[mt][h] = Acc(0); }
     }
 
     // Fold one tile of scores into the state: s becomes P = exp2(s * scale_log2 - max).
@@ -42,17 +45,17 @@ struct OnlineSoftmax {
     static constexpr float RESCALE_SLACK = 8.f;
 
     template <int NT, int DT>
-    __device__ __forceinline__ void update(float (&s)[MT][NT][4], float (&acc)[MT][DT][4], float scale_log2) {
-        float tile_max[MT][2];
+    __device__ __forceinline__ void update(Acc (&s)[MT][NT][4], Acc (&acc)[MT][DT][4], Acc scale_log2) {
+        Acc tile_max[MT][2];
         bool grow = false;
         #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
             #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                float m = -INFINITY;
+                Acc m = -INFINITY;
                 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt)
-                    m = fmaxf(m, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
+                    m = fmax(m, fmax(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
                 tile_max[mt][h] = quad_max(m) * scale_log2;
                 grow |= tile_max[mt][h] > row_max[mt][h] + RESCALE_SLACK;
             }
@@ -62,8 +65,8 @@ struct OnlineSoftmax {
             for (int mt = 0; mt < MT; ++mt) {
                 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
-                    const float new_max = fmaxf(row_max[mt][h], tile_max[mt][h]);
-                    const float alpha = exp2_fast(row_max[mt][h] - (new_max == -INFINITY ? 0.f : new_max));
+                    const Acc new_max = fmax(row_max[mt][h], tile_max[mt][h]);
+                    const Acc alpha = exp2_fast(row_max[mt][h] - (new_max == -INFINITY ? Acc(0) : new_max));
                     row_max[mt][h] = new_max;
                     row_sum[mt][h] *= alpha;
                     #pragma unroll
@@ -78,13 +81,13 @@ struct OnlineSoftmax {
         for (int mt = 0; mt < MT; ++mt) {
             #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                const float base = row_max[mt][h] == -INFINITY ? 0.f : row_max[mt][h];
-                float sum = 0.f;
+                const Acc base = row_max[mt][h] == -INFINITY ? Acc(0) : row_max[mt][h];
+                Acc sum = 0;
                 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) {
                     #pragma unroll
                     for (int e = 0; e < 2; ++e) {
-                        const float p = exp2_fast(fmaf(s[mt][nt][2 * h + e], scale_log2, -base));
+                        const Acc p = exp2_fast(fma(s[mt][nt][2 * h + e], scale_log2, -base));
                         s[mt][nt][2 * h + e] = p;
                         sum += p;
                     }
@@ -97,14 +100,14 @@ struct OnlineSoftmax {
     // The single division by the row sum, and the natural-log LSE = ln2 * (max + log2 sum).
     // Rows with no visible key give output 0 and LSE -inf.
     template <int DT>
-    __device__ __forceinline__ void finalize(float (&acc)[MT][DT][4], float (&lse)[MT][2]) {
+    __device__ __forceinline__ void finalize(Acc (&acc)[MT][DT][4], Acc (&lse)[MT][2]) {
         #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
             #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                const float sum = quad_sum(row_sum[mt][h]);
-                const float inv = sum > 0.f ? 1.f / sum : 0.f;
-                lse[mt][h] = sum > 0.f ? (row_max[mt][h] + __log2f(sum)) * (float)LN2_D : -INFINITY;
+                const Acc sum = quad_sum(row_sum[mt][h]);
+                const Acc inv = sum > Acc(0) ? Acc(1) / sum : Acc(0);
+                lse[mt][h] = sum > Acc(0) ? (row_max[mt][h] + log2_fast(sum)) * Acc(LN2_D) : Acc(-INFINITY);
                 #pragma unroll
                 for (int dt = 0; dt < DT; ++dt) {
                     acc[mt][dt][2 * h] *= inv;

@@ -1,0 +1,221 @@
+// Forward attention on the tensor cores for fp32 and fp64 inputs, at the inputs' own
+// precision (sm_80 and newer): fp64 on DMMA, fp32 as 3xTF32 (mma_wide.cuh).
+//
+// The FlashAttention-2 structure of fwd_sm80.cu: one CTA per (query block, head, batch),
+// query rows split across warps in 16-row m-tiles, every warp streaming the same K and V
+// tiles from shared memory. Differences, all from the wider elements:
+//  - K and V tiles of BLOCK_N keys are double-buffered with cp.async and one barrier per
+//    tile: after it, tile j+1 is requested into the buffers tile j-1 left, and lands
+//    while the warps compute tile j. They do so SUB_N keys at a time (S, softmax, P V), so
+//    S takes registers for SUB_N keys while barriers and copies are paid per BLOCK_N.
+//  - Fragments come from plain 8/16-byte shared loads with their own paddings, and P goes
+//    from the S accumulators to the P V operands without any data movement (mma_wide.cuh).
+//  - For fp32, O = P V is accumulated per 16-column pair over one sub-tile from zero and
+//    then added into the output accumulator in the FPU. The tensor cores truncate (round
+//    toward zero) as they accumulate TF32 products; over the whole key sequence that bias
+//    would grow with Nk, per sub-tile it does not (tests/test_tf32_split.py). DMMA rounds
+//    to nearest and accumulates into O directly.
+//  - Where O does not fit the registers beside S (fp64 from d = 192), the output columns
+//    are split into D / DV_TILE passes run by separate CTAs (blockIdx.x = query block *
+//    passes + pass), each recomputing S and streaming only its own V columns.
+//  - The output is written from registers: each thread holds four consecutive columns of
+//    a row (16 or 32 bytes), so a quad writes 64 or 128 contiguous bytes.
+#include "elem.cuh"
+#include "copy.cuh"
+#include "mma_wide.cuh"
+#include "mask.cuh"
+#include "softmax.cuh"
+#include "tensor.cuh"
+
+template <typename T, int D, int DV_TILE, int BLOCK_M, int BLOCK_N, int SUB_N, int WARPS>
+struct WideFwdTile {
+    static constexpr int THREADS = WARPS * 32;
+    static constexpr int ROWS_PER_WARP = BLOCK_M / WARPS;
+    static constexpr int MT = ROWS_PER_WARP / 16;   // m-tiles per warp
+    static constexpr int SUBS = BLOCK_N / SUB_N;    // sub-tiles per loaded tile
+    static constexpr int NT = SUB_N / 8;            // n-tiles of S, k-steps of P V
+    static constexpr int KSTEPS = D / 8;            // k-steps of Q K^T
+    static constexpr int DT = DV_TILE / 8;          // n-tiles of O in one column pass
+    static constexpr int LDQ = PairRows<T, D>::stride;         // Q and K
+    static constexpr int LDV = SmemTile<T, DV_TILE>::stride;
+    // Q's operands (split into TF32 pairs for fp32) stay in registers when they fit beside
+    // S, P and O; otherwise each warp re-reads its own Q rows for every sub-tile.
+    static constexpr bool Q_IN_REGS = MT * D <= 64;
+    static constexpr int SMEM_ELEMS = BLOCK_M * LDQ + 2 * BLOCK_N * LDQ + 2 * BLOCK_N * LDV;
+    static_assert(ROWS_PER_WARP % 16 == 0 && SUB_N % 8 == 0 && BLOCK_N % SUB_N == 0, "tile shape");
+    static_assert(D % 32 == 0 && DV_TILE % 16 == 0 && D % DV_TILE == 0, "conflict-free shared strides");
+};
+
+// Minimum one CTA per SM: without it ptxas aims at a third resident 4-warp CTA (168
+// registers) and spills, though shared memory allows at most two for most tiles.
+template <typename T, int D, int DV_TILE, int BLOCK_M, int BLOCK_N, int SUB_N, int WARPS>
+__global__ void __launch_bounds__(WARPS * 32, 1)
+flash_fwd_wide(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const T, v),
+               TENSOR_ARG(T, o), T* __restrict__ lse,
+               int group, int nq, int nk, int d, int dv,
+               T scale_log2, int causal, int vec)
+{
+    typedef WideFwdTile<T, D, DV_TILE, BLOCK_M, BLOCK_N, SUB_N, WARPS> C;
+    constexpr int MT = C::MT, NT = C::NT, DT = C::DT, LDQ = C::LDQ, LDV = C::LDV;
+    constexpr bool FRESH = !Operand<T, 4>::ACCUMULATE_EXACT;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    T* sQ = reinterpret_cast<T*>(smem_raw);
+    T* sK = sQ + BLOCK_M * LDQ;            // two buffers
+    T* sV = sK + 2 * BLOCK_N * LDQ;        // two buffers
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int g = lane / 4, t = lane % 4;
+    // blockIdx.x = query block * PASSES + column pass; heavy (late, causal) query blocks
+    // first so the tail of the grid is short.
+    constexpr int PASSES = D / DV_TILE;
+    const int m_block = gridDim.x / PASSES - 1 - blockIdx.x / PASSES;
+    const int c0 = blockIdx.x % PASSES * DV_TILE;   // first output column of this CTA
+    if (c0 >= dv) return;        // dv < D may need fewer passes
+    const int v_cols = dv - c0;  // its V and O columns that exist
+    const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
+    const int q0 = m_block * BLOCK_M;
+    const int q_rows = min(BLOCK_M, nq - q0);
+    const MaskInfo mask{nq, nk, causal};
+    const int n_tiles = mask.key_tile_stop(q0, q0 + q_rows, BLOCK_N);
+    // Sub-tiles from this key on are hidden from every row of the block: skipped.
+    const int key_stop = min(nk, mask.key_limit(q0 + q_rows - 1));
+
+    const Strided<const T> Q = TENSOR(const T, q), K = TENSOR(const T, k), V = TENSOR(const T, v);
+    const Strided<T> O = TENSOR(T, o);
+    const T* k_head = K.at(b, hk, 0);
+    const T* v_head = V.at(b, hk, 0) + c0;
+
+    // Key tile j (its first n rows) into buffer j % 2.
+    auto load_kv = [&](int j) {
+        const int n = min(BLOCK_N, nk - j * BLOCK_N);
+        load_tile<T, BLOCK_N, D, C::THREADS, LDQ>(sK + (j % 2) * BLOCK_N * LDQ, k_head + (i64)j * BLOCK_N * K.row, K.row, n, d, vec);
+        load_tile<T, BLOCK_N, DV_TILE, C::THREADS>(sV + (j % 2) * BLOCK_N * LDV, v_head + (i64)j * BLOCK_N * V.row, V.row, n, v_cols, vec);
+    };
+    load_tile<T, BLOCK_M, D, C::THREADS, LDQ>(sQ, Q.at(b, h, q0), Q.row, q_rows, d, vec);
+    if (n_tiles > 0) load_kv(0);
+    cp_async_commit();
+
+    const int warp_row0 = warp * C::ROWS_PER_WARP;
+    Operand<T, 4> q_frag[C::Q_IN_REGS ? MT : 1][C::Q_IN_REGS ? C::KSTEPS : 1];
+    T acc[MT][DT][4];
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+        #pragma unroll
+        for (int dt = 0; dt < DT; ++dt)
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) acc[mt][dt][e] = T(0);
+    OnlineSoftmax<MT, T> softmax;
+    softmax.init();
+
+    for (int j = 0; j < n_tiles; ++j) {
+        cp_async_wait<0>();   // tile j (and Q) have landed
+        __syncthreads();      // ... for every thread, and every warp is done with tile j - 1
+        if (j + 1 < n_tiles) load_kv(j + 1);
+        cp_async_commit();
+
+        if (C::Q_IN_REGS && j == 0) {
+            #pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+                #pragma unroll
+                for (int ks = 0; ks < C::KSTEPS; ++ks)
+                    load_a<T, LDQ>(q_frag[C::Q_IN_REGS ? mt : 0][C::Q_IN_REGS ? ks : 0], sQ, warp_row0 + mt * 16, ks * 8);
+        }
+
+        #pragma unroll 1
+        for (int sub = 0; sub < C::SUBS; ++sub) {
+            const int k0 = j * BLOCK_N + sub * SUB_N;
+            if (k0 >= key_stop) break;
+            const T* sKs = sK + ((j % 2) * BLOCK_N + sub * SUB_N) * LDQ;
+            const T* sVs = sV + ((j % 2) * BLOCK_N + sub * SUB_N) * LDV;
+
+            // S = Q K_sub^T
+            T s[MT][NT][4];
+            #pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+                #pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+                    #pragma unroll
+                    for (int e = 0; e < 4; ++e) s[mt][nt][e] = T(0);
+            #pragma unroll
+            for (int ks = 0; ks < C::KSTEPS; ++ks) {
+                Operand<T, 4> a[MT];
+                #pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    if (C::Q_IN_REGS) a[mt] = q_frag[C::Q_IN_REGS ? mt : 0][C::Q_IN_REGS ? ks : 0];
+                    else load_a<T, LDQ>(a[mt], sQ, warp_row0 + mt * 16, ks * 8);
+                }
+                #pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    Operand<T, 2> bk;
+                    load_bt<T, LDQ>(bk, sKs, nt * 8, ks * 8);
+                    #pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) mma_16x8x8(s[mt][nt], a[mt], bk);
+                }
+            }
+
+            // The predicate runs only on sub-tiles that cross the diagonal or the sequence end.
+            if (mask.tile_needs_mask(q0, k0, k0 + SUB_N)) mask.apply(s, q0 + warp_row0, k0);
+            softmax.update(s, acc, scale_log2);
+
+            // P as the A operands of P V (split into TF32 pairs once for fp32).
+            Operand<T, 4> p[MT][NT];
+            #pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+                #pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    p[mt][nt].set(0, s[mt][nt][0]);
+                    p[mt][nt].set(2, s[mt][nt][1]);
+                    p[mt][nt].set(1, s[mt][nt][2]);
+                    p[mt][nt].set(3, s[mt][nt][3]);
+                }
+
+            // O += P V_sub, one 16-column pair at a time (for fp32 summed from zero).
+            #pragma unroll
+            for (int dp = 0; dp < DT / 2; ++dp) {
+                T part[FRESH ? MT : 1][2][4];
+                #pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+                    #pragma unroll
+                    for (int i = 0; i < 2; ++i)
+                        #pragma unroll
+                        for (int e = 0; e < 4; ++e)
+                            if (FRESH) part[FRESH ? mt : 0][i][e] = T(0);
+                #pragma unroll
+                for (int ps = 0; ps < NT; ++ps) {
+                    Operand<T, 2> bv[2];
+                    load_b_pair<T, LDV>(bv, sVs, ps * 8, dp * 16);
+                    #pragma unroll
+                    for (int mt = 0; mt < MT; ++mt)
+                        #pragma unroll
+                        for (int i = 0; i < 2; ++i)
+                            mma_16x8x8(FRESH ? part[FRESH ? mt : 0][i] : acc[mt][2 * dp + i], p[mt][ps], bv[i]);
+                }
+                #pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+                    #pragma unroll
+                    for (int i = 0; i < 2; ++i)
+                        #pragma unroll
+                        for (int e = 0; e < 4; ++e)
+                            if (FRESH) acc[mt][2 * dp + i][e] += part[FRESH ? mt : 0][i][e];
+            }
+        }
+    }
+    cp_async_wait<0>();   // with no key tile the Q copies may still be in flight
+
+    T row_lse[MT][2];
+    softmax.finalize(acc, row_lse);
+
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        #pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const int r = warp_row0 + mt * 16 + g + hh * 8;
+            if (r >= q_rows) continue;
+            T* out = O.at(b, h, q0 + r) + c0;
+            #pragma unroll
+            for (int dp = 0; dp < DT / 2; ++dp)
+                store_o_row(out + dp * 16, acc[mt][2 * dp], acc[mt][2 * dp + 1], hh, v_cols - dp * 16, vec);
+            if (c0 == 0 && t == 0) lse[((i64)b * gridDim.y + h) * nq + q0 + r] = row_lse[mt][hh];
+        }
+    }
+}

@@ -1,0 +1,185 @@
+// Tensor-core building blocks for fp32 and fp64 inputs at their own precision (sm_80+):
+// fp64 products on DMMA, fp32 products as three TF32 products (3xTF32).
+//
+// Every product is a sum of warp-wide 16x8x8 steps laid out as mma.m16n8k8 with .tf32 or
+// .f64 operands (PTX ISA, "Matrix fragments for mma.m16n8k8"), g = lane / 4, t = lane % 4:
+//   A (16x8, row-major)  a0: (g, t)   a1: (g+8, t)   a2: (g, t+4)   a3: (g+8, t+4)
+//   B (8x8,  k x n)      b0: (k=t, n=g)   b1: (k=t+4, n=g)
+//   C (16x8)             c0, c1: (g, 2t..2t+1)   c2, c3: (g+8, 2t..2t+1)
+// sm_90 has that shape for fp64 (DMMA.16x8x8). sm_80 has only m8n8k4 (A 8x4 a0: (g, t);
+// B 4x8 b0: (k=t, n=g); C 8x8 c0, c1: (g, 2t..2t+1)), so there a step is four of them:
+// rows g from (a0, b0) then (a2, b1), rows g+8 from (a1, b0) then (a3, b1).
+//
+// The k index inside a step is only a label: permuting k in A's columns and B's rows
+// alike leaves the product unchanged. Here logical k = t stands for physical column 2t
+// of the 8-wide k slice and k = t+4 for column 2t+1. Two things follow:
+//  - The C fragment of S = Q K^T is the A fragment of O = P V, in registers as it is:
+//    keys 2t, 2t+1 of rows g, g+8 (c0, c1, c2, c3) are a0, a2, a1, a3, and V's B fragment
+//    is read from key rows 2t and 2t+1. No shuffle, no trip through shared memory.
+//  - Each thread's two k-neighbours of a row are adjacent in memory: one 8-byte (fp32)
+//    or 16-byte (fp64) shared load per row instead of two.
+// For B = V (k = key is V's row) the same pairing is applied to the n side, over two
+// n-tiles at once: n-tile 2p + j reads physical column 16 p + 2 g + j, so a thread's
+// row 2t gives (n-tile 2p, n-tile 2p+1) in one load. The output C fragments then hold,
+// per row, the four consecutive columns 16 p + 4 t .. + 3 (see store_o_row).
+//
+// Shared-memory banks (no ldmatrix: it moves 16-bit pairs, which a 32/64-bit element
+// does not split into usefully). An 8-byte load is served per half-warp and a 16-byte
+// load per quarter-warp; one such phase reads, for
+//   A rows and K (n-rows along k): 4 rows (fp32) / 2 rows (fp64), each 8 elements wide,
+//     conflict-free when the row stride is D + 8 elements (D a multiple of 32);
+//   V (k-rows 2t along n): rows 0, 2, 4, 6 of the step, each 8 fp32 / 4 fp64 wide,
+//     conflict-free with the usual 16 bytes of padding (SmemTile) and a width that is a
+//     multiple of 16.
+#pragma once
+#include "elem.cuh"
+#include "copy.cuh"
+
+// Row stride of tiles read as A operands or as K (pairs along k); see above.
+template <typename T, int COLS> struct PairRows { static constexpr int stride = COLS + 8; };
+
+// Operand registers of one 16x8x8 step (N = 4 for A, 2 for B), filled element by element.
+template <typename T, int N> struct Operand;
+
+// ACCUMULATE_EXACT: the tensor cores round the accumulation to nearest (DMMA, IEEE fp64),
+// so long sums may run in their accumulators. TF32 MMAs truncate instead (see fwd_wide.cu).
+template <int N> struct Operand<double, N> {
+    static constexpr bool ACCUMULATE_EXACT = true;
+    double x[N];
+    __device__ __forceinline__ void set(int i, double v) { x[i] = v; }
+};
+
+// 3xTF32: x = big + small, big = x rounded to TF32 (11 significant bits, to nearest with
+// ties away, as cvt.rna.tf32.f32), small = x - big exactly (|small| <= 2^-11 |x|).
+// The tensor cores read only the top 19 bits of a .tf32 operand (ptxas itself feeds
+// cvt.rna's unmasked sum to the MMA, and CUTLASS's 3xTF32 relies on the same), so:
+//  - big goes to the MMA as x's bits + 2^12 (half a TF32 ulp): the truncation that the
+//    tensor core applies completes the rounding; only the subtraction needs it masked.
+//    That is cvt.rna without its inf/NaN select (inf and NaN inputs give NaN either way);
+//  - small goes with its low 13 bits in place, truncated by the tensor core, which costs
+//    at most 2^-10 |small| <= 2^-21 |x|.
+// With the dropped small*small term (<= 2^-22 |a b|) a product is exact to about 2^-21
+// relative, far below the fp32 tolerance (tests/test_tf32_split.py emulates it).
+// Finite inputs within 2^-12 relative of FLT_MAX round big to inf and give NaN.
+template <int N> struct Operand<float, N> {
+    static constexpr bool ACCUMULATE_EXACT = false;
+    u32 big[N], small[N];
+    __device__ __forceinline__ void set(int i, float v) {
+        big[i] = __float_as_uint(v) + 0x1000u;
+        small[i] = __float_as_uint(v - __uint_as_float(big[i] & 0xffffe000u));
+    }
+};
+
+// The mma asm statements are not volatile (they only touch registers), so the compiler
+// may schedule them around the shared-memory loads.
+__device__ __forceinline__ void mma_tf32(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// c += a b: the two small cross terms, then big * big.
+__device__ __forceinline__ void mma_16x8x8(float (&c)[4], const Operand<float, 4>& a, const Operand<float, 2>& b) {
+    mma_tf32(c, a.small, b.big[0], b.big[1]);
+    mma_tf32(c, a.big, b.small[0], b.small[1]);
+    mma_tf32(c, a.big, b.big[0], b.big[1]);
+}
+
+__device__ __forceinline__ void dmma_884(double& c0, double& c1, double a, double b) {
+    asm("mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {%0,%1}, {%2}, {%3}, {%0,%1};\n"
+        : "+d"(c0), "+d"(c1) : "d"(a), "d"(b));
+}
+
+__device__ __forceinline__ void mma_16x8x8(double (&c)[4], const Operand<double, 4>& a, const Operand<double, 2>& b) {
+#if __CUDA_ARCH__ >= 900
+    asm("mma.sync.aligned.m16n8k8.row.col.f64.f64.f64.f64 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+d"(c[0]), "+d"(c[1]), "+d"(c[2]), "+d"(c[3])
+        : "d"(a.x[0]), "d"(a.x[1]), "d"(a.x[2]), "d"(a.x[3]), "d"(b.x[0]), "d"(b.x[1]));
+#else
+    dmma_884(c[0], c[1], a.x[0], b.x[0]);
+    dmma_884(c[2], c[3], a.x[1], b.x[0]);
+    dmma_884(c[0], c[1], a.x[2], b.x[1]);
+    dmma_884(c[2], c[3], a.x[3], b.x[1]);
+#endif
+}
+
+// Two adjacent elements of a shared tile. Volatile like ldmatrix in mma.cuh: the loads
+// keep their program order, so the compiler cannot hoist a whole unrolled loop's worth
+// of them (and their TF32 splits) ahead of the MMAs and run out of registers; the MMAs
+// still move freely around them.
+__device__ __forceinline__ float2 load_pair(const float* p) {
+    float2 r;
+    asm volatile("ld.shared.v2.f32 {%0,%1}, [%2];\n" : "=f"(r.x), "=f"(r.y) : "r"(smem_addr(p)));
+    return r;
+}
+__device__ __forceinline__ double2 load_pair(const double* p) {
+    double2 r;
+    asm volatile("ld.shared.v2.f64 {%0,%1}, [%2];\n" : "=d"(r.x), "=d"(r.y) : "r"(smem_addr(p)));
+    return r;
+}
+
+// A operand: the 16x8 block at (row0, k0) of a row-major tile with row stride LD.
+template <typename T, int LD>
+__device__ __forceinline__ void load_a(Operand<T, 4>& a, const T* tile, int row0, int k0) {
+    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const auto top = load_pair(tile + (row0 + g) * LD + k0 + 2 * t);
+    const auto bottom = load_pair(tile + (row0 + g + 8) * LD + k0 + 2 * t);
+    a.set(0, top.x);
+    a.set(2, top.y);
+    a.set(1, bottom.x);
+    a.set(3, bottom.y);
+}
+
+// B operand of X^T for the n-tile n0..n0+7 and k slice k0..k0+7, X row-major with n as
+// its row (K for S = Q K^T).
+template <typename T, int LD>
+__device__ __forceinline__ void load_bt(Operand<T, 2>& b, const T* tile, int n0, int k0) {
+    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const auto p = load_pair(tile + (n0 + g) * LD + k0 + 2 * t);
+    b.set(0, p.x);
+    b.set(1, p.y);
+}
+
+// B operands of X for the two n-tiles of columns n0..n0+15 and k slice k0..k0+7, X
+// row-major with k as its row (V for O = P V): b[j] is n-tile j of the pair.
+template <typename T, int LD>
+__device__ __forceinline__ void load_b_pair(Operand<T, 2> (&b)[2], const T* tile, int k0, int n0) {
+    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const auto even = load_pair(tile + (k0 + 2 * t) * LD + n0 + 2 * g);
+    const auto odd = load_pair(tile + (k0 + 2 * t + 1) * LD + n0 + 2 * g);
+    b[0].set(0, even.x);
+    b[0].set(1, odd.x);
+    b[1].set(0, even.y);
+    b[1].set(1, odd.y);
+}
+
+__device__ __forceinline__ void store4(float* p, float a, float b, float c, float d) {
+    float4 v;
+    v.x = a; v.y = b; v.z = c; v.w = d;
+    *reinterpret_cast<float4*>(p) = v;
+}
+__device__ __forceinline__ void store4(double* p, double a, double b, double c, double d) {
+    double2 lo, hi;
+    lo.x = a; lo.y = b; hi.x = c; hi.y = d;
+    reinterpret_cast<double2*>(p)[0] = lo;
+    reinterpret_cast<double2*>(p)[1] = hi;
+}
+
+// One row of an n-tile pair's C fragments (c of n-tile 2p, d of n-tile 2p + 1, half hh:
+// row g + 8 hh) into global memory: the four consecutive columns 16 p + 4 t .. + 3 of
+// `row` (which points at column 16 p), of which the first `cols` exist. `vec`: 16-byte
+// aligned rows.
+template <typename T>
+__device__ __forceinline__ void store_o_row(T* row, const T (&c)[4], const T (&d)[4], int hh, int cols, bool vec) {
+    const int col = 4 * (threadIdx.x % 4);
+    const T x[4] = {c[2 * hh], d[2 * hh], c[2 * hh + 1], d[2 * hh + 1]};
+    if (vec && col + 4 <= cols) {
+        store4(row + col, x[0], x[1], x[2], x[3]);
+    } else {
+        #pragma unroll
+        for (int i = 0; i < 4; ++i)
+            if (col + i < cols) row[col + i] = x[i];
+    }
+}
