@@ -11,6 +11,7 @@
 #include "mask.cuh"
 #include "softmax.cuh"
 #include "tensor.cuh"
+#include "warp_mm.cuh"
 
 template <typename T, int D, int BLOCK_M, int BLOCK_N, int WARPS>
 struct FwdTile {
@@ -66,15 +67,10 @@ flash_fwd_sm80(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const 
 
     const int warp_row0 = warp * C::ROWS_PER_WARP;
     float acc[MT][DT][4];
-    #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-        #pragma unroll
-        for (int dt = 0; dt < DT; ++dt)
-            #pragma unroll
-            for (int e = 0; e < 4; ++e) acc[mt][dt][e] = 0.f;
+    zero_frags(acc);
     OnlineSoftmax<MT> softmax;
     softmax.init();
-    u32 q_frag[C::Q_IN_REGS ? MT : 1][C::Q_IN_REGS ? C::KSTEPS : 1][4];
+    u32 q_frag[C::Q_IN_REGS ? MT : 1][C::Q_IN_REGS ? C::KSTEPS : 1][4];   // used when Q_IN_REGS
 
     for (int j = 0; j < n_tiles; ++j) {
         const int k0 = j * BLOCK_N;
@@ -83,44 +79,24 @@ flash_fwd_sm80(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const 
         cp_async_wait<1>();   // Q and K_j have landed
         __syncthreads();
 
-        if (C::Q_IN_REGS && j == 0) {
-            #pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-                #pragma unroll
-                for (int ks = 0; ks < C::KSTEPS; ++ks)
-                    load_a_frag<T, D>(q_frag[C::Q_IN_REGS ? mt : 0][C::Q_IN_REGS ? ks : 0], sQ, warp_row0 + mt * 16, ks * 16);
-        }
-
         // S = Q K_j^T
         float s[MT][NT][4];
-        #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-            #pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
+        zero_frags(s);
+        if constexpr (C::Q_IN_REGS) {
+            if (j == 0) {
                 #pragma unroll
-                for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
-        #pragma unroll
-        for (int ks = 0; ks < C::KSTEPS; ++ks) {
-            u32 a[MT][4];
-            #pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                if (C::Q_IN_REGS) {
+                for (int mt = 0; mt < MT; ++mt)
                     #pragma unroll
-                    for (int e = 0; e < 4; ++e) a[mt][e] = q_frag[C::Q_IN_REGS ? mt : 0][C::Q_IN_REGS ? ks : 0][e];
-                } else {
-                    load_a_frag<T, D>(a[mt], sQ, warp_row0 + mt * 16, ks * 16);
-                }
+                    for (int ks = 0; ks < C::KSTEPS; ++ks)
+                        load_a_frag<T, D>(q_frag[mt][ks], sQ, warp_row0 + mt * 16, ks * 16);
             }
-            #pragma unroll
-            for (int np = 0; np < NT / 2; ++np) {
-                u32 bk[4];
-                load_bt_frags<T, D>(bk, sKj, np * 16, ks * 16);
-                #pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    MmaOp<T>::run(s[mt][2 * np], a[mt], bk[0], bk[1]);
-                    MmaOp<T>::run(s[mt][2 * np + 1], a[mt], bk[2], bk[3]);
-                }
-            }
+            warp_mm_ABt_from<T, D, MT, NT, C::KSTEPS>(
+                s, [&](u32 (&a)[4], int mt, int ks) {
+                    #pragma unroll
+                    for (int e = 0; e < 4; ++e) a[e] = q_frag[mt][ks][e];
+                }, sKj);
+        } else {
+            warp_mm_ABt<T, D, MT, NT, C::KSTEPS>(s, sQ, warp_row0, sKj);
         }
 
         // Prefetch K_{j+1} into the other buffer: every warp finished reading it (tile
@@ -150,27 +126,7 @@ flash_fwd_sm80(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const 
         __syncthreads();
 
         // O += P V_j, P taken straight from the S accumulators
-        #pragma unroll
-        for (int ps = 0; ps < C::PSTEPS; ++ps) {
-            u32 a[MT][4];
-            #pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                a[mt][0] = pack2<T>(s[mt][2 * ps][0], s[mt][2 * ps][1]);
-                a[mt][1] = pack2<T>(s[mt][2 * ps][2], s[mt][2 * ps][3]);
-                a[mt][2] = pack2<T>(s[mt][2 * ps + 1][0], s[mt][2 * ps + 1][1]);
-                a[mt][3] = pack2<T>(s[mt][2 * ps + 1][2], s[mt][2 * ps + 1][3]);
-            }
-            #pragma unroll
-            for (int dp = 0; dp < DT / 2; ++dp) {
-                u32 bv[4];
-                load_b_frags<T, D>(bv, sVj, ps * 16, dp * 16);
-                #pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    MmaOp<T>::run(acc[mt][2 * dp], a[mt], bv[0], bv[1]);
-                    MmaOp<T>::run(acc[mt][2 * dp + 1], a[mt], bv[2], bv[3]);
-                }
-            }
-        }
+        warp_mm_AB<T, D, MT, NT, DT>(acc, s, sVj);
 
         if (j + 1 < n_tiles)
             load_tile<T, BLOCK_N, D, C::THREADS>(sV + ((j + 1) % 2) * BLOCK_N * C::LD, v_head + (i64)(k0 + BLOCK_N) * V.row,
@@ -185,18 +141,14 @@ flash_fwd_sm80(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const 
     // reads them), then the CTA writes the tile out with wide, coalesced stores.
     cp_async_wait<0>();   // with no key tile, the Q copies may still be in flight
     __syncthreads();
+    warp_store_c<T, D>(sQ, warp_row0, acc, 1.f);
     #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
+    for (int mt = 0; mt < MT; ++mt)
         #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
             const int r = warp_row0 + mt * 16 + g + hh * 8;
-            #pragma unroll
-            for (int dt = 0; dt < DT; ++dt)
-                *reinterpret_cast<u32*>(sQ + r * C::LD + dt * 8 + 2 * t) =
-                    pack2<T>(acc[mt][dt][2 * hh], acc[mt][dt][2 * hh + 1]);
             if (t == 0 && r < q_rows) lse[((i64)b * gridDim.y + h) * nq + q0 + r] = row_lse[mt][hh];
         }
-    }
     __syncthreads();
     store_tile<T, BLOCK_M, D, C::THREADS>(O.at(b, h, q0), O.row, sQ, q_rows, dv, vec);
 }

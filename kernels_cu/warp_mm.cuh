@@ -12,16 +12,17 @@
 #include "copy.cuh"
 #include "mma.cuh"
 
-// C[MT][NT] += A B^T: A is rows a_row0 + [0, 16 MT) of one padded shared tile, B is rows
-// [0, 8 NT) of another; both contract over their first 16 KSTEPS columns.
-template <typename T, int COLS, int MT, int NT, int KSTEPS>
-__device__ __forceinline__ void warp_mm_ABt(float (&c)[MT][NT][4], const T* sA, int a_row0, const T* sB) {
+// C[MT][NT] += A B^T with B rows [0, 8 NT) of a padded shared tile, contracting over its
+// first 16 KSTEPS columns; load_a(a, mt, ks) supplies A's fragment of m-tile mt, k-step ks
+// (from shared memory below, or from registers kept across tiles, as the forward's Q).
+template <typename T, int COLS, int MT, int NT, int KSTEPS, typename LoadA>
+__device__ __forceinline__ void warp_mm_ABt_from(float (&c)[MT][NT][4], LoadA load_a, const T* sB) {
     static_assert(NT % 2 == 0, "B fragments come in pairs of n-tiles");
     #pragma unroll
     for (int ks = 0; ks < KSTEPS; ++ks) {
         u32 a[MT][4];
         #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) load_a_frag<T, COLS>(a[mt], sA, a_row0 + mt * 16, ks * 16);
+        for (int mt = 0; mt < MT; ++mt) load_a(a[mt], mt, ks);
         #pragma unroll
         for (int np = 0; np < NT / 2; ++np) {
             u32 b[4];
@@ -33,6 +34,14 @@ __device__ __forceinline__ void warp_mm_ABt(float (&c)[MT][NT][4], const T* sA, 
             }
         }
     }
+}
+
+// C[MT][NT] += A B^T: A is rows a_row0 + [0, 16 MT) of one padded shared tile, B is rows
+// [0, 8 NT) of another; both contract over their first 16 KSTEPS columns.
+template <typename T, int COLS, int MT, int NT, int KSTEPS>
+__device__ __forceinline__ void warp_mm_ABt(float (&c)[MT][NT][4], const T* sA, int a_row0, const T* sB) {
+    warp_mm_ABt_from<T, COLS, MT, NT, KSTEPS>(
+        c, [&](u32 (&a)[4], int mt, int ks) { load_a_frag<T, COLS>(a, sA, a_row0 + mt * 16, ks * 16); }, sB);
 }
 
 // The A fragment of k-step ks (columns 16 ks .. 16 ks + 15) of a tile held as fp32 C
