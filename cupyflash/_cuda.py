@@ -36,9 +36,31 @@ FWD_SM80_TILES = {
     192: ((128, 64, 8), (64, 32, 4)),
     256: ((128, 64, 8), (128, 32, 8), (32, 32, 2)),
 }
-# fp32/fp64 CUDA-core forward: rows (= keys) per tile, the largest whose shared memory
-# fits every sm_80+ GPU.
-SIMT_BLOCKS = (64, 32, 16)
+# fp32 (3xTF32) and fp64 (DMMA) tensor-core forward tiles per head dim, (BLOCK_M, BLOCK_N,
+# SUB_N, WARPS, DV_TILE), in order of preference as above: fwd_wide.cu computes SUB_N keys
+# of each loaded BLOCK_N-key tile at a time, and DV_TILE < D splits the output columns
+# over D / DV_TILE CTAs. From the build check (no spills) and shared memory: two 4-warp
+# CTAs per H100/H200 SM where they fit, else one of 6-8 warps; then A100's 163 KB; the
+# last entry fits ~100 KB. Not yet timed on a GPU.
+FWD_WIDE_TILES = {
+    "float32": {
+        32: ((64, 64, 32, 4, 32),),
+        64: ((64, 64, 32, 4, 64),),
+        96: ((64, 32, 32, 4, 96),),
+        128: ((64, 32, 32, 4, 128), (64, 16, 16, 4, 128)),
+        # Six or three warps: 192 threads move whole 48-chunk rows (copy.cuh's fast path).
+        192: ((96, 32, 16, 6, 192), (96, 16, 16, 6, 192), (48, 16, 16, 3, 192)),
+        256: ((128, 16, 16, 8, 256), (64, 16, 16, 4, 256), (32, 16, 16, 2, 128)),
+    },
+    "float64": {
+        32: ((64, 64, 32, 4, 32),),
+        64: ((64, 32, 32, 4, 64), (32, 32, 16, 2, 64)),
+        96: ((64, 16, 16, 4, 96), (48, 16, 16, 3, 96)),
+        128: ((128, 16, 8, 8, 128), (64, 16, 8, 4, 128), (32, 8, 8, 2, 128)),
+        192: ((64, 16, 8, 4, 96), (32, 8, 8, 2, 96)),
+        256: ((64, 8, 8, 4, 128), (16, 8, 8, 1, 64)),
+    },
+}
 PORTABLE_SMEM = 99 * 1024
 
 _CPP_TYPE = {"float16": "half_t", "bfloat16": "bfloat16_t", "float32": "float", "float64": "double"}
@@ -55,6 +77,7 @@ class Variant:
     threads: int
     block_m: int
     smem_bytes: int
+    column_passes: int = 1   # CTAs per query block, each computing some output columns
 
 
 def padded_head_dim(d: int, dv: int) -> int:
@@ -72,21 +95,20 @@ def _sm80_forward(dtype_name: str, D: int, tile) -> Variant:
     return Variant("fwd_sm80.cu", expr, warps * 32, block_m, smem)
 
 
-def _simt_forward(dtype_name: str, D: int) -> Variant:
-    itemsize = np.dtype(dtype_name).itemsize
-    for block in SIMT_BLOCKS:
-        smem = (2 * block * (D + 1) + block * (block + 1)) * itemsize
-        if smem <= PORTABLE_SMEM:
-            break
-    expr = f"flash_fwd_simt<{_CPP_TYPE[dtype_name]}, {D}, {block}>"
-    return Variant("fwd_simt.cu", expr, 256, block, smem)
+def _wide_forward(dtype_name: str, D: int, tile) -> Variant:
+    block_m, block_n, sub_n, warps, dv_tile = tile
+    item = np.dtype(dtype_name).itemsize
+    # fwd_wide.cu WideFwdTile: Q, and K twice with rows of D + 8; V twice, padded 16 bytes.
+    smem = ((block_m + 2 * block_n) * (D + 8) + 2 * block_n * (dv_tile + 16 // item)) * item
+    expr = f"flash_fwd_wide<{_CPP_TYPE[dtype_name]}, {D}, {dv_tile}, {block_m}, {block_n}, {sub_n}, {warps}>"
+    return Variant("fwd_wide.cu", expr, warps * 32, block_m, smem, D // dv_tile)
 
 
 def forward_variants(dtype_name: str, D: int) -> list[Variant]:
     """Every forward instantiation that may serve (dtype, D), in order of preference."""
     if dtype_name in ("float16", "bfloat16"):
         return [_sm80_forward(dtype_name, D, tile) for tile in FWD_SM80_TILES[D]]
-    return [_simt_forward(dtype_name, D)]
+    return [_wide_forward(dtype_name, D, tile) for tile in FWD_WIDE_TILES[dtype_name][D]]
 
 
 def all_variants() -> list[Variant]:
@@ -235,19 +257,14 @@ def attention_forward(q, k, v, o, lse, *, scale: float, causal: bool) -> None:
     variant = _choose(forward_variants(q.dtype.name, padded_head_dim(d, dv)), device_id)
     kernel = _load(variant, device_id)
     acc = np.float64 if q.dtype == np.float64 else np.float32
-    scale_log2 = scale * math.log2(math.e)
-    tensor_cores = variant.source == "fwd_sm80.cu"
-    if tensor_cores:
-        # That kernel folds the scale into its exp2 (exp2(s * scale_log2 - max)) and needs
-        # it positive so that masked -inf scores stay -inf. The smallest normal float
-        # gives exactly scale 0's result: every exp2 argument rounds to 0.
-        scale_log2 = max(scale_log2, float(np.finfo(np.float32).tiny))
+    # The kernels fold the scale into their exp2 (exp2(s * scale_log2 - max)) and need it
+    # positive so that masked -inf scores stay -inf. The smallest normal float gives
+    # exactly scale 0's result: every exp2 argument rounds to 0.
+    scale_log2 = max(scale * math.log2(math.e), float(np.finfo(np.float32).tiny))
     args = (*_tensor_args(q), *_tensor_args(k), *_tensor_args(v), *_tensor_args(o), lse,
             np.int32(Hq // Hk), np.int32(Nq), np.int32(Nk), np.int32(d), np.int32(dv),
-            acc(scale_log2), np.int32(bool(causal)))
-    if tensor_cores:
-        args += (np.int32(_rows_16b_aligned(q, k, v, o)),)
-    grid = (math.ceil(Nq / variant.block_m), Hq, B)
+            acc(scale_log2), np.int32(bool(causal)), np.int32(_rows_16b_aligned(q, k, v, o)))
+    grid = (math.ceil(Nq / variant.block_m) * variant.column_passes, Hq, B)
     kernel(grid, (variant.threads,), args, shared_mem=variant.smem_bytes)
 
 

@@ -4,7 +4,7 @@
 // group, optionally adding dQ into a workspace with atomics; flash_bwd_dq_simt owns a
 // query block and walks its key tiles, for a deterministic dQ.
 //
-// Thread layout of fwd_simt.cu: a CTA of 16 x 16 threads, thread (ty, tx) owns rows
+// Thread layout: a CTA of 16 x 16 threads, thread (ty, tx) owns rows
 // ty + 16 i and columns tx + 16 j of each BLOCK x BLOCK tile (S^T, dP^T in the dK/dV
 // kernel, with keys as rows; S, dP in the dQ kernel), and columns tx + 16 c of each
 // head-dim accumulator. Shared memory never holds a whole BLOCK x D tile (fp64 at d = 256
