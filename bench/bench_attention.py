@@ -1,7 +1,7 @@
 """The benchmark grid (`python -m cupyflash.bench`), plus forward tile tuning for kernel work.
 
     python bench/bench_attention.py --out bench/results/<gpu>-<date>.json [--plot]
-    python bench/bench_attention.py --tune    # TFLOP/s of each candidate forward tile shape
+    python bench/bench_attention.py --tune [dtype ...]   # TFLOP/s of each candidate forward tile shape
 
 Every option but ``--tune`` is `cupyflash.bench`'s (see ``--help`` there). Tuning stays in
 this script because it rewrites `cupyflash._cuda`'s tile table: a tool for changing the
@@ -17,11 +17,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from cupyflash import _cuda, bench  # noqa: E402
 
-# Forward tile candidates per (dtype, head dim), in the form of _cuda.FWD_SM80_TILES'
-# entries: (BLOCK_M, BLOCK_N, WARPS).
+# Forward tile candidates per (dtype, head dim), in the form of the tile tables' entries:
+# _cuda.FWD_SM80_TILES' (BLOCK_M, BLOCK_N, WARPS) for 16-bit dtypes, _cuda.FWD_WIDE_TILES'
+# (BLOCK_M, BLOCK_N, SUB_N, WARPS, DV_TILE) for fp32/fp64 (all spill-free).
 TUNE_CANDIDATES = {
     ("bfloat16", 64): [(128, 64, 4), (128, 32, 4), (128, 128, 8)],
     ("bfloat16", 128): [(128, 32, 4), (128, 64, 4), (128, 128, 8), (128, 64, 8)],
+    ("float32", 64): [(64, 64, 32, 4, 64), (128, 64, 32, 8, 64)],
+    ("float32", 128): [(64, 32, 32, 4, 128), (128, 64, 32, 8, 128), (64, 16, 16, 4, 128)],
+    ("float64", 64): [(64, 32, 32, 4, 64), (64, 32, 16, 4, 64), (128, 32, 16, 8, 64)],
+    ("float64", 128): [(128, 16, 8, 8, 128), (128, 16, 16, 8, 128), (64, 16, 16, 4, 128)],
 }
 
 
@@ -32,8 +37,9 @@ def tune(dtype, d, candidates, seqlens=(4096, 16384)):
     import cupyflash
 
     print(f"tuning {dtype} d={d}")
+    table = _cuda.FWD_SM80_TILES if dtype in ("float16", "bfloat16") else _cuda.FWD_WIDE_TILES[dtype]
     for tile in candidates:
-        _cuda.FWD_SM80_TILES[d] = (tile,)
+        table[d] = (tile,)
         for causal in (False, True):
             for N in seqlens:
                 H, B = bench.HIDDEN // d, bench.TOKENS // N
@@ -49,8 +55,10 @@ def tune(dtype, d, candidates, seqlens=(4096, 16384)):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if "--tune" in argv:
+        only = argv[argv.index("--tune") + 1:]   # dtypes to tune; all when none are named
         for (dtype, d), candidates in TUNE_CANDIDATES.items():
-            tune(dtype, d, candidates)
+            if not only or dtype in only:
+                tune(dtype, d, candidates)
         return 0
     return bench.main(argv)
 
