@@ -8,9 +8,9 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 CUPYFLASH_CACHE_DIR=${CUPYFLASH_CACHE_DIR:-/tmp/cupyflash-cache}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
 arch=$(python3 -c "from cupyflash import _cuda; print(_cuda._device_info(0)[0])")
-timeout 90 python3 -m cupyflash.build_check --arch "$arch" --jobs 16 > "$OUT/build.log" 2>&1; echo "build check rc=$? ($(tail -1 "$OUT/build.log"))"
+timeout 120 python3 -m cupyflash.build_check --arch "$arch" --jobs 16 > "$OUT/build.log" 2>&1; echo "build check rc=$? ($(tail -1 "$OUT/build.log"))"
 timeout 150 python3 -m pytest -m gpu tests -q -p no:cacheprovider ${1:+-k "$1"} > "$OUT/pytest.log" 2>&1; echo "gpu tests rc=$?"; tail -n 12 "$OUT/pytest.log"
-timeout 180 python3 bench/bench_attention.py --dtypes bfloat16 --naive-max-n 4096 ${COMMIT:+--commit "$COMMIT"} --out "$OUT/bench.json" > "$OUT/bench.log" 2>&1; echo "bench rc=$?"
+timeout 160 python3 bench/bench_attention.py --dtypes bfloat16 --naive-max-n 4096 ${COMMIT:+--commit "$COMMIT"} --out "$OUT/bench.json" > "$OUT/bench.log" 2>&1; echo "bench rc=$?"
 timeout 40 python3 examples/long_sequence.py > "$OUT/long_sequence.log" 2>&1; echo "long_sequence rc=$?"; cat "$OUT/long_sequence.log"
 timeout 50 python3 examples/train_tiny_transformer.py --steps 300 > "$OUT/train.log" 2>&1; echo "train rc=$?"; tail -n 3 "$OUT/train.log"
 timeout 40 compute-sanitizer --tool memcheck --error-exitcode 9 python3 tests/sanitize_cases.py > "$OUT/sanitize-memcheck.log" 2>&1
