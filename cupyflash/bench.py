@@ -104,9 +104,12 @@ def torch_peak(torch, fn):
 
 
 def naive_attention(q, k, v, scale, causal):
-    """softmax(scale q k^T) v with the full score matrix, in CuPy."""
+    """softmax(scale q k^T) v with the full score matrix, in CuPy. CuPy's matmul has no
+    bfloat16 kernel, so bf16 inputs are multiplied in fp32, as a CuPy user would."""
     import cupy as cp
 
+    if q.dtype.name == "bfloat16":
+        q, k, v = (x.astype(cp.float32) for x in (q, k, v))
     s = cp.matmul(q, k.swapaxes(-1, -2)).astype(cp.float32) * scale
     if causal:
         n = s.shape[-1]
