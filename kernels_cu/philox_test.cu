@@ -1,0 +1,22 @@
+// Test kernels for philox.cuh: tests/test_philox.py builds them for sm_80 and sm_90a and,
+// on a GPU, compares what they return with cupyflash/_philox.py bit for bit.
+#include "philox.cuh"
+
+// out[i] = Philox4x32-ROUNDS(counters[i], keys[i]).
+template <int ROUNDS>
+__global__ void philox4x32_kernel(const uint4* counters, const uint2* keys, uint4* out, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = philox4x32<ROUNDS>(counters[i], keys[i]);
+}
+
+// keep[i] = dropout_keep(...) of score (rows[i], cols[i]) of one (batch, head), each thread
+// evaluating its own element as an attention kernel's thread would.
+__global__ void dropout_keep_kernel(u64 seed, u64 offset, u32 batch, u32 head, u32 heads,
+                                    const u32* rows, const u64* cols, u32 threshold,
+                                    unsigned char* keep, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        const u64 stream = dropout_stream(offset, batch, head, heads);
+        keep[i] = dropout_keep(seed, stream, rows[i], cols[i], threshold);
+    }
+}
