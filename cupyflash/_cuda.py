@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 
-from . import _nvrtc
+from . import _arrays, _nvrtc
 
 # Head dims the kernels are instantiated for; any d <= 256 runs in the smallest one that
 # holds it, its padding columns zero-filled on load.
@@ -41,7 +41,7 @@ FWD_SM80_TILES = {
 # of each loaded BLOCK_N-key tile at a time, and DV_TILE < D splits the output columns
 # over D / DV_TILE CTAs. From the build check (no spills) and shared memory: two 4-warp
 # CTAs per H100/H200 SM where they fit, else one of 6-8 warps; then A100's 163 KB; the
-# last entry fits ~100 KB. Not yet timed on a GPU.
+# last entry fits ~100 KB.
 # Measured on an H200 (bench/bench_attention.py --tune, N = 16k, non-causal): fp32 d = 64
 # (128, 64, 32, 8) 57.9 TFLOP/s against (64, 64, 32, 4) 56.4; d = 128 (128, 64, 32, 8) 58.7
 # against (64, 32, 32, 4) 55.1; fp64 d = 128 (128, 16, 16, 8) 38.9 against (128, 16, 8, 8)
@@ -68,6 +68,10 @@ FWD_WIDE_TILES = {
 PORTABLE_SMEM = 99 * 1024
 
 _CPP_TYPE = {"float16": "half_t", "bfloat16": "bfloat16_t", "float32": "float", "float64": "double"}
+# dtypes served by the m16n8k16 kernels (fwd_sm80.cu, bwd_sm80.cu); the others by fwd_wide.cu
+# and bwd_simt.cu.
+HALF_DTYPES = ("float16", "bfloat16")
+MIN_COMPUTE_CAPABILITY = 80   # cp.async, ldmatrix, mma.sync m16n8k16 bf16, DMMA
 BUILD_ARCHS = ("sm_80", "sm_90a")
 MAX_GRID_YZ = 65535   # grid y (heads) and z (batch) extents
 
@@ -110,7 +114,7 @@ def _wide_forward(dtype_name: str, D: int, tile) -> Variant:
 
 def forward_variants(dtype_name: str, D: int) -> list[Variant]:
     """Every forward instantiation that may serve (dtype, D), in order of preference."""
-    if dtype_name in ("float16", "bfloat16"):
+    if dtype_name in HALF_DTYPES:
         return [_sm80_forward(dtype_name, D, tile) for tile in FWD_SM80_TILES[D]]
     return [_wide_forward(dtype_name, D, tile) for tile in FWD_WIDE_TILES[dtype_name][D]]
 
@@ -141,13 +145,33 @@ def gpu_available() -> bool:
         return False
 
 
-def unsupported_reason(dtype, d: int, dv: int) -> str | None:
+def unsupported_reason(dtype, d: int, dv: int, *, heads: int = 1, device=None) -> str | None:
+    """Why the GPU kernels cannot run this case on ``device`` (default: the current
+    one), or None when they can. The API asks before it allocates anything, so that
+    backend="auto" falls back to NumPy and backend="cuda" fails with this reason."""
     name = np.dtype(dtype).name
     if name not in _CPP_TYPE:
         return f"dtype {name} has no GPU kernel"
     if max(d, dv) > HEAD_DIMS[-1]:
         return f"head dim {max(d, dv)} > {HEAD_DIMS[-1]}"
+    if heads > MAX_GRID_YZ:
+        return f"{heads} query heads: the kernels take at most {MAX_GRID_YZ} per call"
+    import cupy
+
+    device_id = cupy.cuda.Device().id if device is None else int(device)
+    cc = _compute_capability(device_id)
+    if cc < MIN_COMPUTE_CAPABILITY:
+        return (f"GPU {device_id} has compute capability {cc // 10}.{cc % 10}; the kernels "
+                f"need {MIN_COMPUTE_CAPABILITY // 10}.{MIN_COMPUTE_CAPABILITY % 10} or newer")
     return None
+
+
+@functools.lru_cache(maxsize=None)
+def _compute_capability(device_id: int) -> int:
+    import cupy
+
+    props = cupy.cuda.runtime.getDeviceProperties(device_id)
+    return 10 * props["major"] + props["minor"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -155,8 +179,7 @@ def _device_info(device_id: int) -> tuple[str, int]:
     import cupy
 
     props = cupy.cuda.runtime.getDeviceProperties(device_id)
-    cc = f"{props['major']}{props['minor']}"
-    return _nvrtc.target_for(cc), int(props["sharedMemPerBlockOptin"])
+    return _nvrtc.target_for(str(_compute_capability(device_id))), int(props["sharedMemPerBlockOptin"])
 
 
 @functools.lru_cache(maxsize=None)
@@ -205,19 +228,33 @@ def precompile(*, dtypes=None, head_dims=None, device=None, workers=None) -> lis
     import cupy
 
     device_id = cupy.cuda.Device().id if device is None else int(device)
+    if isinstance(dtypes, str) or not isinstance(dtypes, (type(None), list, tuple, set)):
+        dtypes = (dtypes,)
     names = []
-    for t in (dtypes or _CPP_TYPE):
-        name = t if t in _CPP_TYPE else np.dtype(t).name
+    for t in dtypes or _CPP_TYPE:
+        try:
+            name = t if t in _CPP_TYPE else np.dtype(t).name
+        except TypeError:
+            name = repr(t)
         if name not in _CPP_TYPE:
             raise ValueError(f"dtypes: {name} is not one of {sorted(_CPP_TYPE)}")
         names.append(name)
+    if isinstance(head_dims, (int, np.integer)):
+        head_dims = (head_dims,)
+    for d in head_dims or HEAD_DIMS:
+        if not isinstance(d, (int, np.integer)) or not 1 <= d <= HEAD_DIMS[-1]:
+            raise ValueError(f"head_dims: each must be an integer in [1, {HEAD_DIMS[-1]}], got {d!r}")
     dims = sorted({padded_head_dim(int(d), int(d)) for d in (head_dims or HEAD_DIMS)})
-    arch, smem_limit = _device_info(device_id)
+    arch, _ = _device_info(device_id)
     wanted = {}
     for name in names:
         for D in dims:
             chosen = [_choose(forward_variants(name, D), device_id)]
-            chosen += [v for v in backward_variants(name, D) if v.smem_bytes <= smem_limit]
+            for deterministic in (False, True):
+                plan = backward_plan(name, D, deterministic)
+                chosen += [plan.prep, *([plan.convert] if plan.convert else [])]
+                chosen += [_choose(candidates, device_id) for _, candidates in plan.kv]
+                chosen += [_choose(plan.dq, device_id)] if plan.dq else []
             wanted.update((v.name_expression, v) for v in chosen)
     _nvrtc.compile_many([(v.source, v.name_expression, arch) for v in wanted.values()], workers)
     for v in wanted.values():
@@ -242,25 +279,34 @@ def _rows_16b_aligned(*arrays) -> bool:
     return True
 
 
+def _in_batch_slices(launch, arrays, **options) -> bool:
+    """Run ``launch`` over slices of the batch that fit the grid's z extent; False (and
+    nothing run) when the batch fits whole. Every array's first axis is the batch."""
+    batch = arrays[0].shape[0]
+    if batch <= MAX_GRID_YZ:
+        return False
+    for b0 in range(0, batch, MAX_GRID_YZ):
+        part = slice(b0, b0 + MAX_GRID_YZ)
+        launch(*(x[part] for x in arrays), **options)
+    return True
+
+
 def attention_forward(q, k, v, o, lse, *, scale: float, causal: bool) -> None:
     """Launch the forward kernel: writes o (B, Hq, Nq, dv) and lse (B, Hq, Nq).
 
     Inputs are (B, H, N, d) CuPy views with a contiguous last axis (validated by the
     caller); nothing is copied and the host does not wait for the GPU.
     """
+    if not lse.flags.c_contiguous:   # the kernels index it as (B, Hq, Nq) rows
+        raise ValueError("lse must be a C-contiguous (B, Hq, Nq) array")
+    if _in_batch_slices(attention_forward, (q, k, v, o, lse), scale=scale, causal=causal):
+        return
     B, Hq, Nq, d = q.shape
     Hk, Nk, dv = k.shape[1], k.shape[2], v.shape[3]
-    if Hq > MAX_GRID_YZ:
-        raise ValueError(f"q: at most {MAX_GRID_YZ} heads per call, got {Hq}")
-    if B > MAX_GRID_YZ:  # the grid's z extent: launch the batch in slices
-        for b0 in range(0, B, MAX_GRID_YZ):
-            part = slice(b0, b0 + MAX_GRID_YZ)
-            attention_forward(q[part], k[part], v[part], o[part], lse[part], scale=scale, causal=causal)
-        return
     device_id = q.device.id
     variant = _choose(forward_variants(q.dtype.name, padded_head_dim(d, dv)), device_id)
     kernel = _load(variant, device_id)
-    acc = np.float64 if q.dtype == np.float64 else np.float32
+    acc = _arrays.accumulation_dtype(q.dtype).type
     # The kernels fold the scale into their exp2 (exp2(s * scale_log2 - max)) and need it
     # positive so that masked -inf scores stay -inf. The smallest normal float gives
     # exactly scale 0's result: every exp2 argument rounds to 0.
@@ -364,7 +410,7 @@ def backward_plan(dtype_name: str, D: int, deterministic: bool) -> BackwardPlan:
     prep = Variant("bwd_prep.cu", f"flash_bwd_prep<{ctype}>", _PREP_WARPS * 32, _PREP_WARPS, 0)
     convert = None if deterministic else Variant(
         "bwd_prep.cu", f"flash_bwd_dq_convert<{ctype}>", 256, _CONVERT_ELEMS, 0)
-    if dtype_name in ("float16", "bfloat16"):
+    if dtype_name in HALF_DTYPES:
         tiles = BWD_SM80_KV_TILES[D]
         passes = ((GRAD_DV, GRAD_DK | dq_bit) if D >= BWD_SPLIT_MIN_HEAD_DIM
                   else (GRAD_DV | GRAD_DK | dq_bit,))
@@ -400,14 +446,15 @@ def attention_backward(do, q, k, v, o, lse, dq, dk, dv, *, scale, causal, determ
     """
     import cupy
 
+    if _in_batch_slices(attention_backward, (do, q, k, v, o, lse, dq, dk, dv), scale=scale,
+                        causal=causal, deterministic=deterministic):
+        return
     B, Hq, Nq, d = q.shape
     Hk, Nk, dim_v = k.shape[1], k.shape[2], v.shape[3]
-    if Hq > 65535 or B > 65535:
-        raise ValueError(f"q: at most 65535 heads and 65535 batch entries per call (got H={Hq}, B={B})")
     device_id = q.device.id
     name = q.dtype.name
     plan = backward_plan(name, padded_head_dim(d, dim_v), bool(deterministic))
-    acc = np.float64 if name == "float64" else np.float32
+    acc = _arrays.accumulation_dtype(q.dtype).type
     group = Hq // Hk
     nq_pad = -(-Nq // BWD_ROW_PAD) * BWD_ROW_PAD
 
@@ -421,7 +468,7 @@ def attention_backward(do, q, k, v, o, lse, dq, dk, dv, *, scale, causal, determ
     dq_accum = None if deterministic else cupy.zeros((B, Hq, Nq, d), acc)
     shape_args = (np.int32(group), np.int32(Nq), np.int32(Nk), np.int32(d), np.int32(dim_v),
                   np.int32(nq_pad), acc(scale * math.log2(math.e)), acc(scale), np.int32(bool(causal)))
-    sm80 = name in ("float16", "bfloat16")
+    sm80 = name in HALF_DTYPES
     tail = (np.int32(_rows_16b_aligned(q, k, v, do, dq, dk, dv)),) if sm80 else ()
     inputs = (*_tensor_args(q), *_tensor_args(k), *_tensor_args(v), *_tensor_args(do))
     for grads, candidates in plan.kv:

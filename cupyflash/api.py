@@ -178,12 +178,13 @@ def _gpu_backend():
     return None, "there is no usable CUDA GPU (no device, or no driver/NVRTC)"
 
 
-def _select_backend(requested, problem):
+def _select_backend(requested, problem, heads):
     if requested == "numpy":
         return "numpy"
     cuda, why_not = _gpu_backend()
     if cuda is not None:
-        why_not = cuda.unsupported_reason(problem.dtype, problem.head_dim, problem.value_dim)
+        why_not = cuda.unsupported_reason(problem.dtype, problem.head_dim, problem.value_dim,
+                                          heads=heads, device=problem.device)
         if why_not is not None and requested == "cuda":
             raise ValueError(f"backend='cuda' cannot run this case: {why_not}")
     elif requested == "cuda":
@@ -246,7 +247,7 @@ def _forward(q, k, v, options):
     q, k, v, problem = _validate.check_inputs(q, k, v, layout=options.layout)
     scale = _validate.resolve_scale(options.scale, problem.head_dim)
     _refuse_unimplemented(options)
-    backend = _select_backend(options.backend, problem)
+    backend = _select_backend(options.backend, problem, _arrays.split_shape(q.shape, options.layout)[1])
     kind, device = _where(backend, problem)
     layout = options.layout
     with _arrays.on_device(device):

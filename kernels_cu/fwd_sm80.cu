@@ -108,18 +108,7 @@ flash_fwd_sm80(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const 
 
         // Hide what a row may not see; the predicate runs only on tiles that cross the
         // diagonal or the sequence end (a uniform branch).
-        if (mask.tile_needs_mask(q0, k0, k0 + BLOCK_N)) {
-            #pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-                #pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
-                    #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int row = q0 + warp_row0 + mt * 16 + g + (e / 2) * 8;
-                        const int col = k0 + nt * 8 + 2 * t + (e % 2);
-                        if (!mask.visible(row, col)) s[mt][nt][e] = -INFINITY;
-                    }
-        }
+        if (mask.tile_needs_mask(q0, k0, k0 + BLOCK_N)) mask.apply(s, q0 + warp_row0, k0);
         softmax.update(s, acc, scale_log2);
 
         cp_async_wait<1>();   // V_j has landed

@@ -336,7 +336,7 @@ def test_backend_auto_without_gpu_runs_on_numpy(rng):
 
 
 def test_case_the_kernels_do_not_cover(rng, monkeypatch):
-    kernels = types.SimpleNamespace(unsupported_reason=lambda dtype, d, dv: f"no kernel for d={d}")
+    kernels = types.SimpleNamespace(unsupported_reason=lambda dtype, d, dv, **where: f"no kernel for d={d}")
     monkeypatch.setattr(api, "_gpu_backend", lambda: (kernels, None))
     q, k, v = (_random(rng, (1, 1, 4, 8), np.float32) for _ in range(3))
     assert cf.attention_forward(q, k, v)[1].backend == "numpy"
@@ -455,3 +455,15 @@ def test_torch_gpu_tensors_are_taken_without_a_copy(rng, wrap):
     assert [x.data.ptr for x in (ctx.q, ctx.k, ctx.v)] == [t.data_ptr() for t in tensors]
     ref_o, _ = naive_attention(*arrays, scale=0.25, causal=True)
     assert _rel_err(cupy.asnumpy(o), ref_o) < TOLERANCE[np.dtype(np.float32)]
+
+
+def test_gpu_kernels_refuse_old_gpus_and_too_many_heads(monkeypatch):
+    """The reasons backend="auto" falls back to NumPy (and "cuda" fails) for, before anything
+    is allocated: GPUs older than compute capability 8.0 and more heads than the grid takes."""
+    from cupyflash import _cuda
+    monkeypatch.setattr(_cuda, "_compute_capability", lambda device_id: 75)
+    assert "compute capability 7.5" in _cuda.unsupported_reason(np.float16, 64, 64, device=0)
+    assert "65535" in _cuda.unsupported_reason(np.float16, 64, 64, heads=70000, device=0)
+    assert "head dim 300" in _cuda.unsupported_reason(np.float32, 300, 64, device=0)
+    monkeypatch.setattr(_cuda, "_compute_capability", lambda device_id: 90)
+    assert _cuda.unsupported_reason(np.float16, 64, 64, device=0) is None
