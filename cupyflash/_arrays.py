@@ -151,10 +151,14 @@ def has_contiguous_last_axis(x):
     return x.shape[-1] == 1 or x.size == 0 or x.strides[-1] == x.dtype.itemsize
 
 
+def data_pointer(x):
+    """The address of a numpy or cupy array's first element."""
+    return x.__array_interface__["data"][0] if isinstance(x, np.ndarray) else x.data.ptr
+
+
 def signature(x):
     """What identifies an array object's view of memory: replacing or reshaping it changes this."""
-    pointer = x.__array_interface__["data"][0] if isinstance(x, np.ndarray) else x.data.ptr
-    return (type(x), x.shape, x.strides, x.dtype, pointer)
+    return (type(x), x.shape, x.strides, x.dtype, data_pointer(x))
 
 
 def fingerprint(x):

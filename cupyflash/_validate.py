@@ -20,6 +20,7 @@ BACKENDS = ("auto", "cuda", "numpy")
 
 _ARRAY_TYPES = "a numpy.ndarray, a cupy.ndarray, or an object with __cuda_array_interface__ or __dlpack__"
 _DTYPE_NAMES = ", ".join(dt.name for dt in _arrays.SUPPORTED_DTYPES)
+_LOG2E = math.log2(math.e)
 _WHERE = {_arrays.HOST: "host (NumPy)", _arrays.DEVICE: "GPU"}
 
 
@@ -60,8 +61,11 @@ def check_flag(value, name):
 
 
 def _check_choice(value, name, choices):
-    if not isinstance(value, str) or value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+    listed = ", ".join(map(repr, choices))
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a string, one of {listed}, got {value!r} ({type(value).__name__})")
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {listed}, got {value!r}")
     return value
 
 
@@ -128,8 +132,25 @@ def check_options(*, causal, scale, window, dropout_p, seed, block_mask, bias, a
     )
 
 
-def resolve_scale(scale, head_dim):
-    return 1.0 / math.sqrt(head_dim) if scale is None else scale
+def resolve_scale(scale, head_dim, dtype=np.float64):
+    """The scale to use: ``scale``, or 1/sqrt(head_dim) for None.
+
+    The backends fold log2(e) into the scale in the accumulation dtype of ``dtype`` inputs,
+    so a scale whose ``scale * log2(e)`` overflows there raises ValueError. The default
+    float64 checks only against the widest accumulation dtype.
+    """
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    accumulation = _arrays.accumulation_dtype(dtype)
+    with np.errstate(over="ignore"):  # the overflow is what is checked for
+        folded = accumulation.type(scale * _LOG2E)
+    if not math.isfinite(folded):
+        limit = float(np.finfo(accumulation).max) / _LOG2E
+        raise ValueError(
+            f"scale must be at most about {limit:.6g} for {np.dtype(dtype)} inputs, so that "
+            f"scale * log2(e) fits in {accumulation}, got {scale!r}"
+        )
+    return scale
 
 
 def _adopt_same_kind(named, kind, reference):
@@ -164,6 +185,26 @@ def _check_contiguous_last_axis(name, x):
         raise ValueError(
             f"{name} must have a contiguous last axis (stride {x.dtype.itemsize} bytes), got "
             f"strides {x.strides}; pass ascontiguousarray({name}) instead"
+        )
+
+
+def _check_element_aligned(name, x):
+    # The backends address elements through typed pointers and element strides, so a
+    # stride or a start address that is no multiple of the item size cannot be passed on.
+    # NumPy calls such arrays unaligned; CuPy views and __cuda_array_interface__ arrays can
+    # be so too. Strides of length-1 axes, and of empty arrays, address nothing.
+    if x.size == 0:
+        return
+    item = x.dtype.itemsize
+    if any(s % item for n, s in zip(x.shape, x.strides) if n != 1):
+        raise ValueError(
+            f"{name} must have strides that are multiples of its item size ({item} bytes), got "
+            f"strides {x.strides}; pass {name}.copy() instead"
+        )
+    if _arrays.data_pointer(x) % item:
+        raise ValueError(
+            f"{name} must start at an address aligned to its item size ({item} bytes), got "
+            f"address {_arrays.data_pointer(x):#x}; pass {name}.copy() instead"
         )
 
 
@@ -220,6 +261,7 @@ def check_inputs(q, k, v, *, layout):
             raise ValueError(f"{name} head dimension must be between 1 and {MAX_HEAD_DIM}, got {dim}")
     for name, x in named:
         _check_contiguous_last_axis(name, x)
+        _check_element_aligned(name, x)
 
     problem = Problem(kind=kind, device=device, dtype=q.dtype, batch=math.prod(q_lead),
                       head_dim=head_dim, value_dim=value_dim)
@@ -236,6 +278,7 @@ def check_do(do, *, o, kind, device):
     if do.shape != o.shape:
         raise ValueError(f"do must have the shape of o, {o.shape}, got {do.shape}")
     _check_contiguous_last_axis("do", do)
+    _check_element_aligned("do", do)
     return do
 
 

@@ -1,6 +1,8 @@
 """Every bad argument raises TypeError or ValueError naming it, before any work is done."""
 
 import dataclasses
+import math
+import re
 import warnings
 
 import ml_dtypes
@@ -8,6 +10,7 @@ import numpy as np
 import pytest
 
 import cupyflash as cf
+from cupyflash import _validate
 
 
 def _qkv(rng, q_shape=(2, 4, 5, 8), k_shape=(2, 2, 6, 8), v_shape=None, dtype=np.float32):
@@ -166,6 +169,59 @@ def test_non_contiguous_last_axis(rng, position, step):
         cf.attention(*args)
 
 
+def _float32_from_bytes(shape, strides, offset=0):
+    """A float32 array over a byte buffer, with byte ``strides`` and start ``offset``:
+    what CuPy and __cuda_array_interface__ arrays can describe too."""
+    extent = 4 + sum((n - 1) * s for n, s in zip(shape, strides))  # bytes the view spans
+    floats = np.zeros(offset + -(-extent // 4) * 4, np.uint8)[offset:].view(np.float32)
+    return np.lib.stride_tricks.as_strided(floats, shape, strides)
+
+
+@pytest.mark.parametrize("position", [0, 1, 2])
+@pytest.mark.parametrize("strides", [(4 * 8 * 5 + 2, 4 * 8 * 5, 4 * 8, 4),  # batch stride
+                                     (640, 160, 34, 4)])                    # row stride
+def test_strides_not_multiples_of_the_item_size(rng, position, strides):
+    args = list(_qkv(rng, (2, 2, 5, 8), (2, 2, 5, 8)))
+    args[position] = _float32_from_bytes(args[position].shape, strides)
+    name = "qkv"[position]
+    with pytest.raises(ValueError, match=rf"^{name} must have strides that are multiples of its item size \(4 bytes\)"):
+        cf.attention(*args)
+
+
+@pytest.mark.parametrize("position", [0, 1, 2])
+@pytest.mark.parametrize("offset", [1, 2, 3])
+def test_start_address_not_aligned_to_the_item_size(rng, position, offset):
+    args = list(_qkv(rng, (2, 2, 5, 8), (2, 2, 5, 8)))
+    args[position] = _float32_from_bytes(args[position].shape, args[position].strides, offset)
+    assert not args[position].flags.aligned
+    name = "qkv"[position]
+    with pytest.raises(ValueError, match=rf"^{name} must start at an address aligned to its item size \(4 bytes\)"):
+        cf.attention(*args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("offset, strides, message", [
+    (2, None, "start at an address aligned to its item size"),
+    (0, (640, 160, 34, 4), "have strides that are multiples of its item size"),
+])
+def test_cupy_array_not_element_aligned(rng, offset, strides, message):
+    import cupy
+
+    q, k, v = (cupy.asarray(x) for x in _qkv(rng, (2, 2, 5, 8), (2, 2, 5, 8)))
+    buffer = cupy.zeros(4096, cupy.uint8)
+    odd = cupy.ndarray(k.shape, cupy.float32, memptr=buffer.data + offset, strides=strides or k.strides)
+    with pytest.raises(ValueError, match=f"^k must {message}"):
+        cf.attention(q, odd, v, backend="cuda")
+
+
+def test_odd_strides_of_length_one_axes_are_accepted(rng):
+    q, k, v = _qkv(rng, (1, 2, 5, 8), (1, 2, 5, 8))
+    odd = [_float32_from_bytes(x.shape, (3, *x.strides[1:])) for x in (q, k, v)]
+    for x, y in zip(odd, (q, k, v)):
+        x[...] = y
+    np.testing.assert_array_equal(cf.attention(*odd), cf.attention(q, k, v))
+
+
 def test_size_one_last_axis_is_contiguous_whatever_its_stride(rng):
     q, k, v = _qkv(rng, (2, 4, 5, 1), (2, 2, 6, 1), (2, 2, 6, 1))
     strided = [np.repeat(x, 3, axis=-1)[..., :1] for x in (q, k, v)]
@@ -190,6 +246,28 @@ def test_scale_negative(rng):
 def test_scale_not_a_real_number(rng, scale):
     with pytest.raises(TypeError, match="^scale must be a real number"):
         cf.attention(*_qkv(rng), scale=scale)
+
+
+@pytest.mark.parametrize("scale", [1.25e308, float(np.finfo(np.float64).max)])
+def test_scale_overflowing_with_log2e(rng, scale):
+    # The backends fold log2(e) into the scale; no accumulation dtype holds this product.
+    with pytest.raises(ValueError, match="^scale must be at most about .* so that scale \\* log2\\(e\\) fits"):
+        cf.attention(*_qkv(rng), scale=scale)
+
+
+@pytest.mark.parametrize("dtype, accumulation", [(np.float16, np.float32), (ml_dtypes.bfloat16, np.float32),
+                                                 (np.float32, np.float32), (np.float64, np.float64)])
+def test_scale_limit_is_the_accumulation_dtype_max_over_log2e(dtype, accumulation):
+    limit = float(np.finfo(accumulation).max) / math.log2(math.e)
+    assert _validate.resolve_scale(0.999 * limit, 64, dtype) == 0.999 * limit
+    message = (f"scale must be at most about {limit:.6g} for {np.dtype(dtype)} inputs, so that "
+               f"scale * log2(e) fits in {np.dtype(accumulation)}, got")
+    with pytest.raises(ValueError, match="^" + re.escape(message)):
+        _validate.resolve_scale(1.001 * limit, 64, dtype)
+
+
+def test_default_scale_is_one_over_sqrt_d():
+    assert _validate.resolve_scale(None, 64, np.float16) == 0.125
 
 
 @pytest.mark.parametrize("scale", [0, 2, np.float32(0.25), np.float64(0.0)])
@@ -217,11 +295,18 @@ def test_numpy_bool_flags_are_accepted(rng):
 
 
 @pytest.mark.parametrize("option, value", [
-    ("layout", "BHSD"), ("layout", "bsh"), ("layout", None), ("layout", 0),
-    ("backend", "gpu"), ("backend", "torch"), ("backend", None),
+    ("layout", "BHSD"), ("layout", "bsh"), ("backend", "gpu"), ("backend", "torch"),
 ])
 def test_unknown_choice(rng, option, value):
     with pytest.raises(ValueError, match=f"^{option} must be one of"):
+        cf.attention(*_qkv(rng), **{option: value})
+
+
+@pytest.mark.parametrize("option, value", [
+    ("layout", None), ("layout", 0), ("layout", b"bhsd"), ("backend", None), ("backend", ["cuda"]),
+])
+def test_choice_not_a_string(rng, option, value):
+    with pytest.raises(TypeError, match=f"^{option} must be a string, one of"):
         cf.attention(*_qkv(rng), **{option: value})
 
 
@@ -307,6 +392,20 @@ def test_do_non_contiguous_last_axis(rng):
     *_, o, ctx = _forward(rng)
     with pytest.raises(ValueError, match="^do must have a contiguous last axis"):
         cf.attention_backward(np.repeat(o, 2, axis=-1)[..., ::2], ctx)
+
+
+def test_do_strides_not_multiples_of_the_item_size(rng):
+    *_, o, ctx = _forward(rng)
+    do = _float32_from_bytes(o.shape, (o.strides[0] + 2, *o.strides[1:]))
+    with pytest.raises(ValueError, match=r"^do must have strides that are multiples of its item size"):
+        cf.attention_backward(do, ctx)
+
+
+def test_do_start_address_not_aligned(rng):
+    *_, o, ctx = _forward(rng)
+    do = _float32_from_bytes(o.shape, o.strides, offset=2)
+    with pytest.raises(ValueError, match=r"^do must start at an address aligned to its item size"):
+        cf.attention_backward(do, ctx)
 
 
 @pytest.mark.parametrize("ctx", [None, {"q": 1}, (1, 2)])
