@@ -67,8 +67,9 @@ def time_ms(fn, repeat=20, warmup=3):
     return float(np.median(times))
 
 
-def cupy_peak(fn):
-    """Peak bytes held by CuPy allocations made during one call of `fn` (after a warm call)."""
+def peak_memory_hook():
+    """A cupy.cuda.MemoryHook whose ``peak`` is the most bytes that CuPy allocations made
+    while it is active (``with hook: ...``) held at once."""
     import cupy as cp
 
     # Defined here because its base class comes from cupy, imported only when measuring.
@@ -85,9 +86,16 @@ def cupy_peak(fn):
         def free_postprocess(self, device_id, mem_size, mem_ptr, pmem_id):
             self.current -= mem_size
 
+    return PeakMemory()
+
+
+def cupy_peak(fn):
+    """Peak bytes held by CuPy allocations made during one call of `fn` (after a warm call)."""
+    import cupy as cp
+
     fn()
     cp.cuda.Device().synchronize()
-    hook = PeakMemory()
+    hook = peak_memory_hook()
     with hook:
         fn()
         cp.cuda.Device().synchronize()

@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 import cupyflash  # noqa: E402
 from cupyflash import _cuda  # noqa: E402
+from cupyflash.bench import peak_memory_hook  # noqa: E402
 
 TOLERANCE = {"bfloat16": 1e-2, "float16": 3e-3, "float32": 1e-5, "float64": 1e-12}
 
@@ -47,27 +48,31 @@ def numpy_dtype(name):
 
 
 class Phase:
-    """Wall time (after a device sync) and peak device memory of one phase."""
+    """Wall time (after a device sync) and, on a GPU, the peak device memory that the
+    phase's own allocations held at once (its outputs and workspace; the inputs, allocated
+    before, are not counted)."""
 
     def __init__(self, name, xp):
         self.name, self.xp = name, xp
+        self.on_gpu = xp is not np
 
     def __enter__(self):
         print(f"  {self.name} ...", end="", flush=True)
-        if self.xp is not np:
+        if self.on_gpu:
             self.xp.cuda.Device().synchronize()
-            self.pool = self.xp.get_default_memory_pool()
-            self.before = self.pool.used_bytes()
+            self.memory = peak_memory_hook()
+            self.memory.__enter__()
         self.t0 = time.perf_counter()
         return self
 
     def __exit__(self, *exc):
-        if self.xp is not np:
+        if self.on_gpu:
             self.xp.cuda.Device().synchronize()
         self.seconds = time.perf_counter() - self.t0
         extra = ""
-        if self.xp is not np:
-            extra = f", device memory in use {self.pool.used_bytes() / 2**30:.2f} GiB"
+        if self.on_gpu:
+            self.memory.__exit__(*exc)
+            extra = f", peak device memory allocated {self.memory.peak / 2**30:.3f} GiB"
         print(f" {self.seconds:.3f} s{extra}", flush=True)
 
 
@@ -93,7 +98,8 @@ def main():
     args = parse_args(on_gpu)
     if on_gpu:
         import cupy as xp
-        where = f"GPU: {xp.cuda.runtime.getDeviceProperties(xp.cuda.Device().id)['name'].decode()}"
+        name = xp.cuda.runtime.getDeviceProperties(xp.cuda.Device().id)["name"]
+        where = f"GPU: {name.decode() if isinstance(name, bytes) else name}"
     else:
         xp = np
         where = "no GPU found: NumPy backend, smaller default size"
