@@ -24,7 +24,8 @@ The script compares cupyflash with a direct SciPy computation (``cdist`` and ``s
 on a problem small enough for the dense weight matrix, then smooths a problem whose dense
 matrix would not fit in memory, checking a random sample of its rows the direct way.
 On a GPU it runs there with CuPy arrays; otherwise on the NumPy backend with smaller
-sizes.
+sizes. It needs SciPy, which cupyflash itself does not (``pip install scipy``, or the
+``test`` extra).
 
     python examples/kernel_smoothing.py [--queries NQ] [--samples NK] [--bandwidth H]
         [--dtype float64] [--seed 0]
