@@ -11,24 +11,15 @@ import itertools
 
 import numpy as np
 import pytest
+from gpu_cases import DTYPES, HEAD_DIMS, TOLERANCE, bhsd64, make_inputs, rel_err
 
 import cupyflash
 from cupyflash import _reference
 
 pytestmark = pytest.mark.gpu
 
-TOLERANCE = {"bfloat16": 1e-2, "float16": 3e-3, "float32": 1e-5, "float64": 1e-12}
-DTYPES = ("float16", "bfloat16", "float32", "float64")
-HEAD_DIMS = (32, 64, 96, 128, 192, 256, 72)
 SEQLENS = ((1, 1), (17, 17), (127, 129), (128, 128), (129, 127), (1000, 1000), (17, 1000),
            (1000, 17), (1, 128), (129, 1), (128, 1000), (1000, 127))
-
-
-def _dtype(name):
-    if name == "bfloat16":
-        import ml_dtypes
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
 
 
 def _cases():
@@ -49,24 +40,10 @@ def _cases():
                    f"-{'det' if deterministic else 'atomic'}-{path}")
 
 
-def _inputs(rng, dtype, d, nq, nk, group, layout, dv=None, batch=2, kv_heads=2):
-    """Host arrays (q, k, v, do) in ``dtype`` and their CuPy copies, in ``layout``."""
-    import cupy as cp
-    dv = d if dv is None else dv
-    if nq * nk >= 10**5:   # the float64 reference runs on the host: keep long cases small
-        batch = kv_heads = 1
-    hq = kv_heads * group
-    if layout == "bhsd":
-        shapes = (batch, hq, nq, d), (batch, kv_heads, nk, d), (batch, kv_heads, nk, dv), (batch, hq, nq, dv)
-    else:
-        shapes = (batch, nq, hq, d), (batch, nk, kv_heads, d), (batch, nk, kv_heads, dv), (batch, nq, hq, dv)
-    host = [rng.standard_normal(s).astype(_dtype(dtype)) for s in shapes]
-    return host, [cp.asarray(x) for x in host]
-
-
-def _bhsd64(x, layout):
-    x = np.asarray(x).astype(np.float64)
-    return x if layout == "bhsd" else x.transpose(0, 2, 1, 3)
+def _inputs(rng, dtype, d, nq, nk, group, layout, **kwargs):
+    """Host arrays (q, k, v, do) and their CuPy copies; the float64 reference gradients
+    cost more than the forward's, so cases shrink from 10**5 query-key pairs."""
+    return make_inputs(rng, dtype, d, nq, nk, group, layout, with_do=True, max_pairs=10**5, **kwargs)
 
 
 def _reference_grads(host, layout, *, causal):
@@ -75,7 +52,7 @@ def _reference_grads(host, layout, *, causal):
     key the softmax is constant (P = 1), so dS = P o (dP - D) = 0 and dq = dk = 0 exactly:
     what the kernels return is rounding noise, measured against the norm of the terms they
     sum, scale * (P o (|dP| + |D|)) K for dq and its transpose times Q for dk."""
-    q, k, v, do = (_bhsd64(x, layout) for x in host)
+    q, k, v, do = (bhsd64(x, layout) for x in host)
     scale = 1.0 / np.sqrt(q.shape[-1])
     o, lse = _reference.attention_forward(q, k, v, scale=scale, causal=causal)
     grads = _reference.attention_backward(do, q, k, v, o, lse, scale=scale, causal=causal)
@@ -114,7 +91,7 @@ def _check(grads, reference, dtype, layout):
     import cupy as cp
     ref, norms = reference
     for name, g, r, norm in zip(("dq", "dk", "dv"), grads, ref, norms):
-        out = _bhsd64(cp.asnumpy(g), layout)
+        out = bhsd64(cp.asnumpy(g), layout)
         assert not np.isnan(out).any(), f"{name}: unwritten or NaN elements"
         err = np.linalg.norm((out - r).ravel()) / max(norm, 1e-300)
         assert err < TOLERANCE[dtype], f"{name}: relative error {err:.3g}"
@@ -140,6 +117,57 @@ def test_value_dim_differs(rng, dtype, d, dv, deterministic):
     host, (q, k, v, do) = _inputs(rng, dtype, d, 129, 200, 2, "bhsd", dv=dv)
     grads = _poisoned_backward(q, k, v, do, causal=True, layout="bhsd", deterministic=deterministic)
     _check(grads, _reference_grads(host, "bhsd", causal=True), dtype, "bhsd")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dv", [24, 72, 136])
+def test_value_dim_differs_from_head_dim(rng, dtype, d, dv):
+    """dv != d, smaller and larger (136 > 128 pads both to the 192 kernels), both modes
+    and both layouts."""
+    layout = "bshd" if d == 128 else "bhsd"
+    deterministic = dv != 72
+    host, (q, k, v, do) = _inputs(rng, dtype, d, 129, 200, 2, layout, dv=dv)
+    grads = _poisoned_backward(q, k, v, do, causal=True, layout=layout, deterministic=deterministic)
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    _check(grads, _reference_grads(host, layout, causal=True), dtype, layout)
+
+
+def test_batch_beyond_the_grid_limit(rng):
+    """70000 batch entries, more than the grid's 65535 z extent: both passes run in
+    slices of the batch, and every slice matches the NumPy backend in float64."""
+    import cupy as cp
+    from cupyflash import _cuda
+    shape = (70000, 1, 3, 32)
+    assert shape[0] > _cuda.MAX_GRID_YZ
+    host = [rng.standard_normal(shape).astype(np.float16) for _ in range(4)]
+    q, k, v, do = (cp.asarray(x) for x in host)
+    o, vjp = cupyflash.attention_vjp(q, k, v, causal=True, backend="cuda")
+    grads = vjp(do)
+    ref_o, ref_vjp = cupyflash.attention_vjp(*(x.astype(np.float64) for x in host[:3]),
+                                             causal=True, backend="numpy")
+    ref_grads = ref_vjp(host[3].astype(np.float64))
+    for name, got, ref in zip(("o", "dq", "dk", "dv"), (o, *grads), (ref_o, *ref_grads)):
+        got = cp.asnumpy(got).astype(np.float64)
+        for part in (slice(0, _cuda.MAX_GRID_YZ), slice(_cuda.MAX_GRID_YZ, None)):
+            err = rel_err(got[part], ref[part])
+            assert err < TOLERANCE["float16"], f"{name}[{part.start}:{part.stop}]: relative error {err:.3g}"
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_empty_batch(layout):
+    """A batch of 0 on the GPU backend: empty CuPy results of the right shapes from both
+    passes, nothing launched."""
+    import cupy as cp
+    shape = (0, 2, 5, 32)
+    q, k, v, do = (cp.zeros(shape, np.float16) for _ in range(4))
+    o, ctx = cupyflash.attention_forward(q, k, v, layout=layout, backend="cuda")
+    assert ctx.backend == "cuda"
+    assert isinstance(o, cp.ndarray) and o.shape == shape and o.dtype == q.dtype
+    assert ctx.lse.shape == ((0, 2, 5) if layout == "bhsd" else (0, 5, 2))
+    grads = cupyflash.attention_backward(do, ctx)
+    for g, x in zip(grads, (q, k, v)):
+        assert isinstance(g, cp.ndarray) and g.shape == x.shape and g.dtype == x.dtype
 
 
 @pytest.mark.parametrize("dtype,d", [("float16", 128), ("bfloat16", 256), ("bfloat16", 72),
@@ -171,13 +199,16 @@ def test_rows_without_keys_get_zero_dq(rng, dtype, deterministic):
 
 
 def test_strided_inputs_without_alignment(rng):
-    """Every other row of a larger array (an odd row stride): the kernels take the
-    element-wise copy path instead of 16-byte copies."""
+    """Every other 76-element row of one buffer, as in the forward test: the rows are 304
+    bytes apart, but k and do start 152 bytes into theirs, so their rows are not 16-byte
+    aligned and the kernels take the element-wise copy path instead of 16-byte copies."""
     import cupy as cp
-    base = cp.asarray(rng.standard_normal((1, 3, 2 * 257, 72)).astype(np.float16))
-    q, k = base[:, :, ::2, :], base[:, :, 1::2, :]
+    from cupyflash import _cuda
+    base = cp.asarray(rng.standard_normal((1, 3, 2 * 257, 76)).astype(np.float16))
+    q, k = base[:, :, ::2, :72], base[:, :, 1::2, :72]
     v = cp.asarray(rng.standard_normal((1, 3, 257, 72)).astype(np.float16))
-    do = cp.asarray(rng.standard_normal((1, 3, 2 * 257, 72)).astype(np.float16))[:, :, 1::2, :]
+    do = cp.asarray(rng.standard_normal((1, 3, 2 * 257, 76)).astype(np.float16))[:, :, 1::2, :72]
+    assert not _cuda._rows_16b_aligned(q, k, do)
     host = [cp.asnumpy(x) for x in (q, k, v, do)]
     for deterministic in (False, True):
         grads = _poisoned_backward(q, k, v, do, causal=False, layout="bhsd", deterministic=deterministic)
