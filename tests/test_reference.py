@@ -254,7 +254,7 @@ def test_inputs_not_modified(rng):
     arrays = make_inputs(rng, case, np.float32)
     copies = [x.copy() for x in arrays]
     for x in arrays:
-        x.base.setflags(write=False)  # a write attempt raises instead of passing silently
+        x.setflags(write=False)  # a write attempt raises instead of passing silently
     q, k, v, do = arrays
     o, lse = forward(q, k, v, case)
     o_copy, lse_copy = o.copy(), lse.copy()
