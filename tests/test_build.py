@@ -36,14 +36,6 @@ def test_tensor_core_kernels_do_not_spill(built):
     assert not spilled
 
 
-def test_shared_memory_of_first_choice_tiles_fits_hopper_and_fallbacks_fit_100kb():
-    for name in ("float16", "bfloat16", "float32", "float64"):
-        for D in _cuda.HEAD_DIMS:
-            variants = _cuda.forward_variants(name, D)
-            assert variants[0].smem_bytes <= 227 * 1024
-            assert variants[-1].smem_bytes <= _cuda.PORTABLE_SMEM
-
-
 def test_ptxas_report_is_parsed():
     log = ("ptxas info    : Function properties for k\nptxas         .     8 bytes stack frame, "
            "4 bytes spill stores, 12 bytes spill loads\nptxas info    : Used 96 registers, used 1 barriers")

@@ -1,20 +1,31 @@
-"""CPU tier: the GPU backward's launch plans, without a GPU."""
+"""CPU tier: the GPU kernels' tile tables and launch plans, without a GPU."""
+
+import re
 
 import pytest
 
-from cupyflash import _cuda
+from cupyflash import _cuda, _nvrtc
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
+HOPPER_SMEM = 227 * 1024   # opt-in shared memory per block on H100/H200
 
 
-@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "det"])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_first_tiles_fit_hopper_and_last_fit_100kb(dtype, deterministic):
-    for D in _cuda.HEAD_DIMS:
+def _candidate_lists(dtype, D):
+    """Each launch's tile candidates, in order of preference: the forward's, and those of
+    the backward's key-block and dQ kernels in both modes."""
+    lists = [_cuda.forward_variants(dtype, D)]
+    for deterministic in (False, True):
         plan = _cuda.backward_plan(dtype, D, deterministic)
-        for candidates in [c for _, c in plan.kv] + ([plan.dq] if plan.dq else []):
-            assert candidates[0].smem_bytes <= 227 * 1024
-            assert candidates[-1].smem_bytes <= _cuda.PORTABLE_SMEM
+        lists += [c for _, c in plan.kv] + ([plan.dq] if plan.dq else [])
+    return lists
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D", _cuda.HEAD_DIMS)
+def test_first_tiles_fit_hopper_and_last_fit_100kb(dtype, D):
+    for candidates in _candidate_lists(dtype, D):
+        assert candidates[0].smem_bytes <= HOPPER_SMEM, candidates[0].name_expression
+        assert candidates[-1].smem_bytes <= _cuda.PORTABLE_SMEM, candidates[-1].name_expression
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -32,8 +43,19 @@ def test_only_the_non_deterministic_plan_adds_dq_atomically(dtype):
                 assert sum(bool(grads & bit) for grads, _ in plan.kv) == 1
 
 
-def test_backward_kernels_are_in_the_build_check():
-    names = {v.name_expression for v in _cuda.all_variants()}
-    for dtype in DTYPES:
-        for D in _cuda.HEAD_DIMS:
-            assert {v.name_expression for v in _cuda.backward_variants(dtype, D)} <= names
+def _kernel_templates(source):
+    """{kernel name: number of template parameters} of the __global__ templates in a source."""
+    pattern = re.compile(r"template\s*<([^>]*)>\s*__global__\s+void\s+"
+                         r"(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\(")
+    code = re.sub(r"//[^\n]*", "", source)
+    return {name: len(params.split(",")) for params, name in pattern.findall(code)}
+
+
+def test_every_variant_names_a_kernel_template_of_its_source():
+    templates = {}
+    for v in _cuda.all_variants():
+        if v.source not in templates:
+            templates[v.source] = _kernel_templates((_nvrtc.KERNEL_DIR / v.source).read_text())
+        name, args = re.fullmatch(r"(\w+)<(.*)>", v.name_expression).groups()
+        assert name in templates[v.source], f"{v.name_expression}: no kernel {name} in {v.source}"
+        assert len(args.split(",")) == templates[v.source][name], v.name_expression
