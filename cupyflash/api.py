@@ -245,7 +245,7 @@ def _refuse_unimplemented(options):
 
 def _forward(q, k, v, options):
     q, k, v, problem = _validate.check_inputs(q, k, v, layout=options.layout)
-    scale = _validate.resolve_scale(options.scale, problem.head_dim)
+    scale = _validate.resolve_scale(options.scale, problem.head_dim, problem.dtype)
     _refuse_unimplemented(options)
     backend = _select_backend(options.backend, problem, _arrays.split_shape(q.shape, options.layout)[1])
     kind, device = _where(backend, problem)

@@ -467,3 +467,10 @@ def test_gpu_kernels_refuse_old_gpus_and_too_many_heads(monkeypatch):
     assert "head dim 300" in _cuda.unsupported_reason(np.float32, 300, 64, device=0)
     monkeypatch.setattr(_cuda, "_compute_capability", lambda device_id: 90)
     assert _cuda.unsupported_reason(np.float16, 64, 64, device=0) is None
+
+
+def test_scale_that_overflows_the_accumulation_type_is_refused(rng):
+    q, k, v = (_random(rng, (1, 1, 4, 8), np.float32) for _ in range(3))
+    with pytest.raises(ValueError, match="scale"):
+        cf.attention(q, k, v, scale=3e38)
+    cf.attention(*(x.astype(np.float64) for x in (q, k, v)), scale=3e38)  # fine in float64
