@@ -118,6 +118,18 @@ def _last_row(start: int, stop: int, n: int) -> int:
     return min(stop, n) - 1
 
 
+def _tile_range(span, start, stop, n, block, nq, nk, causal):
+    """Tiles of height `block` covering the union of `span` over indices [start, stop).
+
+    Spans are monotone, so the union over the block runs from the first index's lo to the
+    last index's hi; the rules keep consecutive spans overlapping or touching, so no gap.
+    """
+    lo, _ = span(start, nq, nk, causal=causal)
+    _, hi = span(_last_row(start, stop, n), nq, nk, causal=causal)
+    first = int(lo) // block
+    return first, max(first, -(-int(hi) // block))
+
+
 def key_block_range(q_start: int, q_stop: int, nq: int, nk: int, block_k: int, *,
                     causal: bool) -> tuple[int, int]:
     """Key tiles that the query rows ``[q_start, q_stop)`` must visit.
@@ -140,13 +152,7 @@ def key_block_range(q_start: int, q_stop: int, nq: int, nk: int, block_k: int, *
         sees some key; wholly invisible tiles are skipped. ``first == stop`` when no row
         of the block sees any key.
     """
-    # Spans are monotone, so the union over the block runs from the first row's lo to the
-    # last row's hi; rules keep consecutive spans overlapping or touching, so no gap.
-    lo, _ = visible_key_span(q_start, nq, nk, causal=causal)
-    _, hi = visible_key_span(_last_row(q_start, q_stop, nq), nq, nk, causal=causal)
-    first = int(lo) // block_k
-    stop = -(-int(hi) // block_k)
-    return first, max(first, stop)
+    return _tile_range(visible_key_span, q_start, q_stop, nq, block_k, nq, nk, causal)
 
 
 def query_block_range(k_start: int, k_stop: int, nq: int, nk: int, block_q: int, *,
@@ -170,11 +176,7 @@ def query_block_range(k_start: int, k_stop: int, nq: int, nk: int, block_q: int,
         The query tiles ``first <= t < stop`` are exactly those in which some row sees
         some key of the block; ``first == stop`` when no row sees any of them.
     """
-    lo, _ = visible_query_span(k_start, nq, nk, causal=causal)
-    _, hi = visible_query_span(_last_row(k_start, k_stop, nk), nq, nk, causal=causal)
-    first = int(lo) // block_q
-    stop = -(-int(hi) // block_q)
-    return first, max(first, stop)
+    return _tile_range(visible_query_span, k_start, k_stop, nk, block_q, nq, nk, causal)
 
 
 def tile_needs_mask(q_start: int, q_stop: int, k_start: int, k_stop: int, nq: int, nk: int,
