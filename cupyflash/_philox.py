@@ -35,7 +35,7 @@ import operator
 
 import numpy as np
 
-from ._validate import _check_int, _check_real
+from ._validate import _check_int, _check_int_in, _check_real
 
 # Random123's philox4x32 multipliers and Weyl key increments (golden ratio, sqrt(3) - 1).
 PHILOX_M4x32 = (0xD2511F53, 0xCD9E8D57)
@@ -100,10 +100,7 @@ def philox4x32(counter, key, rounds: int = 10) -> np.ndarray:
 
 
 def _check_seed(seed) -> int:
-    seed = _check_int(seed, "seed")
-    if not 0 <= seed < 2**64:
-        raise ValueError(f"seed must be in [0, 2**64), got {seed}")
-    return seed
+    return _check_int_in(seed, "seed", 0, 2**64, hi_text="2**64")
 
 
 def dropout_threshold(p) -> int:
@@ -122,18 +119,10 @@ def dropout_threshold(p) -> int:
 def dropout_stream(offset, batch, head, *, heads) -> int:
     """The 64-bit stream of one (batch, head) in a call whose RNG offset is ``offset``:
     ``(offset + batch * heads + head) mod 2**64`` (mirror: ``dropout_stream``)."""
-    offset = _check_int(offset, "offset")
-    if not 0 <= offset < 2**64:
-        raise ValueError(f"offset must be in [0, 2**64), got {offset}")
-    heads = _check_int(heads, "heads")
-    if heads < 1:
-        raise ValueError(f"heads must be >= 1, got {heads}")
-    batch = _check_int(batch, "batch")
-    if batch < 0:
-        raise ValueError(f"batch must be >= 0, got {batch}")
-    head = _check_int(head, "head")
-    if not 0 <= head < heads:
-        raise ValueError(f"head must be in [0, heads={heads}), got {head}")
+    offset = _check_int_in(offset, "offset", 0, 2**64, hi_text="2**64")
+    heads = _check_int_in(heads, "heads", 1)
+    batch = _check_int_in(batch, "batch", 0)
+    head = _check_int_in(head, "head", 0, heads, hi_text=f"heads={heads}")
     return (offset + batch * heads + head) % 2**64
 
 

@@ -85,6 +85,16 @@ def _check_int(value, name):
     return int(value)
 
 
+def _check_int_in(value, name, lo, hi=None, *, hi_text=None):
+    """An integer in [lo, hi) (or >= lo without hi), else TypeError/ValueError naming it."""
+    value = _check_int(value, name)
+    if hi is None and value < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {value}")
+    if hi is not None and not lo <= value < hi:
+        raise ValueError(f"{name} must be in [{lo}, {hi_text or hi}), got {value}")
+    return value
+
+
 def _check_optional_array(value, name):
     if value is not None and _arrays.kind_of(value) is None:
         raise TypeError(f"{name} must be None or an array ({_ARRAY_TYPES}), got {type(value).__name__}")
@@ -110,9 +120,7 @@ def check_options(*, causal, scale, window, dropout_p, seed, block_mask, bias, a
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
     if seed is not None:
-        seed = _check_int(seed, "seed")
-        if not 0 <= seed < 2**64:
-            raise ValueError(f"seed must be in [0, 2**64), got {seed}")
+        seed = _check_int_in(seed, "seed", 0, 2**64, hi_text="2**64")
     softcap = _check_real(softcap, "softcap")
     if softcap < 0:
         raise ValueError(f"softcap must be non-negative (0 turns it off), got {softcap!r}")
