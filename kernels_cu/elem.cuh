@@ -68,3 +68,14 @@ __device__ __forceinline__ double log2_fast(double x) { return log2(x); }
 #ifndef INFINITY
 #define INFINITY __int_as_float(0x7f800000)
 #endif
+
+// Zero a warp's accumulator fragments ([m-tile][n-tile][4], any accumulation type).
+template <int MT, int NT, typename Acc>
+__device__ __forceinline__ void zero_frags(Acc (&c)[MT][NT][4]) {
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+        #pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) c[mt][nt][e] = Acc(0);
+}

@@ -98,12 +98,7 @@ flash_fwd_wide(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const 
     const int warp_row0 = warp * C::ROWS_PER_WARP;
     Operand<T, 4> q_frag[C::Q_IN_REGS ? MT : 1][C::Q_IN_REGS ? C::KSTEPS : 1];
     T acc[MT][DT][4];
-    #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-        #pragma unroll
-        for (int dt = 0; dt < DT; ++dt)
-            #pragma unroll
-            for (int e = 0; e < 4; ++e) acc[mt][dt][e] = T(0);
+    zero_frags(acc);
     OnlineSoftmax<MT, T> softmax;
     softmax.init();
 
@@ -130,12 +125,7 @@ flash_fwd_wide(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const 
 
             // S = Q K_sub^T
             T s[MT][NT][4];
-            #pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-                #pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
-                    #pragma unroll
-                    for (int e = 0; e < 4; ++e) s[mt][nt][e] = T(0);
+            zero_frags(s);
             #pragma unroll
             for (int ks = 0; ks < C::KSTEPS; ++ks) {
                 Operand<T, 4> a[MT];

@@ -91,13 +91,3 @@ __device__ __forceinline__ void warp_store_c(T* tile, int row0, const float (&c)
                 *reinterpret_cast<u32*>(tile + (row0 + mt * 16 + g + hh * 8) * SmemTile<T, COLS>::stride + nt * 8 + 2 * t) =
                     pack2<T>(c[mt][nt][2 * hh] * mul, c[mt][nt][2 * hh + 1] * mul);
 }
-
-template <int MT, int NT>
-__device__ __forceinline__ void zero_frags(float (&c)[MT][NT][4]) {
-    #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-        #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-            #pragma unroll
-            for (int e = 0; e < 4; ++e) c[mt][nt][e] = 0.f;
-}
