@@ -1,0 +1,96 @@
+"""The attention modifiers beyond ``causal``, as both backends receive them.
+
+The API checks the user's options (`_validate`), resolves them into one `Modifiers`
+value with every array already on the backend's side and in the compact 4-D form below,
+and hands it to the backend next to ``scale`` and ``causal``. Neither backend sees the
+user's layouts or broadcasting rules; both read the same fields.
+
+Semantics (the NumPy backend, the kernels and the float64 test oracle all follow this).
+For batch entry ``b`` (a sequence, for varlen), query head ``h``, query row ``i`` and key
+column ``j``, with ``nq``, ``nk`` the lengths of that batch entry (the arrays' N, or a
+varlen sequence's own lengths) and ``off = nk - nq`` (bottom-right alignment):
+
+visibility, all of:
+    ``i < nq`` and ``j < key_stop``, where ``key_stop`` is ``seqlens_k[b]`` when given,
+    else ``nk``. (``seqlens_k`` is a key-padding mask: it hides keys, it does not move
+    the causal or window alignment, which uses ``nk``.)
+    causal: ``j <= i + off``;
+    window ``(left, right)``: ``j >= i + off - left`` when ``left >= 0`` and
+    ``j <= i + off + right`` when ``right >= 0``; -1 is unbounded on that side. Causal and
+    a window combine as both constraints (so causal wins over right >= 0, as in flash-attn);
+    block-sparse: ``block_mask[b, h, i // block_q, j // block_k]`` nonzero.
+score (natural units), in this order:
+    ``x = scale * q_i . k_j``;
+    softcap > 0: ``x = softcap * tanh(x / softcap)``;
+    bias: ``x += bias[b, h, i, j]``;
+    alibi: ``x += -alibi_slopes[b, h] * |i + off - j|``.
+probabilities:
+    ``P = softmax over the visible j`` (a row with none: output 0, LSE -inf); the LSE is
+    that of ``P``, before dropout.
+dropout:
+    ``o_i = sum_j P_ij * keep_ij / (1 - dropout_p) * v_j`` with ``keep_ij =
+    _philox.dropout_keep(seed, rng_offset, b, h, i, j, p=dropout_p, heads=Hq)`` (rows and
+    columns counted from the start of the batch entry's own sequence).
+gradients:
+    ``dP_ij = keep_ij / (1 - p) * do_i . v_j``, ``D_i = do_i . o_i``,
+    ``dS_ij = P_ij (dP_ij - D_i)`` (d loss / d x_ij);
+    ``dbias`` = dS summed over the axes the bias broadcasts over;
+    through softcap: ``dS_ij * (1 - tanh^2(x_raw / softcap))`` with ``x_raw = scale q.k``;
+    ``dq_i = scale * sum_j dS'_ij k_j``, ``dk_j = scale * sum_i dS'_ij q_i``,
+    ``dv_j = sum_i P_ij keep_ij / (1 - p) do_i``. The ALiBi slopes get no gradient.
+
+Compact arrays (never broadcast in memory; a size-1 axis broadcasts):
+    block_mask   (Bm, Hm, ceil(Nq / block_q), ceil(Nk / block_k)) uint8, C-contiguous,
+                 Bm in {1, B}, Hm in {1, Hq};
+    bias         (Bb, Hb, Nqb, Nkb) in the input dtype, each axis 1 or full
+                 (B, Hq, Nq, Nk); any strides with a contiguous last axis if Nkb > 1;
+    alibi_slopes (Ba, Hq) in the accumulation dtype, C-contiguous, Ba in {1, B};
+    cu_seqlens_q, cu_seqlens_k  (S + 1,) int32, C-contiguous: varlen; q, k, v are then
+                 (1, H, total, d) views and B = S;
+    seqlens_k    (B,) int32, C-contiguous.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Modifiers:
+    """Every option beyond ``scale`` and ``causal``, resolved for one call.
+
+    ``Modifiers()`` is plain attention; `active` says whether anything is switched on
+    (the GPU backend then runs its general kernels instead of the dense fast path).
+    """
+
+    window: tuple = (-1, -1)        # (left, right) as given; -1 unbounded
+    softcap: float = 0.0            # 0: off
+    dropout_p: float = 0.0
+    seed: int = 0                   # Philox key, [0, 2**64)
+    rng_offset: int = 0             # first Philox stream of this call, [0, 2**64)
+    block_mask: object = None       # see the module docstring for the compact shapes
+    block_size: tuple = (128, 128)  # (block_q, block_k) of block_mask
+    bias: object = None
+    alibi_slopes: object = None
+    cu_seqlens_q: object = None
+    cu_seqlens_k: object = None
+    max_seqlen_q: int = 0           # varlen: longest sequence, sizes the grid
+    max_seqlen_k: int = 0
+    seqlens_k: object = None
+
+    @property
+    def varlen(self) -> bool:
+        return self.cu_seqlens_q is not None
+
+    @property
+    def windowed(self) -> bool:
+        return self.window != (-1, -1)
+
+    @property
+    def active(self) -> bool:
+        return (self.windowed or self.softcap > 0 or self.dropout_p > 0 or self.varlen
+                or any(x is not None for x in (self.block_mask, self.bias,
+                                                self.alibi_slopes, self.seqlens_k)))
+
+
+NONE = Modifiers()
