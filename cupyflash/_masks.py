@@ -9,14 +9,22 @@ row sees (`visible_key_span`), together with its inverse, the span of query rows
 a key column (`visible_query_span`). Both bounds are non-decreasing along the rows (and
 along the columns for the inverse). That monotonicity is what lets the block functions
 read a whole tile off its corner rows or columns in O(1), as a kernel must; every rule
-added later (a sliding window ``(left, right)``, per-sequence key padding) has to keep it
-and arrives as a keyword argument of the span functions, which the block functions pass
-through. Block-sparse masks, which are not spans, will filter the tiles these ranges give.
+keeps it and arrives as a keyword argument of the span functions (``causal``, a sliding
+``window=(left, right)``, a key stop for key padding), which the block functions pass
+through. Block-sparse masks, which are not spans, filter the tiles these ranges give
+(`block_mask_tiles`).
 
 Coordinates: ``nq`` query rows and ``nk`` key columns. With ``causal``, the mask is
 aligned to the bottom-right corner as in flash-attn >= 2.1: row ``i`` sees column ``j``
 iff ``j <= i + (nk - nq)``. So the last query always sees every key, as in decoding
 with a key/value cache, and when ``nq > nk`` the first ``nq - nk`` rows see no key.
+
+The window is aligned the same way: row ``i`` sees ``i + off - left <= j <= i + off +
+right`` with ``off = nk - nq``, a side of -1 being unbounded; with ``causal`` both hold,
+so causal wins over ``right >= 0``. ``key_stop`` (at most ``nk``) hides the columns
+``j >= key_stop`` without moving that alignment, which always uses ``nk``: it is the
+per-sequence key length of a padded batch (``seqlens_k``). These are the rules of
+`cupyflash._mods`.
 """
 
 from __future__ import annotations
@@ -30,10 +38,27 @@ __all__ = [
     "key_block_range",
     "query_block_range",
     "tile_needs_mask",
+    "block_mask_tiles",
 ]
 
+_RULES_DOC = """\
+    causal : bool
+        Bottom-right aligned causal mask.
+    window : (int, int), default (-1, -1)
+        ``(left, right)`` extents of the sliding window around the diagonal
+        ``i + nk - nq``; -1 leaves that side unbounded.
+    key_stop : int, optional
+        Columns ``>= key_stop`` are hidden (key padding); at most `nk`, default `nk`."""
 
-def visible_key_span(rows, nq: int, nk: int, *, causal: bool):
+
+def _with_rules_doc(func):
+    func.__doc__ = func.__doc__.replace("    @rules@\n", _RULES_DOC + "\n")
+    return func
+
+
+@_with_rules_doc
+def visible_key_span(rows, nq: int, nk: int, *, causal: bool, window=(-1, -1),
+                     key_stop=None):
     """Half-open span of key columns that query rows see.
 
     Parameters
@@ -42,24 +67,32 @@ def visible_key_span(rows, nq: int, nk: int, *, causal: bool):
         Query row indices.
     nq, nk : int
         Number of query rows and key columns.
-    causal : bool
-        Bottom-right aligned causal mask.
+    @rules@
 
     Returns
     -------
     lo, hi : ndarray of int
         Row ``i`` sees exactly the columns ``lo[i] <= j < hi[i]`` (none when
-        ``lo >= hi``); both are non-decreasing in the row and lie in ``[0, nk]``.
+        ``lo >= hi``); both are non-decreasing in the row and lie in ``[0, key_stop]``.
     """
     rows = np.asarray(rows)
+    stop = nk if key_stop is None else key_stop
+    diagonal = rows + (nk - nq)
+    left, right = window
     lo = np.zeros_like(rows)
-    hi = np.full_like(rows, nk)
+    hi = np.full_like(rows, stop)
+    if left >= 0:
+        lo = diagonal - left
     if causal:
-        hi = np.clip(rows + (nk - nq) + 1, 0, nk)
-    return lo, hi
+        hi = np.minimum(hi, diagonal + 1)
+    if right >= 0:
+        hi = np.minimum(hi, diagonal + right + 1)
+    return np.clip(lo, 0, stop), np.clip(hi, 0, stop)
 
 
-def visible_query_span(cols, nq: int, nk: int, *, causal: bool):
+@_with_rules_doc
+def visible_query_span(cols, nq: int, nk: int, *, causal: bool, window=(-1, -1),
+                       key_stop=None):
     """Half-open span of query rows that see key columns: the inverse of `visible_key_span`.
 
     The backward pass walks key blocks and asks which query blocks see them; a closed
@@ -71,8 +104,7 @@ def visible_query_span(cols, nq: int, nk: int, *, causal: bool):
         Key column indices, each in ``[0, nk)``.
     nq, nk : int
         Number of query rows and key columns.
-    causal : bool
-        Bottom-right aligned causal mask.
+    @rules@
 
     Returns
     -------
@@ -81,14 +113,28 @@ def visible_query_span(cols, nq: int, nk: int, *, causal: bool):
         non-decreasing in the column and lie in ``[0, nq]``.
     """
     cols = np.asarray(cols)
+    stop = nk if key_stop is None else key_stop
+    # Row i sees column j iff j - off lies in [i - right, i + left] (causal: right = 0).
+    row_of_col = cols - (nk - nq)
+    left, right = window
     lo = np.zeros_like(cols)
     hi = np.full_like(cols, nq)
     if causal:
-        lo = np.clip(cols - (nk - nq), 0, nq)
-    return lo, hi
+        lo = np.maximum(lo, row_of_col)
+    if right >= 0:
+        lo = np.maximum(lo, row_of_col - right)
+    if left >= 0:
+        hi = row_of_col + left + 1
+    # A hidden column is seen by no row; (nq, nq) rather than (0, 0) keeps both bounds
+    # non-decreasing, as the hidden columns are the last ones.
+    hidden = cols >= stop
+    return (np.where(hidden, nq, np.clip(lo, 0, nq)),
+            np.where(hidden, nq, np.clip(hi, 0, nq)))
 
 
-def visible(rows, cols, nq: int, nk: int, *, causal: bool) -> np.ndarray:
+@_with_rules_doc
+def visible(rows, cols, nq: int, nk: int, *, causal: bool, window=(-1, -1),
+            key_stop=None) -> np.ndarray:
     """Elementwise visibility of key columns to query rows.
 
     Parameters
@@ -99,15 +145,14 @@ def visible(rows, cols, nq: int, nk: int, *, causal: bool) -> np.ndarray:
         the last key tile) are never visible.
     nq, nk : int
         Number of query rows and key columns.
-    causal : bool
-        Bottom-right aligned causal mask.
+    @rules@
 
     Returns
     -------
     ndarray of bool
         The broadcast shape of `rows` and `cols`; True where the row sees the column.
     """
-    lo, hi = visible_key_span(rows, nq, nk, causal=causal)
+    lo, hi = visible_key_span(rows, nq, nk, causal=causal, window=window, key_stop=key_stop)
     cols = np.asarray(cols)
     return (cols >= lo) & (cols < hi)
 
@@ -118,20 +163,23 @@ def _last_row(start: int, stop: int, n: int) -> int:
     return min(stop, n) - 1
 
 
-def _tile_range(span, start, stop, n, block, nq, nk, causal):
+def _tile_range(span, start, stop, n, block, nq, nk, rules):
     """Tiles of height `block` covering the union of `span` over indices [start, stop).
 
     Spans are monotone, so the union over the block runs from the first index's lo to the
-    last index's hi; the rules keep consecutive spans overlapping or touching, so no gap.
+    last index's hi. The rules leave no gap inside it: consecutive non-empty spans
+    overlap or touch, and empty ones only come first (hi = 0) or, for rows, last (lo at
+    the key stop); a block whose spans are all empty gets ``hi <= lo`` and visits nothing.
     """
-    lo, _ = span(start, nq, nk, causal=causal)
-    _, hi = span(_last_row(start, stop, n), nq, nk, causal=causal)
+    lo, _ = span(start, nq, nk, **rules)
+    _, hi = span(_last_row(start, stop, n), nq, nk, **rules)
     first = int(lo) // block
-    return first, max(first, -(-int(hi) // block))
+    return first, (first if hi <= lo else -(-int(hi) // block))
 
 
+@_with_rules_doc
 def key_block_range(q_start: int, q_stop: int, nq: int, nk: int, block_k: int, *,
-                    causal: bool) -> tuple[int, int]:
+                    causal: bool, window=(-1, -1), key_stop=None) -> tuple[int, int]:
     """Key tiles that the query rows ``[q_start, q_stop)`` must visit.
 
     Parameters
@@ -142,8 +190,7 @@ def key_block_range(q_start: int, q_stop: int, nq: int, nk: int, block_k: int, *
         Number of query rows and key columns.
     block_k : int
         Key tile height; tile ``t`` holds columns ``[t * block_k, (t + 1) * block_k)``.
-    causal : bool
-        Bottom-right aligned causal mask.
+    @rules@
 
     Returns
     -------
@@ -152,11 +199,13 @@ def key_block_range(q_start: int, q_stop: int, nq: int, nk: int, block_k: int, *
         sees some key; wholly invisible tiles are skipped. ``first == stop`` when no row
         of the block sees any key.
     """
-    return _tile_range(visible_key_span, q_start, q_stop, nq, block_k, nq, nk, causal)
+    rules = dict(causal=causal, window=window, key_stop=key_stop)
+    return _tile_range(visible_key_span, q_start, q_stop, nq, block_k, nq, nk, rules)
 
 
+@_with_rules_doc
 def query_block_range(k_start: int, k_stop: int, nq: int, nk: int, block_q: int, *,
-                      causal: bool) -> tuple[int, int]:
+                      causal: bool, window=(-1, -1), key_stop=None) -> tuple[int, int]:
     """Query tiles that see some key of ``[k_start, k_stop)``: the backward's inner loop.
 
     Parameters
@@ -167,8 +216,7 @@ def query_block_range(k_start: int, k_stop: int, nq: int, nk: int, block_q: int,
         Number of query rows and key columns.
     block_q : int
         Query tile height; tile ``t`` holds rows ``[t * block_q, (t + 1) * block_q)``.
-    causal : bool
-        Bottom-right aligned causal mask.
+    @rules@
 
     Returns
     -------
@@ -176,15 +224,22 @@ def query_block_range(k_start: int, k_stop: int, nq: int, nk: int, block_q: int,
         The query tiles ``first <= t < stop`` are exactly those in which some row sees
         some key of the block; ``first == stop`` when no row sees any of them.
     """
-    return _tile_range(visible_query_span, k_start, k_stop, nk, block_q, nq, nk, causal)
+    rules = dict(causal=causal, window=window, key_stop=key_stop)
+    # Hidden keys end the block early: a span of them (seen by no row) after keys seen by
+    # no row either would otherwise look like a non-empty union.
+    k_stop = min(k_stop, nk if key_stop is None else key_stop)
+    if k_stop <= k_start:
+        return 0, 0
+    return _tile_range(visible_query_span, k_start, k_stop, nk, block_q, nq, nk, rules)
 
 
+@_with_rules_doc
 def tile_needs_mask(q_start: int, q_stop: int, k_start: int, k_stop: int, nq: int, nk: int,
-                    *, causal: bool) -> bool:
+                    *, causal: bool, window=(-1, -1), key_stop=None) -> bool:
     """Whether a tile needs the elementwise mask, i.e. is not wholly visible.
 
-    Only tiles that cross the causal diagonal, or run past the last key, need it; the
-    bulk of the tiles take the unmasked fast path.
+    Only tiles that cross an edge of the causal/window band, or run past the last
+    visible key, need it; the bulk of the tiles take the unmasked fast path.
 
     Parameters
     ----------
@@ -195,8 +250,7 @@ def tile_needs_mask(q_start: int, q_stop: int, k_start: int, k_stop: int, nq: in
         runs past the last key needs the mask.
     nq, nk : int
         Number of query rows and key columns.
-    causal : bool
-        Bottom-right aligned causal mask.
+    @rules@
 
     Returns
     -------
@@ -205,6 +259,30 @@ def tile_needs_mask(q_start: int, q_stop: int, k_start: int, k_stop: int, nq: in
     """
     # Wholly visible iff the tightest row on each side still covers the tile: the last
     # row has the largest lo, the first row the smallest hi.
-    _, hi_first = visible_key_span(q_start, nq, nk, causal=causal)
-    lo_last, _ = visible_key_span(_last_row(q_start, q_stop, nq), nq, nk, causal=causal)
+    rules = dict(causal=causal, window=window, key_stop=key_stop)
+    _, hi_first = visible_key_span(q_start, nq, nk, **rules)
+    lo_last, _ = visible_key_span(_last_row(q_start, q_stop, nq), nq, nk, **rules)
     return bool(k_start < lo_last or k_stop > hi_first)
+
+
+def block_mask_tiles(block_mask, first: int, stop: int) -> list[int]:
+    """The tiles of ``[first, stop)`` that a block-sparse mask leaves on.
+
+    Parameters
+    ----------
+    block_mask : ndarray, shape (..., n_tiles)
+        The block mask's entries along the walked axis for one block of the other axis
+        (e.g. ``mask[:, :, query_tile, :]`` when walking key tiles), with any leading
+        (batch, head) axes: a tile stays when any of them has it on, and the elementwise
+        step hides it for the others.
+    first, stop : int
+        The tile range from `key_block_range` or `query_block_range`.
+
+    Returns
+    -------
+    list of int
+        The tiles in order; zero blocks are skipped, which is where block sparsity saves
+        time.
+    """
+    on = np.asarray(block_mask)[..., first:stop].reshape(-1, max(stop - first, 0)).any(axis=0)
+    return [first + int(t) for t in np.flatnonzero(on)]
