@@ -1,0 +1,577 @@
+"""GPU tier for the attention modifiers (issue #5): sliding window, dropout, block-sparse
+masks, additive bias, ALiBi, softcap, key padding (``seqlens_k``) and varlen, each alone
+and in the combinations models use, forward (o, LSE) and backward (dq, dk, dv, dbias).
+
+Every case runs ``backend="cuda"`` on fresh random inputs and compares it with
+``backend="numpy"`` run in float64 on the same rounded inputs (the float64 reference of
+DESIGN.md §5; ``cupyflash/_mods.py`` states the semantics both follow), by the relative
+error norm ‖out − ref‖/‖ref‖ with the usual tolerances. Rows that see no key must come
+back as exact zeros (o and dq) with LSE ``-inf``; nothing may be NaN.
+
+Poisoning: the public API allocates its outputs itself, so instead of pre-filled outputs
+each test runs with a CuPy allocator that fills every new allocation with 0xFF bytes, a
+NaN in all four dtypes: an output element no kernel wrote shows up as NaN. (A buffer a
+kernel relies on being zero must be zeroed explicitly: ``cp.zeros`` still works.)
+
+The dropout masks of the GPU and of the NumPy backend are bit-identical by design, so
+dropout cases are compared like any other; `test_dropout_mask_is_philox_bit_for_bit`
+reads the GPU's mask out of its output and compares it with `_philox.dropout_keep_mask`.
+
+The new API names are looked up when a test runs, never at import: a missing name fails
+that test on a GPU machine instead of skipping it, and collection works everywhere.
+
+``CUPYFLASH_MODS_DRYRUN=1 pytest tests/test_gpu_mods.py`` runs every test on the CPU with
+``backend="numpy"`` on the side under test too (no GPU marker, no poisoning): it checks
+the tests themselves, shapes and calls, against the NumPy backend.
+
+Budget: about 150 small cases; on an H100 the GPU side is milliseconds each, the time goes
+to the float64 NumPy references (about a second in all per 10 cases) and to compiling the
+modifier kernels the first time they are used.
+"""
+
+import os
+
+import numpy as np
+import pytest
+from gpu_cases import DTYPES, TOLERANCE, np_dtype, rel_err
+
+import cupyflash
+from cupyflash import _philox
+
+DRY_RUN = os.environ.get("CUPYFLASH_MODS_DRYRUN") == "1"
+BACKEND = "numpy" if DRY_RUN else "cuda"
+if not DRY_RUN:
+    pytestmark = pytest.mark.gpu
+
+# Sequence lengths (Nq, Nk): 1, 17, 129 and 300, equal and not. No Nk = 1: with a single
+# key the softmax is constant and dq = dk = 0 by cancellation (test_gpu_backward handles
+# that case); the cases below keep such rows a small part of every gradient.
+SHAPES = ((17, 17), (129, 129), (300, 300), (129, 300), (300, 129), (1, 17), (17, 129), (300, 17))
+HEAD_DIMS = (64, 128, 64, 128, 72)
+LAYOUTS = ("bhsd", "bshd")
+GRAD_NAMES = ("dq", "dk", "dv", "dbias")
+
+
+# --------------------------------------------------------------------------- plumbing
+
+
+def _xp():
+    if DRY_RUN:
+        return np
+    import cupy
+    return cupy
+
+
+def _dev(x):
+    """A host array on the side under test (CuPy, or NumPy in a dry run); others as is."""
+    return _xp().asarray(x) if isinstance(x, np.ndarray) else x
+
+
+def _host(x):
+    return x if isinstance(x, np.ndarray) else _xp().asnumpy(x)
+
+
+@pytest.fixture(autouse=True)
+def _poisoned_allocations():
+    """Every CuPy allocation of the test is filled with 0xFF (NaN in every float dtype)."""
+    if DRY_RUN:
+        yield
+        return
+    import cupy as cp
+    pool = cp.get_default_memory_pool()
+    previous = cp.cuda.get_allocator()
+
+    def malloc(size):
+        mem = pool.malloc(size)
+        if size:
+            cp.cuda.runtime.memsetAsync(mem.ptr, 0xFF, size, cp.cuda.get_current_stream().ptr)
+        return mem
+
+    cp.cuda.set_allocator(malloc)
+    try:
+        yield
+    finally:
+        cp.cuda.set_allocator(previous)
+
+
+def _qkv(rng, dtype, d, nq, nk, group, layout, *, batch=2, kv_heads=2, dv=None):
+    """Host q, k, v, do in ``dtype`` and ``layout`` with ``kv_heads * group`` query heads."""
+    dv = d if dv is None else dv
+    hq = kv_heads * group
+    if layout == "bhsd":
+        shapes = [(batch, hq, nq, d), (batch, kv_heads, nk, d), (batch, kv_heads, nk, dv), (batch, hq, nq, dv)]
+    else:
+        shapes = [(batch, nq, hq, d), (batch, nk, kv_heads, d), (batch, nk, kv_heads, dv), (batch, nq, hq, dv)]
+    return [rng.standard_normal(s).astype(np_dtype(dtype)) for s in shapes]
+
+
+def _ref_options(opts):
+    """The options of the float64 reference call: the bias upcast with the inputs; masks,
+    lengths and the float32 ALiBi slopes as they are."""
+    return {k: (v.astype(np.float64) if k == "bias" else v) for k, v in opts.items()}
+
+
+def _forward_backward(fwd, inputs, do, opts, *, backend, backward=True):
+    """``fwd(*inputs, **opts)`` (attention_forward or varlen_attention_forward), then
+    attention_backward; every result as a host array, keyed o, lse, dq, dk, dv[, dbias]."""
+    o, ctx = fwd(*inputs, backend=backend, **opts)
+    out = {"o": o, "lse": ctx.lse}
+    if backward:
+        if opts.get("bias") is not None:
+            grads = cupyflash.attention_backward(do, ctx, return_dbias=True)
+        else:
+            grads = cupyflash.attention_backward(do, ctx)
+        out.update(zip(GRAD_NAMES, grads))
+    return {k: _host(v) for k, v in out.items()}
+
+
+def _run_both(fwd, host, opts, *, backward=True):
+    """The case on the side under test (inputs and option arrays moved there) and its
+    float64 NumPy-backend reference on the same rounded inputs."""
+    *inputs, do = host
+    got = _forward_backward(fwd, [_dev(x) for x in inputs], _dev(do),
+                            {k: _dev(v) for k, v in opts.items()}, backend=BACKEND, backward=backward)
+    ref = _forward_backward(fwd, [x.astype(np.float64) for x in inputs], do.astype(np.float64),
+                            _ref_options(opts), backend="numpy", backward=backward)
+    return got, ref
+
+
+def _row_mask(lse, o_shape):
+    """``lse`` == -inf as a mask over o's leading axes: bshd's LSE is (B, H, Nq) for o's
+    (B, Nq, H, dv); a varlen LSE may be (total, H), (H, total) or (1, H, total)."""
+    m = np.isneginf(lse)
+    want = tuple(o_shape[:-1])
+    squeezed = m.reshape([n for n in m.shape if n != 1] or [1]) if m.size else m
+    for cand in (m, m.swapaxes(-1, -2) if m.ndim >= 2 else m, m.T, squeezed.T):
+        if cand.shape == want:
+            return cand
+    raise AssertionError(f"LSE shape {lse.shape} does not match o shape {o_shape}")
+
+
+def _check(got, ref, dtype):
+    """Every result of the case against its reference; rows without keys exact."""
+    assert got.keys() == ref.keys()
+    tol = TOLERANCE[dtype]
+    for name, r in ref.items():
+        g = got[name]
+        assert g.shape == r.shape, f"{name}: shape {g.shape}, reference {r.shape}"
+        if name == "lse":
+            assert g.dtype == np.dtype(np.float64 if dtype == "float64" else np.float32)
+        else:
+            assert g.dtype == np_dtype(dtype), f"{name}: dtype {g.dtype}"
+        g = g.astype(np.float64)
+        assert not np.isnan(g).any(), f"{name}: unwritten or NaN elements"
+        if name == "lse":
+            assert np.array_equal(np.isneginf(g), np.isneginf(r)), "LSE: rows without keys differ"
+            finite = np.isfinite(r)
+            err = rel_err(g[finite], r[finite]) if finite.any() else 0.0
+            assert err < (1e-12 if dtype == "float64" else 1e-5), f"LSE: relative error {err:.3g}"
+        else:
+            err = rel_err(g, r)
+            assert err < tol, f"{name}: relative error {err:.3g} (tolerance {tol:g})"
+    empty = _row_mask(ref["lse"], ref["o"].shape)
+    assert np.all(got["o"][empty] == 0), "rows without keys must give o = 0"
+    if "dq" in got:
+        assert np.all(got["dq"][empty] == 0), "rows without keys must give dq = 0"
+
+
+# --------------------------------------------------------------------------- option builders
+# Each takes (rng, B, Hq, Nq, Nk) and returns the options as host arrays / values.
+
+
+def _block_mask(rng, shape, nq, nk, block, *, density=0.5, empty_row=True):
+    """A random block mask (``shape`` + blocks); with ``empty_row`` the first row of
+    blocks is all zero (those queries see nothing)."""
+    bq, bk = (block, block) if isinstance(block, int) else block
+    m = rng.random((*shape, -(-nq // bq), -(-nk // bk))) < density
+    if empty_row:
+        m[..., 0, :] = False
+    return m
+
+
+def _seqlens(rng, b, nk):
+    """Key lengths with a 0-length row, a full row and one in between."""
+    lens = [0, nk] + [int(rng.integers(2, nk + 1)) if nk > 1 else 1 for _ in range(b - 2)]
+    return np.array(lens[:b], dtype=np.int32)
+
+
+def _slopes(shape):
+    """ALiBi's geometric slopes 2^(-8 h / H) (float32), per batch entry scaled a little."""
+    hq = shape[-1]
+    s = 2.0 ** (-8.0 * (np.arange(hq) + 1) / hq)
+    if len(shape) == 2:
+        s = s[None, :] * (1.0 + 0.25 * np.arange(shape[0]))[:, None]
+    return s.astype(np.float32)
+
+
+def _bias(rng, shape, dtype):
+    return rng.standard_normal(shape).astype(np_dtype(dtype))
+
+
+# (id, causal, forced GQA group or None, batch, builder(rng, B, Hq, nq, nk, dtype))
+OPTION_CASES = (
+    ("window-left", False, None, 2, lambda r, b, h, nq, nk, t: dict(window=(32, -1))),
+    ("window-right", False, None, 2, lambda r, b, h, nq, nk, t: dict(window=(-1, 24))),
+    ("window-both", False, None, 2, lambda r, b, h, nq, nk, t: dict(window=(40, 7))),
+    ("window-causal-like", False, None, 2, lambda r, b, h, nq, nk, t: dict(window=(64, 0))),
+    ("causal+window", True, None, 2, lambda r, b, h, nq, nk, t: dict(window=(48, 16))),
+    ("causal+window-left", True, None, 2, lambda r, b, h, nq, nk, t: dict(window=(20, -1))),
+    ("dropout", False, 1, 2, lambda r, b, h, nq, nk, t: dict(dropout_p=0.1, seed=1234)),
+    ("dropout-causal", True, None, 2, lambda r, b, h, nq, nk, t: dict(dropout_p=0.3, seed=2**40 + 7)),
+    ("dropout+gqa", False, 4, 2, lambda r, b, h, nq, nk, t: dict(dropout_p=0.2, seed=99)),
+    ("block_mask-16", False, None, 2,
+     lambda r, b, h, nq, nk, t: dict(block_mask=_block_mask(r, (b, h), nq, nk, 16), block_size=16)),
+    ("block_mask-32x16-2d", False, None, 2,
+     lambda r, b, h, nq, nk, t: dict(block_mask=_block_mask(r, (), nq, nk, (32, 16)), block_size=(32, 16))),
+    ("block_mask-128-heads", False, None, 2,
+     lambda r, b, h, nq, nk, t: dict(block_mask=_block_mask(r, (1, h), nq, nk, 128, density=0.7,
+                                                            empty_row=False))),
+    ("block_mask+causal", True, None, 2,
+     lambda r, b, h, nq, nk, t: dict(block_mask=_block_mask(r, (b, 1), nq, nk, 16), block_size=16)),
+    ("bias-full", False, None, 2, lambda r, b, h, nq, nk, t: dict(bias=_bias(r, (b, h, nq, nk), t))),
+    ("bias-heads-3d", False, None, 2, lambda r, b, h, nq, nk, t: dict(bias=_bias(r, (h, nq, nk), t))),
+    ("bias-keys", False, None, 2, lambda r, b, h, nq, nk, t: dict(bias=_bias(r, (b, 1, 1, nk), t))),
+    ("bias-2d", False, None, 2, lambda r, b, h, nq, nk, t: dict(bias=_bias(r, (nq, nk), t))),
+    ("bias+causal", True, None, 2, lambda r, b, h, nq, nk, t: dict(bias=_bias(r, (b, 1, nq, nk), t))),
+    ("alibi-heads", False, None, 2, lambda r, b, h, nq, nk, t: dict(alibi_slopes=_slopes((h,)))),
+    ("alibi-batch-heads", True, None, 2, lambda r, b, h, nq, nk, t: dict(alibi_slopes=_slopes((b, h)))),
+    ("softcap", False, None, 2, lambda r, b, h, nq, nk, t: dict(softcap=1.0)),
+    ("softcap+alibi+window", False, None, 2,
+     lambda r, b, h, nq, nk, t: dict(softcap=2.0, alibi_slopes=_slopes((h,)), window=(64, 16))),
+    ("seqlens_k", False, None, 3, lambda r, b, h, nq, nk, t: dict(seqlens_k=_seqlens(r, b, nk))),
+    ("seqlens_k+causal", True, None, 3, lambda r, b, h, nq, nk, t: dict(seqlens_k=_seqlens(r, b, nk))),
+)
+
+
+def _option_params():
+    """Every option case with every dtype; shape, head dim, GQA group, layout and
+    deterministic mode rotate so each value meets each dtype and most options."""
+    for i, (name, causal, group, batch, build) in enumerate(OPTION_CASES):
+        for t, dtype in enumerate(DTYPES):
+            nq, nk = SHAPES[(3 * i + 5 * t) % len(SHAPES)]
+            d = HEAD_DIMS[(i + 2 * t) % len(HEAD_DIMS)]
+            g = group or (1, 4)[(i + t) % 2]
+            layout = LAYOUTS[(i // 2 + t) % 2]
+            det = bool((i + t // 2) % 2)
+            yield pytest.param(dtype, d, nq, nk, g, layout, det, causal, batch, build,
+                               id=f"{name}-{dtype}-d{d}-{nq}x{nk}-g{g}-{layout}-{'det' if det else 'atomic'}")
+
+
+@pytest.mark.parametrize("dtype,d,nq,nk,group,layout,deterministic,causal,batch,build", list(_option_params()))
+def test_option_matches_reference(rng, dtype, d, nq, nk, group, layout, deterministic, causal, batch, build):
+    host = _qkv(rng, dtype, d, nq, nk, group, layout, batch=batch)
+    opts = build(rng, batch, 2 * group, nq, nk, dtype)
+    opts.update(causal=causal, layout=layout, deterministic=deterministic)
+    got, ref = _run_both(cupyflash.attention_forward, host, opts)
+    _check(got, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype,d,nq,nk,layout,opts", [
+    pytest.param("bfloat16", 128, 1500, 1500, "bshd",
+                 dict(causal=True, window=(256, 0), block_size=128), id="bf16-causal-window256-blocks-1500"),
+    pytest.param("float16", 64, 1100, 900, "bhsd", dict(window=(100, 50), dropout_p=0.15, seed=5),
+                 id="fp16-window-dropout-1100x900"),
+    pytest.param("float32", 128, 700, 1000, "bhsd", dict(causal=True, softcap=5.0), id="fp32-causal-softcap-700x1000"),
+])
+def test_longer_sequences(rng, dtype, d, nq, nk, layout, opts):
+    """Many tiles per row and column, so that tile skipping (window, block-sparse) and the
+    per-tile masks at both edges of a window all occur; one batch entry, two heads."""
+    host = _qkv(rng, dtype, d, nq, nk, 1, layout, batch=1)
+    opts = dict(opts)
+    if "block_size" in opts:   # local + global: the first block column and a band
+        nb = -(-nk // 128)
+        m = np.eye(-(-nq // 128), nb, dtype=bool) | np.eye(-(-nq // 128), nb, k=-1, dtype=bool)
+        m[:, 0] = True
+        opts["block_mask"] = m
+    got, ref = _run_both(cupyflash.attention_forward, host, opts)
+    _check(got, ref, dtype)
+
+
+# --------------------------------------------------------------------------- varlen
+
+# Packed sequence lengths (q, k): an empty sequence, a 1-long one, lengths that are not
+# multiples of 16; the second set has queries without keys and keys without queries.
+VARLEN_LENGTHS = (
+    ((17, 0, 129, 1, 45, 300), (17, 0, 129, 1, 45, 300)),
+    ((5, 33, 200, 0, 70, 1), (0, 100, 150, 9, 70, 31)),
+)
+# (id, causal, options builder(n_sequences, Hq))
+VARLEN_CASES = (
+    ("plain", False, lambda s, h: {}),
+    ("causal", True, lambda s, h: {}),
+    ("causal+dropout", True, lambda s, h: dict(dropout_p=0.2, seed=77)),
+    ("window+softcap+alibi", False, lambda s, h: dict(window=(32, 8), softcap=3.0, alibi_slopes=_slopes((s, h)))),
+    ("causal+alibi", True, lambda s, h: dict(alibi_slopes=_slopes((h,)))),
+)
+
+
+def _packed(rng, dtype, d, lens_q, lens_k, group, *, kv_heads=2, dv=None):
+    """Packed host q (total_q, Hq, d), k, v (total_k, Hk, d / dv), do and cu_seqlens."""
+    dv = d if dv is None else dv
+    hq = kv_heads * group
+    tq, tk = sum(lens_q), sum(lens_k)
+    t = np_dtype(dtype)
+    q, k, v, do = (rng.standard_normal(s).astype(t)
+                   for s in ((tq, hq, d), (tk, kv_heads, d), (tk, kv_heads, dv), (tq, hq, dv)))
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(lens)]).astype(np.int32) for lens in (lens_q, lens_k))
+    return [q, k, v, do], cu_q, cu_k
+
+
+def _varlen_params():
+    for i, (name, causal, build) in enumerate(VARLEN_CASES):
+        for t, dtype in enumerate(DTYPES):
+            lens = (i + t) % len(VARLEN_LENGTHS)
+            d = HEAD_DIMS[(2 * i + t) % len(HEAD_DIMS)]
+            group = (1, 4)[(i + t) % 2]
+            det = bool((i + t) // 2 % 2)
+            yield pytest.param(dtype, d, lens, group, det, causal, build,
+                               id=f"{name}-{dtype}-d{d}-lens{lens}-g{group}-{'det' if det else 'atomic'}")
+
+
+@pytest.mark.parametrize("dtype,d,lens,group,deterministic,causal,build", list(_varlen_params()))
+def test_varlen_matches_reference(rng, dtype, d, lens, group, deterministic, causal, build):
+    lens_q, lens_k = VARLEN_LENGTHS[lens]
+    host, cu_q, cu_k = _packed(rng, dtype, d, lens_q, lens_k, group)
+    opts = build(len(lens_q), 2 * group)
+    opts.update(causal=causal, deterministic=deterministic)
+
+    def fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, **kw):
+        return cupyflash.varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                                  max(lens_q), max(lens_k), **kw)
+
+    got, ref = _run_varlen(fwd, host, cu_q, cu_k, opts)
+    _check(got, ref, dtype)
+
+
+def _run_varlen(fwd, host, cu_q, cu_k, opts):
+    """As `_run_both`, with the cu_seqlens arrays on each side next to q, k, v."""
+    q, k, v, do = host
+    got = _forward_backward(fwd, [_dev(x) for x in (q, k, v, cu_q, cu_k)], _dev(do),
+                            {k_: _dev(v_) for k_, v_ in opts.items()}, backend=BACKEND)
+    ref = _forward_backward(fwd, [x.astype(np.float64) for x in (q, k, v)] + [cu_q, cu_k],
+                            do.astype(np.float64), _ref_options(opts), backend="numpy")
+    return got, ref
+
+
+def test_varlen_entry_points_agree(rng):
+    """varlen_attention (with return_lse) and varlen_attention_vjp give what
+    varlen_attention_forward + attention_backward give, bit for bit."""
+    lens_q, lens_k = VARLEN_LENGTHS[1]
+    host, cu_q, cu_k = _packed(rng, "float16", 64, lens_q, lens_k, 2)
+    q, k, v, do, cu_q, cu_k = (_dev(x) for x in (*host, cu_q, cu_k))
+    args = (q, k, v, cu_q, cu_k, max(lens_q), max(lens_k))
+    kw = dict(causal=True, window=(16, -1), deterministic=True, backend=BACKEND)
+    o, ctx = cupyflash.varlen_attention_forward(*args, **kw)
+    grads = cupyflash.attention_backward(do, ctx)
+    o2, lse2 = cupyflash.varlen_attention(*args, return_lse=True, **kw)
+    o3, vjp = cupyflash.varlen_attention_vjp(*args, **kw)
+    grads3 = vjp(do)
+    for a, b in [(o, o2), (ctx.lse, lse2), (o, o3), *zip(grads, grads3)]:
+        assert np.array_equal(_host(a), _host(b), equal_nan=True)
+
+
+# --------------------------------------------------------------------------- dropout bits
+
+
+def _uniform_identity_inputs(dtype, b, hk, group, nq, nk, d, layout):
+    """q = 0 (every visible key equally likely) and v_j = e_j (dv = d >= nk): o[i, j] is
+    P_ij * keep_ij / (1 - p), so the output spells out the keep mask."""
+    assert nk <= d
+    t = np_dtype(dtype)
+    q = np.zeros((b, hk * group, nq, d), t)
+    k = np.ones((b, hk, nk, d), t)
+    v = np.broadcast_to(np.eye(nk, d, dtype=t), (b, hk, nk, d)).copy()
+    if layout == "bshd":
+        q, k, v = (np.ascontiguousarray(x.transpose(0, 2, 1, 3)) for x in (q, k, v))
+    return q, k, v
+
+
+@pytest.mark.parametrize("dtype,d,nk,nq,layout,causal,p", [
+    ("float16", 64, 64, 300, "bhsd", False, 0.1),
+    ("bfloat16", 128, 128, 129, "bshd", False, 0.5),
+    ("float32", 128, 100, 257, "bhsd", True, 0.25),
+    ("float64", 64, 37, 80, "bshd", False, 0.9),
+])
+def test_dropout_mask_is_philox_bit_for_bit(dtype, d, nk, nq, layout, causal, p):
+    b, hk, group, seed = 2, 2, 2, 0x1234_5678_9ABC
+    hq = hk * group
+    q, k, v = (_dev(x) for x in _uniform_identity_inputs(dtype, b, hk, group, nq, nk, d, layout))
+    o = cupyflash.attention(q, k, v, causal=causal, dropout_p=p, seed=seed, layout=layout, backend=BACKEND)
+    out = _host(o).astype(np.float64)
+    if layout == "bshd":
+        out = out.transpose(0, 2, 1, 3)
+    assert not np.isnan(out).any()
+    rows, cols = np.arange(nq)[:, None], np.arange(nk)[None, :]
+    visible = cols <= rows + nk - nq if causal else np.ones((nq, nk), bool)
+    count = visible.sum(1, keepdims=True)
+    for bi in range(b):
+        for h in range(hq):
+            keep = _philox.dropout_keep_mask(seed, 0, bi, h, nq, nk, p=p, heads=hq) & visible
+            got = out[bi, h, :, :nk] != 0
+            assert np.array_equal(got, keep), \
+                f"batch {bi} head {h}: {np.count_nonzero(got != keep)} of {got.size} keep bits differ"
+            kept_value = 1.0 / (np.maximum(count, 1) * (1.0 - p))
+            expect = np.where(keep, kept_value, 0.0)
+            assert rel_err(out[bi, h, :, :nk], expect) < TOLERANCE[dtype]
+            assert np.all(out[bi, h, :, nk:] == 0)
+    again = cupyflash.attention(q, k, v, causal=causal, dropout_p=p, seed=seed, layout=layout, backend=BACKEND)
+    assert np.array_equal(_host(o), _host(again)), "the same seed must give the same output"
+    other = cupyflash.attention(q, k, v, causal=causal, dropout_p=p, seed=seed + 1, layout=layout, backend=BACKEND)
+    assert not np.array_equal(_host(o), _host(other)), "another seed must give another mask"
+
+
+def test_varlen_dropout_mask_is_philox_bit_for_bit():
+    """Varlen: the mask of sequence s is that of batch entry s, rows and columns counted
+    from the sequence's own start."""
+    lens_q, lens_k = (50, 1, 3, 129, 7), (20, 64, 0, 37, 64)
+    d, hk, group, p, seed = 64, 1, 3, 0.4, 31337
+    hq = hk * group
+    tq, tk = sum(lens_q), sum(lens_k)
+    q = np.zeros((tq, hq, d), np.float16)
+    k = np.ones((tk, hk, d), np.float16)
+    v = np.concatenate([np.broadcast_to(np.eye(n, d, dtype=np.float16)[:, None, :], (n, hk, d))
+                        for n in lens_k])
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(x)]).astype(np.int32) for x in (lens_q, lens_k))
+    o = cupyflash.varlen_attention(*(_dev(x) for x in (q, k, v, cu_q, cu_k)), max(lens_q), max(lens_k),
+                                   dropout_p=p, seed=seed, backend=BACKEND)
+    out = _host(o).astype(np.float64)
+    assert not np.isnan(out).any()
+    for s, (nq, nk) in enumerate(zip(lens_q, lens_k)):
+        rows = out[cu_q[s]:cu_q[s + 1]]            # (nq, hq, d)
+        assert np.all(rows[..., nk:] == 0)
+        if nk == 0:
+            continue
+        for h in range(hq):
+            keep = _philox.dropout_keep_mask(seed, 0, s, h, nq, nk, p=p, heads=hq)
+            assert np.array_equal(rows[:, h, :nk] != 0, keep), f"sequence {s} head {h}"
+
+
+# --------------------------------------------------------------------------- edge rows
+
+
+EMPTY_ROW_CASES = {
+    # (nq, nk, causal, builder): each leaves some query rows without a visible key
+    "seqlens_k-0": (40, 33, False, lambda r, b, h, nq, nk: dict(seqlens_k=np.array([0, 20], np.int32))),
+    "block_mask-zero-row": (70, 50, False, lambda r, b, h, nq, nk: dict(
+        block_mask=_block_mask(r, (b, h), nq, nk, 16, density=0.8), block_size=16)),
+    "window-right-nq>nk": (90, 30, False, lambda r, b, h, nq, nk: dict(window=(-1, 5))),
+    "causal+window-nq>nk": (90, 30, True, lambda r, b, h, nq, nk: dict(window=(8, -1), dropout_p=0.1, seed=3)),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", list(EMPTY_ROW_CASES))
+def test_rows_without_keys(rng, dtype, case):
+    """Rows that see no key: o and dq exactly 0, LSE -inf, no NaN anywhere (both modes)."""
+    nq, nk, causal, build = EMPTY_ROW_CASES[case]
+    host = _qkv(rng, dtype, 64, nq, nk, 2, "bhsd")
+    opts = build(rng, 2, 4, nq, nk)
+    for deterministic in (False, True):
+        got, ref = _run_both(cupyflash.attention_forward, host,
+                             dict(opts, causal=causal, deterministic=deterministic))
+        empty = np.isneginf(ref["lse"])
+        assert empty.any() and not empty.all(), "the case must have rows with and without keys"
+        assert np.array_equal(np.isneginf(got["lse"]), empty)
+        assert np.all(got["o"][empty] == 0) and np.all(got["dq"][empty] == 0)
+        _check(got, ref, dtype)
+
+
+# --------------------------------------------------------------------------- equivalences
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_unbounded_window_is_plain_attention(rng, dtype, layout):
+    """window=(-1, -1) is no modifier at all: the same kernels, bit for bit (the backward
+    in deterministic mode, whose sums have one order)."""
+    host = _qkv(rng, dtype, 64, 129, 300, 2, layout)
+    q, k, v, do = (_dev(x) for x in host)
+    runs = []
+    for window in (None, (-1, -1)):
+        o, ctx = cupyflash.attention_forward(q, k, v, causal=True, window=window, layout=layout,
+                                             deterministic=True, backend=BACKEND)
+        runs.append([_host(x) for x in (o, ctx.lse, *cupyflash.attention_backward(do, ctx))])
+    for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), *runs):
+        assert np.array_equal(a, b), f"{name} differs with window=(-1, -1)"
+
+
+NEUTRAL_CASES = {
+    "block_mask-all-ones": lambda b, h, nq, nk: dict(block_mask=np.ones((b, h, -(-nq // 128), -(-nk // 128)), bool)),
+    "block_mask-all-ones-16": lambda b, h, nq, nk: dict(block_mask=np.ones((-(-nq // 16), -(-nk // 16)), bool),
+                                                        block_size=16),
+    "seqlens_k-full": lambda b, h, nq, nk: dict(seqlens_k=np.full(b, nk, np.int32)),
+    "alibi-zero": lambda b, h, nq, nk: dict(alibi_slopes=np.zeros(h, np.float32)),
+    "dropout-0-with-seed": lambda b, h, nq, nk: dict(dropout_p=0.0, seed=11),
+}
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float64"])
+@pytest.mark.parametrize("case", list(NEUTRAL_CASES))
+def test_neutral_options_equal_dense(rng, dtype, case):
+    """Options that hide nothing and add nothing (an all-ones block mask, seqlens_k = Nk,
+    zero ALiBi slopes, dropout 0) give dense attention: within the tolerance of each other
+    (the general kernels may sum in another order than the dense ones; the dense path
+    itself is checked against the reference in test_gpu_forward/backward)."""
+    nq, nk = 300, 257
+    host = _qkv(rng, dtype, 128, nq, nk, 4, "bhsd")
+    q, k, v, do = (_dev(x) for x in host)
+    opts = {k_: _dev(v_) for k_, v_ in NEUTRAL_CASES[case](2, 8, nq, nk).items()}
+    results = []
+    for extra in ({}, opts):
+        o, ctx = cupyflash.attention_forward(q, k, v, causal=True, backend=BACKEND, **extra)
+        results.append({"o": _host(o), "lse": _host(ctx.lse),
+                        **dict(zip(GRAD_NAMES, (_host(g) for g in cupyflash.attention_backward(do, ctx))))})
+    dense, modded = results
+    _check(modded, {k_: x.astype(np.float64) for k_, x in dense.items()}, dtype)
+
+
+# --------------------------------------------------------------------------- API wiring
+
+
+def test_entry_points_agree_with_modifiers(rng):
+    """attention(return_lse=True) and attention_vjp(...)(do, return_dbias=True) give what
+    attention_forward + attention_backward give, bit for bit, with every modifier on."""
+    nq, nk, b, hq = 129, 200, 2, 4
+    host = _qkv(rng, "bfloat16", 64, nq, nk, 2, "bshd")
+    q, k, v, do = (_dev(x) for x in host)
+    kw = dict(causal=True, window=(64, -1), dropout_p=0.1, seed=8, softcap=4.0,
+              bias=_dev(_bias(rng, (b, 1, nq, nk), "bfloat16")), alibi_slopes=_dev(_slopes((hq,))),
+              block_mask=_dev(_block_mask(rng, (b, hq), nq, nk, 32)), block_size=32,
+              seqlens_k=_dev(np.array([nk, 150], np.int32)),
+              layout="bshd", deterministic=True, backend=BACKEND)
+    o, ctx = cupyflash.attention_forward(q, k, v, **kw)
+    grads = cupyflash.attention_backward(do, ctx, return_dbias=True)
+    o2, lse2 = cupyflash.attention(q, k, v, return_lse=True, **kw)
+    o3, vjp = cupyflash.attention_vjp(q, k, v, **kw)
+    grads3 = vjp(do, return_dbias=True)
+    assert len(grads) == len(grads3) == 4
+    for a, b_ in [(o, o2), (ctx.lse, lse2), (o, o3), *zip(grads, grads3)]:
+        assert np.array_equal(_host(a), _host(b_), equal_nan=True)
+    ref_host = [x.astype(np.float64) for x in host]
+    ref_kw = dict(kw, backend="numpy", **{k_: _host(v_) for k_, v_ in kw.items() if k_ in
+                                        ("bias", "alibi_slopes", "block_mask", "seqlens_k")})
+    ref_kw["bias"] = ref_kw["bias"].astype(np.float64)
+    _, ref_ctx = cupyflash.attention_forward(*ref_host[:3], **ref_kw)
+    ref = {"o": _host(ref_ctx.o), "lse": _host(ref_ctx.lse),
+           **dict(zip(GRAD_NAMES, cupyflash.attention_backward(ref_host[3], ref_ctx, return_dbias=True)))}
+    got = {"o": _host(o), "lse": _host(ctx.lse), **dict(zip(GRAD_NAMES, (_host(g) for g in grads)))}
+    _check(got, ref, "bfloat16")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_deterministic_backward_with_modifiers_is_bitwise_reproducible(rng, dtype):
+    """deterministic=True: dq, dk, dv and dbias (a sum over broadcast axes) identical run
+    to run with dropout, bias, block mask and GQA."""
+    nq, nk, b, hq = 300, 129, 2, 8
+    host = _qkv(rng, dtype, 128, nq, nk, 4, "bhsd")
+    q, k, v, do = (_dev(x) for x in host)
+    kw = dict(dropout_p=0.2, seed=4, bias=_dev(_bias(rng, (1, hq, 1, nk), dtype)),
+              block_mask=_dev(_block_mask(rng, (b, hq), nq, nk, 16, density=0.6)), block_size=16,
+              deterministic=True, backend=BACKEND)
+    runs = []
+    for _ in range(3):
+        _, ctx = cupyflash.attention_forward(q, k, v, **kw)
+        runs.append([_host(g) for g in cupyflash.attention_backward(do, ctx, return_dbias=True)])
+    for name, first, *others in zip(GRAD_NAMES, *runs):
+        for other in others:
+            assert np.array_equal(first.view(np.uint8), other.view(np.uint8)), f"{name} differs between runs"
