@@ -284,5 +284,7 @@ def block_mask_tiles(block_mask, first: int, stop: int) -> list[int]:
         The tiles in order; zero blocks are skipped, which is where block sparsity saves
         time.
     """
-    on = np.asarray(block_mask)[..., first:stop].reshape(-1, max(stop - first, 0)).any(axis=0)
+    if stop <= first:
+        return []
+    on = np.asarray(block_mask)[..., first:stop].reshape(-1, stop - first).any(axis=0)
     return [first + int(t) for t in np.flatnonzero(on)]
