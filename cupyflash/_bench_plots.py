@@ -2,7 +2,7 @@
 
 One figure per quantity, one panel per (dtype, d, causal, pass), one line per
 implementation present in the results; failed measurements (null in the JSON) are left
-out of the lines. Needs matplotlib (the ``bench`` extra); `cupyflash.bench` imports this
+out of the lines. Rows with a ``variant`` (``--mods``) get their own figure of bars. Needs matplotlib (the ``bench`` extra); `cupyflash.bench` imports this
 module only to plot, so that measuring does not need it.
 """
 
@@ -138,6 +138,62 @@ def plot_quantity(result, quantity, path):
     return path
 
 
+def _variant_label(row):
+    return f"{row['impl']} {row['variant']}{' (causal)' if row['causal'] else ''}"
+
+
+def plot_mods(result, path):
+    """The modifier rows (``--mods``): one panel per (dtype, d, N, pass), a bar of
+    milliseconds per implementation and variant, annotated with the speedup against the
+    dense baseline where there is one; saved to `path`."""
+    panels = {}
+    for row in result["rows"]:
+        if row.get("variant"):
+            panels.setdefault((row["dtype"], row["d"], row["N"], row["pass"]), []).append(row)
+    keys = sorted(panels, key=lambda k: (DTYPE_ORDER.index(k[0]) if k[0] in DTYPE_ORDER else 9, k[1],
+                                         k[2], PASS_ORDER.index(k[3]) if k[3] in PASS_ORDER else 2))
+    ncols = min(2, len(keys))
+    nrows = math.ceil(len(keys) / ncols)
+    bars = max(len(rows) for rows in panels.values())
+    panel_h = 1.2 + 0.22 * bars
+    height = panel_h * nrows + HEADER_INCHES
+    fig, axes = plt.subplots(nrows, ncols, figsize=(7.5 * ncols, height), squeeze=False)
+    for ax, key in zip(axes.flat, keys):
+        rows = panels[key]
+        labels = [_variant_label(r) for r in rows]
+        ms = [r["ms"] or 0.0 for r in rows]
+        colours = [COLOURS.get(r["impl"], "0.5") for r in rows]
+        ax.barh(range(len(rows)), ms, color=colours)
+        for y, r in enumerate(rows):
+            note = "failed" if r["ms"] is None else (
+                f"{r['speedup_vs_dense']:.2f}x" if r.get("speedup_vs_dense") else "")
+            ax.text(ms[y], y, f" {note}", va="center", fontsize=6)
+        ax.set_yticks(range(len(rows)), labels, fontsize=6)
+        ax.invert_yaxis()
+        ax.set_xlim(0, max(ms + [1e-3]) * 1.2)
+        ax.set_xlabel("ms", fontsize=8)
+        ax.tick_params(axis="x", labelsize=7)
+        dtype, d, n, pass_ = key
+        ax.set_title(f"{dtype}, d={d}, N={_size_label(n)}, {pass_}", fontsize=9)
+        ax.grid(True, axis="x", alpha=0.3)
+    for ax in axes.flat[len(keys):]:
+        ax.set_visible(False)
+    fig.suptitle(_title(result, "attention modifiers (ms; speedup against the dense baseline)"),
+                 fontsize=10, x=0.01, ha="left")
+    fig.tight_layout(rect=(0, 0, 1, 1 - HEADER_INCHES / height))
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
 def plot_results(result, prefix):
-    """Both figures of `result`, as ``<prefix>-tflops.png`` and ``<prefix>-memory.png``."""
-    return [plot_quantity(result, quantity, f"{prefix}-{quantity}.png") for quantity in QUANTITIES]
+    """The figures of `result`: ``<prefix>-tflops.png`` and ``<prefix>-memory.png`` for the
+    grid's rows, ``<prefix>-mods.png`` for the modifier rows (those with a variant)."""
+    grid = [r for r in result["rows"] if not r.get("variant")]
+    paths = []
+    if grid:
+        paths += [plot_quantity(dict(result, rows=grid), quantity, f"{prefix}-{quantity}.png")
+                  for quantity in QUANTITIES]
+    if len(grid) < len(result["rows"]):
+        paths.append(plot_mods(result, f"{prefix}-mods.png"))
+    return paths

@@ -11,12 +11,31 @@ made during one call, inputs excluded.
     python -m cupyflash.bench --out results.json --plot     # the grid; JSON and PNG plots
     python -m cupyflash.bench --seqlens 4096 16384 --head-dims 128 --dtypes bfloat16
     python -m cupyflash.bench --plot-only results.json      # plots from saved results, no GPU
+    python -m cupyflash.bench --mods --out mods.json        # the modifier rows instead of the grid
 
 The JSON holds ``gpu``, ``date``, ``commit``, ``versions``, ``compile`` and ``rows`` (one
 per implementation, pass and case: impl, pass, dtype, d, causal, N, B, H, ms, tflops,
 peak_mem_bytes; ms, tflops and memory are null where the case failed). Plots need
 matplotlib (``pip install cupyflash[bench]``). CuPy and torch are imported only when
 measuring, so ``--help`` and ``--plot-only`` run anywhere.
+
+``--mods`` measures the attention modifiers instead of the dense grid, bfloat16 (see
+``--mods-dtypes``) at ``--head-dims`` and N in ``--mods-seqlens`` (4096, 16384), same
+B*N and H*d. Its rows carry a ``variant`` and, where a dense cupyflash call is the
+baseline, ``speedup_vs_dense`` (baseline ms / row ms):
+
+- ``block_sparse density=x``: a random block mask (block 128, each row of blocks keeping
+  round(x * blocks) blocks, one pattern per head) at x = 1, 1/2, 1/4, 1/8, non-causal;
+  TFLOP/s counted on the dense FLOPs, baseline the plain dense call (variant ``dense``);
+- ``dropout p=0.1``: cupyflash (fixed seed) beside torch SDPA's flash and efficient
+  backends with dropout_p=0.1, causal and not; baseline the dense call of the same mask;
+- ``window left=256 right=0``: causal sliding window, TFLOP/s counted on the visible
+  pairs; baseline the dense causal call (torch SDPA has no window, flash-attn is not a
+  dependency: no peer);
+- ``varlen S seqs`` against ``padded+seqlens_k S seqs``: S = 8 sequences of random
+  lengths summing to B*N = 16384 tokens, packed (varlen_attention) or padded to the
+  longest (a dense (S, H, max, d) call with seqlens_k), causal and not; TFLOP/s of both
+  on the sequences' own FLOPs, N = the longest; the varlen row's baseline is the padded one.
 """
 
 from __future__ import annotations
@@ -143,31 +162,49 @@ def _torch():
         return None, None, None
 
 
-def bench_case(dtype, d, causal, N, passes, peers, rows, naive_max_n):
-    """Measure cupyflash and `peers` on one case; append a row per (impl, pass) to `rows`."""
+def make_inputs(dtype, shape, seed):
+    """q, k, v, do of ``shape`` as CuPy arrays, and the torch tensors they view (Nones
+    without torch): made by torch where it is importable, so that every implementation
+    reads the same memory."""
     import cupy as cp
 
+    torch = _torch()[0]
+    if torch:
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        tensors = [torch.randn(*shape, device="cuda", dtype=getattr(torch, dtype), generator=gen)
+                   for _ in range(4)]
+        return [cp.from_dlpack(t) for t in tensors], tensors
+    rng = cp.random.default_rng(seed)
+    return [rng.standard_normal(shape, dtype=cp.float32).astype(dtype) for _ in range(4)], [None] * 4
+
+
+def make_row(impl, pass_, dtype, d, causal, N, B, H, ms, peak, flop, **extra):
+    """One result row: the grid's fields, TFLOP/s from ``flop`` (None where ``ms`` is),
+    then ``extra`` (the modifier rows' variant, speedup_vs_dense)."""
+    tf = flop / (ms * 1e-3) / 1e12 if ms else None
+    return dict(impl=impl, dtype=dtype, d=d, causal=causal, N=N, B=B, H=H, ms=ms, tflops=tf,
+                peak_mem_bytes=peak, **{"pass": pass_}, **extra)
+
+
+def _print_row(row):
+    ms, tf = row["ms"], row["tflops"]
+    print(f"{row['impl']:16} {row['pass']:4} {row['dtype']:9} d={row['d']:3} causal={int(row['causal'])} "
+          f"N={row['N']:6}  {'%9.3f ms' % ms if ms else '   failed  '}  {'%7.1f TFLOP/s' % tf if tf else ''}"
+          f"{'  ' + row['variant'] if row.get('variant') else ''}", flush=True)
+
+
+def bench_case(dtype, d, causal, N, passes, peers, rows, naive_max_n):
+    """Measure cupyflash and `peers` on one case; append a row per (impl, pass) to `rows`."""
     import cupyflash
 
     torch, SDPBackend, sdpa_kernel = _torch()
     H, B = HIDDEN // d, TOKENS // N
     scale = 1.0 / math.sqrt(d)
-    if torch:
-        # Inputs made by torch and viewed by CuPy: every implementation reads the same memory.
-        gen = torch.Generator(device="cuda").manual_seed(N * d + causal)
-        tq, tk, tv, tdo = (torch.randn(B, H, N, d, device="cuda", dtype=getattr(torch, dtype), generator=gen)
-                           for _ in range(4))
-        q, k, v, do = (cp.from_dlpack(t) for t in (tq, tk, tv, tdo))
-    else:
-        rng = cp.random.default_rng(N)
-        q, k, v, do = (rng.standard_normal((B, H, N, d), dtype=cp.float32).astype(dtype) for _ in range(4))
+    (q, k, v, do), (tq, tk, tv, tdo) = make_inputs(dtype, (B, H, N, d), N * d + causal)
 
     def record(impl, pass_, ms, peak):
-        tf = flops(B, H, N, d, causal, pass_) / (ms * 1e-3) / 1e12 if ms else None
-        rows.append(dict(impl=impl, dtype=dtype, d=d, causal=causal, N=N, B=B, H=H,
-                         ms=ms, tflops=tf, peak_mem_bytes=peak, **{"pass": pass_}))
-        print(f"{impl:16} {pass_:4} {dtype:9} d={d:3} causal={int(causal)} N={N:6}  "
-              f"{'%9.3f ms' % ms if ms else '   failed  '}  {'%7.1f TFLOP/s' % tf if tf else ''}", flush=True)
+        rows.append(make_row(impl, pass_, dtype, d, causal, N, B, H, ms, peak, flops(B, H, N, d, causal, pass_)))
+        _print_row(rows[-1])
 
     def guarded(impl, pass_, run, peak_fn):
         try:
@@ -211,6 +248,207 @@ def bench_case(dtype, d, causal, N, passes, peers, rows, naive_max_n):
             except Exception as exc:
                 print(f"{impl} bwd: {type(exc).__name__}: {str(exc)[:200]}")
                 record(impl, "bwd", None, None)
+
+
+# --------------------------------------------------------------------------- modifiers (--mods)
+
+MOD_DENSITIES = (1.0, 0.5, 0.25, 0.125)
+MOD_BLOCK = 128
+MOD_DROPOUT = 0.1
+MOD_WINDOW = (256, 0)
+VARLEN_SEQS = 8
+VARLEN_MIN = 256
+
+
+def random_block_mask(rng, heads, n_q_blocks, n_k_blocks, density):
+    """A (1, heads, n_q_blocks, n_k_blocks) bool block mask, one random pattern per head,
+    each row of blocks keeping exactly max(1, round(density * n_k_blocks)) blocks, so that
+    every query tile does the same work and the fraction of kept blocks is ``density``
+    (as closely as the block count allows)."""
+    keep = max(1, round(density * n_k_blocks))
+    order = np.argsort(rng.random((heads, n_q_blocks, n_k_blocks)), axis=-1)
+    mask = np.zeros((heads, n_q_blocks, n_k_blocks), dtype=bool)
+    np.put_along_axis(mask, order[..., :keep], True, axis=-1)
+    return mask[None]
+
+
+def varlen_lengths(rng, count, total, minimum=VARLEN_MIN):
+    """``count`` random sequence lengths, each >= ``minimum``, summing to ``total``."""
+    if count * minimum > total:
+        raise ValueError(f"{count} sequences of at least {minimum} do not fit in {total} tokens")
+    spare = total - count * minimum
+    lengths = minimum + np.floor(rng.dirichlet(np.ones(count)) * spare).astype(np.int64)
+    lengths[rng.integers(count)] += total - lengths.sum()
+    return lengths
+
+
+def visible_pairs(nq, nk, *, causal=False, window=(-1, -1)):
+    """How many (query, key) pairs a (nq, nk) attention with ``causal`` and ``window``
+    sees (bottom-right aligned, as cupyflash masks them)."""
+    i = np.arange(nq, dtype=np.int64)
+    diag = i + nk - nq
+    left, right = window
+    lo = np.maximum(diag - left, 0) if left >= 0 else np.zeros_like(i)
+    hi = np.full_like(i, nk - 1)
+    if causal:
+        hi = np.minimum(hi, diag)
+    if right >= 0:
+        hi = np.minimum(hi, diag + right)
+    return int(np.maximum(hi - lo + 1, 0).sum())
+
+
+def pair_flops(pairs, heads, d, pass_):
+    """FLOPs of attention over ``pairs`` visible (query, key) pairs per head: 4 d per pair
+    forward, 2.5 times that backward (the grid's convention)."""
+    return 4.0 * pairs * heads * d * (2.5 if pass_ == "bwd" else 1.0)
+
+
+def _measure(rows, run_factory, *, impl, pass_, dtype, d, causal, N, B, H, flop, variant,
+             baseline_ms=None, peak_fn=None):
+    """Time ``run_factory()`` (which sets up, e.g. the forward a backward needs, and
+    returns the call to time), append its row, return its ms (None where it failed)."""
+    ms = peak = None
+    try:
+        run = run_factory()
+        ms = time_ms(run)
+        peak = (peak_fn or cupy_peak)(run)
+    except Exception as exc:  # recorded as a failed row, not fatal
+        print(f"{impl} {pass_} {variant}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+        ms = peak = None
+    speedup = baseline_ms / ms if baseline_ms and ms else None
+    rows.append(make_row(impl, pass_, dtype, d, causal, N, B, H, ms, peak, flop,
+                         variant=variant, speedup_vs_dense=speedup))
+    _print_row(rows[-1])
+    return ms
+
+
+def _cupyflash_runs(q, k, v, do, **opts):
+    """(forward factory, backward factory) of cupyflash.attention with ``opts``."""
+    import cupyflash
+
+    def fwd():
+        return lambda: cupyflash.attention(q, k, v, **opts)
+
+    def bwd():
+        _, ctx = cupyflash.attention_forward(q, k, v, **opts)
+        return lambda: cupyflash.attention_backward(do, ctx)
+
+    return {"fwd": fwd, "bwd": bwd}
+
+
+def bench_mods_case(dtype, d, N, passes, peers, rows):
+    """The dense baselines, block-sparse densities, dropout (with torch's peers) and the
+    sliding window at one (dtype, d, N)."""
+    import cupy as cp
+
+    torch, SDPBackend, sdpa_kernel = _torch()
+    H, B = HIDDEN // d, TOKENS // N
+    scale = 1.0 / math.sqrt(d)
+    (q, k, v, do), (tq, tk, tv, tdo) = make_inputs(dtype, (B, H, N, d), N * d + 5)
+    case = dict(dtype=dtype, d=d, N=N, B=B, H=H)
+    rng = np.random.default_rng(N * d)
+    dense = {}
+    for causal in (False, True):
+        runs = _cupyflash_runs(q, k, v, do, causal=causal, scale=scale)
+        for pass_ in passes:
+            dense[causal, pass_] = _measure(rows, runs[pass_], impl="cupyflash", pass_=pass_, causal=causal,
+                                            flop=flops(B, H, N, d, causal, pass_), variant="dense", **case)
+    n_blocks = -(-N // MOD_BLOCK)
+    for density in MOD_DENSITIES:
+        mask = cp.asarray(random_block_mask(rng, H, n_blocks, n_blocks, density))
+        runs = _cupyflash_runs(q, k, v, do, scale=scale, block_mask=mask, block_size=MOD_BLOCK)
+        for pass_ in passes:
+            _measure(rows, runs[pass_], impl="cupyflash", pass_=pass_, causal=False,
+                     flop=flops(B, H, N, d, False, pass_), variant=f"block_sparse density={density:g}",
+                     baseline_ms=dense[False, pass_], **case)
+    variant = f"dropout p={MOD_DROPOUT:g}"
+    for causal in (False, True):
+        runs = _cupyflash_runs(q, k, v, do, causal=causal, scale=scale, dropout_p=MOD_DROPOUT, seed=0)
+        for pass_ in passes:
+            _measure(rows, runs[pass_], impl="cupyflash", pass_=pass_, causal=causal,
+                     flop=flops(B, H, N, d, causal, pass_), variant=variant,
+                     baseline_ms=dense[causal, pass_], **case)
+        for impl in ("torch-flash", "torch-efficient"):
+            if torch is None or impl not in peers:
+                continue
+            backend = getattr(SDPBackend, TORCH_BACKENDS[impl])
+            sdpa = torch.nn.functional.scaled_dot_product_attention
+
+            def fwd(backend=backend, causal=causal):
+                def run():
+                    with sdpa_kernel(backend):
+                        return sdpa(tq, tk, tv, is_causal=causal, scale=scale, dropout_p=MOD_DROPOUT)
+                return run
+
+            def bwd(backend=backend, causal=causal):
+                xs = [t.detach().requires_grad_() for t in (tq, tk, tv)]
+                with sdpa_kernel(backend):
+                    out = sdpa(*xs, is_causal=causal, scale=scale, dropout_p=MOD_DROPOUT)
+                return lambda: torch.autograd.grad(out, xs, tdo, retain_graph=True)
+
+            for pass_ in passes:
+                _measure(rows, {"fwd": fwd, "bwd": bwd}[pass_], impl=impl, pass_=pass_, causal=causal,
+                         flop=flops(B, H, N, d, causal, pass_), variant=variant,
+                         peak_fn=lambda f: torch_peak(torch, f), **case)
+    pairs = visible_pairs(N, N, causal=True, window=MOD_WINDOW)
+    runs = _cupyflash_runs(q, k, v, do, causal=True, scale=scale, window=MOD_WINDOW)
+    for pass_ in passes:
+        _measure(rows, runs[pass_], impl="cupyflash", pass_=pass_, causal=True,
+                 flop=B * pair_flops(pairs, H, d, pass_),
+                 variant=f"window left={MOD_WINDOW[0]} right={MOD_WINDOW[1]}",
+                 baseline_ms=dense[True, pass_], **case)
+
+
+def bench_varlen(dtype, d, passes, rows, *, seqs=VARLEN_SEQS, seed=0):
+    """``seqs`` sequences of random lengths summing to TOKENS, packed (varlen_attention)
+    and padded to the longest (dense with seqlens_k), causal and not."""
+    import cupy as cp
+
+    import cupyflash
+
+    H = HIDDEN // d
+    scale = 1.0 / math.sqrt(d)
+    lengths = varlen_lengths(np.random.default_rng(seed), seqs, TOKENS)
+    longest = int(lengths.max())
+    starts = np.concatenate([[0], np.cumsum(lengths)])
+    cu = cp.asarray(starts.astype(np.int32))
+    seqlens = cp.asarray(lengths.astype(np.int32))
+    (q, k, v, do), _ = make_inputs(dtype, (TOKENS, H, d), seqs * d + 11)
+    padded = []  # the same tokens, (seqs, longest, H, d) with zeros after each sequence
+    for x in (q, k, v, do):
+        y = cp.zeros((seqs, longest, H, d), dtype=x.dtype)
+        for s, n in enumerate(lengths):
+            y[s, :n] = x[starts[s]:starts[s + 1]]
+        padded.append(y)
+    case = dict(dtype=dtype, d=d, N=longest, B=seqs, H=H)
+    print(f"varlen lengths: {lengths.tolist()}", flush=True)
+    for causal in (False, True):
+        flop = {p: sum(flops(1, H, int(n), d, causal, p) for n in lengths) for p in passes}
+        dense_runs = _cupyflash_runs(*padded, causal=causal, scale=scale, seqlens_k=seqlens, layout="bshd")
+
+        def fwd(causal=causal):
+            return lambda: cupyflash.varlen_attention(q, k, v, cu, cu, longest, longest, causal=causal, scale=scale)
+
+        def bwd(causal=causal):
+            _, ctx = cupyflash.varlen_attention_forward(q, k, v, cu, cu, longest, longest, causal=causal, scale=scale)
+            return lambda: cupyflash.attention_backward(do, ctx)
+
+        for pass_ in passes:
+            padded_ms = _measure(rows, dense_runs[pass_], impl="cupyflash", pass_=pass_, causal=causal,
+                                 flop=flop[pass_], variant=f"padded+seqlens_k {seqs} seqs", **case)
+            _measure(rows, {"fwd": fwd, "bwd": bwd}[pass_], impl="cupyflash", pass_=pass_, causal=causal,
+                     flop=flop[pass_], variant=f"varlen {seqs} seqs", baseline_ms=padded_ms, **case)
+
+
+def run_mods(args):
+    """The modifier rows (``--mods``) the command line asks for; returns the rows."""
+    rows = []
+    for dtype in args.mods_dtypes:
+        for d in args.head_dims:
+            for N in args.mods_seqlens:
+                bench_mods_case(dtype, d, N, args.passes, args.peers, rows)
+            bench_varlen(dtype, d, args.passes, rows)
+    return rows
 
 
 def compile_times():
@@ -299,7 +537,8 @@ def run_grid(args):
 def summary(rows):
     """cupyflash's TFLOP/s and its ratio to torch's flash backend (or the peer that runs
     the dtype), per case."""
-    index = {(r["impl"], r["pass"], r["dtype"], r["d"], r["causal"], r["N"]): r for r in rows}
+    index = {(r["impl"], r["pass"], r["dtype"], r["d"], r["causal"], r["N"]): r
+             for r in rows if not r.get("variant")}
     print(f"\n{'pass':4} {'dtype':9} {'d':>3} {'c':>1} {'N':>6} {'cupyflash':>9} {'flash':>7} {'cudnn':>7} {'ratio':>6}")
     for (impl, pass_, dtype, d, causal, N), r in index.items():
         if impl != "cupyflash" or not r["tflops"]:
@@ -312,6 +551,22 @@ def summary(rows):
 
         print(f"{pass_:4} {dtype:9} {d:3d} {int(causal)} {N:6d} {r['tflops']:9.1f} {fmt(peer['torch-flash'])} "
               f"{fmt(peer['torch-cudnn'])} {(r['tflops'] / ref if ref else float('nan')):6.2f}")
+
+
+def mods_summary(rows):
+    """The modifier rows (those with a variant) as a table, speedup against the dense baseline."""
+    print(f"\n{'pass':4} {'dtype':9} {'d':>3} {'c':>1} {'N':>6} {'impl':16} {'variant':28} "
+          f"{'ms':>9} {'TFLOP/s':>7} {'speedup':>7}")
+    for r in rows:
+        if not r.get("variant"):
+            continue
+
+        def fmt(x, spec):
+            return format(x, spec) if x else "-".rjust(len(format(0.0, spec)))
+
+        print(f"{r['pass']:4} {r['dtype']:9} {r['d']:3d} {int(r['causal'])} {r['N']:6d} {r['impl']:16} "
+              f"{r['variant']:28} {fmt(r['ms'], '9.3f')} {fmt(r['tflops'], '7.1f')} "
+              f"{fmt(r.get('speedup_vs_dense'), '7.2f')}")
 
 
 def write_plots(result, prefix):
@@ -345,6 +600,12 @@ def parse_args(argv=None):
                    help="implementations measured beside cupyflash (none: cupyflash alone)")
     p.add_argument("--naive-max-n", type=int, default=8192,
                    help="largest N for naive-cupy (its N x N matrix runs out of memory)")
+    p.add_argument("--mods", action="store_true",
+                   help="measure the modifier rows (block-sparse, dropout, window, varlen) instead of the grid")
+    p.add_argument("--mods-seqlens", type=int, nargs="+", default=[4096, 16384], metavar="N",
+                   help="N of the --mods rows (B = 16384 / N)")
+    p.add_argument("--mods-dtypes", nargs="+", default=["bfloat16"],
+                   choices=["float16", "bfloat16", "float32", "float64"], help="dtypes of the --mods rows")
     p.add_argument("--out", type=Path, metavar="JSON", help="write the results here")
     p.add_argument("--commit", help="record this as the commit (default: the checkout's own, "
                    "\"unknown\" where the code is not a git checkout, e.g. a copy on a GPU host)")
@@ -363,7 +624,7 @@ def main(argv=None):
         written = [write_plots(json.loads(path.read_text()), path.with_suffix("")) for path in args.plot_only]
         return 0 if all(written) else 1
 
-    rows = run_grid(args)
+    rows = run_mods(args) if args.mods else run_grid(args)
     result = {
         "gpu": gpu_name(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -375,7 +636,10 @@ def main(argv=None):
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))
-    summary(rows)
+    if args.mods:
+        mods_summary(rows)
+    else:
+        summary(rows)
     if args.plot and not write_plots(result, args.out.with_suffix("")):
         return 1
     return 0

@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from cupyflash import bench
@@ -70,3 +71,110 @@ def test_tiny_grid_on_gpu(tmp_path):
     assert {"gpu", "date", "commit", "versions", "rows"} <= result.keys()
     ours = [r for r in result["rows"] if r["impl"] == "cupyflash"]
     assert len(ours) == 2 and all(r["tflops"] and r["peak_mem_bytes"] for r in ours)
+
+
+# --------------------------------------------------------------------------- --mods
+
+
+def test_mods_is_opt_in():
+    assert not bench.parse_args([]).mods
+    args = bench.parse_args(["--mods"])
+    assert args.mods and args.mods_seqlens == [4096, 16384] and args.mods_dtypes == ["bfloat16"]
+    assert args.head_dims == [64, 128] and args.passes == ["fwd", "bwd"]
+    args = bench.parse_args(["--mods", "--mods-seqlens", "512", "--mods-dtypes", "float16", "float32"])
+    assert args.mods_seqlens == [512] and args.mods_dtypes == ["float16", "float32"]
+
+
+@pytest.mark.parametrize("density", bench.MOD_DENSITIES)
+def test_random_block_mask_density(density):
+    rng = np.random.default_rng(0)
+    mask = bench.random_block_mask(rng, 16, 32, 32, density)
+    assert mask.shape == (1, 16, 32, 32) and mask.dtype == bool
+    assert np.all(mask.sum(-1) == round(32 * density))   # every query tile the same work
+    assert mask.mean() == density
+    if density < 1:
+        assert not np.array_equal(mask[0, 0], mask[0, 1])  # one pattern per head
+    assert bench.random_block_mask(rng, 1, 3, 5, 0.01).sum() == 3   # at least one block per row
+
+
+def test_varlen_lengths():
+    rng = np.random.default_rng(1)
+    for count in (1, 8, 64):
+        lengths = bench.varlen_lengths(rng, count, 16384)
+        assert len(lengths) == count and lengths.sum() == 16384 and lengths.min() >= bench.VARLEN_MIN
+    assert len(set(bench.varlen_lengths(rng, 8, 16384).tolist())) > 1
+    with pytest.raises(ValueError):
+        bench.varlen_lengths(rng, 100, 16384)
+
+
+@pytest.mark.parametrize("nq,nk", [(1, 1), (17, 17), (40, 25), (25, 40), (300, 300)])
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (True, (7, 0)),
+                                           (False, (5, 3)), (False, (-1, 4)), (False, (9, -1))])
+def test_visible_pairs_counts_the_mask(nq, nk, causal, window):
+    i, j = np.arange(nq)[:, None], np.arange(nk)[None, :]
+    diag = i + nk - nq
+    seen = np.ones((nq, nk), bool)
+    if causal:
+        seen &= j <= diag
+    if window[0] >= 0:
+        seen &= j >= diag - window[0]
+    if window[1] >= 0:
+        seen &= j <= diag + window[1]
+    assert bench.visible_pairs(nq, nk, causal=causal, window=window) == seen.sum()
+
+
+def test_make_row_and_flop_counts():
+    row = bench.make_row("cupyflash", "bwd", "bfloat16", 128, False, 4096, 4, 16, 2.0, 123, 4e9,
+                         variant="block_sparse density=0.5", speedup_vs_dense=1.9)
+    assert row == {"impl": "cupyflash", "pass": "bwd", "dtype": "bfloat16", "d": 128, "causal": False,
+                   "N": 4096, "B": 4, "H": 16, "ms": 2.0, "tflops": 2.0, "peak_mem_bytes": 123,
+                   "variant": "block_sparse density=0.5", "speedup_vs_dense": 1.9}
+    assert bench.make_row("x", "fwd", "float16", 64, True, 512, 32, 32, None, None, 1e9)["tflops"] is None
+    # the grid's keys are those of the plain rows, so saved results stay comparable
+    assert bench.make_row("x", "fwd", "float16", 64, True, 512, 32, 32, 1.0, 0, 1e9).keys() == _row("x", "fwd", 512, 1.0).keys()
+    # a full window is dense: the pair count gives the grid's FLOPs
+    n, h, d = 1024, 16, 128
+    for pass_ in ("fwd", "bwd"):
+        assert bench.pair_flops(bench.visible_pairs(n, n), h, d, pass_) == bench.flops(1, h, n, d, False, pass_)
+
+
+MOD_ROWS = [
+    bench.make_row("cupyflash", "fwd", "bfloat16", 128, False, 4096, 4, 16, 4.0, 1, 1e12, variant="dense",
+                   speedup_vs_dense=None),
+    bench.make_row("cupyflash", "fwd", "bfloat16", 128, False, 4096, 4, 16, 1.0, 1, 1e12,
+                   variant="block_sparse density=0.25", speedup_vs_dense=4.0),
+    bench.make_row("torch-flash", "fwd", "bfloat16", 128, True, 4096, 4, 16, None, None, 1e12,
+                   variant="dropout p=0.1", speedup_vs_dense=None),
+]
+
+
+def test_mods_summary_and_grid_summary_keep_apart(capsys):
+    bench.mods_summary(MOD_ROWS + RESULT["rows"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].split()[:2] == ["pass", "dtype"]
+    assert len(lines) == 4
+    assert lines[2].split()[-3:] == ["1.000", "1000.0", "4.00"] and "block_sparse density=0.25" in lines[2]
+    assert lines[3].split()[-3:] == ["-", "-", "-"]
+    bench.summary(MOD_ROWS + RESULT["rows"])   # the variant rows stay out of the grid's table
+    assert len(capsys.readouterr().out.strip().splitlines()) == 4
+
+
+def test_plot_only_draws_the_mods_figure(tmp_path):
+    pytest.importorskip("matplotlib")
+    saved = tmp_path / "mods.json"
+    saved.write_text(json.dumps(dict(RESULT, rows=MOD_ROWS)))
+    assert bench.main(["--plot-only", str(saved)]) == 0
+    assert (tmp_path / "mods-mods.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (tmp_path / "mods-tflops.png").exists()
+
+
+@pytest.mark.gpu
+def test_tiny_mods_on_gpu(tmp_path):
+    out = tmp_path / "mods.json"
+    assert bench.main(["--mods", "--mods-seqlens", "1024", "--head-dims", "64", "--passes", "fwd",
+                       "--peers", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert rows and all(r["variant"] and r["ms"] for r in rows)
+    sparse = [r for r in rows if r["variant"].startswith("block_sparse")]
+    assert len(sparse) == len(bench.MOD_DENSITIES) and all(r["speedup_vs_dense"] for r in sparse)
+    assert {r["variant"] for r in rows} >= {"varlen 8 seqs", "padded+seqlens_k 8 seqs", "dense"}
