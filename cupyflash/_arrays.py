@@ -211,10 +211,16 @@ def _batched(x, core_ndim):
         return x[None, None]
     if x.ndim == core_ndim:
         return x[None]
+    return merge_batch(x, core_ndim)
+
+
+def merge_batch(x, core_ndim):
+    """(B, *core) view of an array with one or more leading axes before its last
+    ``core_ndim`` axes, merged into B; a contiguous copy where no view exists."""
     merged = _merge_leading(x, x.ndim - core_ndim)
     if merged is None:
         # Leading axes that no single stride describes (e.g. x[:, :3] of a (4, 6, ...)
-        # array): the one case where the backends get a copy of a user's array.
+        # array): for q, k, v the one case where the backends get a copy of a user's array.
         merged = _merge_leading(namespace(kind_of(x)).ascontiguousarray(x), x.ndim - core_ndim)
     return merged
 

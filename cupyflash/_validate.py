@@ -40,6 +40,8 @@ class Options:
     layout: str
     deterministic: bool
     backend: str
+    block_size: tuple = (128, 128)
+    seqlens_k: object = None
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,10 @@ class Problem:
     batch: int  # B: the leading dims merged, 0 for an empty batch
     head_dim: int
     value_dim: int
+    lead: tuple = ()  # q's batch (leading) dims
+    heads: int = 1  # Hq
+    q_len: int = 1  # Nq
+    k_len: int = 1  # Nk
 
 
 def check_flag(value, name):
@@ -106,12 +112,26 @@ def _check_window(window):
         return None
     if not isinstance(window, (tuple, list)) or len(window) != 2:
         raise TypeError(f"window must be None or a pair (left, right) of integers, got {window!r}")
-    return tuple(_check_int(w, "window") for w in window)
+    left, right = (_check_int(w, "window") for w in window)
+    if left < -1 or right < -1:
+        raise ValueError(f"window sides must be >= 0, or -1 for unbounded, got {(left, right)}")
+    return left, right
+
+
+def _check_block_size(block_size):
+    pair = block_size if isinstance(block_size, (tuple, list)) else (block_size, block_size)
+    if len(pair) != 2:
+        raise TypeError(f"block_size must be an integer or a pair of integers, got {block_size!r}")
+    pair = tuple(_check_int(b, "block_size") for b in pair)
+    if any(b < 16 or b % 16 for b in pair):
+        raise ValueError(f"block_size must be multiples of 16, at least 16, got {block_size!r}")
+    return pair
 
 
 def check_options(*, causal, scale, window, dropout_p, seed, block_mask, bias, alibi_slopes,
-                  softcap, layout, deterministic, backend):
-    """The keyword options, type- and range-checked (scale without its default yet)."""
+                  softcap, layout, deterministic, backend, block_size=128, seqlens_k=None):
+    """The keyword options, type- and range-checked (scale without its default yet); the
+    arrays only for being arrays: `check_modifiers` checks them against the inputs."""
     if scale is not None:
         scale = _check_real(scale, "scale")
         if scale < 0:
@@ -137,6 +157,8 @@ def check_options(*, causal, scale, window, dropout_p, seed, block_mask, bias, a
         layout=_check_choice(layout, "layout", LAYOUTS),
         deterministic=check_flag(deterministic, "deterministic"),
         backend=_check_choice(backend, "backend", BACKENDS),
+        block_size=_check_block_size(block_size),
+        seqlens_k=_check_optional_array(seqlens_k, "seqlens_k"),
     )
 
 
@@ -272,8 +294,117 @@ def check_inputs(q, k, v, *, layout):
         _check_element_aligned(name, x)
 
     problem = Problem(kind=kind, device=device, dtype=q.dtype, batch=math.prod(q_lead),
-                      head_dim=head_dim, value_dim=value_dim)
+                      head_dim=head_dim, value_dim=value_dim, lead=tuple(q_lead),
+                      heads=q_heads, q_len=q_len, k_len=k_len)
     return q, k, v, problem
+
+
+def _check_broadcastable(name, x, target, described):
+    shape = tuple(x.shape)
+    padded = (1,) * (len(target) - len(shape)) + shape
+    if len(shape) > len(target) or any(n not in (1, t) for n, t in zip(padded, target)):
+        raise ValueError(f"{name} must be broadcastable to {described} = {tuple(target)}, got shape {shape}")
+
+
+def _check_dtype_kind(name, x, kinds, expected):
+    if x.dtype.kind not in kinds:
+        raise TypeError(f"{name} must be {expected}, got dtype {x.dtype}")
+
+
+def _host_copy(x):
+    """A small array's values on the host, to check them (a copy, and for GPU arrays a
+    synchronisation: used only for index arrays of B or S + 1 entries)."""
+    return _arrays.move(x, _arrays.HOST, None)
+
+
+def _adopt_anywhere(name, x):
+    # Small modifier arrays may live on either side; the API moves them to the backend.
+    return None if x is None else _arrays.adopt(x, name)
+
+
+def check_modifiers(options, problem, *, varlen=False):
+    """The option arrays adopted and checked against the inputs' shapes, as a dict.
+
+    ``bias`` must be on q's side (it is as large as the scores and is not copied across);
+    ``block_mask``, ``alibi_slopes`` and ``seqlens_k`` may be host or GPU arrays, and
+    ``seqlens_k`` comes back as a host copy, checked. Varlen calls have no bias, block
+    mask or key padding.
+    """
+    lead, hq, nq, nk = problem.lead, problem.heads, problem.q_len, problem.k_len
+    if varlen:
+        for name in ("block_mask", "bias", "seqlens_k"):
+            if getattr(options, name) is not None:
+                raise ValueError(f"{name} does not combine with varlen attention (cu_seqlens)")
+    out = {}
+    if options.bias is not None:
+        (bias,) = _adopt_same_kind([("bias", options.bias)], problem.kind, "q")
+        if problem.kind == _arrays.DEVICE:
+            _check_device("bias", bias, problem.device, "q")
+        if bias.dtype != problem.dtype:
+            raise TypeError(f"bias must have the dtype of q, {problem.dtype}, got {bias.dtype}")
+        _check_broadcastable("bias", bias, (*lead, hq, nq, nk), "q's batch dims + (Hq, Nq, Nk)")
+        out["bias"] = bias
+    if options.block_mask is not None:
+        mask = _adopt_anywhere("block_mask", options.block_mask)
+        _check_dtype_kind("block_mask", mask, "biu", "a bool or integer array")
+        bq, bk = options.block_size
+        _check_broadcastable("block_mask", mask, (*lead, hq, -(-nq // bq), -(-nk // bk)),
+                             f"q's batch dims + (Hq, ceil(Nq / {bq}), ceil(Nk / {bk}))")
+        out["block_mask"] = mask
+    if options.alibi_slopes is not None:
+        slopes = _adopt_anywhere("alibi_slopes", options.alibi_slopes)
+        if slopes.dtype not in _arrays.SUPPORTED_DTYPES:
+            raise TypeError(f"alibi_slopes must be a float array ({_DTYPE_NAMES}), got dtype {slopes.dtype}")
+        _check_broadcastable("alibi_slopes", slopes, (*lead, hq), "q's batch dims + (Hq,)")
+        out["alibi_slopes"] = slopes
+    if options.seqlens_k is not None:
+        lengths = _adopt_anywhere("seqlens_k", options.seqlens_k)
+        _check_dtype_kind("seqlens_k", lengths, "iu", "an integer array")
+        if tuple(lengths.shape) != tuple(lead):
+            raise ValueError(f"seqlens_k must have q's batch shape {tuple(lead)}, got shape {lengths.shape}")
+        lengths = _host_copy(lengths)
+        if lengths.size and (lengths.min() < 0 or lengths.max() > nk):
+            raise ValueError(f"seqlens_k values must be in [0, Nk={nk}], got min {lengths.min()}, "
+                             f"max {lengths.max()}")
+        out["seqlens_k"] = lengths
+    return out
+
+
+def check_varlen_inputs(q, k, v):
+    """Packed varlen q, k, v (total, H, d) adopted and viewed as a (1, total, H, d) batch."""
+    q, k, v = _adopt_same_kind([("q", q), ("k", k), ("v", v)], _arrays.kind_of(q), "q")
+    for name, x, total in (("q", q, "total_q"), ("k", k, "total_k"), ("v", v, "total_k")):
+        if x.ndim != 3:
+            raise ValueError(f"{name} must be 3-D ({total}, H, d) for varlen attention, got shape {x.shape}")
+    return q[None], k[None], v[None]
+
+
+def check_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, problem):
+    """Sequence boundaries (host int32 copies, see `_host_copy`) and checked maxima."""
+    checked = []
+    for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, problem.q_len),
+                            ("cu_seqlens_k", cu_seqlens_k, problem.k_len)):
+        if _arrays.kind_of(cu) is None:
+            raise TypeError(f"{name} must be an integer array ({_ARRAY_TYPES}), got {type(cu).__name__}")
+        cu = _host_copy(_arrays.adopt(cu, name))
+        _check_dtype_kind(name, cu, "iu", "an integer array")
+        if cu.ndim != 1 or cu.size < 2:
+            raise ValueError(f"{name} must be 1-D with S + 1 >= 2 entries, got shape {cu.shape}")
+        if cu[0] != 0:
+            raise ValueError(f"{name} must start at 0, got {cu[0]}")
+        if (np.diff(cu) < 0).any():
+            raise ValueError(f"{name} must be non-decreasing")
+        if cu[-1] != total:
+            raise ValueError(f"{name} must end at the number of packed tokens, {total}, got {cu[-1]}")
+        checked.append(cu.astype(np.int32))
+    if checked[0].size != checked[1].size:
+        raise ValueError(f"cu_seqlens_k has {checked[1].size} entries but cu_seqlens_q has "
+                         f"{checked[0].size}; both must have S + 1")
+    maxima = []
+    for name, value, cu in (("max_seqlen_q", max_seqlen_q, checked[0]),
+                            ("max_seqlen_k", max_seqlen_k, checked[1])):
+        maxima.append(_check_int_in(value, name, int(np.diff(cu).max())))
+    return (*checked, *maxima)
 
 
 def check_do(do, *, o, kind, device):

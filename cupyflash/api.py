@@ -7,15 +7,19 @@ This file decides where a call runs and moves arrays there; the checks live in
 outputs are allocated once, in the caller's layout, whichever backend runs.
 """
 
+import dataclasses
+import math
 import re
 import textwrap
 import types
 from dataclasses import dataclass, field
 
-from . import _arrays, _reference, _validate
+from . import _arrays, _mods, _reference, _rng, _validate
+from ._rng import manual_seed
 
 __all__ = ["AttentionContext", "attention", "attention_backward", "attention_forward",
-           "attention_vjp", "precompile"]
+           "attention_vjp", "manual_seed", "precompile", "varlen_attention",
+           "varlen_attention_forward", "varlen_attention_vjp"]
 
 _OPTIONS_DOC = """\
 causal : bool, default False
@@ -25,17 +29,41 @@ scale : float, optional
     Multiplies ``q @ k.T`` before the softmax; finite and non-negative. Default
     ``1 / sqrt(d)``.
 window : (int, int), optional
-    Sliding-window (left, right) extent. Not implemented yet: anything but None raises
-    NotImplementedError.
+    Sliding-window attention: query ``i`` sees keys ``i + off - left <= j <= i + off +
+    right`` (``off = Nk - Nq``, aligned bottom-right like causal); -1 leaves a side
+    unbounded, so ``(-1, -1)`` (or None) is full attention. With ``causal`` both hold.
+    Tiles outside the band are skipped, so the cost is ``O(N * (left + right))``.
 dropout_p : float, default 0.0
-    Dropout probability on the attention weights, in [0, 1). Not implemented yet: only 0.
+    Dropout on the attention probabilities, in [0, 1): kept entries are scaled by
+    ``1 / (1 - dropout_p)``. The mask comes from Philox4x32-10 keyed by the seed and
+    regenerated in the backward pass (nothing ``Nq x Nk`` is stored); the NumPy and GPU
+    backends draw the same bits. The LSE is that of the softmax before dropout.
 seed : int, optional
-    Dropout seed in [0, 2**64); accepted (and kept in the context) without dropout.
-block_mask, bias, alibi_slopes : array, optional
-    Block-sparse mask, additive score bias and ALiBi slopes. Not implemented yet:
-    anything but None raises NotImplementedError.
+    Dropout seed in [0, 2**64): the same seed and inputs give the same mask. None draws
+    from cupyflash's process-wide RNG (see `manual_seed`), each call taking fresh streams.
+    Kept in the context (``ctx.seed``, ``ctx.rng_offset``) for the backward pass.
+block_mask : array of bool or int, optional
+    Block-sparse attention: broadcastable to ``(*batch, Hq, ceil(Nq / bq), ceil(Nk /
+    bk))`` (batch = q's leading dims, ``(bq, bk) = block_size``); key block ``c`` is
+    visible to query block ``r`` iff ``block_mask[..., r, c]`` is nonzero, and zero blocks
+    are skipped in the forward and backward passes. Host or GPU array. See
+    `cupyflash.block_sparse` for common patterns.
+block_size : int or (int, int), default 128
+    The (query, key) block size of `block_mask`, each a multiple of 16.
+bias : array, optional
+    Additive score bias (e.g. a relative-position bias or a float attention mask with
+    ``-inf`` entries), broadcastable to ``(*batch, Hq, Nq, Nk)``, in q's dtype and on q's
+    side (host or GPU). Broadcast axes stay broadcast (a ``(Hq, 1, Nk)`` bias is never
+    expanded). Its gradient is ``attention_backward(..., return_dbias=True)``.
+alibi_slopes : array, optional
+    ALiBi: adds ``-slope * |i + Nk - Nq - j|`` to the scores; float array broadcastable to
+    ``(*batch, Hq)``, host or GPU. The slopes get no gradient.
 softcap : float, default 0.0
-    Soft-capping of the scores (0 turns it off). Not implemented yet: only 0.
+    Soft-capping of the scaled scores, ``softcap * tanh(s / softcap)`` (applied before
+    bias and ALiBi, as in Gemma 2 and flash-attn); 0 turns it off.
+seqlens_k : array of int, optional
+    Key padding: batch entry ``b`` sees only its first ``seqlens_k[b]`` keys (values in
+    [0, Nk], shape = q's batch dims). The causal and window alignment still use Nk.
 layout : {"bhsd", "bshd"}, default "bhsd"
     "bhsd": arrays are ``(..., H, N, d)`` with any leading (batch) dims; the axis before
     N is the head axis and a 2-D ``(N, d)`` array is one head. "bshd": arrays are
@@ -92,8 +120,8 @@ def _with_shared_doc(func):
 class AttentionContext:
     """What `attention_backward` needs from one `attention_forward` call.
 
-    Made by `attention_forward`, not by users; read-only. For NumPy inputs the arrays it
-    holds are read-only views.
+    Made by `attention_forward` (or `varlen_attention_forward`), not by users; read-only.
+    For NumPy inputs the arrays it holds are read-only views.
 
     Attributes
     ----------
@@ -105,13 +133,21 @@ class AttentionContext:
         The scale used (the default resolved to ``1 / sqrt(d)``).
     causal, deterministic : bool
     layout : str
+        "bhsd", "bshd", or "varlen" for packed `varlen_attention_forward` inputs.
     backend : str
         The backend that ran the forward pass and will run the backward: "cuda" or
         "numpy".
     device : int or None
         CUDA device of GPU inputs; None for host inputs.
-    window, dropout_p, seed, block_mask, bias, alibi_slopes, softcap
-        The remaining options, as given.
+    seed : int or None
+        The dropout seed used (drawn from the process RNG when none was given); with
+        ``dropout_p == 0`` the ``seed`` argument as given.
+    rng_offset : int
+        The first Philox stream of the call (0 for an explicit seed).
+    window, dropout_p, block_mask, block_size, bias, alibi_slopes, softcap, seqlens_k
+        The remaining options, as given (``block_size`` as a pair).
+    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
+        Varlen calls only (else None): the sequence boundaries, as host int32 arrays.
 
     Notes
     -----
@@ -119,8 +155,8 @@ class AttentionContext:
     raises ValueError where a change is detected: any of ``q, k, v, o, lse`` here replaced
     or reshaped (recorded shape, strides, dtype, data pointer), and, for NumPy inputs, any
     change to their contents or to ``o``'s (a checksum of their bytes, one pass over them
-    in each direction). In-place writes to GPU arrays are not detected: checksumming
-    device memory would synchronise the stream.
+    in each direction). In-place writes to GPU arrays (and to the option arrays) are not
+    detected: checksumming device memory would synchronise the stream.
     """
 
     q: object = field(repr=False)
@@ -137,17 +173,32 @@ class AttentionContext:
     window: tuple | None
     dropout_p: float
     seed: int | None
+    rng_offset: int
     block_mask: object = field(repr=False)
+    block_size: tuple
     bias: object = field(repr=False)
     alibi_slopes: object = field(repr=False)
     softcap: float
+    seqlens_k: object = field(repr=False)
+    cu_seqlens_q: object = field(repr=False)
+    cu_seqlens_k: object = field(repr=False)
+    max_seqlen_q: int | None
+    max_seqlen_k: int | None
     # (B, H, N, d) views of q, k, v, o and the (B, H, Nq) LSE where the backend runs: the
     # arrays above themselves, or copies on the other side of the host/device boundary.
     _saved: tuple = field(repr=False)
+    # The modifiers as the backend got them (compact, on its side).
+    _modifiers: _mods.Modifiers = field(repr=False)
     _snapshot: _validate.Snapshot = field(repr=False)
 
     def _tracked(self):
         return {"q": self.q, "k": self.k, "v": self.v, "o": self.o, "lse": self.lse}
+
+    def _backend_view(self, x):
+        """(B, H, N, d) view of a q/k/v/o-shaped array of this call."""
+        if self.layout == "varlen":
+            return _arrays.bhsd_view(x[None], "bshd")
+        return _arrays.bhsd_view(x, self.layout)
 
 
 @dataclass(frozen=True)
@@ -163,6 +214,8 @@ class _Forward:
     backend: str
     problem: _validate.Problem
     saved: tuple
+    mods: _mods.Modifiers
+    seed: int | None
 
 
 def _gpu_backend():
@@ -178,13 +231,13 @@ def _gpu_backend():
     return None, "there is no usable CUDA GPU (no device, or no driver/NVRTC)"
 
 
-def _select_backend(requested, problem, heads):
+def _select_backend(requested, problem, mods):
     if requested == "numpy":
         return "numpy"
     cuda, why_not = _gpu_backend()
     if cuda is not None:
         why_not = cuda.unsupported_reason(problem.dtype, problem.head_dim, problem.value_dim,
-                                          heads=heads, device=problem.device)
+                                          heads=problem.heads, device=problem.device, mods=mods)
         if why_not is not None and requested == "cuda":
             raise ValueError(f"backend='cuda' cannot run this case: {why_not}")
     elif requested == "cuda":
@@ -192,19 +245,21 @@ def _select_backend(requested, problem, heads):
     return "numpy" if why_not else "cuda"
 
 
-def _numpy_forward(q, k, v, o, lse, *, scale, causal):
+def _numpy_forward(q, k, v, o, lse, *, scale, causal, mods):
     acc = _arrays.accumulation_dtype(q.dtype)
     o_acc, lse_acc = _reference.attention_forward(
-        *(x.astype(acc, copy=False) for x in (q, k, v)), scale=scale, causal=causal)
+        *(x.astype(acc, copy=False) for x in (q, k, v)), scale=scale, causal=causal, mods=mods)
     o[...] = o_acc  # rounds to the input dtype
     lse[...] = lse_acc
 
 
-def _numpy_backward(do, q, k, v, o, lse, dq, dk, dv, *, scale, causal, deterministic):
+def _numpy_backward(do, q, k, v, o, lse, dq, dk, dv, *, scale, causal, deterministic, mods,
+                    dbias):
     del deterministic  # the NumPy backend always sums in one order
     acc = _arrays.accumulation_dtype(q.dtype)
     grads = _reference.attention_backward(
-        *(x.astype(acc, copy=False) for x in (do, q, k, v, o)), lse, scale=scale, causal=causal)
+        *(x.astype(acc, copy=False) for x in (do, q, k, v, o)), lse, scale=scale, causal=causal,
+        mods=mods, dbias=dbias)
     for out, grad in zip((dq, dk, dv), grads):
         out[...] = grad
 
@@ -228,29 +283,81 @@ def _where(backend, problem):
     return _arrays.DEVICE, device
 
 
-def _refuse_unimplemented(options):
-    requested = [name for name, on in (
-        ("window", options.window is not None),
-        ("dropout_p", options.dropout_p != 0.0),
-        ("block_mask", options.block_mask is not None),
-        ("bias", options.bias is not None),
-        ("alibi_slopes", options.alibi_slopes is not None),
-        ("softcap", options.softcap != 0.0),
-    ) if on]
-    if requested:
-        raise NotImplementedError(
-            f"{', '.join(requested)}: not implemented yet; this option lands with "
-            "masks/dropout support (pass its default for now)")
+# Modifiers ---------------------------------------------------------------------------------
 
 
-def _forward(q, k, v, options):
+def _compact(x, lead, core_ndim):
+    """``x``, broadcastable to ``lead + core``, as ``(1 or B, *core')`` with B the product of
+    ``lead`` and ``core'`` its own trailing axes (each 1 or full): a view where the leading
+    axes merge, a copy of them broadcast where they cannot (some 1, some full)."""
+    x = x.reshape((1,) * (len(lead) + core_ndim - x.ndim) + tuple(x.shape))
+    if all(n == 1 for n in x.shape[:len(lead)]):
+        return x.reshape((1, *x.shape[len(lead):]))
+    xp = _arrays.namespace(_arrays.kind_of(x))
+    return _arrays.merge_batch(xp.broadcast_to(x, (*lead, *x.shape[len(lead):])), core_ndim)
+
+
+def _resolve_modifiers(options, problem, varlen=None):
+    """The call's `_mods.Modifiers` in the compact form of `_mods`, on the caller's side
+    (`_move_modifiers` takes it to the backend), and the seed to report in the context.
+
+    Every check runs before any array is converted."""
+    arrays = _validate.check_modifiers(options, problem, varlen=varlen is not None)
+    lead, hq = problem.lead, problem.heads
+    fields = {"window": options.window or (-1, -1), "softcap": options.softcap,
+              "block_size": options.block_size}
+    if varlen is not None:
+        cu_q, cu_k, fields["max_seqlen_q"], fields["max_seqlen_k"] = varlen
+        fields.update(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+        lead = (len(cu_q) - 1,)   # the RNG's and ALiBi's batch entries are the sequences
+    acc = _arrays.accumulation_dtype(problem.dtype)
+    if "bias" in arrays:
+        bias = _compact(arrays["bias"], lead, 3)
+        if bias.shape[-1] > 1 and not _arrays.has_contiguous_last_axis(bias):
+            bias = _arrays.namespace(problem.kind).ascontiguousarray(bias)
+        fields["bias"] = bias
+    if "block_mask" in arrays:
+        mask = _compact(arrays["block_mask"], lead, 3)
+        blocks = (-(-problem.q_len // options.block_size[0]), -(-problem.k_len // options.block_size[1]))
+        xp = _arrays.namespace(_arrays.kind_of(mask))
+        fields["block_mask"] = (xp.broadcast_to(mask, (*mask.shape[:2], *blocks)) != 0).astype(xp.uint8)
+    if "alibi_slopes" in arrays:
+        slopes = _compact(arrays["alibi_slopes"], lead, 1)
+        xp = _arrays.namespace(_arrays.kind_of(slopes))
+        fields["alibi_slopes"] = xp.ascontiguousarray(
+            xp.broadcast_to(slopes, (slopes.shape[0], hq)).astype(acc))
+    if "seqlens_k" in arrays:
+        fields["seqlens_k"] = arrays["seqlens_k"].reshape(-1).astype("int32")
+    seed = options.seed
+    if options.dropout_p > 0:
+        if seed is None:
+            seed, fields["rng_offset"] = _rng.claim_streams(max(1, math.prod(lead)) * hq)
+        fields.update(dropout_p=options.dropout_p, seed=seed)
+    return _mods.Modifiers(**fields), seed
+
+
+_MOD_ARRAYS = ("block_mask", "bias", "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k", "seqlens_k")
+
+
+def _move_modifiers(mods, kind, device):
+    return dataclasses.replace(mods, **{
+        name: _arrays.move(getattr(mods, name), kind, device)
+        for name in _MOD_ARRAYS if getattr(mods, name) is not None})
+
+
+def _forward(q, k, v, options, varlen=None):
+    """One forward pass; ``varlen`` is (cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+    max_seqlen_k) unchecked, with q, k, v then (1, total, H, d) "bshd" views."""
     q, k, v, problem = _validate.check_inputs(q, k, v, layout=options.layout)
     scale = _validate.resolve_scale(options.scale, problem.head_dim, problem.dtype)
-    _refuse_unimplemented(options)
-    backend = _select_backend(options.backend, problem, _arrays.split_shape(q.shape, options.layout)[1])
+    if varlen is not None:
+        varlen = _validate.check_varlen(*varlen, problem)
+    mods, seed = _resolve_modifiers(options, problem, varlen)
+    backend = _select_backend(options.backend, problem, mods)
     kind, device = _where(backend, problem)
     layout = options.layout
     with _arrays.on_device(device):
+        mods = _move_modifiers(mods, kind, device)
         q_, k_, v_ = (_arrays.move(x, kind, device) for x in (q, k, v))
         o = _arrays.empty((*q.shape[:-1], problem.value_dim), problem.dtype, kind)
         lse = _arrays.empty(_arrays.lse_shape(q.shape, layout),
@@ -258,16 +365,41 @@ def _forward(q, k, v, options):
         saved = (*(_arrays.bhsd_view(x, layout) for x in (q_, k_, v_, o)),
                  _arrays.lse_bhs_view(lse, layout))
         if problem.batch:  # an empty batch launches nothing
-            _backend_module(backend).attention_forward(*saved, scale=scale, causal=options.causal)
+            _backend_module(backend).attention_forward(*saved, scale=scale, causal=options.causal,
+                                                      mods=mods)
     o_out, lse_out = (_arrays.move(x, problem.kind, problem.device) for x in (o, lse))
     return _Forward(q=q, k=k, v=v, o=o_out, lse=lse_out, scale=scale, backend=backend,
-                    problem=problem, saved=saved)
+                    problem=problem, saved=saved, mods=mods, seed=seed)
+
+
+def _context(run, options, *, layout, user_arrays=None, varlen=None):
+    """The context of a forward pass; ``user_arrays`` replaces (q, k, v, o, lse) for the
+    caller (varlen's packed arrays instead of the batched views the pass ran on)."""
+    arrays = user_arrays or (run.q, run.k, run.v, run.o, run.lse)
+    # For NumPy inputs the context's arrays are read-only views: it must not become a way
+    # to write the caller's arrays, and the checksums below must describe what it holds.
+    q, k, v, o, lse = (_arrays.read_only(x) for x in arrays)
+    mods = run.mods
+    return AttentionContext(
+        q=q, k=k, v=v, o=o, lse=lse, scale=run.scale, causal=options.causal, layout=layout,
+        backend=run.backend, deterministic=options.deterministic, device=run.problem.device,
+        window=options.window, dropout_p=options.dropout_p, seed=run.seed,
+        rng_offset=mods.rng_offset, block_mask=options.block_mask,
+        block_size=options.block_size, bias=options.bias, alibi_slopes=options.alibi_slopes,
+        softcap=options.softcap, seqlens_k=options.seqlens_k,
+        cu_seqlens_q=None if varlen is None else _arrays.move(mods.cu_seqlens_q, _arrays.HOST, None),
+        cu_seqlens_k=None if varlen is None else _arrays.move(mods.cu_seqlens_k, _arrays.HOST, None),
+        max_seqlen_q=mods.max_seqlen_q if varlen else None,
+        max_seqlen_k=mods.max_seqlen_k if varlen else None,
+        _saved=run.saved, _modifiers=mods,
+        _snapshot=_validate.snapshot({"q": q, "k": k, "v": v, "o": o, "lse": lse}))
 
 
 @_with_shared_doc
 def attention(q, k, v, *, causal=False, scale=None, window=None, dropout_p=0.0, seed=None,
-              block_mask=None, bias=None, alibi_slopes=None, softcap=0.0, layout="bhsd",
-              deterministic=False, return_lse=False, backend="auto"):
+              block_mask=None, block_size=128, bias=None, alibi_slopes=None, softcap=0.0,
+              seqlens_k=None, layout="bhsd", deterministic=False, return_lse=False,
+              backend="auto"):
     """Exact attention ``softmax(scale * q k^T) v``, FlashAttention style.
 
     Parameters
@@ -289,8 +421,6 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, dropout_p=0.0, 
     ------
     TypeError, ValueError
         For any bad argument, naming it, before anything is allocated or launched.
-    NotImplementedError
-        For options whose feature is not implemented yet.
     RuntimeError
         ``backend="cuda"`` without a usable GPU.
 
@@ -301,19 +431,22 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, dropout_p=0.0, 
     See Also
     --------
     attention_forward, attention_vjp : the same with gradients.
+    varlen_attention : packed sequences of different lengths.
     """
     return_lse = _validate.check_flag(return_lse, "return_lse")
     run = _forward(q, k, v, _validate.check_options(
         causal=causal, scale=scale, window=window, dropout_p=dropout_p, seed=seed,
         block_mask=block_mask, bias=bias, alibi_slopes=alibi_slopes, softcap=softcap,
-        layout=layout, deterministic=deterministic, backend=backend))
+        layout=layout, deterministic=deterministic, backend=backend, block_size=block_size,
+        seqlens_k=seqlens_k))
     return (run.o, run.lse) if return_lse else run.o
 
 
 @_with_shared_doc
 def attention_forward(q, k, v, *, causal=False, scale=None, window=None, dropout_p=0.0,
-                      seed=None, block_mask=None, bias=None, alibi_slopes=None, softcap=0.0,
-                      layout="bhsd", deterministic=False, backend="auto"):
+                      seed=None, block_mask=None, block_size=128, bias=None, alibi_slopes=None,
+                      softcap=0.0, seqlens_k=None, layout="bhsd", deterministic=False,
+                      backend="auto"):
     """Attention forward pass that keeps what `attention_backward` needs.
 
     Parameters
@@ -326,13 +459,13 @@ def attention_forward(q, k, v, *, causal=False, scale=None, window=None, dropout
     o : array, shape (..., Hq, Nq, dv) or (B, Nq, Hq, dv)
         As from `attention`.
     ctx : AttentionContext
-        Inputs, output, LSE (``ctx.lse``, shaped as `attention` returns it) and options,
-        for `attention_backward`. Keep q, k, v and o unchanged until then (see
+        Inputs, output, LSE (``ctx.lse``, shaped as `attention` returns it), options and
+        RNG state, for `attention_backward`. Keep q, k, v and o unchanged until then (see
         `AttentionContext` for what is checked).
 
     Raises
     ------
-    TypeError, ValueError, NotImplementedError, RuntimeError
+    TypeError, ValueError, RuntimeError
         As `attention`.
 
     Notes
@@ -347,22 +480,27 @@ def attention_forward(q, k, v, *, causal=False, scale=None, window=None, dropout
     options = _validate.check_options(
         causal=causal, scale=scale, window=window, dropout_p=dropout_p, seed=seed,
         block_mask=block_mask, bias=bias, alibi_slopes=alibi_slopes, softcap=softcap,
-        layout=layout, deterministic=deterministic, backend=backend)
+        layout=layout, deterministic=deterministic, backend=backend, block_size=block_size,
+        seqlens_k=seqlens_k)
     run = _forward(q, k, v, options)
-    # For NumPy inputs the context's arrays are read-only views: it must not become a way
-    # to write the caller's arrays, and the checksums below must describe what it holds.
-    q, k, v, o, lse = (_arrays.read_only(x) for x in (run.q, run.k, run.v, run.o, run.lse))
-    ctx = AttentionContext(
-        q=q, k=k, v=v, o=o, lse=lse, scale=run.scale, causal=options.causal, layout=layout,
-        backend=run.backend, deterministic=options.deterministic, device=run.problem.device,
-        window=options.window, dropout_p=options.dropout_p, seed=options.seed,
-        block_mask=options.block_mask, bias=options.bias, alibi_slopes=options.alibi_slopes,
-        softcap=options.softcap, _saved=run.saved,
-        _snapshot=_validate.snapshot({"q": q, "k": k, "v": v, "o": o, "lse": lse}))
+    ctx = _context(run, options, layout=layout)
     return run.o, ctx
 
 
-def attention_backward(do, ctx):
+def _expand_dbias(dbias, ctx):
+    """The compact bias gradient summed back to the shape and dtype of the user's bias."""
+    bias = ctx.bias
+    lead = _arrays.split_shape(ctx.q.shape, ctx.layout)[0]
+    full = (*lead, *dbias.shape[1:])
+    grad = dbias.reshape(full if dbias.shape[0] > 1 else (*(1,) * len(lead), *dbias.shape[1:]))
+    padded = (1,) * (grad.ndim - bias.ndim) + tuple(bias.shape)
+    axes = tuple(a for a in range(len(lead)) if padded[a] == 1 and grad.shape[a] > 1)
+    if axes:
+        grad = grad.sum(axis=axes, keepdims=True)
+    return grad.reshape(bias.shape).astype(bias.dtype)
+
+
+def attention_backward(do, ctx, *, return_dbias=False):
     """Gradients of attention with respect to q, k and v, from a saved forward pass.
 
     Parameters
@@ -372,7 +510,11 @@ def attention_backward(do, ctx):
         dtype, on the same side (host or GPU, same device) as the forward inputs, with a
         contiguous last axis.
     ctx : AttentionContext
-        From `attention_forward`. It may be used more than once.
+        From `attention_forward` or `varlen_attention_forward`. It may be used more than
+        once; dropout regenerates the forward's mask from ``ctx.seed`` and
+        ``ctx.rng_offset``.
+    return_dbias : bool, default False
+        Also return the gradient of the forward's ``bias`` (ValueError without one).
 
     Returns
     -------
@@ -380,15 +522,21 @@ def attention_backward(do, ctx):
         Shaped like q, k and v in the forward layout, in their dtype and array type, new
         and C-contiguous. The gradient of a shared kv head (grouped-query attention) sums
         over the query heads that read it; query rows that see no key add nothing.
+    dbias : array
+        With ``return_dbias=True``: shaped, typed and placed like the forward's bias,
+        summed over the axes it was broadcast along.
 
     Raises
     ------
     TypeError, ValueError
-        A bad ``do`` or ``ctx``, or a context whose saved arrays changed since the forward
-        pass (see `AttentionContext`).
+        A bad ``do``, ``ctx`` or ``return_dbias``, or a context whose saved arrays changed
+        since the forward pass (see `AttentionContext`).
     """
     if not isinstance(ctx, AttentionContext):
         raise TypeError(f"ctx must be an AttentionContext from attention_forward, got {type(ctx).__name__}")
+    return_dbias = _validate.check_flag(return_dbias, "return_dbias")
+    if return_dbias and ctx.bias is None:
+        raise ValueError("return_dbias=True needs a forward pass with a bias; this one had none")
     _validate.check_unchanged(ctx._tracked(), ctx._snapshot)
     user_kind = _arrays.kind_of(ctx.q)
     do = _validate.check_do(do, o=ctx.o, kind=user_kind, device=ctx.device)
@@ -397,18 +545,30 @@ def attention_backward(do, ctx):
     with _arrays.on_device(device):
         do_ = _arrays.move(do, kind, device)
         grads = tuple(_arrays.empty(x.shape, x.dtype, kind) for x in (ctx.q, ctx.k, ctx.v))
+        dbias = None
+        if return_dbias:
+            dbias = _arrays.namespace(kind).zeros(ctx._modifiers.bias.shape,
+                                                  _arrays.accumulation_dtype(ctx.q.dtype))
         if ctx._saved[0].shape[0]:  # an empty batch launches nothing
             _backend_module(ctx.backend).attention_backward(
-                _arrays.bhsd_view(do_, ctx.layout), *ctx._saved,
-                *(_arrays.bhsd_view(g, ctx.layout) for g in grads),
-                scale=ctx.scale, causal=ctx.causal, deterministic=ctx.deterministic)
+                ctx._backend_view(do_), *ctx._saved, *(ctx._backend_view(g) for g in grads),
+                scale=ctx.scale, causal=ctx.causal, deterministic=ctx.deterministic,
+                mods=ctx._modifiers, dbias=dbias)
+        if return_dbias:
+            grads = (*grads, _expand_dbias(dbias, ctx))
     return tuple(_arrays.move(g, user_kind, ctx.device) for g in grads)
+
+
+def _vjp_of(ctx):
+    def vjp(do, *, return_dbias=False):
+        return attention_backward(do, ctx, return_dbias=return_dbias)
+    return vjp
 
 
 @_with_shared_doc
 def attention_vjp(q, k, v, *, causal=False, scale=None, window=None, dropout_p=0.0, seed=None,
-                  block_mask=None, bias=None, alibi_slopes=None, softcap=0.0, layout="bhsd",
-                  deterministic=False, backend="auto"):
+                  block_mask=None, block_size=128, bias=None, alibi_slopes=None, softcap=0.0,
+                  seqlens_k=None, layout="bhsd", deterministic=False, backend="auto"):
     """Attention output and its vector-Jacobian product, in the style of ``jax.vjp``.
 
     Parameters
@@ -421,12 +581,13 @@ def attention_vjp(q, k, v, *, causal=False, scale=None, window=None, dropout_p=0
     o : array
         As from `attention`.
     vjp : callable
-        ``vjp(do) -> (dq, dk, dv)``, as ``attention_backward(do, ctx)`` with the context of
-        this forward pass (use `attention_forward` to reach the context or the LSE).
+        ``vjp(do, *, return_dbias=False) -> (dq, dk, dv[, dbias])``, as
+        ``attention_backward(do, ctx, return_dbias=...)`` with the context of this forward
+        pass (use `attention_forward` to reach the context or the LSE).
 
     Raises
     ------
-    TypeError, ValueError, NotImplementedError, RuntimeError
+    TypeError, ValueError, RuntimeError
         As `attention`.
 
     Notes
@@ -435,13 +596,131 @@ def attention_vjp(q, k, v, *, causal=False, scale=None, window=None, dropout_p=0
     """
     o, ctx = attention_forward(
         q, k, v, causal=causal, scale=scale, window=window, dropout_p=dropout_p, seed=seed,
-        block_mask=block_mask, bias=bias, alibi_slopes=alibi_slopes, softcap=softcap,
-        layout=layout, deterministic=deterministic, backend=backend)
+        block_mask=block_mask, block_size=block_size, bias=bias, alibi_slopes=alibi_slopes,
+        softcap=softcap, seqlens_k=seqlens_k, layout=layout, deterministic=deterministic,
+        backend=backend)
+    return o, _vjp_of(ctx)
 
-    def vjp(do):
-        return attention_backward(do, ctx)
 
-    return o, vjp
+# Varlen ------------------------------------------------------------------------------------
+
+
+def _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **options):
+    options = _validate.check_options(block_mask=None, bias=None, layout="bshd", **options)
+    q4, k4, v4 = _validate.check_varlen_inputs(q, k, v)
+    run = _forward(q4, k4, v4, options,
+                   varlen=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+    # The (1, total, H, d) views ran; the caller gets packed (total, H, d) arrays back.
+    o, lse = run.o[0], run.lse[0]
+    return options, run, (run.q[0], run.k[0], run.v[0], o, lse)
+
+
+_VARLEN_DOC = """\
+q : array, shape (total_q, Hq, d)
+    Queries of all sequences packed along the first axis, as flash-attn's varlen API
+    takes them; sequence ``s`` holds rows ``cu_seqlens_q[s] : cu_seqlens_q[s + 1]``.
+k : array, shape (total_k, Hk, d)
+v : array, shape (total_k, Hk, dv)
+    Keys and values packed likewise; dtypes, GQA and strides as for `attention`.
+cu_seqlens_q, cu_seqlens_k : 1-D integer array, shape (S + 1,)
+    Cumulative sequence lengths: start at 0, non-decreasing, end at total_q / total_k.
+    NumPy or CuPy; read on the host (a small copy, which for a CuPy array synchronises).
+max_seqlen_q, max_seqlen_k : int
+    At least the longest query / key sequence (they size the GPU grid).
+causal, scale, window, dropout_p, seed, alibi_slopes, softcap, deterministic, backend
+    As for `attention`, per sequence: each sequence is its own batch entry with its own
+    lengths, so causal and window align at its own bottom-right corner, ALiBi slopes are
+    broadcastable to (S, Hq) and the dropout mask counts rows and columns from the
+    sequence's start. No sequence sees another's keys. (A bias, block mask or key padding
+    have no packed form: the keyword does not exist here.)"""
+
+
+def _with_varlen_doc(func):
+    func.__doc__ = func.__doc__.replace("    @varlen@\n", textwrap.indent(_VARLEN_DOC, "    ") + "\n")
+    return func
+
+
+@_with_varlen_doc
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                     causal=False, scale=None, window=None, dropout_p=0.0, seed=None,
+                     alibi_slopes=None, softcap=0.0, deterministic=False, return_lse=False,
+                     backend="auto"):
+    """Attention over packed sequences of different lengths (flash-attn's varlen API).
+
+    Parameters
+    ----------
+    @varlen@
+    return_lse : bool, default False
+        Also return the log-sum-exp of each query row.
+
+    Returns
+    -------
+    o : array, shape (total_q, Hq, dv)
+        Packed like q. Rows of a sequence without keys are 0.
+    lse : array, shape (Hq, total_q)
+        Only with ``return_lse=True``; ``-inf`` for rows that see no key.
+
+    Raises
+    ------
+    TypeError, ValueError
+        For any bad argument, naming it, before anything is allocated or launched.
+    RuntimeError
+        ``backend="cuda"`` without a usable GPU.
+    """
+    return_lse = _validate.check_flag(return_lse, "return_lse")
+    _, _, (_, _, _, o, lse) = _varlen_forward(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+        scale=scale, window=window, dropout_p=dropout_p, seed=seed, alibi_slopes=alibi_slopes,
+        softcap=softcap, deterministic=deterministic, backend=backend)
+    return (o, lse) if return_lse else o
+
+
+@_with_varlen_doc
+def varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                             *, causal=False, scale=None, window=None, dropout_p=0.0, seed=None,
+                             alibi_slopes=None, softcap=0.0, deterministic=False, backend="auto"):
+    """Varlen attention forward pass that keeps what `attention_backward` needs.
+
+    Parameters
+    ----------
+    @varlen@
+
+    Returns
+    -------
+    o : array, shape (total_q, Hq, dv)
+    ctx : AttentionContext
+        With ``layout == "varlen"``; ``attention_backward(do, ctx)`` returns dq, dk, dv
+        packed like q, k, v, and ``ctx.lse`` is (Hq, total_q).
+    """
+    options, run, arrays = _varlen_forward(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+        scale=scale, window=window, dropout_p=dropout_p, seed=seed, alibi_slopes=alibi_slopes,
+        softcap=softcap, deterministic=deterministic, backend=backend)
+    ctx = _context(run, options, layout="varlen", user_arrays=arrays, varlen=True)
+    return arrays[3], ctx
+
+
+@_with_varlen_doc
+def varlen_attention_vjp(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                         causal=False, scale=None, window=None, dropout_p=0.0, seed=None,
+                         alibi_slopes=None, softcap=0.0, deterministic=False, backend="auto"):
+    """Varlen attention output and its vector-Jacobian product.
+
+    Parameters
+    ----------
+    @varlen@
+
+    Returns
+    -------
+    o : array, shape (total_q, Hq, dv)
+    vjp : callable
+        ``vjp(do) -> (dq, dk, dv)``, packed like q, k, v.
+    """
+    o, ctx = varlen_attention_forward(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+        scale=scale, window=window, dropout_p=dropout_p, seed=seed, alibi_slopes=alibi_slopes,
+        softcap=softcap, deterministic=deterministic, backend=backend)
+    return o, _vjp_of(ctx)
 
 
 def precompile(*, dtypes=None, head_dims=None, device=None, workers=None):

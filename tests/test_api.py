@@ -1,5 +1,5 @@
 """The public API on the NumPy backend against the float64 oracle, and its contracts:
-layouts, dtypes, array types, contexts, unimplemented options and backend selection."""
+layouts, dtypes, array types, contexts and backend selection."""
 
 import math
 import re
@@ -286,25 +286,7 @@ def test_context_can_be_used_twice(rng):
         np.testing.assert_array_equal(g1, g2)
 
 
-# Options not implemented yet ----------------------------------------------------------
-
-UNIMPLEMENTED = [
-    ("window", (4, 0)),
-    ("dropout_p", 0.1),
-    ("block_mask", np.ones((1, 1), bool)),
-    ("bias", np.zeros((2, 4, 5, 6), np.float32)),
-    ("alibi_slopes", np.ones(4, np.float32)),
-    ("softcap", 30.0),
-]
-
-
-@pytest.mark.parametrize("function", [cf.attention, cf.attention_forward, cf.attention_vjp],
-                         ids=lambda f: f.__name__)
-@pytest.mark.parametrize("option, value", UNIMPLEMENTED, ids=[o for o, _ in UNIMPLEMENTED])
-def test_unimplemented_options_raise(rng, function, option, value):
-    q, k, v = (_random(rng, s, np.float32) for s in ((2, 4, 5, 8), (2, 2, 6, 8), (2, 2, 6, 8)))
-    with pytest.raises(NotImplementedError, match=f"^{option}: not implemented yet.*masks/dropout"):
-        function(q, k, v, **{option: value})
+# Options (each one against the oracle: test_mods_api.py) -------------------------------
 
 
 def test_seed_without_dropout_is_accepted(rng):
@@ -379,7 +361,10 @@ def test_numpy_backend_does_not_import_cupy():
 
 def test_public_names():
     assert set(cf.__all__) == {"attention", "attention_forward", "attention_backward", "attention_vjp",
-                               "AttentionContext", "precompile", "__version__"}
+                               "AttentionContext", "precompile", "manual_seed", "varlen_attention",
+                               "varlen_attention_forward", "varlen_attention_vjp", "block_sparse",
+                               "local_global_block_mask", "butterfly_block_mask",
+                               "block_mask_density", "__version__"}
     assert isinstance(cf.__version__, str)
 
 
@@ -388,7 +373,7 @@ def test_public_names():
 def test_docstrings_state_the_conventions(function):
     doc = function.__doc__
     for needle in ("Parameters", "Returns", "j <= i + Nk - Nq", "LSE ``-inf``", "float32 (float64",
-                   "layout : {\"bhsd\", \"bshd\"}", "NotImplementedError"):
+                   "layout : {\"bhsd\", \"bshd\"}", "block_size : int", "seqlens_k : array"):
         assert needle in doc, needle
     assert not re.search(r"^\s*@\w+@$", doc, flags=re.MULTILINE)
 
