@@ -322,16 +322,17 @@ def _adopt_anywhere(name, x):
     return None if x is None else _arrays.adopt(x, name)
 
 
-def check_modifiers(options, problem, *, varlen=False):
+def check_modifiers(options, problem, *, sequences=None):
     """The option arrays adopted and checked against the inputs' shapes, as a dict.
 
     ``bias`` must be on q's side (it is as large as the scores and is not copied across);
     ``block_mask``, ``alibi_slopes`` and ``seqlens_k`` may be host or GPU arrays, and
     ``seqlens_k`` comes back as a host copy, checked. Varlen calls have no bias, block
-    mask or key padding.
+    mask or key padding; their batch entries are the ``sequences`` packed sequences.
     """
     lead, hq, nq, nk = problem.lead, problem.heads, problem.q_len, problem.k_len
-    if varlen:
+    if sequences is not None:
+        lead = (sequences,)
         for name in ("block_mask", "bias", "seqlens_k"):
             if getattr(options, name) is not None:
                 raise ValueError(f"{name} does not combine with varlen attention (cu_seqlens)")

@@ -302,7 +302,8 @@ def _resolve_modifiers(options, problem, varlen=None):
     (`_move_modifiers` takes it to the backend), and the seed to report in the context.
 
     Every check runs before any array is converted."""
-    arrays = _validate.check_modifiers(options, problem, varlen=varlen is not None)
+    arrays = _validate.check_modifiers(
+        options, problem, sequences=None if varlen is None else len(varlen[0]) - 1)
     lead, hq = problem.lead, problem.heads
     fields = {"window": options.window or (-1, -1), "softcap": options.softcap,
               "block_size": options.block_size}
