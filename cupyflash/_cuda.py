@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 
-from . import _arrays, _nvrtc
+from . import _arrays, _mods, _nvrtc, _philox
 
 # Head dims the kernels are instantiated for; any d <= 256 runs in the smallest one that
 # holds it, its padding columns zero-filled on load.
@@ -35,6 +35,17 @@ FWD_SM80_TILES = {
     128: ((128, 32, 4), (64, 64, 4)),
     192: ((128, 64, 8), (64, 32, 4)),
     256: ((128, 64, 8), (128, 32, 8), (32, 32, 2)),
+}
+# The same with the options of _mods (window, dropout, bias, ...; the MODE_EXT kernels):
+# their per-score work and the option state need registers that the dense tiles with 64
+# keys or two m-tiles per warp do not have (build check), so 32-key tiles throughout.
+FWD_SM80_EXT_TILES = {
+    32: ((128, 32, 4),),
+    64: ((128, 32, 4),),
+    96: ((128, 32, 4),),
+    128: ((128, 32, 4), (64, 32, 4)),
+    192: ((64, 32, 4), (32, 32, 2)),
+    256: ((64, 32, 4), (32, 32, 2)),
 }
 # fp32 (3xTF32) and fp64 (DMMA) tensor-core forward tiles per head dim, (BLOCK_M, BLOCK_N,
 # SUB_N, WARPS, DV_TILE), in order of preference as above: fwd_wide.cu computes SUB_N keys
@@ -65,7 +76,18 @@ FWD_WIDE_TILES = {
         256: ((64, 8, 8, 4, 128), (32, 8, 8, 2, 128), (16, 8, 8, 1, 64)),
     },
 }
+# MODE_EXT kernels where the dense tile spills with the options' registers (build check).
+FWD_WIDE_EXT_TILES = {
+    "float32": {**FWD_WIDE_TILES["float32"],
+                256: ((64, 16, 16, 4, 256), (32, 16, 16, 2, 128))},
+    "float64": {**FWD_WIDE_TILES["float64"],
+                64: ((64, 32, 16, 4, 64), (32, 32, 16, 2, 64))},
+}
 PORTABLE_SMEM = 99 * 1024
+# mods.cuh MODS_SETUP: the option state of a MODE_EXT kernel in static shared memory,
+# beside the dynamic tiles (an upper bound of sizeof(Mods)).
+MODS_STATIC_SMEM = 256
+MODE_DENSE, MODE_EXT = 0, 1   # mods.cuh: the kernels' MODE template argument
 
 _CPP_TYPE = {"float16": "half_t", "bfloat16": "bfloat16_t", "float32": "float", "float64": "double"}
 # dtypes served by the m16n8k16 kernels (fwd_sm80.cu, bwd_sm80.cu); the others by fwd_wide.cu
@@ -86,6 +108,11 @@ class Variant:
     block_m: int
     smem_bytes: int
     column_passes: int = 1   # CTAs per query block, each computing some output columns
+    mode: int = MODE_DENSE
+
+    @property
+    def total_smem(self) -> int:
+        return self.smem_bytes + (MODS_STATIC_SMEM if self.mode else 0)
 
 
 def padded_head_dim(d: int, dv: int) -> int:
@@ -96,27 +123,30 @@ def padded_head_dim(d: int, dv: int) -> int:
     raise ValueError(f"head dim {need} exceeds the largest supported ({HEAD_DIMS[-1]})")
 
 
-def _sm80_forward(dtype_name: str, D: int, tile) -> Variant:
+def _sm80_forward(dtype_name: str, D: int, tile, mode: int) -> Variant:
     block_m, block_n, warps = tile
     smem = (block_m + 4 * block_n) * (D + 8) * 2
-    expr = f"flash_fwd_sm80<{_CPP_TYPE[dtype_name]}, {D}, {block_m}, {block_n}, {warps}>"
-    return Variant("fwd_sm80.cu", expr, warps * 32, block_m, smem)
+    expr = f"flash_fwd_sm80<{_CPP_TYPE[dtype_name]}, {D}, {block_m}, {block_n}, {warps}, {mode}>"
+    return Variant("fwd_sm80.cu", expr, warps * 32, block_m, smem, mode=mode)
 
 
-def _wide_forward(dtype_name: str, D: int, tile) -> Variant:
+def _wide_forward(dtype_name: str, D: int, tile, mode: int) -> Variant:
     block_m, block_n, sub_n, warps, dv_tile = tile
     item = np.dtype(dtype_name).itemsize
     # fwd_wide.cu WideFwdTile: Q, and K twice with rows of D + 8; V twice, padded 16 bytes.
     smem = ((block_m + 2 * block_n) * (D + 8) + 2 * block_n * (dv_tile + 16 // item)) * item
-    expr = f"flash_fwd_wide<{_CPP_TYPE[dtype_name]}, {D}, {dv_tile}, {block_m}, {block_n}, {sub_n}, {warps}>"
-    return Variant("fwd_wide.cu", expr, warps * 32, block_m, smem, D // dv_tile)
+    expr = (f"flash_fwd_wide<{_CPP_TYPE[dtype_name]}, {D}, {dv_tile}, {block_m}, {block_n}, "
+            f"{sub_n}, {warps}, {mode}>")
+    return Variant("fwd_wide.cu", expr, warps * 32, block_m, smem, D // dv_tile, mode)
 
 
-def forward_variants(dtype_name: str, D: int) -> list[Variant]:
-    """Every forward instantiation that may serve (dtype, D), in order of preference."""
+def forward_variants(dtype_name: str, D: int, mode: int = MODE_DENSE) -> list[Variant]:
+    """Every forward instantiation that may serve (dtype, D, mode), in order of preference."""
     if dtype_name in HALF_DTYPES:
-        return [_sm80_forward(dtype_name, D, tile) for tile in FWD_SM80_TILES[D]]
-    return [_wide_forward(dtype_name, D, tile) for tile in FWD_WIDE_TILES[dtype_name][D]]
+        tiles = (FWD_SM80_EXT_TILES if mode else FWD_SM80_TILES)[D]
+        return [_sm80_forward(dtype_name, D, tile, mode) for tile in tiles]
+    tiles = (FWD_WIDE_EXT_TILES if mode else FWD_WIDE_TILES)[dtype_name][D]
+    return [_wide_forward(dtype_name, D, tile, mode) for tile in tiles]
 
 
 def all_variants() -> list[Variant]:
@@ -124,9 +154,15 @@ def all_variants() -> list[Variant]:
     unique = {}   # the backward's per-dtype kernels serve every head dim
     for name in _CPP_TYPE:
         for D in HEAD_DIMS:
-            for v in (*forward_variants(name, D), *backward_variants(name, D)):
-                unique.setdefault((v.source, v.name_expression), v)
+            for mode in (MODE_DENSE, MODE_EXT):
+                for v in (*forward_variants(name, D, mode), *backward_variants(name, D, mode)):
+                    unique.setdefault((v.source, v.name_expression), v)
     return list(unique.values())
+
+
+def kernel_mode(mods) -> int:
+    """MODE_EXT where an option of ``mods`` is on, else the dense fast path."""
+    return MODE_EXT if mods.active else MODE_DENSE
 
 
 # --------------------------------------------------------------------------- device side
@@ -145,7 +181,8 @@ def gpu_available() -> bool:
         return False
 
 
-def unsupported_reason(dtype, d: int, dv: int, *, heads: int = 1, device=None) -> str | None:
+def unsupported_reason(dtype, d: int, dv: int, *, heads: int = 1, device=None,
+                       mods=_mods.NONE) -> str | None:
     """Why the GPU kernels cannot run this case on ``device`` (default: the current
     one), or None when they can. The API asks before it allocates anything, so that
     backend="auto" falls back to NumPy and backend="cuda" fails with this reason."""
@@ -156,6 +193,8 @@ def unsupported_reason(dtype, d: int, dv: int, *, heads: int = 1, device=None) -
         return f"head dim {max(d, dv)} > {HEAD_DIMS[-1]}"
     if heads > MAX_GRID_YZ:
         return f"{heads} query heads: the kernels take at most {MAX_GRID_YZ} per call"
+    if mods.varlen and len(mods.cu_seqlens_q) - 1 > MAX_GRID_YZ:
+        return f"{len(mods.cu_seqlens_q) - 1} sequences: the kernels take at most {MAX_GRID_YZ} per call"
     import cupy
 
     device_id = cupy.cuda.Device().id if device is None else int(device)
@@ -198,12 +237,12 @@ def _load(variant: Variant, device_id: int):
 def _choose(variants: list[Variant], device_id: int) -> Variant:
     _, smem_limit = _device_info(device_id)
     for v in variants:
-        if v.smem_bytes <= smem_limit:
+        if v.total_smem <= smem_limit:
             return v
     raise RuntimeError(f"no kernel tile fits this GPU's {smem_limit} bytes of shared memory per block")
 
 
-def precompile(*, dtypes=None, head_dims=None, device=None, workers=None) -> list[str]:
+def precompile(*, dtypes=None, head_dims=None, device=None, workers=None, options=False) -> list[str]:
     """Compile and load, ahead of time, the kernels that calls on ``device`` will use.
 
     Compiles in parallel processes, so this is much faster than letting the first calls
@@ -219,6 +258,9 @@ def precompile(*, dtypes=None, head_dims=None, device=None, workers=None) -> lis
         CUDA device id. Default: the current device.
     workers : int, optional
         Compiler processes. Default: one per CPU.
+    options : bool, default False
+        Also the kernels that serve calls with options beyond ``causal`` (window,
+        dropout, block_mask, bias, alibi_slopes, softcap, seqlens_k, varlen).
 
     Returns
     -------
@@ -245,16 +287,21 @@ def precompile(*, dtypes=None, head_dims=None, device=None, workers=None) -> lis
         if not isinstance(d, (int, np.integer)) or not 1 <= d <= HEAD_DIMS[-1]:
             raise ValueError(f"head_dims: each must be an integer in [1, {HEAD_DIMS[-1]}], got {d!r}")
     dims = sorted({padded_head_dim(int(d), int(d)) for d in (head_dims or HEAD_DIMS)})
+    if not isinstance(options, (bool, np.bool_)):
+        raise TypeError(f"options must be True or False, got {options!r}")
+    modes = (MODE_DENSE, MODE_EXT) if options else (MODE_DENSE,)
     arch, _ = _device_info(device_id)
     wanted = {}
     for name in names:
         for D in dims:
-            chosen = [_choose(forward_variants(name, D), device_id)]
-            for deterministic in (False, True):
-                plan = backward_plan(name, D, deterministic)
-                chosen += [plan.prep, *([plan.convert] if plan.convert else [])]
-                chosen += [_choose(candidates, device_id) for _, candidates in plan.kv]
-                chosen += [_choose(plan.dq, device_id)] if plan.dq else []
+            chosen = []
+            for mode in modes:
+                chosen.append(_choose(forward_variants(name, D, mode), device_id))
+                for deterministic in (False, True):
+                    plan = backward_plan(name, D, deterministic, mode)
+                    chosen += [plan.prep, *([plan.convert] if plan.convert else [])]
+                    chosen += [_choose(candidates, device_id) for _, candidates in plan.kv]
+                    chosen += [_choose(plan.dq, device_id)] if plan.dq else []
             wanted.update((v.name_expression, v) for v in chosen)
     _nvrtc.compile_many([(v.source, v.name_expression, arch) for v in wanted.values()], workers)
     for v in wanted.values():
@@ -279,32 +326,85 @@ def _rows_16b_aligned(*arrays) -> bool:
     return True
 
 
-def _in_batch_slices(launch, arrays, **options) -> bool:
+def _batch_part(x, b0: int, b1: int):
+    """Batch entries [b0, b1) of an array whose first axis is the batch; None and arrays
+    broadcast over the batch (first axis 1) as they are."""
+    return x if x is None or x.shape[0] == 1 else x[b0:b1]
+
+
+def _in_batch_slices(launch, arrays, mods, **options) -> bool:
     """Run ``launch`` over slices of the batch that fit the grid's z extent; False (and
-    nothing run) when the batch fits whole. Every array's first axis is the batch."""
+    nothing run) when the batch fits whole. Every array's first axis is the batch, and so
+    is that of the per-batch option arrays (in ``mods`` and array-valued ``options``);
+    the Philox streams move on so that entry b of a slice draws what entry b0 + b of
+    the whole batch draws. (Varlen launches take one sequence per z extent:
+    unsupported_reason refuses more sequences than fit.)"""
     batch = arrays[0].shape[0]
-    if batch <= MAX_GRID_YZ:
+    if batch <= MAX_GRID_YZ or mods.varlen:
         return False
+    heads = arrays[0].shape[1]
     for b0 in range(0, batch, MAX_GRID_YZ):
-        part = slice(b0, b0 + MAX_GRID_YZ)
-        launch(*(x[part] for x in arrays), **options)
+        b1 = min(batch, b0 + MAX_GRID_YZ)
+        part_mods = dataclasses.replace(
+            mods, **{name: _batch_part(getattr(mods, name), b0, b1)
+                     for name in ("block_mask", "bias", "alibi_slopes", "seqlens_k")},
+            rng_offset=(mods.rng_offset + b0 * heads) % 2**64)
+        launch(*(x[b0:b1] for x in arrays), mods=part_mods,
+               **{k: _batch_part(v, b0, b1) if hasattr(v, "shape") else v for k, v in options.items()})
     return True
 
 
-def attention_forward(q, k, v, o, lse, *, scale: float, causal: bool) -> None:
+def _pointer(x):
+    """A kernel pointer argument: the array, or a null pointer for an option that is off."""
+    return np.uint64(0) if x is None else x
+
+
+def _strides_or_zero(x, ndim: int) -> tuple:
+    """Element strides of a compact option array, 0 on its size-1 (broadcast) axes."""
+    if x is None:
+        return (np.int64(0),) * ndim
+    return tuple(np.int64(0 if n == 1 else st // x.dtype.itemsize) for n, st in zip(x.shape, x.strides))
+
+
+def _mods_args(mods, acc) -> tuple:
+    """The MODS_ARGS of mods.cuh, in order, for accumulation type ``acc``."""
+    block_q, block_k = mods.block_size
+    bmask_strides = _strides_or_zero(mods.block_mask, 4)[:3]   # its rows are contiguous
+    alibi_sb = _strides_or_zero(mods.alibi_slopes, 2)[0]
+    dropout = mods.dropout_p > 0
+    return (_pointer(mods.cu_seqlens_q), _pointer(mods.cu_seqlens_k), _pointer(mods.seqlens_k),
+            np.int32(mods.window[0]), np.int32(mods.window[1]),
+            _pointer(mods.block_mask), *bmask_strides, np.int32(block_q), np.int32(block_k),
+            _pointer(mods.bias), *_strides_or_zero(mods.bias, 4),
+            _pointer(mods.alibi_slopes), alibi_sb, acc(mods.softcap),
+            np.uint64(mods.seed), np.uint64(mods.rng_offset),
+            np.uint32(_philox.dropout_threshold(mods.dropout_p) if dropout else 0),
+            acc(1.0 / (1.0 - mods.dropout_p)))
+
+
+def _grid_extents(q, k, mods) -> tuple[int, int, int]:
+    """(batch entries, query rows, key rows) that the grid covers: under varlen one
+    sequence per batch entry, as long as the longest."""
+    if mods.varlen:
+        return len(mods.cu_seqlens_q) - 1, mods.max_seqlen_q, mods.max_seqlen_k
+    return q.shape[0], q.shape[2], k.shape[2]
+
+
+def attention_forward(q, k, v, o, lse, *, scale: float, causal: bool, mods=_mods.NONE) -> None:
     """Launch the forward kernel: writes o (B, Hq, Nq, dv) and lse (B, Hq, Nq).
 
     Inputs are (B, H, N, d) CuPy views with a contiguous last axis (validated by the
-    caller); nothing is copied and the host does not wait for the GPU.
+    caller); ``mods`` holds the options beyond causal with its arrays on this device
+    (see `cupyflash._mods`). Nothing is copied and the host does not wait for the GPU.
     """
     if not lse.flags.c_contiguous:   # the kernels index it as (B, Hq, Nq) rows
         raise ValueError("lse must be a C-contiguous (B, Hq, Nq) array")
-    if _in_batch_slices(attention_forward, (q, k, v, o, lse), scale=scale, causal=causal):
+    if _in_batch_slices(attention_forward, (q, k, v, o, lse), mods, scale=scale, causal=causal):
         return
     B, Hq, Nq, d = q.shape
     Hk, Nk, dv = k.shape[1], k.shape[2], v.shape[3]
     device_id = q.device.id
-    variant = _choose(forward_variants(q.dtype.name, padded_head_dim(d, dv)), device_id)
+    variant = _choose(forward_variants(q.dtype.name, padded_head_dim(d, dv), kernel_mode(mods)), device_id)
     kernel = _load(variant, device_id)
     acc = _arrays.accumulation_dtype(q.dtype).type
     # The kernels fold the scale into their exp2 (exp2(s * scale_log2 - max)) and need it
@@ -313,8 +413,10 @@ def attention_forward(q, k, v, o, lse, *, scale: float, causal: bool) -> None:
     scale_log2 = max(scale * math.log2(math.e), float(np.finfo(np.float32).tiny))
     args = (*_tensor_args(q), *_tensor_args(k), *_tensor_args(v), *_tensor_args(o), lse,
             np.int32(Hq // Hk), np.int32(Nq), np.int32(Nk), np.int32(d), np.int32(dv),
-            acc(scale_log2), np.int32(bool(causal)), np.int32(_rows_16b_aligned(q, k, v, o)))
-    grid = (math.ceil(Nq / variant.block_m) * variant.column_passes, Hq, B)
+            acc(scale_log2), np.int32(bool(causal)), np.int32(_rows_16b_aligned(q, k, v, o)),
+            *_mods_args(mods, acc))
+    batch, rows, _ = _grid_extents(q, k, mods)
+    grid = (math.ceil(rows / variant.block_m) * variant.column_passes, Hq, batch)
     kernel(grid, (variant.threads,), args, shared_mem=variant.smem_bytes)
 
 
@@ -378,32 +480,32 @@ class BackwardPlan:
     convert: Variant | None
 
 
-def _sm80_dkdv(dtype_name: str, D: int, tile, grads: int) -> Variant:
+def _sm80_dkdv(dtype_name: str, D: int, tile, grads: int, mode: int) -> Variant:
     block_m, block_n, warps = tile
     ld = D + 8
     dk, dq = bool(grads & GRAD_DK), bool(grads & GRAD_DQ)
     # bwd_sm80.cu BwdKVTile: K, V (with dK), Q and dO twice, dS^T (with dQ); lse2 (and delta) twice.
     elems = block_n * ld * (1 + dk) + 4 * block_m * ld + dq * block_n * (block_m + 8)
     smem = elems * 2 + (4 if dk else 2) * block_m * 4
-    expr = f"flash_bwd_dkdv_sm80<{_CPP_TYPE[dtype_name]}, {D}, {block_m}, {block_n}, {warps}, {grads}>"
-    return Variant("bwd_sm80.cu", expr, warps * 32, block_n, smem)
+    expr = f"flash_bwd_dkdv_sm80<{_CPP_TYPE[dtype_name]}, {D}, {block_m}, {block_n}, {warps}, {grads}, {mode}>"
+    return Variant("bwd_sm80.cu", expr, warps * 32, block_n, smem, mode=mode)
 
 
-def _sm80_dq(dtype_name: str, D: int, tile) -> Variant:
+def _sm80_dq(dtype_name: str, D: int, tile, mode: int) -> Variant:
     block_m, block_n, warps = tile
     smem = (2 * block_m + 4 * block_n) * (D + 8) * 2   # bwd_sm80.cu BwdQTile: Q, dO, K and V twice
-    expr = f"flash_bwd_dq_sm80<{_CPP_TYPE[dtype_name]}, {D}, {block_m}, {block_n}, {warps}>"
-    return Variant("bwd_sm80.cu", expr, warps * 32, block_m, smem)
+    expr = f"flash_bwd_dq_sm80<{_CPP_TYPE[dtype_name]}, {D}, {block_m}, {block_n}, {warps}, {mode}>"
+    return Variant("bwd_sm80.cu", expr, warps * 32, block_m, smem, mode=mode)
 
 
-def _simt_backward(dtype_name: str, D: int, kernel: str, grads: int | None) -> Variant:
+def _simt_backward(dtype_name: str, D: int, kernel: str, grads: int | None, mode: int) -> Variant:
     block = BWD_SIMT_BLOCK[dtype_name]
     smem = (4 * block * 33 + 2 * block * (block + 1)) * np.dtype(dtype_name).itemsize   # BwdSimtTile
-    targs = f"{_CPP_TYPE[dtype_name]}, {D}, {block}" + ("" if grads is None else f", {grads}")
-    return Variant("bwd_simt.cu", f"{kernel}<{targs}>", 256, block, smem)
+    targs = f"{_CPP_TYPE[dtype_name]}, {D}, {block}" + ("" if grads is None else f", {grads}") + f", {mode}"
+    return Variant("bwd_simt.cu", f"{kernel}<{targs}>", 256, block, smem, mode=mode)
 
 
-def backward_plan(dtype_name: str, D: int, deterministic: bool) -> BackwardPlan:
+def backward_plan(dtype_name: str, D: int, deterministic: bool, mode: int = MODE_DENSE) -> BackwardPlan:
     """The kernels of a backward pass for (dtype, padded head dim D, mode)."""
     ctype = _CPP_TYPE[dtype_name]
     dq_bit = 0 if deterministic else GRAD_DQ
@@ -414,49 +516,56 @@ def backward_plan(dtype_name: str, D: int, deterministic: bool) -> BackwardPlan:
         tiles = BWD_SM80_KV_TILES[D]
         passes = ((GRAD_DV, GRAD_DK | dq_bit) if D >= BWD_SPLIT_MIN_HEAD_DIM
                   else (GRAD_DV | GRAD_DK | dq_bit,))
-        kv = tuple((grads, [_sm80_dkdv(dtype_name, D, t, grads) for t in tiles]) for grads in passes)
-        dq = [_sm80_dq(dtype_name, D, t) for t in BWD_SM80_Q_TILES[D]] if deterministic else None
+        kv = tuple((grads, [_sm80_dkdv(dtype_name, D, t, grads, mode) for t in tiles]) for grads in passes)
+        dq = [_sm80_dq(dtype_name, D, t, mode) for t in BWD_SM80_Q_TILES[D]] if deterministic else None
     else:
         grads = GRAD_DV | GRAD_DK | dq_bit
-        kv = ((grads, [_simt_backward(dtype_name, D, "flash_bwd_dkdv_simt", grads)]),)
-        dq = [_simt_backward(dtype_name, D, "flash_bwd_dq_simt", None)] if deterministic else None
+        kv = ((grads, [_simt_backward(dtype_name, D, "flash_bwd_dkdv_simt", grads, mode)]),)
+        dq = [_simt_backward(dtype_name, D, "flash_bwd_dq_simt", None, mode)] if deterministic else None
     return BackwardPlan(kv=kv, dq=dq, prep=prep, convert=convert)
 
 
-def backward_variants(dtype_name: str, D: int) -> list[Variant]:
-    """Every backward instantiation that may serve (dtype, D), both modes."""
+def backward_variants(dtype_name: str, D: int, mode: int = MODE_DENSE) -> list[Variant]:
+    """Every backward instantiation that may serve (dtype, D, mode), both determinism modes."""
     seen = {}
     for deterministic in (True, False):
-        plan = backward_plan(dtype_name, D, deterministic)
+        plan = backward_plan(dtype_name, D, deterministic, mode)
         for v in (plan.prep, plan.convert, *(v for _, launch in plan.kv for v in launch), *(plan.dq or ())):
             if v is not None:
                 seen.setdefault(v.name_expression, v)
     return list(seen.values())
 
 
-def attention_backward(do, q, k, v, o, lse, dq, dk, dv, *, scale, causal, deterministic) -> None:
+def attention_backward(do, q, k, v, o, lse, dq, dk, dv, *, scale, causal, deterministic,
+                       mods=_mods.NONE, dbias=None) -> None:
     """Launch the backward kernels: writes every element of dq, dk and dv.
 
     Inputs are (B, H, N, d) CuPy views with a contiguous last axis (validated by the
-    caller), ``lse`` the forward's (B, Hq, Nq) log-sum-exp; nothing is copied and the host
-    does not wait for the GPU. Workspaces, allocated from CuPy's pool on the current
-    stream: lse2 and delta, 2 * B * Hq * ceil(Nq / 128) * 128 floats (doubles for fp64);
-    with ``deterministic=False`` also the dq accumulator, B * Hq * Nq * d floats (doubles).
-    ``deterministic=True`` computes dq without atomics, bitwise reproducibly.
+    caller), ``lse`` the forward's (B, Hq, Nq) log-sum-exp and ``mods`` its options
+    (`cupyflash._mods`); nothing is copied and the host does not wait for the GPU.
+    ``dbias``, when not None, is the bias gradient's accumulator in the compact shape of
+    ``mods.bias`` and the accumulation dtype, zeroed by the caller: the key-block kernels
+    add dS into it with atomics (summing its broadcast axes). Workspaces, allocated from
+    CuPy's pool on the current stream: lse2 and delta, 2 * B * Hq * ceil(Nq / 128) * 128
+    floats (doubles for fp64); with ``deterministic=False`` also the dq accumulator,
+    B * Hq * Nq * d floats (doubles). ``deterministic=True`` computes dq without atomics,
+    bitwise reproducibly (dbias too when the bias broadcasts over no axis).
     """
     import cupy
 
-    if _in_batch_slices(attention_backward, (do, q, k, v, o, lse, dq, dk, dv), scale=scale,
-                        causal=causal, deterministic=deterministic):
+    if _in_batch_slices(attention_backward, (do, q, k, v, o, lse, dq, dk, dv), mods, scale=scale,
+                        causal=causal, deterministic=deterministic, dbias=dbias):
         return
     B, Hq, Nq, d = q.shape
     Hk, Nk, dim_v = k.shape[1], k.shape[2], v.shape[3]
     device_id = q.device.id
     name = q.dtype.name
-    plan = backward_plan(name, padded_head_dim(d, dim_v), bool(deterministic))
+    plan = backward_plan(name, padded_head_dim(d, dim_v), bool(deterministic), kernel_mode(mods))
     acc = _arrays.accumulation_dtype(q.dtype).type
     group = Hq // Hk
-    nq_pad = -(-Nq // BWD_ROW_PAD) * BWD_ROW_PAD
+    # Under varlen a query tile of the last sequence reads up to a tile past the rows.
+    nq_pad = -(-(Nq + (BWD_ROW_PAD if mods.varlen else 0)) // BWD_ROW_PAD) * BWD_ROW_PAD
+    batch, rows, keys = _grid_extents(q, k, mods)
 
     lse2 = cupy.empty((B, Hq, nq_pad), acc)
     delta = cupy.empty((B, Hq, nq_pad), acc)
@@ -470,19 +579,23 @@ def attention_backward(do, q, k, v, o, lse, dq, dk, dv, *, scale, causal, determ
                   np.int32(nq_pad), acc(scale * math.log2(math.e)), acc(scale), np.int32(bool(causal)))
     sm80 = name in HALF_DTYPES
     tail = (np.int32(_rows_16b_aligned(q, k, v, do, dq, dk, dv)),) if sm80 else ()
+    tail += _mods_args(mods, acc)
+    dbias_args = (_pointer(dbias), *_strides_or_zero(dbias, 4))
     inputs = (*_tensor_args(q), *_tensor_args(k), *_tensor_args(v), *_tensor_args(do))
     for grads, candidates in plan.kv:
         variant = _choose(candidates, device_id)
-        # A null pointer where the launch adds nothing into dq.
+        # A null pointer where the launch adds nothing into dq (or dbias: only the dK
+        # launch has dS).
         args = (*inputs, *_tensor_args(dk), *_tensor_args(dv),
-                dq_accum if grads & GRAD_DQ else np.uint64(0), lse2, delta, *shape_args, *tail)
-        grid = (math.ceil(Nk / variant.block_m), Hk, B)
+                dq_accum if grads & GRAD_DQ else np.uint64(0), lse2, delta, *shape_args, *tail,
+                *(dbias_args if grads & GRAD_DK else (np.uint64(0), *_strides_or_zero(None, 4))))
+        grid = (math.ceil(keys / variant.block_m), Hk, batch)
         _load(variant, device_id)(grid, (variant.threads,), args, shared_mem=variant.smem_bytes)
 
     if plan.dq is not None:
         variant = _choose(plan.dq, device_id)
         args = (*inputs, *_tensor_args(dq), lse2, delta, *shape_args, *tail)
-        grid = (math.ceil(Nq / variant.block_m), Hq, B)
+        grid = (math.ceil(rows / variant.block_m), Hq, batch)
         _load(variant, device_id)(grid, (variant.threads,), args, shared_mem=variant.smem_bytes)
     else:
         grid = (math.ceil(Nq * d / _CONVERT_ELEMS), Hq, B)

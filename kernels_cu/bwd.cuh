@@ -11,31 +11,89 @@
 // tail checks, and a padded row's P and dS are 0.
 #pragma once
 #include "elem.cuh"
-#include "mask.cuh"
+#include "mods.cuh"
 
 #define BWD_ROW_PAD 128
-#define LOG2E_D 1.4426950408889634
 
 // Gradients a backward kernel instantiation produces (its GRADS template argument).
 enum { GRAD_DV = 1, GRAD_DK = 2, GRAD_DQ = 4 };
-
-// The first query tile that sees any key of a block starting at key k0; every later
-// tile sees some key of it (the last query row sees every key). Mirrors
-// cupyflash/_masks.py query_block_range.
-__device__ __forceinline__ int query_tile_start(const MaskInfo& mask, int k0, int block_m) {
-    return mask.causal ? max(0, k0 - (mask.nk - mask.nq)) / block_m : 0;
-}
 
 __device__ __forceinline__ i64 row_workspace_offset(int b, int h, int hq, int nq_pad) {
     return ((i64)b * hq + h) * nq_pad;
 }
 
-// Element <-> accumulation type for every input dtype.
-__device__ __forceinline__ float to_acc(half_t x) { return to_float(x); }
-__device__ __forceinline__ float to_acc(bfloat16_t x) { return to_float(x); }
-__device__ __forceinline__ float to_acc(float x) { return x; }
-__device__ __forceinline__ double to_acc(double x) { return x; }
 
-template <typename T> __device__ __forceinline__ T from_acc(typename Accum<T>::type x) { return from_float<T>(x); }
-template <> __device__ __forceinline__ float from_acc<float>(float x) { return x; }
-template <> __device__ __forceinline__ double from_acc<double>(double x) { return x; }
+// Kernel parameters of the bias gradient: an accumulator in the bias's compact shape
+// (cupyflash/_mods.py), strides 0 on the axes it broadcasts over so that atomics sum
+// them; null when no dbias is asked for.
+#define DBIAS_ARGS(Acc) Acc* __restrict__ dbias, i64 dbias_sb, i64 dbias_sh, i64 dbias_sq, i64 dbias_sk
+
+// P of one recomputed score s = q_i . k_j of head h: exp2(score - lse2), 0 where hidden
+// (checked when `masked`). Under dropout a dropped score's P comes back negated: dV
+// skips it, and dS still needs its P (a dropped score keeps its softmax gradient).
+// `dtanh` receives softcap's derivative factor (mods.cuh score_log2).
+template <int MODE, typename M, typename Acc>
+__device__ __forceinline__ Acc recomputed_p(const M& mods, Acc s, int i, int j, int h, Acc lse2,
+                                            Acc scale_log2, bool masked, Acc& dtanh) {
+    if constexpr (MODE == MODE_DENSE) {
+        const Acc p = exp2_fast(s * scale_log2 - lse2);
+        return masked && !mods.mask.visible(i, j) ? Acc(0) : p;
+    } else {
+        const Acc p = exp2_fast(mods.score_log2(s, i, j, h, scale_log2, masked, dtanh) - lse2);
+        return mods.dropout() && !mods.keep(i, j, h) ? -p : p;
+    }
+}
+
+// dS = P o (dP~ - delta) of one score from recomputed_p's P, dP = dO_i . v_j and the
+// row's delta; dP~ is dP through the dropout mask and scale.
+template <int MODE, typename M, typename Acc>
+__device__ __forceinline__ Acc score_grad(const M& mods, Acc p, Acc dp, Acc delta) {
+    if constexpr (MODE == MODE_DENSE) {
+        return p * (dp - delta);
+    } else {
+        const Acc kept_dp = !mods.dropout() ? dp : (p > Acc(0) ? dp * mods.drop_scale : Acc(0));
+        return (p < Acc(0) ? -p : p) * (kept_dp - delta);
+    }
+}
+
+// The P that multiplies dO into dV: recomputed_p's, dropped ones 0, kept ones scaled.
+template <int MT, int NT>
+__device__ __forceinline__ void dropped_p(float (&kept)[MT][NT][4], const float (&p)[MT][NT][4], float scale) {
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+        #pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) kept[mt][nt][e] = p[mt][nt][e] > 0.f ? p[mt][nt][e] * scale : 0.f;
+}
+
+// recomputed_p over mma C fragments (mods.cuh for_each_score: fragment rows start at r0,
+// columns at c0, KEY_ROWS for the key-major products); lse2_at(mt, nt, e) gives the
+// element's row workspace.
+template <int MODE, bool KEY_ROWS, int MT, int NT, int MT2, int NT2, typename M, typename L>
+__device__ __forceinline__ void recompute_p(float (&s)[MT][NT][4], float (&dtanh)[MT2][NT2][4], const M& mods,
+                                            int h, int r0, int c0, L&& lse2_at, float scale_log2, bool masked) {
+    for_each_score<KEY_ROWS>(s, r0, c0, [&](float& x, int i, int j, int mt, int nt, int e) {
+        float dt = 1.f;
+        x = recomputed_p<MODE>(mods, x, i, j, h, lse2_at(mt, nt, e), scale_log2, masked, dt);
+        if constexpr (MODE == MODE_EXT) dtanh[mt][nt][e] = dt;
+    });
+}
+
+// dS over C fragments, in place of P: score_grad, then the bias gradient (the dS of the
+// biased score, added into dbias_b, this batch entry's accumulator, where not null) and
+// softcap's derivative. delta_at(mt, nt, e) as lse2_at above.
+template <int MODE, bool KEY_ROWS, int MT, int NT, int MT2, int NT2, typename M, typename L>
+__device__ __forceinline__ void grad_scores(float (&s)[MT][NT][4], const float (&dp)[MT][NT][4],
+                                            const float (&dtanh)[MT2][NT2][4], const M& mods, int h,
+                                            int r0, int c0, L&& delta_at, float* dbias_b,
+                                            i64 dbias_sh, i64 dbias_sq, i64 dbias_sk) {
+    for_each_score<KEY_ROWS>(s, r0, c0, [&](float& x, int i, int j, int mt, int nt, int e) {
+        x = score_grad<MODE>(mods, x, dp[mt][nt][e], delta_at(mt, nt, e));
+        if constexpr (MODE != MODE_DENSE) {
+            if (dbias_b != nullptr && i < mods.mask.nq && j < mods.mask.nk)
+                atomicAdd(dbias_b + h * dbias_sh + i * dbias_sq + j * dbias_sk, x);
+        }
+        if constexpr (MODE == MODE_EXT) x *= dtanh[mt][nt][e];
+    });
+}

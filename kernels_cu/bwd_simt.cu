@@ -12,7 +12,7 @@
 // operands; the products over a tile's rows keep P^T and dS^T in shared memory and stream
 // CH-column chunks of the other operand, one chunk of the accumulator at a time.
 #include "elem.cuh"
-#include "mask.cuh"
+#include "mods.cuh"
 #include "tensor.cuh"
 #include "bwd.cuh"
 
@@ -87,13 +87,13 @@ __device__ __forceinline__ void zero(T (&c)[R][R]) {
         for (int j = 0; j < R; ++j) c[i][j] = T(0);
 }
 
-template <typename T, int D, int BLOCK, int GRADS>   // GRADS: GRAD_DV | GRAD_DK [| GRAD_DQ]
+template <typename T, int D, int BLOCK, int GRADS, int MODE>   // GRADS: GRAD_DV | GRAD_DK [| GRAD_DQ]
 __global__ void __launch_bounds__(256)
 flash_bwd_dkdv_simt(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const T, v),
                     TENSOR_ARG(const T, dout), TENSOR_ARG(T, dk), TENSOR_ARG(T, dv),
                     T* __restrict__ dq_accum, const T* __restrict__ lse2, const T* __restrict__ delta,
                     int group, int nq, int nk, int d, int dim_v, int nq_pad,
-                    T scale_log2, T scale, int causal)
+                    T scale_log2, T scale, int causal, MODS_ARGS(T, T), DBIAS_ARGS(T))
 {
     typedef BwdSimtTile<T, D, BLOCK> C;
     constexpr int R = C::R, CH = C::CH, CC = C::CC, DC = C::DC, LDC = C::LDC, LDP = C::LDP;
@@ -110,17 +110,27 @@ flash_bwd_dkdv_simt(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(c
     const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
     const int hk = blockIdx.y, b = blockIdx.z;
     const int hq = gridDim.y * group;
+    MODS_SETUP(T, T, MODE, b, hq, nq, nk, causal);
+    const auto& mask = mods.mask;
     const int k0 = blockIdx.x * BLOCK;
-    const int k_rows = min(BLOCK, nk - k0);
-    const MaskInfo mask{nq, nk, causal};
-    const int m_first = query_tile_start(mask, k0, BLOCK);
-    const int m_count = (nq + BLOCK - 1) / BLOCK - m_first;
-    const int n_iter = group * m_count;
+    const int k_rows = min(BLOCK, mask.nk - k0);
+    if (k_rows <= 0) return;   // varlen: the grid covers the longest sequence
+    const int2 q_tiles = mask.query_tile_range(k0, k0 + BLOCK, BLOCK);
+    const int m_first = q_tiles.x, m_count = q_tiles.y - q_tiles.x;
+    const int n_iter = group * m_count;   // (query head, query tile) pairs, head-major
+    auto head_of = [&](int it) { return hk * group + it / m_count; };
+    auto q0_of = [&](int it) { return (m_first + it % m_count) * BLOCK; };
+    auto next_iter = [&](int it) {   // the first iteration from `it` on the block mask leaves on
+        if (MODE != MODE_DENSE && mask.blocks != nullptr)
+            while (it < n_iter && mask.block_state(q0_of(it), q0_of(it) + BLOCK, k0, k0 + BLOCK, head_of(it)) == 0) ++it;
+        return it;
+    };
+    T* dbias_b = MODE != MODE_DENSE && dbias != nullptr ? dbias + b * dbias_sb : nullptr;
 
     const Strided<const T> Q = TENSOR(const T, q), K = TENSOR(const T, k), V = TENSOR(const T, v);
     const Strided<const T> dO = TENSOR(const T, dout);
-    const T* k_blk = K.at(b, hk, k0);
-    const T* v_blk = V.at(b, hk, k0);
+    const T* k_blk = K.at(mods.tb, hk, mods.k_base + k0);
+    const T* v_blk = V.at(mods.tb, hk, mods.k_base + k0);
 
     T acc_dk[R][DC], acc_dv[R][DC];
     #pragma unroll
@@ -128,13 +138,13 @@ flash_bwd_dkdv_simt(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(c
         #pragma unroll
         for (int c = 0; c < DC; ++c) { acc_dk[i][c] = T(0); acc_dv[i][c] = T(0); }
 
-    for (int it = 0; it < n_iter; ++it) {
-        const int h = hk * group + it / m_count;
-        const int q0 = (m_first + it % m_count) * BLOCK;
-        const int q_rows = min(BLOCK, nq - q0);
-        const T* q_blk = Q.at(b, h, q0);
-        const T* do_blk = dO.at(b, h, q0);
-        const i64 at = row_workspace_offset(b, h, hq, nq_pad) + q0;   // padded: never a tail
+    for (int it = next_iter(0); it < n_iter; it = next_iter(it + 1)) {
+        const int h = head_of(it), q0 = q0_of(it);
+        const int q_rows = min(BLOCK, mask.nq - q0);
+        const T* q_blk = Q.at(mods.tb, h, mods.q_base + q0);
+        const T* do_blk = dO.at(mods.tb, h, mods.q_base + q0);
+        // Padded: never a tail (under varlen the next sequence's rows, which the mask hides).
+        const i64 at = row_workspace_offset(mods.tb, h, hq, nq_pad) + mods.q_base + q0;
 
         // S^T = K Q^T and dP^T = V dO^T, streamed over head-dim chunks.
         T s[R][R], dp[R][R];
@@ -152,7 +162,7 @@ flash_bwd_dkdv_simt(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(c
         }
 
         // P^T = exp2(S^T scale log2 e - lse2[query]), 0 where hidden; dS^T = P^T o (dP^T - delta[query]).
-        const bool needs_mask = mask.tile_needs_mask(q0, k0, k0 + BLOCK);
+        const bool needs_mask = mask.tile_needs_mask(q0, q0 + BLOCK, k0, k0 + BLOCK, h);
         #pragma unroll
         for (int j = 0; j < R; ++j) {
             const int qi = tx + 16 * j;
@@ -160,10 +170,16 @@ flash_bwd_dkdv_simt(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(c
             #pragma unroll
             for (int i = 0; i < R; ++i) {
                 const int kj = ty + 16 * i;
-                T p = exp2_fast(s[i][j] * scale_log2 - l2);
-                if (needs_mask && !mask.visible(q0 + qi, k0 + kj)) p = T(0);
-                sP[kj * LDP + qi] = p;
-                sdS[kj * LDP + qi] = p * (dp[i][j] - dl);
+                T dtanh = T(1);
+                const T p = recomputed_p<MODE>(mods, s[i][j], q0 + qi, k0 + kj, h, l2, scale_log2, needs_mask, dtanh);
+                T ds = score_grad<MODE>(mods, p, dp[i][j], dl);
+                if constexpr (MODE != MODE_DENSE) {
+                    if (dbias_b != nullptr && q0 + qi < mask.nq && k0 + kj < mask.nk)
+                        atomicAdd(dbias_b + h * dbias_sh + (q0 + qi) * dbias_sq + (k0 + kj) * dbias_sk, ds);
+                    ds *= dtanh;
+                }
+                sP[kj * LDP + qi] = MODE == MODE_DENSE || !mods.dropout() ? p : (p > T(0) ? p * mods.drop_scale : T(0));
+                sdS[kj * LDP + qi] = ds;
             }
         }
 
@@ -185,7 +201,7 @@ flash_bwd_dkdv_simt(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(c
                     #pragma unroll
                     for (int cc = 0; cc < CC; ++cc) dq[i][cc] = T(0);
                 simt_mm_AB<T, true, R, CC, CC, BLOCK, LDP, LDC>(dq, 0, sdS, sKc);
-                T* dq_tile = dq_accum + (((i64)b * hq + h) * nq + q0) * d;
+                T* dq_tile = dq_accum + (((i64)mods.tb * hq + h) * nq + mods.q_base + q0) * d;
                 #pragma unroll
                 for (int i = 0; i < R; ++i)
                     #pragma unroll
@@ -202,8 +218,8 @@ flash_bwd_dkdv_simt(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(c
     for (int i = 0; i < R; ++i) {
         const int r = ty + 16 * i;
         if (r >= k_rows) continue;
-        T* dk_row = dK.at(b, hk, k0 + r);
-        T* dv_row = dV.at(b, hk, k0 + r);
+        T* dk_row = dK.at(mods.tb, hk, mods.k_base + k0 + r);
+        T* dv_row = dV.at(mods.tb, hk, mods.k_base + k0 + r);
         #pragma unroll
         for (int c = 0; c < DC; ++c) {
             const int col = (c / CC) * CH + tx + 16 * (c % CC);
@@ -213,12 +229,12 @@ flash_bwd_dkdv_simt(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(c
     }
 }
 
-template <typename T, int D, int BLOCK>
+template <typename T, int D, int BLOCK, int MODE>
 __global__ void __launch_bounds__(256)
 flash_bwd_dq_simt(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const T, v),
                   TENSOR_ARG(const T, dout), TENSOR_ARG(T, dq), const T* __restrict__ lse2,
                   const T* __restrict__ delta, int group, int nq, int nk, int d, int dim_v,
-                  int nq_pad, T scale_log2, T scale, int causal)
+                  int nq_pad, T scale_log2, T scale, int causal, MODS_ARGS(T, T))
 {
     typedef BwdSimtTile<T, D, BLOCK> C;
     constexpr int R = C::R, CH = C::CH, CC = C::CC, DC = C::DC, LDC = C::LDC, LDP = C::LDP;
@@ -232,18 +248,21 @@ flash_bwd_dq_simt(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(con
     const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
     const int m_block = gridDim.x - 1 - blockIdx.x;   // heavy (late, causal) blocks first
     const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
+    MODS_SETUP(T, T, MODE, b, gridDim.y, nq, nk, causal);
+    const auto& mask = mods.mask;
     const int q0 = m_block * BLOCK;
-    const int q_rows = min(BLOCK, nq - q0);
-    const MaskInfo mask{nq, nk, causal};
-    const int n_tiles = mask.key_tile_stop(q0, q0 + q_rows, BLOCK);
+    const int q_rows = min(BLOCK, mask.nq - q0);
+    if (q_rows <= 0) return;   // varlen: the grid covers the longest sequence
+    const int2 tiles = mask.key_tile_range(q0, q0 + q_rows, BLOCK);
 
     const Strided<const T> Q = TENSOR(const T, q), K = TENSOR(const T, k), V = TENSOR(const T, v);
     const Strided<const T> dO = TENSOR(const T, dout);
-    const T* q_blk = Q.at(b, h, q0);
-    const T* do_blk = dO.at(b, h, q0);
+    const T* q_blk = Q.at(mods.tb, h, mods.q_base + q0);
+    const T* do_blk = dO.at(mods.tb, h, mods.q_base + q0);
 
-    // This thread's rows' workspaces; padded, so rows past nq read lse2 = +inf (P = 0).
-    const i64 at = row_workspace_offset(b, h, gridDim.y, nq_pad) + q0;
+    // This thread's rows' workspaces; padded, so rows past nq read lse2 = +inf (P = 0;
+    // under varlen the next sequence's rows, which the mask hides).
+    const i64 at = row_workspace_offset(mods.tb, h, gridDim.y, nq_pad) + mods.q_base + q0;
     T row_lse[R], row_delta[R];
     #pragma unroll
     for (int i = 0; i < R; ++i) { row_lse[i] = lse2[at + ty + 16 * i]; row_delta[i] = delta[at + ty + 16 * i]; }
@@ -254,11 +273,12 @@ flash_bwd_dq_simt(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(con
         #pragma unroll
         for (int c = 0; c < DC; ++c) acc[i][c] = T(0);
 
-    for (int j = 0; j < n_tiles; ++j) {
+    for (int j = mask.next_key_tile(tiles.x, tiles.y, q0, q0 + q_rows, BLOCK, h); j < tiles.y;
+         j = mask.next_key_tile(j + 1, tiles.y, q0, q0 + q_rows, BLOCK, h)) {
         const int k0 = j * BLOCK;
-        const int k_rows = min(BLOCK, nk - k0);
-        const T* k_blk = K.at(b, hk, k0);
-        const T* v_blk = V.at(b, hk, k0);
+        const int k_rows = min(BLOCK, mask.stop() - k0);   // keys past the stop are never read
+        const T* k_blk = K.at(mods.tb, hk, mods.k_base + k0);
+        const T* v_blk = V.at(mods.tb, hk, mods.k_base + k0);
 
         // S = Q K^T and dP = dO V^T, streamed over head-dim chunks.
         T s[R][R], dp[R][R];
@@ -276,14 +296,15 @@ flash_bwd_dq_simt(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(con
         }
 
         // dS = P o (dP - delta[row]), P = exp2(S scale log2 e - lse2[row]), 0 where hidden.
-        const bool needs_mask = mask.tile_needs_mask(q0, k0, k0 + BLOCK);
+        const bool needs_mask = mask.tile_needs_mask(q0, q0 + BLOCK, k0, k0 + BLOCK, h);
         #pragma unroll
         for (int i = 0; i < R; ++i)
             #pragma unroll
             for (int jj = 0; jj < R; ++jj) {
-                T p = exp2_fast(s[i][jj] * scale_log2 - row_lse[i]);
-                if (needs_mask && !mask.visible(q0 + ty + 16 * i, k0 + tx + 16 * jj)) p = T(0);
-                sdS[(ty + 16 * i) * LDP + tx + 16 * jj] = p * (dp[i][jj] - row_delta[i]);
+                T dtanh = T(1);
+                const T p = recomputed_p<MODE>(mods, s[i][jj], q0 + ty + 16 * i, k0 + tx + 16 * jj, h,
+                                               row_lse[i], scale_log2, needs_mask, dtanh);
+                sdS[(ty + 16 * i) * LDP + tx + 16 * jj] = score_grad<MODE>(mods, p, dp[i][jj], row_delta[i]) * dtanh;
             }
 
         // dQ += dS K, one head-dim chunk at a time.
@@ -301,7 +322,7 @@ flash_bwd_dq_simt(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(con
     for (int i = 0; i < R; ++i) {
         const int r = ty + 16 * i;
         if (r >= q_rows) continue;
-        T* dq_row = dQ.at(b, h, q0 + r);
+        T* dq_row = dQ.at(mods.tb, h, mods.q_base + q0 + r);
         #pragma unroll
         for (int c = 0; c < DC; ++c) {
             const int col = (c / CC) * CH + tx + 16 * (c % CC);

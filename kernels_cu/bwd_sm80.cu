@@ -32,7 +32,7 @@
 #include "copy.cuh"
 #include "mma.cuh"
 #include "warp_mm.cuh"
-#include "mask.cuh"
+#include "mods.cuh"
 #include "tensor.cuh"
 #include "bwd.cuh"
 
@@ -63,13 +63,14 @@ struct BwdKVTile {
     static_assert(BWD_ROW_PAD % BLOCK_M == 0, "query tiles read the padded row workspaces whole");
 };
 
-template <typename T, int D, int BLOCK_M, int BLOCK_N, int WARPS, int GRADS>
+template <typename T, int D, int BLOCK_M, int BLOCK_N, int WARPS, int GRADS, int MODE>
 __global__ void __launch_bounds__(WARPS * 32)
 flash_bwd_dkdv_sm80(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const T, v),
                     TENSOR_ARG(const T, dout), TENSOR_ARG(T, dk), TENSOR_ARG(T, dv),
                     float* __restrict__ dq_accum, const float* __restrict__ lse2,
                     const float* __restrict__ delta, int group, int nq, int nk, int d, int dim_v,
-                    int nq_pad, float scale_log2, float scale, int causal, int vec)
+                    int nq_pad, float scale_log2, float scale, int causal, int vec,
+                    MODS_ARGS(T, float), DBIAS_ARGS(float))
 {
     typedef BwdKVTile<T, D, BLOCK_M, BLOCK_N, WARPS, GRADS> C;
     constexpr int MT = C::MT, SNT = C::SNT, DT = C::DT;
@@ -86,33 +87,46 @@ flash_bwd_dkdv_sm80(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(c
     const int g = lane / 4, t = lane % 4;
     const int hk = blockIdx.y, b = blockIdx.z;
     const int hq = gridDim.y * group;
+    MODS_SETUP(T, float, MODE, b, hq, nq, nk, causal);
+    const auto& mask = mods.mask;
     const int k0 = blockIdx.x * BLOCK_N;
-    const int k_rows = min(BLOCK_N, nk - k0);
-    const MaskInfo mask{nq, nk, causal};
-    const int m_first = query_tile_start(mask, k0, BLOCK_M);
-    const int m_count = (nq + BLOCK_M - 1) / BLOCK_M - m_first;
+    const int k_rows = min(BLOCK_N, mask.nk - k0);
+    if (k_rows <= 0) return;   // varlen: the grid covers the longest sequence
+    const int2 q_tiles = mask.query_tile_range(k0, k0 + BLOCK_N, BLOCK_M);
+    float* dbias_b = MODE != MODE_DENSE && dbias != nullptr ? dbias + b * dbias_sb : nullptr;
+    const int m_first = q_tiles.x, m_count = q_tiles.y - q_tiles.x;
     const int n_iter = group * m_count;          // (query head, query tile) pairs, head-major
+    auto head_of = [&](int it) { return hk * group + it / m_count; };
+    auto q0_of = [&](int it) { return (m_first + it % m_count) * BLOCK_M; };
+    // The first iteration from `it` on that the block mask leaves on.
+    auto next_iter = [&](int it) {
+        if (MODE != MODE_DENSE && mask.blocks != nullptr)
+            while (it < n_iter && mask.block_state(q0_of(it), q0_of(it) + BLOCK_M, k0, k0 + BLOCK_N, head_of(it)) == 0) ++it;
+        return it;
+    };
 
     const Strided<const T> Q = TENSOR(const T, q), K = TENSOR(const T, k), V = TENSOR(const T, v);
     const Strided<const T> dO = TENSOR(const T, dout);
 
-    load_tile<T, BLOCK_N, D, C::THREADS>(sK, K.at(b, hk, k0), K.row, k_rows, d, vec);
-    if constexpr (C::DK) load_tile<T, BLOCK_N, D, C::THREADS>(sV, V.at(b, hk, k0), V.row, k_rows, dim_v, vec);
+    load_tile<T, BLOCK_N, D, C::THREADS>(sK, K.at(mods.tb, hk, mods.k_base + k0), K.row, k_rows, d, vec);
+    if constexpr (C::DK) load_tile<T, BLOCK_N, D, C::THREADS>(sV, V.at(mods.tb, hk, mods.k_base + k0), V.row, k_rows, dim_v, vec);
 
-    // Q, dO, lse2 (and delta) of iteration `it` into buffer it % 2.
-    auto load_query_tile = [&](int it) {
-        const int h = hk * group + it / m_count;
-        const int q0 = (m_first + it % m_count) * BLOCK_M;
-        const int rows = min(BLOCK_M, nq - q0);
-        const int buf = it % 2;
-        load_tile<T, BLOCK_M, D, C::THREADS>(sQ + buf * BLOCK_M * C::LD, Q.at(b, h, q0), Q.row, rows, d, vec);
-        load_tile<T, BLOCK_M, D, C::THREADS>(sdO + buf * BLOCK_M * C::LD, dO.at(b, h, q0), dO.row, rows, dim_v, vec);
-        const i64 at = row_workspace_offset(b, h, hq, nq_pad) + q0;   // padded: never a tail
-        load_tile<float, 1, BLOCK_M, C::THREADS>(sLse + buf * BLOCK_M, lse2 + at, 0, 1, BLOCK_M, true);
-        if constexpr (C::DK) load_tile<float, 1, BLOCK_M, C::THREADS>(sDelta + buf * BLOCK_M, delta + at, 0, 1, BLOCK_M, true);
+    // Q, dO, lse2 (and delta) of iteration `it` into buffer `buf`. The row workspaces are
+    // padded (never a tail); under varlen a sequence may start anywhere in them, so the
+    // 16-byte copies need its start aligned.
+    const bool rows_vec = mods.q_base % 4 == 0;
+    auto load_query_tile = [&](int it, int buf) {
+        const int h = head_of(it), q0 = q0_of(it);
+        const int rows = min(BLOCK_M, mask.nq - q0);
+        load_tile<T, BLOCK_M, D, C::THREADS>(sQ + buf * BLOCK_M * C::LD, Q.at(mods.tb, h, mods.q_base + q0), Q.row, rows, d, vec);
+        load_tile<T, BLOCK_M, D, C::THREADS>(sdO + buf * BLOCK_M * C::LD, dO.at(mods.tb, h, mods.q_base + q0), dO.row, rows, dim_v, vec);
+        const i64 at = row_workspace_offset(mods.tb, h, hq, nq_pad) + mods.q_base + q0;
+        load_tile<float, 1, BLOCK_M, C::THREADS>(sLse + buf * BLOCK_M, lse2 + at, 0, 1, BLOCK_M, rows_vec);
+        if constexpr (C::DK) load_tile<float, 1, BLOCK_M, C::THREADS>(sDelta + buf * BLOCK_M, delta + at, 0, 1, BLOCK_M, rows_vec);
         cp_async_commit();
     };
-    if (n_iter > 0) load_query_tile(0);
+    int it = next_iter(0);
+    if (it < n_iter) load_query_tile(it, 0);
     cp_async_commit();
 
     const int warp_row0 = warp * C::ROWS_PER_WARP;
@@ -121,55 +135,52 @@ flash_bwd_dkdv_sm80(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(c
     zero_frags(acc_dv);
     zero_frags(acc_dk);
 
-    for (int it = 0; it < n_iter; ++it) {
-        const int h = hk * group + it / m_count;
-        const int q0 = (m_first + it % m_count) * BLOCK_M;
-        const int buf = it % 2;
+    for (int step = 0; it < n_iter; ++step) {
+        const int h = head_of(it), q0 = q0_of(it);
+        const int next = next_iter(it + 1);
+        const int buf = step % 2;
         const T* sQb = sQ + buf * BLOCK_M * C::LD;
         const T* sdOb = sdO + buf * BLOCK_M * C::LD;
         const float* sLseb = sLse + buf * BLOCK_M;
         const float* sDeltab = sDelta + buf * BLOCK_M;
         cp_async_wait<0>();   // this iteration's tiles (and K, V) have landed
         __syncthreads();      // ... for every thread, and iteration it-1 no longer reads the other buffer or sdS
-        if (it + 1 < n_iter) load_query_tile(it + 1);
+        if (next < n_iter) load_query_tile(next, (step + 1) % 2);
 
         // The tile in slices of SLICE queries: only a slice of S^T and dP^T is live beside
         // the dK and dV accumulators, whatever BLOCK_M.
-        const bool needs_mask = mask.tile_needs_mask(q0, k0, k0 + BLOCK_N);
+        const bool needs_mask = mask.tile_needs_mask(q0, q0 + BLOCK_M, k0, k0 + BLOCK_N, h);
         #pragma unroll 1
         for (int q_s = 0; q_s < BLOCK_M; q_s += C::SLICE) {
             const T* sQs = sQb + q_s * C::LD;
             const T* sdOs = sdOb + q_s * C::LD;
             // S^T = K Q^T, then P^T = exp2(S^T scale log2 e - lse2[query]), 0 where hidden.
             float s[MT][SNT][4];
+            float dtanh[MODE == MODE_EXT ? MT : 1][MODE == MODE_EXT ? SNT : 1][4];
             zero_frags(s);
             warp_mm_ABt<T, D, MT, SNT, C::KSTEPS>(s, sK, warp_row0, sQs);
-            #pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-                #pragma unroll
-                for (int nt = 0; nt < SNT; ++nt)
-                    #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int qi = q_s + nt * 8 + 2 * t + (e % 2);
-                        float p = exp2_fast(s[mt][nt][e] * scale_log2 - sLseb[qi]);
-                        if (needs_mask && !mask.visible(q0 + qi, k0 + warp_row0 + mt * 16 + g + (e / 2) * 8)) p = 0.f;
-                        s[mt][nt][e] = p;
-                    }
+            recompute_p<MODE, true>(s, dtanh, mods, h, k0 + warp_row0, q0 + q_s,
+                                    [&](int, int nt, int e) { return sLseb[q_s + nt * 8 + 2 * t + (e % 2)]; },
+                                    scale_log2, needs_mask);
 
-            if constexpr (C::DV) warp_mm_AB<T, D, MT, SNT, DT>(acc_dv, s, sdOs);
+            if constexpr (C::DV) {
+                if (MODE != MODE_DENSE && mods.dropout()) {
+                    float kept[MT][SNT][4];
+                    dropped_p(kept, s, mods.drop_scale);
+                    warp_mm_AB<T, D, MT, SNT, DT>(acc_dv, kept, sdOs);
+                } else {
+                    warp_mm_AB<T, D, MT, SNT, DT>(acc_dv, s, sdOs);
+                }
+            }
 
             if constexpr (C::DK) {
                 // dP^T = V dO^T; dS^T = P^T o (dP^T - delta[query]), in place of P^T.
                 float dp[MT][SNT][4];
                 zero_frags(dp);
                 warp_mm_ABt<T, D, MT, SNT, C::KSTEPS>(dp, sV, warp_row0, sdOs);
-                #pragma unroll
-                for (int mt = 0; mt < MT; ++mt)
-                    #pragma unroll
-                    for (int nt = 0; nt < SNT; ++nt)
-                        #pragma unroll
-                        for (int e = 0; e < 4; ++e)
-                            s[mt][nt][e] *= dp[mt][nt][e] - sDeltab[q_s + nt * 8 + 2 * t + (e % 2)];
+                grad_scores<MODE, true>(s, dp, dtanh, mods, h, k0 + warp_row0, q0 + q_s,
+                                        [&](int, int nt, int e) { return sDeltab[q_s + nt * 8 + 2 * t + (e % 2)]; },
+                                        dbias_b, dbias_sh, dbias_sq, dbias_sk);
                 warp_mm_AB<T, D, MT, SNT, DT>(acc_dk, s, sQs);
             }
 
@@ -191,7 +202,7 @@ flash_bwd_dkdv_sm80(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(c
             // ... then dQ = dS K over all BLOCK_N keys, the warps taking (query m-tile,
             // DQ_COLS columns) jobs: each job is a complete sum, added once per element.
             constexpr int JOBS = C::QSTEPS * (D / C::DQ_COLS);
-            float* dq_head = dq_accum + ((i64)b * hq + h) * nq * (i64)d;
+            float* dq_head = dq_accum + (((i64)mods.tb * hq + h) * nq + mods.q_base) * (i64)d;
             for (int job = warp; job < JOBS; job += WARPS) {
                 const int mq = job % C::QSTEPS, col0 = (job / C::QSTEPS) * C::DQ_COLS;
                 if (col0 >= d) continue;   // padding columns: dQ is 0 there
@@ -212,7 +223,7 @@ flash_bwd_dkdv_sm80(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(c
                 #pragma unroll
                 for (int hh = 0; hh < 2; ++hh) {
                     const int row = q0 + mq * 16 + g + hh * 8;
-                    if (row >= nq) continue;
+                    if (row >= mask.nq) continue;
                     #pragma unroll
                     for (int nt = 0; nt < C::DQ_COLS / 8; ++nt) {
                         const int col = col0 + nt * 8 + 2 * t;
@@ -232,14 +243,14 @@ flash_bwd_dkdv_sm80(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(c
         const Strided<T> dV = TENSOR(T, dv);
         warp_store_c<T, D>(sK, warp_row0, acc_dv, 1.f);
         __syncthreads();
-        store_tile<T, BLOCK_N, D, C::THREADS>(dV.at(b, hk, k0), dV.row, sK, k_rows, dim_v, vec);
+        store_tile<T, BLOCK_N, D, C::THREADS>(dV.at(mods.tb, hk, mods.k_base + k0), dV.row, sK, k_rows, dim_v, vec);
     }
     if constexpr (C::DK) {
         const Strided<T> dK = TENSOR(T, dk);
         if constexpr (C::DV) __syncthreads();
         warp_store_c<T, D>(sK, warp_row0, acc_dk, scale);
         __syncthreads();
-        store_tile<T, BLOCK_N, D, C::THREADS>(dK.at(b, hk, k0), dK.row, sK, k_rows, d, vec);
+        store_tile<T, BLOCK_N, D, C::THREADS>(dK.at(mods.tb, hk, mods.k_base + k0), dK.row, sK, k_rows, d, vec);
     }
 }
 
@@ -260,12 +271,12 @@ struct BwdQTile {
     static_assert(BWD_ROW_PAD % BLOCK_M == 0, "query blocks read the padded row workspaces whole");
 };
 
-template <typename T, int D, int BLOCK_M, int BLOCK_N, int WARPS>
+template <typename T, int D, int BLOCK_M, int BLOCK_N, int WARPS, int MODE>
 __global__ void __launch_bounds__(WARPS * 32)
 flash_bwd_dq_sm80(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const T, v),
                   TENSOR_ARG(const T, dout), TENSOR_ARG(T, dq), const float* __restrict__ lse2,
                   const float* __restrict__ delta, int group, int nq, int nk, int d, int dim_v,
-                  int nq_pad, float scale_log2, float scale, int causal, int vec)
+                  int nq_pad, float scale_log2, float scale, int causal, int vec, MODS_ARGS(T, float))
 {
     typedef BwdQTile<T, D, BLOCK_M, BLOCK_N, WARPS> C;
     constexpr int MT = C::MT, SNT = C::SNT, DT = C::DT;
@@ -279,32 +290,37 @@ flash_bwd_dq_sm80(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(con
     const int g = lane / 4, t = lane % 4;
     const int m_block = gridDim.x - 1 - blockIdx.x;   // heavy (late, causal) blocks first
     const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
+    MODS_SETUP(T, float, MODE, b, gridDim.y, nq, nk, causal);
+    const auto& mask = mods.mask;
     const int q0 = m_block * BLOCK_M;
-    const int q_rows = min(BLOCK_M, nq - q0);
-    const MaskInfo mask{nq, nk, causal};
-    const int n_tiles = mask.key_tile_stop(q0, q0 + q_rows, BLOCK_N);
+    const int q_rows = min(BLOCK_M, mask.nq - q0);
+    if (q_rows <= 0) return;   // varlen: the grid covers the longest sequence
+    const int2 tiles = mask.key_tile_range(q0, q0 + q_rows, BLOCK_N);
+    const int key_rows = mask.stop();   // rows past it are never read (key padding)
 
     const Strided<const T> Q = TENSOR(const T, q), K = TENSOR(const T, k), V = TENSOR(const T, v);
     const Strided<const T> dO = TENSOR(const T, dout);
     const Strided<T> dQ = TENSOR(T, dq);
-    const T* k_head = K.at(b, hk, 0);
-    const T* v_head = V.at(b, hk, 0);
+    const T* k_head = K.at(mods.tb, hk, mods.k_base);
+    const T* v_head = V.at(mods.tb, hk, mods.k_base);
 
-    load_tile<T, BLOCK_M, D, C::THREADS>(sQ, Q.at(b, h, q0), Q.row, q_rows, d, vec);
-    load_tile<T, BLOCK_M, D, C::THREADS>(sdO, dO.at(b, h, q0), dO.row, q_rows, dim_v, vec);
-    auto load_key_tile = [&](int j) {
-        const int rows = min(BLOCK_N, nk - j * BLOCK_N);
-        load_tile<T, BLOCK_N, D, C::THREADS>(sK + (j % 2) * BLOCK_N * C::LD, k_head + (i64)j * BLOCK_N * K.row, K.row, rows, d, vec);
-        load_tile<T, BLOCK_N, D, C::THREADS>(sV + (j % 2) * BLOCK_N * C::LD, v_head + (i64)j * BLOCK_N * V.row, V.row, rows, dim_v, vec);
+    load_tile<T, BLOCK_M, D, C::THREADS>(sQ, Q.at(mods.tb, h, mods.q_base + q0), Q.row, q_rows, d, vec);
+    load_tile<T, BLOCK_M, D, C::THREADS>(sdO, dO.at(mods.tb, h, mods.q_base + q0), dO.row, q_rows, dim_v, vec);
+    auto load_key_tile = [&](int j, int buf) {
+        const int rows = min(BLOCK_N, key_rows - j * BLOCK_N);
+        load_tile<T, BLOCK_N, D, C::THREADS>(sK + buf * BLOCK_N * C::LD, k_head + (i64)j * BLOCK_N * K.row, K.row, rows, d, vec);
+        load_tile<T, BLOCK_N, D, C::THREADS>(sV + buf * BLOCK_N * C::LD, v_head + (i64)j * BLOCK_N * V.row, V.row, rows, dim_v, vec);
         cp_async_commit();
     };
-    if (n_tiles > 0) load_key_tile(0);
+    int j = mask.next_key_tile(tiles.x, tiles.y, q0, q0 + q_rows, BLOCK_N, h);
+    if (j < tiles.y) load_key_tile(j, 0);
     cp_async_commit();
 
     // The row workspaces of this thread's rows (g and g + 8 of each m-tile); padded, so
-    // rows past nq read lse2 = +inf and give P = 0.
+    // rows past nq read lse2 = +inf and give P = 0 (under varlen: the next sequence's
+    // rows, which the mask hides).
     const int warp_row0 = warp * C::ROWS_PER_WARP;
-    const i64 at = row_workspace_offset(b, h, gridDim.y, nq_pad) + q0 + warp_row0 + g;
+    const i64 at = row_workspace_offset(mods.tb, h, gridDim.y, nq_pad) + mods.q_base + q0 + warp_row0 + g;
     float row_lse[MT][2], row_delta[MT][2];
     #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -317,49 +333,41 @@ flash_bwd_dq_sm80(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(con
     float acc[MT][DT][4];
     zero_frags(acc);
 
-    for (int j = 0; j < n_tiles; ++j) {
+    for (int step = 0; j < tiles.y; ++step) {
         const int k0 = j * BLOCK_N;
-        const T* sKj = sK + (j % 2) * BLOCK_N * C::LD;
-        const T* sVj = sV + (j % 2) * BLOCK_N * C::LD;
+        const int next = mask.next_key_tile(j + 1, tiles.y, q0, q0 + q_rows, BLOCK_N, h);
+        const T* sKj = sK + (step % 2) * BLOCK_N * C::LD;
+        const T* sVj = sV + (step % 2) * BLOCK_N * C::LD;
         cp_async_wait<0>();   // Q, dO and tile j have landed
-        __syncthreads();      // ... for every thread, and tile j-1's buffers are free
-        if (j + 1 < n_tiles) load_key_tile(j + 1);
+        __syncthreads();      // ... for every thread, and the previous tile's buffers are free
+        if (next < tiles.y) load_key_tile(next, (step + 1) % 2);
 
         // The tile in slices of SLICE keys (as in the dK/dV kernel).
-        const bool needs_mask = mask.tile_needs_mask(q0, k0, k0 + BLOCK_N);
+        const bool needs_mask = mask.tile_needs_mask(q0, q0 + BLOCK_M, k0, k0 + BLOCK_N, h);
         #pragma unroll 1
         for (int k_s = 0; k_s < BLOCK_N; k_s += C::SLICE) {
             const T* sKs = sKj + k_s * C::LD;
             const T* sVs = sVj + k_s * C::LD;
             // S = Q K^T, then P = exp2(S scale log2 e - lse2[row]), 0 where hidden.
             float s[MT][SNT][4];
+            float dtanh[MODE == MODE_EXT ? MT : 1][MODE == MODE_EXT ? SNT : 1][4];
             zero_frags(s);
             warp_mm_ABt<T, D, MT, SNT, C::KSTEPS>(s, sQ, warp_row0, sKs);
-            #pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-                #pragma unroll
-                for (int nt = 0; nt < SNT; ++nt)
-                    #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        float p = exp2_fast(s[mt][nt][e] * scale_log2 - row_lse[mt][e / 2]);
-                        if (needs_mask && !mask.visible(q0 + warp_row0 + mt * 16 + g + (e / 2) * 8,
-                                                        k0 + k_s + nt * 8 + 2 * t + (e % 2)))
-                            p = 0.f;
-                        s[mt][nt][e] = p;
-                    }
+            recompute_p<MODE, false>(s, dtanh, mods, h, q0 + warp_row0, k0 + k_s,
+                                     [&](int mt, int, int e) { return row_lse[mt][e / 2]; },
+                                     scale_log2, needs_mask);
 
-            // dP = dO V^T; dS = P o (dP - delta[row]) in place of P; dQ += dS K.
+            // dP = dO V^T; dS = P o (dP - delta[row]) in place of P; dQ += dS K. (The
+            // key-block kernel adds the bias gradient.)
             float dp[MT][SNT][4];
             zero_frags(dp);
             warp_mm_ABt<T, D, MT, SNT, C::KSTEPS>(dp, sdO, warp_row0, sVs);
-            #pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-                #pragma unroll
-                for (int nt = 0; nt < SNT; ++nt)
-                    #pragma unroll
-                    for (int e = 0; e < 4; ++e) s[mt][nt][e] *= dp[mt][nt][e] - row_delta[mt][e / 2];
+            grad_scores<MODE, false>(s, dp, dtanh, mods, h, q0 + warp_row0, k0 + k_s,
+                                     [&](int mt, int, int e) { return row_delta[mt][e / 2]; },
+                                     nullptr, 0, 0, 0);
             warp_mm_AB<T, D, MT, SNT, DT>(acc, s, sKs);
         }
+        j = next;
     }
 
     // Epilogue: each warp rounds its rows into its own rows of sQ (no other warp reads
@@ -368,5 +376,5 @@ flash_bwd_dq_sm80(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(con
     __syncthreads();
     warp_store_c<T, D>(sQ, warp_row0, acc, scale);
     __syncthreads();
-    store_tile<T, BLOCK_M, D, C::THREADS>(dQ.at(b, h, q0), dQ.row, sQ, q_rows, d, vec);
+    store_tile<T, BLOCK_M, D, C::THREADS>(dQ.at(mods.tb, h, mods.q_base + q0), dQ.row, sQ, q_rows, d, vec);
 }

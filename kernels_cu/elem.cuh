@@ -35,6 +35,16 @@ template <> __device__ __forceinline__ bfloat16_t from_float<bfloat16_t>(float f
     return h;
 }
 
+// Element <-> accumulation type for every input dtype.
+__device__ __forceinline__ float to_acc(half_t x) { return to_float(x); }
+__device__ __forceinline__ float to_acc(bfloat16_t x) { return to_float(x); }
+__device__ __forceinline__ float to_acc(float x) { return x; }
+__device__ __forceinline__ double to_acc(double x) { return x; }
+
+template <typename T> __device__ __forceinline__ T from_acc(typename Accum<T>::type x) { return from_float<T>(x); }
+template <> __device__ __forceinline__ float from_acc<float>(float x) { return x; }
+template <> __device__ __forceinline__ double from_acc<double>(double x) { return x; }
+
 // Two floats rounded into one 32-bit register, `lo` in the low half: the layout mma.sync
 // expects for a pair of neighbouring columns. (cvt's first source goes to the high half.)
 template <typename T> __device__ __forceinline__ u32 pack2(float lo, float hi);
@@ -62,6 +72,7 @@ __device__ __forceinline__ float log2_fast(float x) { return __log2f(x); }
 __device__ __forceinline__ double log2_fast(double x) { return log2(x); }
 
 #define LOG2E_F 1.4426950408889634f
+#define LOG2E_D 1.4426950408889634
 #define LN2_D 0.6931471805599453
 
 // math.h is not included under NVRTC without headers; -inf as a bit pattern.

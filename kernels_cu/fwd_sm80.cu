@@ -3,12 +3,15 @@
 // FlashAttention-2 partitioning: one CTA per (query block, batch*head); the query rows
 // are split across warps (ROWS_PER_WARP each, in 16-row m-tiles) and every warp streams
 // the same K/V tiles from shared memory, so no warp ever reduces through shared memory.
-// K and V tiles are double-buffered with cp.async: tile j+1 of K loads while the warps
-// run the softmax of tile j, and tile j+1 of V while they multiply P by V.
+// K and V tiles are double-buffered with cp.async: the next key tile of K loads while the
+// warps run the softmax of this one, and the next of V while they multiply P by V.
+// MODE (mods.cuh) adds the options: tiles the window or the block mask leave out are
+// never loaded, scores go through Mods::score_log2, and dropout zeroes P after the row
+// sums took it (the LSE is that of the undropped softmax).
 #include "elem.cuh"
 #include "copy.cuh"
 #include "mma.cuh"
-#include "mask.cuh"
+#include "mods.cuh"
 #include "softmax.cuh"
 #include "tensor.cuh"
 #include "warp_mm.cuh"
@@ -30,12 +33,12 @@ struct FwdTile {
     static_assert(ROWS_PER_WARP % 16 == 0 && D % 16 == 0 && BLOCK_N % 16 == 0, "tile shape");
 };
 
-template <typename T, int D, int BLOCK_M, int BLOCK_N, int WARPS>
+template <typename T, int D, int BLOCK_M, int BLOCK_N, int WARPS, int MODE>
 __global__ void __launch_bounds__(WARPS * 32)
 flash_fwd_sm80(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const T, v),
                TENSOR_ARG(T, o), float* __restrict__ lse,
                int group, int nq, int nk, int d, int dv,
-               float scale_log2, int causal, int vec)
+               float scale_log2, int causal, int vec, MODS_ARGS(T, float))
 {
     typedef FwdTile<T, D, BLOCK_M, BLOCK_N, WARPS> C;
     constexpr int MT = C::MT, NT = C::NT, DT = C::DT;
@@ -49,20 +52,32 @@ flash_fwd_sm80(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const 
     // Heavy (late, causal) query blocks first so the tail of the grid is short.
     const int m_block = gridDim.x - 1 - blockIdx.x;
     const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
+    MODS_SETUP(T, float, MODE, b, gridDim.y, nq, nk, causal);
+    const auto& mask = mods.mask;
     const int q0 = m_block * BLOCK_M;
-    const int q_rows = min(BLOCK_M, nq - q0);
-    const MaskInfo mask{nq, nk, causal};
-    const int n_tiles = mask.key_tile_stop(q0, q0 + q_rows, BLOCK_N);
+    const int q_rows = min(BLOCK_M, mask.nq - q0);
+    if (q_rows <= 0) return;   // varlen: the grid covers the longest sequence
+    const int2 tiles = mask.key_tile_range(q0, q0 + q_rows, BLOCK_N);
+    const int key_rows = mask.stop();   // rows past it are never read (key padding)
 
     const Strided<const T> Q = TENSOR(const T, q), K = TENSOR(const T, k), V = TENSOR(const T, v);
     const Strided<T> O = TENSOR(T, o);
-    const T* k_head = K.at(b, hk, 0);
-    const T* v_head = V.at(b, hk, 0);
+    const T* k_head = K.at(mods.tb, hk, mods.k_base);
+    const T* v_head = V.at(mods.tb, hk, mods.k_base);
+    auto load_k = [&](int j, int buf) {
+        load_tile<T, BLOCK_N, D, C::THREADS>(sK + buf * BLOCK_N * C::LD, k_head + (i64)j * BLOCK_N * K.row,
+                                             K.row, min(BLOCK_N, key_rows - j * BLOCK_N), d, vec);
+    };
+    auto load_v = [&](int j, int buf) {
+        load_tile<T, BLOCK_N, D, C::THREADS>(sV + buf * BLOCK_N * C::LD, v_head + (i64)j * BLOCK_N * V.row,
+                                             V.row, min(BLOCK_N, key_rows - j * BLOCK_N), dv, vec);
+    };
+    int j = mask.next_key_tile(tiles.x, tiles.y, q0, q0 + q_rows, BLOCK_N, h);
 
-    load_tile<T, BLOCK_M, D, C::THREADS>(sQ, Q.at(b, h, q0), Q.row, q_rows, d, vec);
-    if (n_tiles > 0) load_tile<T, BLOCK_N, D, C::THREADS>(sK, k_head, K.row, min(BLOCK_N, nk), d, vec);
+    load_tile<T, BLOCK_M, D, C::THREADS>(sQ, Q.at(mods.tb, h, mods.q_base + q0), Q.row, q_rows, d, vec);
+    if (j < tiles.y) load_k(j, 0);
     cp_async_commit();
-    if (n_tiles > 0) load_tile<T, BLOCK_N, D, C::THREADS>(sV, v_head, V.row, min(BLOCK_N, nk), dv, vec);
+    if (j < tiles.y) load_v(j, 0);
     cp_async_commit();
 
     const int warp_row0 = warp * C::ROWS_PER_WARP;
@@ -72,10 +87,11 @@ flash_fwd_sm80(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const 
     softmax.init();
     u32 q_frag[C::Q_IN_REGS ? MT : 1][C::Q_IN_REGS ? C::KSTEPS : 1][4];   // used when Q_IN_REGS
 
-    for (int j = 0; j < n_tiles; ++j) {
+    for (int it = 0; j < tiles.y; ++it) {
         const int k0 = j * BLOCK_N;
-        const T* sKj = sK + (j % 2) * BLOCK_N * C::LD;
-        const T* sVj = sV + (j % 2) * BLOCK_N * C::LD;
+        const int next = mask.next_key_tile(j + 1, tiles.y, q0, q0 + q_rows, BLOCK_N, h);
+        const T* sKj = sK + (it % 2) * BLOCK_N * C::LD;
+        const T* sVj = sV + (it % 2) * BLOCK_N * C::LD;
         cp_async_wait<1>();   // Q and K_j have landed
         __syncthreads();
 
@@ -83,7 +99,7 @@ flash_fwd_sm80(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const 
         float s[MT][NT][4];
         zero_frags(s);
         if constexpr (C::Q_IN_REGS) {
-            if (j == 0) {
+            if (it == 0) {
                 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt)
                     #pragma unroll
@@ -99,17 +115,29 @@ flash_fwd_sm80(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const 
             warp_mm_ABt<T, D, MT, NT, C::KSTEPS>(s, sQ, warp_row0, sKj);
         }
 
-        // Prefetch K_{j+1} into the other buffer: every warp finished reading it (tile
-        // j-1) before the barrier above. An empty group keeps the wait counts uniform.
-        if (j + 1 < n_tiles)
-            load_tile<T, BLOCK_N, D, C::THREADS>(sK + ((j + 1) % 2) * BLOCK_N * C::LD, k_head + (i64)(k0 + BLOCK_N) * K.row,
-                                                 K.row, min(BLOCK_N, nk - k0 - BLOCK_N), d, vec);
+        // Prefetch the next K tile into the other buffer: every warp finished reading it
+        // (the previous tile) before the barrier above. An empty group keeps the wait
+        // counts uniform.
+        if (next < tiles.y) load_k(next, (it + 1) % 2);
         cp_async_commit();
 
-        // Hide what a row may not see; the predicate runs only on tiles that cross the
-        // diagonal or the sequence end (a uniform branch).
-        if (mask.tile_needs_mask(q0, k0, k0 + BLOCK_N)) mask.apply(s, q0 + warp_row0, k0);
-        softmax.update(s, acc, scale_log2);
+        // Hide what a row may not see; the predicate runs only on tiles that are not
+        // wholly visible (a uniform branch).
+        const bool needs_mask = mask.tile_needs_mask(q0, q0 + q_rows, k0, k0 + BLOCK_N, h);
+        if constexpr (MODE == MODE_DENSE) {
+            if (needs_mask) mask.apply(s, q0 + warp_row0, k0);
+            softmax.update(s, acc, scale_log2);
+        } else {
+            float unused;
+            for_each_score<false>(s, q0 + warp_row0, k0, [&](float& x, int i, int jj, int, int, int) {
+                x = mods.score_log2(x, i, jj, h, scale_log2, needs_mask, unused);
+            });
+            softmax.update(s, acc, 1.f);
+            if (mods.dropout())
+                for_each_score<false>(s, q0 + warp_row0, k0, [&](float& p, int i, int jj, int, int, int) {
+                    if (!mods.keep(i, jj, h)) p = 0.f;
+                });
+        }
 
         cp_async_wait<1>();   // V_j has landed
         __syncthreads();
@@ -117,14 +145,13 @@ flash_fwd_sm80(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const 
         // O += P V_j, P taken straight from the S accumulators
         warp_mm_AB<T, D, MT, NT, DT>(acc, s, sVj);
 
-        if (j + 1 < n_tiles)
-            load_tile<T, BLOCK_N, D, C::THREADS>(sV + ((j + 1) % 2) * BLOCK_N * C::LD, v_head + (i64)(k0 + BLOCK_N) * V.row,
-                                                 V.row, min(BLOCK_N, nk - k0 - BLOCK_N), dv, vec);
+        if (next < tiles.y) load_v(next, (it + 1) % 2);
         cp_async_commit();
+        j = next;
     }
 
     float row_lse[MT][2];
-    softmax.finalize(acc, row_lse);
+    softmax.finalize(acc, row_lse, mods.dropout() ? mods.drop_scale : 1.f);
 
     // Epilogue: each warp rounds its rows into its own rows of the Q tile (no other warp
     // reads them), then the CTA writes the tile out with wide, coalesced stores.
@@ -136,8 +163,8 @@ flash_fwd_sm80(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const 
         #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
             const int r = warp_row0 + mt * 16 + g + hh * 8;
-            if (t == 0 && r < q_rows) lse[((i64)b * gridDim.y + h) * nq + q0 + r] = row_lse[mt][hh];
+            if (t == 0 && r < q_rows) lse[((i64)mods.tb * gridDim.y + h) * nq + mods.q_base + q0 + r] = row_lse[mt][hh];
         }
     __syncthreads();
-    store_tile<T, BLOCK_M, D, C::THREADS>(O.at(b, h, q0), O.row, sQ, q_rows, dv, vec);
+    store_tile<T, BLOCK_M, D, C::THREADS>(O.at(mods.tb, h, mods.q_base + q0), O.row, sQ, q_rows, dv, vec);
 }

@@ -23,7 +23,7 @@
 #include "elem.cuh"
 #include "copy.cuh"
 #include "mma_wide.cuh"
-#include "mask.cuh"
+#include "mods.cuh"
 #include "softmax.cuh"
 #include "tensor.cuh"
 
@@ -48,12 +48,12 @@ struct WideFwdTile {
 
 // Minimum one CTA per SM: without it ptxas aims at a third resident 4-warp CTA (168
 // registers) and spills, though shared memory allows at most two for most tiles.
-template <typename T, int D, int DV_TILE, int BLOCK_M, int BLOCK_N, int SUB_N, int WARPS>
+template <typename T, int D, int DV_TILE, int BLOCK_M, int BLOCK_N, int SUB_N, int WARPS, int MODE>
 __global__ void __launch_bounds__(WARPS * 32, 1)
 flash_fwd_wide(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const T, v),
                TENSOR_ARG(T, o), T* __restrict__ lse,
                int group, int nq, int nk, int d, int dv,
-               T scale_log2, int causal, int vec)
+               T scale_log2, int causal, int vec, MODS_ARGS(T, T))
 {
     typedef WideFwdTile<T, D, DV_TILE, BLOCK_M, BLOCK_N, SUB_N, WARPS> C;
     constexpr int MT = C::MT, NT = C::NT, DT = C::DT, LDQ = C::LDQ, LDV = C::LDV;
@@ -73,26 +73,29 @@ flash_fwd_wide(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const 
     if (c0 >= dv) return;        // dv < D may need fewer passes
     const int v_cols = dv - c0;  // its V and O columns that exist
     const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
+    MODS_SETUP(T, T, MODE, b, gridDim.y, nq, nk, causal);
+    const auto& mask = mods.mask;
     const int q0 = m_block * BLOCK_M;
-    const int q_rows = min(BLOCK_M, nq - q0);
-    const MaskInfo mask{nq, nk, causal};
-    const int n_tiles = mask.key_tile_stop(q0, q0 + q_rows, BLOCK_N);
+    const int q_rows = min(BLOCK_M, mask.nq - q0);
+    if (q_rows <= 0) return;   // varlen: the grid covers the longest sequence
+    const int2 tiles = mask.key_tile_range(q0, q0 + q_rows, BLOCK_N);
     // Sub-tiles from this key on are hidden from every row of the block: skipped.
-    const int key_stop = min(nk, mask.key_limit(q0 + q_rows - 1));
+    const int key_stop = min(mask.stop(), mask.key_hi(q0 + q_rows - 1));
 
     const Strided<const T> Q = TENSOR(const T, q), K = TENSOR(const T, k), V = TENSOR(const T, v);
     const Strided<T> O = TENSOR(T, o);
-    const T* k_head = K.at(b, hk, 0);
-    const T* v_head = V.at(b, hk, 0) + c0;
+    const T* k_head = K.at(mods.tb, hk, mods.k_base);
+    const T* v_head = V.at(mods.tb, hk, mods.k_base) + c0;
 
-    // Key tile j (its first n rows) into buffer j % 2.
-    auto load_kv = [&](int j) {
-        const int n = min(BLOCK_N, nk - j * BLOCK_N);
-        load_tile<T, BLOCK_N, D, C::THREADS, LDQ>(sK + (j % 2) * BLOCK_N * LDQ, k_head + (i64)j * BLOCK_N * K.row, K.row, n, d, vec);
-        load_tile<T, BLOCK_N, DV_TILE, C::THREADS>(sV + (j % 2) * BLOCK_N * LDV, v_head + (i64)j * BLOCK_N * V.row, V.row, n, v_cols, vec);
+    // Key tile j (its rows before the key stop) into buffer `buf`.
+    auto load_kv = [&](int j, int buf) {
+        const int n = min(BLOCK_N, mask.stop() - j * BLOCK_N);
+        load_tile<T, BLOCK_N, D, C::THREADS, LDQ>(sK + buf * BLOCK_N * LDQ, k_head + (i64)j * BLOCK_N * K.row, K.row, n, d, vec);
+        load_tile<T, BLOCK_N, DV_TILE, C::THREADS>(sV + buf * BLOCK_N * LDV, v_head + (i64)j * BLOCK_N * V.row, V.row, n, v_cols, vec);
     };
-    load_tile<T, BLOCK_M, D, C::THREADS, LDQ>(sQ, Q.at(b, h, q0), Q.row, q_rows, d, vec);
-    if (n_tiles > 0) load_kv(0);
+    int j = mask.next_key_tile(tiles.x, tiles.y, q0, q0 + q_rows, BLOCK_N, h);
+    load_tile<T, BLOCK_M, D, C::THREADS, LDQ>(sQ, Q.at(mods.tb, h, mods.q_base + q0), Q.row, q_rows, d, vec);
+    if (j < tiles.y) load_kv(j, 0);
     cp_async_commit();
 
     const int warp_row0 = warp * C::ROWS_PER_WARP;
@@ -102,13 +105,14 @@ flash_fwd_wide(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const 
     OnlineSoftmax<MT, T> softmax;
     softmax.init();
 
-    for (int j = 0; j < n_tiles; ++j) {
+    for (int it = 0; j < tiles.y; ++it) {
+        const int next = mask.next_key_tile(j + 1, tiles.y, q0, q0 + q_rows, BLOCK_N, h);
         cp_async_wait<0>();   // tile j (and Q) have landed
-        __syncthreads();      // ... for every thread, and every warp is done with tile j - 1
-        if (j + 1 < n_tiles) load_kv(j + 1);
+        __syncthreads();      // ... for every thread, and every warp is done with the previous tile
+        if (next < tiles.y) load_kv(next, (it + 1) % 2);
         cp_async_commit();
 
-        if (C::Q_IN_REGS && j == 0) {
+        if (C::Q_IN_REGS && it == 0) {
             #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
                 #pragma unroll
@@ -120,8 +124,8 @@ flash_fwd_wide(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const 
         for (int sub = 0; sub < C::SUBS; ++sub) {
             const int k0 = j * BLOCK_N + sub * SUB_N;
             if (k0 >= key_stop) break;
-            const T* sKs = sK + ((j % 2) * BLOCK_N + sub * SUB_N) * LDQ;
-            const T* sVs = sV + ((j % 2) * BLOCK_N + sub * SUB_N) * LDV;
+            const T* sKs = sK + ((it % 2) * BLOCK_N + sub * SUB_N) * LDQ;
+            const T* sVs = sV + ((it % 2) * BLOCK_N + sub * SUB_N) * LDV;
 
             // S = Q K_sub^T
             T s[MT][NT][4];
@@ -143,9 +147,22 @@ flash_fwd_wide(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const 
                 }
             }
 
-            // The predicate runs only on sub-tiles that cross the diagonal or the sequence end.
-            if (mask.tile_needs_mask(q0, k0, k0 + SUB_N)) mask.apply(s, q0 + warp_row0, k0);
-            softmax.update(s, acc, scale_log2);
+            // The predicate runs only on sub-tiles that are not wholly visible.
+            const bool needs_mask = mask.tile_needs_mask(q0, q0 + q_rows, k0, k0 + SUB_N, h);
+            if constexpr (MODE == MODE_DENSE) {
+                if (needs_mask) mask.apply(s, q0 + warp_row0, k0);
+                softmax.update(s, acc, scale_log2);
+            } else {
+                T unused;
+                for_each_score<false>(s, q0 + warp_row0, k0, [&](T& x, int i, int jj, int, int, int) {
+                    x = mods.score_log2(x, i, jj, h, scale_log2, needs_mask, unused);
+                });
+                softmax.update(s, acc, T(1));
+                if (mods.dropout())
+                    for_each_score<false>(s, q0 + warp_row0, k0, [&](T& p, int i, int jj, int, int, int) {
+                        if (!mods.keep(i, jj, h)) p = T(0);
+                    });
+            }
 
             // P as the A operands of P V (split into TF32 pairs once for fp32).
             Operand<T, 4> p[MT][NT];
@@ -189,11 +206,12 @@ flash_fwd_wide(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const 
                             if (FRESH) acc[mt][2 * dp + i][e] += part[FRESH ? mt : 0][i][e];
             }
         }
+        j = next;
     }
     cp_async_wait<0>();   // with no key tile the Q copies may still be in flight
 
     T row_lse[MT][2];
-    softmax.finalize(acc, row_lse);
+    softmax.finalize(acc, row_lse, mods.dropout() ? mods.drop_scale : T(1));
 
     #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
@@ -201,11 +219,11 @@ flash_fwd_wide(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const 
         for (int hh = 0; hh < 2; ++hh) {
             const int r = warp_row0 + mt * 16 + g + hh * 8;
             if (r >= q_rows) continue;
-            T* out = O.at(b, h, q0 + r) + c0;
+            T* out = O.at(mods.tb, h, mods.q_base + q0 + r) + c0;
             #pragma unroll
             for (int dp = 0; dp < DT / 2; ++dp)
                 store_o_row(out + dp * 16, acc[mt][2 * dp], acc[mt][2 * dp + 1], hh, v_cols - dp * 16, vec);
-            if (c0 == 0 && t == 0) lse[((i64)b * gridDim.y + h) * nq + q0 + r] = row_lse[mt][hh];
+            if (c0 == 0 && t == 0) lse[((i64)mods.tb * gridDim.y + h) * nq + mods.q_base + q0 + r] = row_lse[mt][hh];
         }
     }
 }

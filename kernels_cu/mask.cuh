@@ -1,32 +1,111 @@
-// Which keys a query row sees, and which key tiles a query block must visit.
-// Mirrors cupyflash/_masks.py; the masks issue extends these same functions.
+// Which keys a query row sees, and which tiles a block must visit.
+// Mirrors cupyflash/_masks.py (the rules) and cupyflash/_mods.py (the options).
 //
-// Causal is bottom-right aligned (flash-attn >= 2.1): row i sees key j iff
-// j <= i + (nk - nq). Everything here is in absolute row/key indices.
+// Everything here is in coordinates relative to one batch entry (one sequence for
+// varlen): rows 0 .. nq-1, keys 0 .. nk-1, off = nk - nq. A row's visible keys form the
+// half-open span [key_lo(i), key_hi(i)) of the causal/window band, both bounds
+// non-decreasing in i, so a tile range is read off the corner rows; the block-sparse mask
+// then filters single tiles, and a tile is masked element by element only when it is
+// not wholly visible.
+//
+// EXT = false is the dense fast path (causal and the sequence end only); its extra fields
+// are never read, so the compiler drops them.
 #pragma once
 #include "elem.cuh"
 
+#define NO_LIMIT 0x3fffffff   // an unbounded window side, beyond any index
+
+template <bool EXT>
 struct MaskInfo {
     int nq, nk;
     int causal;
+    // EXT only:
+    int key_stop;                       // keys >= key_stop are hidden (key padding)
+    int left, right;                    // window extents, -1 unbounded
+    const unsigned char* blocks;        // this batch entry's block mask, or null
+    i64 blocks_head, blocks_row;        // its head and row strides (0 for a broadcast head)
+    int block_q, block_k;
 
-    // One past the last key row `i` may see (before clipping to nk).
-    __device__ __forceinline__ int key_limit(int i) const {
-        return causal ? i + (nk - nq) + 1 : nk;
+    __device__ __forceinline__ int off() const { return nk - nq; }
+    __device__ __forceinline__ int stop() const { return EXT ? key_stop : nk; }
+    // Right extent of the band relative to the diagonal i + off (causal: 0).
+    __device__ __forceinline__ int right_extent() const {
+        return causal ? 0 : (EXT && right >= 0 ? right : NO_LIMIT);
     }
-    __device__ __forceinline__ bool visible(int i, int j) const {
-        return j < nk && j < key_limit(i);
+    // First key row `i` may see, and one past the last (before clipping to [0, stop)).
+    __device__ __forceinline__ int key_lo(int i) const {
+        return EXT && left >= 0 ? i + off() - left : 0;
     }
-    // Key tiles [0, stop) that the query rows [q0, q1) touch; tiles past it are skipped.
-    __device__ __forceinline__ int key_tile_stop(int q0, int q1, int block_n) const {
-        int last = causal ? min(nk, key_limit(q1 - 1)) : nk;
-        return last <= 0 ? 0 : (last + block_n - 1) / block_n;
+    __device__ __forceinline__ int key_hi(int i) const {
+        const int r = right_extent();
+        return r == NO_LIMIT ? stop() : min(stop(), i + off() + r + 1);
     }
-    // A tile needs an elementwise mask only if some (row, key) in it is hidden: it
-    // crosses the diagonal or runs past nk. All other tiles skip the predicate.
-    __device__ __forceinline__ bool tile_needs_mask(int q0, int k0, int k1) const {
-        return k1 > nk || (causal && k1 > key_limit(q0));
+    // Block-sparse and head-dependent: the functions below take the query head h.
+    __device__ __forceinline__ bool block_visible(int i, int j, int h) const {
+        return !EXT || blocks == nullptr || blocks[h * blocks_head + (i / block_q) * blocks_row + j / block_k] != 0;
     }
+    __device__ __forceinline__ bool visible(int i, int j, int h = 0) const {
+        return (!EXT || i < nq) && j >= key_lo(i) && j < key_hi(i) && block_visible(i, j, h);
+    }
+
+    // Tiles of the block mask over rows [q0, q1) x keys [k0, k1) (clipped to the
+    // sequence): 0 = no mask block set (skip the tile), 1 = all set, 2 = mixed.
+    __device__ __forceinline__ int block_state(int q0, int q1, int k0, int k1, int h) const {
+        if (!EXT || blocks == nullptr) return 1;
+        q1 = min(q1, nq);
+        k1 = min(k1, nk);
+        if (q0 >= q1 || k0 >= k1) return 0;
+        bool any = false, all = true;
+        for (int bi = q0 / block_q; bi <= (q1 - 1) / block_q; ++bi)
+            for (int bj = k0 / block_k; bj <= (k1 - 1) / block_k; ++bj) {
+                const bool set = blocks[h * blocks_head + bi * blocks_row + bj] != 0;
+                any |= set;
+                all &= set;
+            }
+        return any ? (all ? 1 : 2) : 0;
+    }
+
+    // Key tiles [first, stop) that the rows [q0, q1) touch; tiles outside are skipped.
+    __device__ __forceinline__ int2 key_tile_range(int q0, int q1, int block_n) const {
+        const int last_row = min(q1, nq) - 1;
+        const int lo = max(0, key_lo(q0));
+        const int hi = min(stop(), key_hi(last_row));
+        const int first = lo / block_n;
+        return make_int2(first, hi <= lo ? first : (hi + block_n - 1) / block_n);
+    }
+    // Query tiles [first, stop) that see some key of [k0, k1). Mirrors
+    // cupyflash/_masks.py query_block_range.
+    __device__ __forceinline__ int2 query_tile_range(int k0, int k1, int block_m) const {
+        const int last_key = min(k1, stop()) - 1;
+        if (last_key < k0) return make_int2(0, 0);
+        const int r = right_extent();
+        const int lo = r == NO_LIMIT ? 0 : max(0, k0 - off() - r);
+        const int hi = EXT && left >= 0 ? min(nq, last_key - off() + left + 1) : nq;
+        const int first = lo / block_m;
+        return make_int2(first, hi <= lo ? first : (hi + block_m - 1) / block_m);
+    }
+    // The first key tile at or after j (before `stop`) that the block mask leaves on.
+    __device__ __forceinline__ int next_key_tile(int j, int stop, int q0, int q1, int block_n, int h = 0) const {
+        if (EXT && blocks != nullptr)
+            while (j < stop && block_state(q0, q1, j * block_n, (j + 1) * block_n, h) == 0) ++j;
+        return j;
+    }
+    __device__ __forceinline__ int next_query_tile(int m, int stop, int k0, int k1, int block_m, int h = 0) const {
+        if (EXT && blocks != nullptr)
+            while (m < stop && block_state(m * block_m, (m + 1) * block_m, k0, k1, h) == 0) ++m;
+        return m;
+    }
+
+    // A tile needs the elementwise mask unless every existing (row, key) in it is
+    // visible: it crosses the band's edges, runs past the keys (or, EXT, the rows:
+    // the backward's padded row workspaces belong to the next sequence under varlen),
+    // or holds a partial block-mask pattern. All other tiles skip the predicate.
+    __device__ __forceinline__ bool tile_needs_mask(int q0, int q1, int k0, int k1, int h = 0) const {
+        if (k1 > stop() || k1 > key_hi(q0)) return true;
+        if (!EXT) return false;
+        return q1 > nq || k0 < key_lo(min(q1, nq) - 1) || block_state(q0, q1, k0, k1, h) == 2;
+    }
+
     // Hide (-inf) what a row may not see in scores held as mma C fragments: element e of
     // n-tile nt of m-tile mt is row row0 + 16 mt + g + 8 (e / 2), key k0 + 8 nt + 2 t + e % 2
     // (g = lane / 4, t = lane % 4).
@@ -43,3 +122,12 @@ struct MaskInfo {
                         s[mt][nt][e] = -INFINITY;
     }
 };
+
+// The dense fast path's mask.
+__device__ __forceinline__ MaskInfo<false> dense_mask(int nq, int nk, int causal) {
+    MaskInfo<false> m{};
+    m.nq = nq;
+    m.nk = nk;
+    m.causal = causal;
+    return m;
+}

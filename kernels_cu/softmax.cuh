@@ -98,15 +98,16 @@ struct OnlineSoftmax {
     }
 
     // The single division by the row sum, and the natural-log LSE = ln2 * (max + log2 sum).
-    // Rows with no visible key give output 0 and LSE -inf.
+    // Rows with no visible key give output 0 and LSE -inf. `out_scale` multiplies the
+    // output (dropout's 1 / (1 - p)), not the LSE.
     template <int DT>
-    __device__ __forceinline__ void finalize(Acc (&acc)[MT][DT][4], Acc (&lse)[MT][2]) {
+    __device__ __forceinline__ void finalize(Acc (&acc)[MT][DT][4], Acc (&lse)[MT][2], Acc out_scale = Acc(1)) {
         #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
             #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const Acc sum = quad_sum(row_sum[mt][h]);
-                const Acc inv = sum > Acc(0) ? Acc(1) / sum : Acc(0);
+                const Acc inv = sum > Acc(0) ? out_scale / sum : Acc(0);
                 lse[mt][h] = sum > Acc(0) ? (row_max[mt][h] + log2_fast(sum)) * Acc(LN2_D) : Acc(-INFINITY);
                 #pragma unroll
                 for (int dt = 0; dt < DT; ++dt) {

@@ -12,11 +12,14 @@ HOPPER_SMEM = 227 * 1024   # opt-in shared memory per block on H100/H200
 
 def _candidate_lists(dtype, D):
     """Each launch's tile candidates, in order of preference: the forward's, and those of
-    the backward's key-block and dQ kernels in both modes."""
-    lists = [_cuda.forward_variants(dtype, D)]
-    for deterministic in (False, True):
-        plan = _cuda.backward_plan(dtype, D, deterministic)
-        lists += [c for _, c in plan.kv] + ([plan.dq] if plan.dq else [])
+    the backward's key-block and dQ kernels in both modes, for the dense and the
+    options' kernels."""
+    lists = []
+    for mode in (_cuda.MODE_DENSE, _cuda.MODE_EXT):
+        lists.append(_cuda.forward_variants(dtype, D, mode))
+        for deterministic in (False, True):
+            plan = _cuda.backward_plan(dtype, D, deterministic, mode)
+            lists += [c for _, c in plan.kv] + ([plan.dq] if plan.dq else [])
     return lists
 
 
@@ -24,8 +27,8 @@ def _candidate_lists(dtype, D):
 @pytest.mark.parametrize("D", _cuda.HEAD_DIMS)
 def test_first_tiles_fit_hopper_and_last_fit_100kb(dtype, D):
     for candidates in _candidate_lists(dtype, D):
-        assert candidates[0].smem_bytes <= HOPPER_SMEM, candidates[0].name_expression
-        assert candidates[-1].smem_bytes <= _cuda.PORTABLE_SMEM, candidates[-1].name_expression
+        assert candidates[0].total_smem <= HOPPER_SMEM, candidates[0].name_expression
+        assert candidates[-1].total_smem <= _cuda.PORTABLE_SMEM, candidates[-1].name_expression
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,0 +1,160 @@
+// The attention options beyond causal (cupyflash/_mods.py has the semantics and the
+// compact array shapes): sequence bounds (varlen, key padding), the mask of mask.cuh,
+// the score modifiers (softcap, bias, ALiBi) and dropout, resolved once per CTA.
+//
+// Every kernel takes the same MODS_ARGS and builds its Mods<T, MODE> with MODS_SETUP;
+// MODE selects how much of it is compiled:
+//   MODE_DENSE    plain attention (causal only): the fast path; no option is read.
+//   MODE_EXT      every option, each switched on at run time by its argument.
+#pragma once
+#include "elem.cuh"
+#include "mask.cuh"
+#include "philox.cuh"
+
+enum { MODE_DENSE = 0, MODE_EXT = 1 };
+
+// Kernel parameters of the options (host: cupyflash/_cuda.py _mods_args, same order).
+// Pointers are null where an option is off. Strides are in elements, 0 on broadcast axes.
+#define MODS_ARGS(T, Acc)                                                                 \
+    const int* __restrict__ cu_q, const int* __restrict__ cu_k,                           \
+    const int* __restrict__ seqlens_k, int win_left, int win_right,                       \
+    const unsigned char* __restrict__ bmask, i64 bmask_sb, i64 bmask_sh, i64 bmask_sq,    \
+    int block_q, int block_k,                                                             \
+    const T* __restrict__ bias, i64 bias_sb, i64 bias_sh, i64 bias_sq, i64 bias_sk,       \
+    const Acc* __restrict__ alibi, i64 alibi_sb, Acc softcap,                             \
+    u64 rng_seed, u64 rng_offset, u32 drop_threshold, Acc drop_scale
+// Declares `mods`, this CTA's Mods. The dense path keeps it in registers; the others
+// in shared memory, written once: there the options' ~30 words would otherwise sit in
+// registers for the whole main loop beside S, O and the fragments, and spill.
+#define MODS_SETUP(T, Acc, MODE, b, heads, nq, nk, causal)                                \
+    __shared__ Mods<T, Acc, MODE> mods_shared_;                                           \
+    const Mods<T, Acc, MODE> mods_local_ = Mods<T, Acc, MODE>::make(                      \
+        b, heads, nq, nk, causal, cu_q, cu_k, seqlens_k, win_left, win_right, bmask,   \
+        bmask_sb, bmask_sh, bmask_sq, block_q, block_k, bias, bias_sb, bias_sh, bias_sq,  \
+        bias_sk, alibi, alibi_sb, softcap, rng_seed, rng_offset, drop_threshold,          \
+        drop_scale);                                                                      \
+    if constexpr (MODE != MODE_DENSE) {                                                   \
+        if (threadIdx.x == 0) mods_shared_ = mods_local_;                                 \
+        __syncthreads();                                                                  \
+    }                                                                                     \
+    const Mods<T, Acc, MODE>& mods = MODE == MODE_DENSE ? mods_local_ : mods_shared_
+
+// tanh at the accuracy of the accumulation: the SFU's for 16-bit inputs (its ~2^-11
+// relative error is below their rounding), the libdevice one for fp32 and fp64.
+template <typename T> __device__ __forceinline__ float tanh_acc(float x) { return tanhf(x); }
+template <> __device__ __forceinline__ float tanh_acc<half_t>(float x) {
+    float y;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+template <> __device__ __forceinline__ float tanh_acc<bfloat16_t>(float x) { return tanh_acc<half_t>(x); }
+template <typename T> __device__ __forceinline__ double tanh_acc(double x) { return tanh(x); }
+
+template <typename T, typename Acc, int MODE>
+struct Mods {
+    static constexpr bool EXT = MODE != MODE_DENSE;
+    // Where this batch entry's rows live in the (B, H, N, d) arrays: batch index `tb`
+    // and first row; under varlen the arrays are (1, H, total, d) and a sequence starts
+    // at cu_seqlens.
+    int tb;
+    i64 q_base, k_base;
+    MaskInfo<EXT> mask;
+    // Score modifiers, this batch entry's slices; the query head h is an argument (the
+    // backward's key-block CTAs walk every query head of a GQA group).
+    const T* bias;
+    i64 bias_sh, bias_sq, bias_sk;
+    const Acc* alibi;    // this batch entry's slopes, one per query head; null: off
+    Acc softcap;         // 0: off
+    // Dropout: keep (row, key) iff its Philox word >= threshold; scale 1 / (1 - p).
+    u64 seed, stream0;   // stream0: the stream of head 0 of this batch entry
+    u32 threshold;
+    Acc drop_scale;
+
+    __device__ static Mods make(int b, int heads, int nq, int nk, int causal,
+                                const int* cu_q, const int* cu_k, const int* seqlens_k,
+                                int win_left, int win_right, const unsigned char* bmask,
+                                i64 bmask_sb, i64 bmask_sh, i64 bmask_sq, int block_q, int block_k,
+                                const T* bias, i64 bias_sb, i64 bias_sh, i64 bias_sq, i64 bias_sk,
+                                const Acc* alibi, i64 alibi_sb, Acc softcap, u64 rng_seed,
+                                u64 rng_offset, u32 drop_threshold, Acc drop_scale) {
+        Mods m{};
+        m.tb = b;
+        m.mask.nq = nq;
+        m.mask.nk = nk;
+        m.mask.causal = causal;
+        if constexpr (EXT) {
+            if (cu_q != nullptr) {
+                m.tb = 0;
+                m.q_base = cu_q[b];
+                m.k_base = cu_k[b];
+                m.mask.nq = cu_q[b + 1] - cu_q[b];
+                m.mask.nk = cu_k[b + 1] - cu_k[b];
+            }
+            m.mask.key_stop = seqlens_k != nullptr ? min(seqlens_k[b], m.mask.nk) : m.mask.nk;
+            m.mask.left = win_left;
+            m.mask.right = win_right;
+            m.mask.blocks = bmask != nullptr ? bmask + b * bmask_sb : nullptr;
+            m.mask.blocks_head = bmask_sh;
+            m.mask.blocks_row = bmask_sq;
+            m.mask.block_q = block_q;
+            m.mask.block_k = block_k;
+            m.bias = bias != nullptr ? bias + b * bias_sb : nullptr;
+            m.bias_sh = bias_sh;
+            m.bias_sq = bias_sq;
+            m.bias_sk = bias_sk;
+            m.alibi = alibi != nullptr ? alibi + b * alibi_sb : nullptr;
+            m.softcap = softcap;
+            m.seed = rng_seed;
+            m.stream0 = dropout_stream(rng_offset, b, 0, heads);
+            m.threshold = drop_threshold;
+            m.drop_scale = drop_scale;
+        }
+        return m;
+    }
+
+    __device__ __forceinline__ bool dropout() const { return EXT && threshold != 0; }
+    __device__ __forceinline__ bool keep(int i, int j, int h) const {
+        return !dropout() || dropout_keep(seed, stream0 + h, i, j, threshold);
+    }
+
+    // The score of (row i, key j) of head h in log2 units from the raw product
+    // s = q_i . k_j: scale (folded with log2 e), softcap, bias, ALiBi, and -inf where
+    // hidden (only checked when `masked`). `dtanh` receives softcap's derivative factor
+    // 1 - tanh^2 (left alone without softcap).
+    __device__ __forceinline__ Acc score_log2(Acc s, int i, int j, int h, Acc scale_log2, bool masked,
+                                              Acc& dtanh) const {
+        Acc x = s * scale_log2;
+        if constexpr (EXT) {
+            if (softcap > Acc(0)) {
+                // softcap * tanh(scale s / softcap), in log2 units: the division by
+                // log2 e and the multiplication by it cancel around the tanh.
+                const Acc th = tanh_acc<T>(x * Acc(LN2_D) / softcap);
+                dtanh = Acc(1) - th * th;
+                x = softcap * Acc(LOG2E_D) * th;
+            }
+            if (bias != nullptr) x += to_acc(bias[h * bias_sh + i * bias_sq + j * bias_sk]) * Acc(LOG2E_D);
+            if (alibi != nullptr) {
+                const int dist = i + mask.off() - j;
+                x -= alibi[h] * Acc(LOG2E_D) * Acc(dist < 0 ? -dist : dist);
+            }
+        }
+        return masked && !mask.visible(i, j, h) ? Acc(-INFINITY) : x;
+    }
+};
+
+// f(x, row, key, mt, nt, e) for each score of mma C fragments [MT][NT][4] whose rows start
+// at r0 and columns at c0 (mask.cuh, apply, has the layout). With KEY_ROWS the fragment
+// rows are keys and its columns queries (the backward's transposed products).
+template <bool KEY_ROWS, int MT, int NT, typename Acc, typename F>
+__device__ __forceinline__ void for_each_score(Acc (&s)[MT][NT][4], int r0, int c0, F&& f) {
+    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+        #pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int fr = r0 + mt * 16 + g + (e / 2) * 8, fc = c0 + nt * 8 + 2 * t + (e % 2);
+                f(s[mt][nt][e], KEY_ROWS ? fc : fr, KEY_ROWS ? fr : fc, mt, nt, e);
+            }
+}
