@@ -38,13 +38,13 @@ FWD_SM80_TILES = {
 }
 # The same with the options of _mods (window, dropout, bias, ...; the MODE_EXT kernels):
 # their per-score work and the option state need registers that the dense tiles with 64
-# keys or two m-tiles per warp do not have (build check), so 32-key tiles throughout.
+# keys or two m-tiles per warp do not have (build check), so 32-key tiles (16 at d = 192).
 FWD_SM80_EXT_TILES = {
     32: ((128, 32, 4),),
     64: ((128, 32, 4),),
     96: ((128, 32, 4),),
     128: ((128, 32, 4), (64, 32, 4)),
-    192: ((64, 32, 4), (32, 32, 2)),
+    192: ((64, 16, 4), (32, 16, 2)),
     256: ((64, 32, 4), (32, 32, 2)),
 }
 # fp32 (3xTF32) and fp64 (DMMA) tensor-core forward tiles per head dim, (BLOCK_M, BLOCK_N,
@@ -79,7 +79,7 @@ FWD_WIDE_TILES = {
 # MODE_EXT kernels where the dense tile spills with the options' registers (build check).
 FWD_WIDE_EXT_TILES = {
     "float32": {**FWD_WIDE_TILES["float32"],
-                256: ((64, 16, 16, 4, 256), (32, 16, 16, 2, 128))},
+                256: ((64, 16, 16, 4, 128), (32, 16, 16, 2, 128))},
     "float64": {**FWD_WIDE_TILES["float64"],
                 64: ((64, 32, 16, 4, 64), (32, 32, 16, 2, 64))},
 }

@@ -63,8 +63,10 @@ struct BwdKVTile {
     static_assert(BWD_ROW_PAD % BLOCK_M == 0, "query tiles read the padded row workspaces whole");
 };
 
+// Minimum one CTA per SM: without it ptxas aims at more resident CTAs than shared memory
+// allows and spills (as in fwd_wide.cu).
 template <typename T, int D, int BLOCK_M, int BLOCK_N, int WARPS, int GRADS, int MODE>
-__global__ void __launch_bounds__(WARPS * 32)
+__global__ void __launch_bounds__(WARPS * 32, 1)
 flash_bwd_dkdv_sm80(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const T, v),
                     TENSOR_ARG(const T, dout), TENSOR_ARG(T, dk), TENSOR_ARG(T, dv),
                     float* __restrict__ dq_accum, const float* __restrict__ lse2,
@@ -233,6 +235,7 @@ flash_bwd_dkdv_sm80(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(c
                 }
             }
         }
+        it = next;
     }
 
     // Epilogue: each gradient goes through sK (no warp reads it any more), each warp
@@ -271,8 +274,10 @@ struct BwdQTile {
     static_assert(BWD_ROW_PAD % BLOCK_M == 0, "query blocks read the padded row workspaces whole");
 };
 
+// Minimum one CTA per SM: without it ptxas aims at more resident CTAs than shared memory
+// allows and spills (as in fwd_wide.cu).
 template <typename T, int D, int BLOCK_M, int BLOCK_N, int WARPS, int MODE>
-__global__ void __launch_bounds__(WARPS * 32)
+__global__ void __launch_bounds__(WARPS * 32, 1)
 flash_bwd_dq_sm80(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const T, v),
                   TENSOR_ARG(const T, dout), TENSOR_ARG(T, dq), const float* __restrict__ lse2,
                   const float* __restrict__ delta, int group, int nq, int nk, int d, int dim_v,

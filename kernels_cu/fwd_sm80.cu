@@ -33,8 +33,10 @@ struct FwdTile {
     static_assert(ROWS_PER_WARP % 16 == 0 && D % 16 == 0 && BLOCK_N % 16 == 0, "tile shape");
 };
 
+// Minimum one CTA per SM: without it ptxas aims at more resident CTAs than shared memory
+// allows and spills (as in fwd_wide.cu).
 template <typename T, int D, int BLOCK_M, int BLOCK_N, int WARPS, int MODE>
-__global__ void __launch_bounds__(WARPS * 32)
+__global__ void __launch_bounds__(WARPS * 32, 1)
 flash_fwd_sm80(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const T, v),
                TENSOR_ARG(T, o), float* __restrict__ lse,
                int group, int nq, int nk, int d, int dv,
