@@ -19,7 +19,7 @@ import pytest
 from cupyflash import _masks, _mods, _philox
 from cupyflash._reference import attention_backward, attention_forward
 from oracle import naive_attention, naive_attention_grads, naive_visible
-from test_reference import assert_close
+from test_reference import Case, assert_close, make_inputs
 
 TOL = {np.float64: 1e-12, np.float32: 1e-5}
 DTYPES = pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["fp64", "fp32"])
@@ -80,11 +80,7 @@ def assert_grad_close(got, ref, tol):
 
 
 def make(rng, b, hq, hk, nq, nk, d, dv, dtype, *, bshd=False):
-    def tensor(heads, n, dim):
-        if bshd:
-            return rng.standard_normal((b, n, heads, dim)).astype(dtype).transpose(0, 2, 1, 3)
-        return rng.standard_normal((b, heads, n, dim)).astype(dtype)
-    return (tensor(hq, nq, d), tensor(hk, nk, d), tensor(hk, nk, dv), tensor(hq, nq, dv))
+    return make_inputs(rng, Case(b, hq, hk, nq, nk, d, dv, False, bshd=bshd), dtype)
 
 
 def keep_mask(seed, offset, b, hq, nq, nk, p, *, batch_base=0):
