@@ -70,7 +70,9 @@ layout : {"bhsd", "bshd"}, default "bhsd"
     ``(B, N, H, d)``, as transformer code stores them.
 deterministic : bool, default False
     Ask the GPU backward pass for run-to-run identical gradients (slower). The NumPy
-    backend is always deterministic.
+    backend is always deterministic. On the GPU the bias gradient is summed over the
+    bias's broadcast axes with float atomics, so it is reproducible only for a bias with
+    no broadcast axis (each element then gets one addition), whatever this flag.
 backend : {"auto", "cuda", "numpy"}, default "auto"
     "auto" runs on the GPU when a CUDA device is usable and the GPU kernels cover the
     dtype and head dims, else on the NumPy backend. "cuda" and "numpy" force one; "cuda"

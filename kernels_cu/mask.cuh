@@ -103,7 +103,7 @@ struct MaskInfo {
     __device__ __forceinline__ bool tile_needs_mask(int q0, int q1, int k0, int k1, int h = 0) const {
         if (k1 > stop() || k1 > key_hi(q0)) return true;
         if (!EXT) return false;
-        return q1 > nq || k0 < key_lo(min(q1, nq) - 1) || block_state(q0, q1, k0, k1, h) == 2;
+        return q1 > nq || k0 < key_lo(min(q1, nq) - 1) || block_state(q0, q1, k0, k1, h) != 1;
     }
 
     // Hide (-inf) what a row may not see in scores held as mma C fragments: element e of

