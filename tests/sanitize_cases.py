@@ -41,6 +41,8 @@ def main():
                 extra = _options(nq, nk, rng) if options else {}
                 if "bias" in extra:
                     extra["bias"] = extra["bias"].astype(dtype)
+                # Where a launch fails, the sanitizer log shows which case was running.
+                print(f"case {np.dtype(dtype).name} {nq}x{nk} d={d} causal={causal} options={options}", flush=True)
                 o, vjp = cupyflash.attention_vjp(q, k, v, causal=causal, backend="cuda", **extra)
                 grads = vjp(cp.asarray(rng.standard_normal(o.shape).astype(dtype)))
                 for x in (o, *grads):
