@@ -32,26 +32,26 @@ __device__ __forceinline__ i64 row_workspace_offset(int b, int h, int hq, int nq
 // (checked when `masked`). Under dropout a dropped score's P comes back negated: dV
 // skips it, and dS still needs its P (a dropped score keeps its softmax gradient).
 // `dtanh` receives softcap's derivative factor (mods.cuh score_log2).
-template <int MODE, typename M, typename Acc>
-__device__ __forceinline__ Acc recomputed_p(const M& mods, Acc s, int i, int j, int h, Acc lse2,
+template <int MODE, typename M, typename H, typename Acc>
+__device__ __forceinline__ Acc recomputed_p(const M& mods, const H& hm, Acc s, int i, int j, Acc lse2,
                                             Acc scale_log2, bool masked, Acc& dtanh) {
     if constexpr (MODE == MODE_DENSE) {
         const Acc p = exp2_fast(s * scale_log2 - lse2);
         return masked && !mods.mask.visible(i, j) ? Acc(0) : p;
     } else {
-        const Acc p = exp2_fast(mods.score_log2(s, i, j, h, scale_log2, masked, dtanh) - lse2);
-        return mods.dropout() && !mods.keep(i, j, h) ? -p : p;
+        const Acc p = exp2_fast(hm.score_log2(s, i, j, scale_log2, masked, dtanh) - lse2);
+        return hm.dropout() && !hm.keep(i, j) ? -p : p;
     }
 }
 
 // dS = P o (dP~ - delta) of one score from recomputed_p's P, dP = dO_i . v_j and the
 // row's delta; dP~ is dP through the dropout mask and scale.
-template <int MODE, typename M, typename Acc>
-__device__ __forceinline__ Acc score_grad(const M& mods, Acc p, Acc dp, Acc delta) {
+template <int MODE, typename H, typename Acc>
+__device__ __forceinline__ Acc score_grad(const H& hm, Acc p, Acc dp, Acc delta) {
     if constexpr (MODE == MODE_DENSE) {
         return p * (dp - delta);
     } else {
-        const Acc kept_dp = !mods.dropout() ? dp : (p > Acc(0) ? dp * mods.drop_scale : Acc(0));
+        const Acc kept_dp = !hm.dropout() ? dp : (p > Acc(0) ? dp * hm.drop_scale : Acc(0));
         return (p < Acc(0) ? -p : p) * (kept_dp - delta);
     }
 }
@@ -70,12 +70,12 @@ __device__ __forceinline__ void dropped_p(float (&kept)[MT][NT][4], const float 
 // recomputed_p over mma C fragments (mods.cuh for_each_score: fragment rows start at r0,
 // columns at c0, KEY_ROWS for the key-major products); lse2_at(mt, nt, e) gives the
 // element's row workspace.
-template <int MODE, bool KEY_ROWS, int MT, int NT, int MT2, int NT2, typename M, typename L>
+template <int MODE, bool KEY_ROWS, int MT, int NT, int MT2, int NT2, typename M, typename H, typename L>
 __device__ __forceinline__ void recompute_p(float (&s)[MT][NT][4], float (&dtanh)[MT2][NT2][4], const M& mods,
-                                            int h, int r0, int c0, L&& lse2_at, float scale_log2, bool masked) {
+                                            const H& hm, int r0, int c0, L&& lse2_at, float scale_log2, bool masked) {
     for_each_score<KEY_ROWS>(s, r0, c0, [&](float& x, int i, int j, int mt, int nt, int e) {
         float dt = 1.f;
-        x = recomputed_p<MODE>(mods, x, i, j, h, lse2_at(mt, nt, e), scale_log2, masked, dt);
+        x = recomputed_p<MODE>(mods, hm, x, i, j, lse2_at(mt, nt, e), scale_log2, masked, dt);
         if constexpr (MODE == MODE_EXT) dtanh[mt][nt][e] = dt;
     });
 }
@@ -83,16 +83,16 @@ __device__ __forceinline__ void recompute_p(float (&s)[MT][NT][4], float (&dtanh
 // dS over C fragments, in place of P: score_grad, then the bias gradient (the dS of the
 // biased score, added into dbias_b, this batch entry's accumulator, where not null) and
 // softcap's derivative. delta_at(mt, nt, e) as lse2_at above.
-template <int MODE, bool KEY_ROWS, int MT, int NT, int MT2, int NT2, typename M, typename L>
+template <int MODE, bool KEY_ROWS, int MT, int NT, int MT2, int NT2, typename M, typename H, typename L>
 __device__ __forceinline__ void grad_scores(float (&s)[MT][NT][4], const float (&dp)[MT][NT][4],
-                                            const float (&dtanh)[MT2][NT2][4], const M& mods, int h,
+                                            const float (&dtanh)[MT2][NT2][4], const M& mods, const H& hm,
                                             int r0, int c0, L&& delta_at, float* dbias_b,
                                             i64 dbias_sh, i64 dbias_sq, i64 dbias_sk) {
     for_each_score<KEY_ROWS>(s, r0, c0, [&](float& x, int i, int j, int mt, int nt, int e) {
-        x = score_grad<MODE>(mods, x, dp[mt][nt][e], delta_at(mt, nt, e));
+        x = score_grad<MODE>(hm, x, dp[mt][nt][e], delta_at(mt, nt, e));
         if constexpr (MODE != MODE_DENSE) {
             if (dbias_b != nullptr && i < mods.mask.nq && j < mods.mask.nk)
-                atomicAdd(dbias_b + h * dbias_sh + i * dbias_sq + j * dbias_sk, x);
+                atomicAdd(dbias_b + hm.h * dbias_sh + i * dbias_sq + j * dbias_sk, x);
         }
         if constexpr (MODE == MODE_EXT) x *= dtanh[mt][nt][e];
     });

@@ -163,6 +163,7 @@ flash_bwd_dkdv_simt(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(c
 
         // P^T = exp2(S^T scale log2 e - lse2[query]), 0 where hidden; dS^T = P^T o (dP^T - delta[query]).
         const bool needs_mask = mask.tile_needs_mask(q0, q0 + BLOCK, k0, k0 + BLOCK, h);
+        const auto hm = mods.at_head(h);
         #pragma unroll
         for (int j = 0; j < R; ++j) {
             const int qi = tx + 16 * j;
@@ -171,8 +172,8 @@ flash_bwd_dkdv_simt(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(c
             for (int i = 0; i < R; ++i) {
                 const int kj = ty + 16 * i;
                 T dtanh = T(1);
-                const T p = recomputed_p<MODE>(mods, s[i][j], q0 + qi, k0 + kj, h, l2, scale_log2, needs_mask, dtanh);
-                T ds = score_grad<MODE>(mods, p, dp[i][j], dl);
+                const T p = recomputed_p<MODE>(mods, hm, s[i][j], q0 + qi, k0 + kj, l2, scale_log2, needs_mask, dtanh);
+                T ds = score_grad<MODE>(hm, p, dp[i][j], dl);
                 if constexpr (MODE != MODE_DENSE) {
                     if (dbias_b != nullptr && q0 + qi < mask.nq && k0 + kj < mask.nk)
                         atomicAdd(dbias_b + h * dbias_sh + (q0 + qi) * dbias_sq + (k0 + kj) * dbias_sk, ds);
@@ -297,14 +298,15 @@ flash_bwd_dq_simt(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(con
 
         // dS = P o (dP - delta[row]), P = exp2(S scale log2 e - lse2[row]), 0 where hidden.
         const bool needs_mask = mask.tile_needs_mask(q0, q0 + BLOCK, k0, k0 + BLOCK, h);
+        const auto hm = mods.at_head(h);
         #pragma unroll
         for (int i = 0; i < R; ++i)
             #pragma unroll
             for (int jj = 0; jj < R; ++jj) {
                 T dtanh = T(1);
-                const T p = recomputed_p<MODE>(mods, s[i][jj], q0 + ty + 16 * i, k0 + tx + 16 * jj, h,
+                const T p = recomputed_p<MODE>(mods, hm, s[i][jj], q0 + ty + 16 * i, k0 + tx + 16 * jj,
                                                row_lse[i], scale_log2, needs_mask, dtanh);
-                sdS[(ty + 16 * i) * LDP + tx + 16 * jj] = score_grad<MODE>(mods, p, dp[i][jj], row_delta[i]) * dtanh;
+                sdS[(ty + 16 * i) * LDP + tx + 16 * jj] = score_grad<MODE>(hm, p, dp[i][jj], row_delta[i]) * dtanh;
             }
 
         // dQ += dS K, one head-dim chunk at a time.

@@ -161,7 +161,7 @@ flash_bwd_dkdv_sm80(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(c
             float dtanh[MODE == MODE_EXT ? MT : 1][MODE == MODE_EXT ? SNT : 1][4];
             zero_frags(s);
             warp_mm_ABt<T, D, MT, SNT, C::KSTEPS>(s, sK, warp_row0, sQs);
-            recompute_p<MODE, true>(s, dtanh, mods, h, k0 + warp_row0, q0 + q_s,
+            recompute_p<MODE, true>(s, dtanh, mods, mods.at_head(h), k0 + warp_row0, q0 + q_s,
                                     [&](int, int nt, int e) { return sLseb[q_s + nt * 8 + 2 * t + (e % 2)]; },
                                     scale_log2, needs_mask);
 
@@ -180,7 +180,7 @@ flash_bwd_dkdv_sm80(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(c
                 float dp[MT][SNT][4];
                 zero_frags(dp);
                 warp_mm_ABt<T, D, MT, SNT, C::KSTEPS>(dp, sV, warp_row0, sdOs);
-                grad_scores<MODE, true>(s, dp, dtanh, mods, h, k0 + warp_row0, q0 + q_s,
+                grad_scores<MODE, true>(s, dp, dtanh, mods, mods.at_head(h), k0 + warp_row0, q0 + q_s,
                                         [&](int, int nt, int e) { return sDeltab[q_s + nt * 8 + 2 * t + (e % 2)]; },
                                         dbias_b, dbias_sh, dbias_sq, dbias_sk);
                 warp_mm_AB<T, D, MT, SNT, DT>(acc_dk, s, sQs);
@@ -358,7 +358,7 @@ flash_bwd_dq_sm80(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(con
             float dtanh[MODE == MODE_EXT ? MT : 1][MODE == MODE_EXT ? SNT : 1][4];
             zero_frags(s);
             warp_mm_ABt<T, D, MT, SNT, C::KSTEPS>(s, sQ, warp_row0, sKs);
-            recompute_p<MODE, false>(s, dtanh, mods, h, q0 + warp_row0, k0 + k_s,
+            recompute_p<MODE, false>(s, dtanh, mods, mods.at_head(h), q0 + warp_row0, k0 + k_s,
                                      [&](int mt, int, int e) { return row_lse[mt][e / 2]; },
                                      scale_log2, needs_mask);
 
@@ -367,7 +367,7 @@ flash_bwd_dq_sm80(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(con
             float dp[MT][SNT][4];
             zero_frags(dp);
             warp_mm_ABt<T, D, MT, SNT, C::KSTEPS>(dp, sdO, warp_row0, sVs);
-            grad_scores<MODE, false>(s, dp, dtanh, mods, h, q0 + warp_row0, k0 + k_s,
+            grad_scores<MODE, false>(s, dp, dtanh, mods, mods.at_head(h), q0 + warp_row0, k0 + k_s,
                                      [&](int mt, int, int e) { return row_delta[mt][e / 2]; },
                                      nullptr, 0, 0, 0);
             warp_mm_AB<T, D, MT, SNT, DT>(acc, s, sKs);

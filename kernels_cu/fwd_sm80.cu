@@ -6,7 +6,7 @@
 // K and V tiles are double-buffered with cp.async: the next key tile of K loads while the
 // warps run the softmax of this one, and the next of V while they multiply P by V.
 // MODE (mods.cuh) adds the options: tiles the window or the block mask leave out are
-// never loaded, scores go through Mods::score_log2, and dropout zeroes P after the row
+// never loaded, scores go through HeadMods::score_log2, and dropout zeroes P after the row
 // sums took it (the LSE is that of the undropped softmax).
 #include "elem.cuh"
 #include "copy.cuh"
@@ -131,13 +131,14 @@ flash_fwd_sm80(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const 
             softmax.update(s, acc, scale_log2);
         } else {
             float unused;
+            const auto hm = mods.at_head(h);
             for_each_score<false>(s, q0 + warp_row0, k0, [&](float& x, int i, int jj, int, int, int) {
-                x = mods.score_log2(x, i, jj, h, scale_log2, needs_mask, unused);
+                x = hm.score_log2(x, i, jj, scale_log2, needs_mask, unused);
             });
             softmax.update(s, acc, 1.f);
-            if (mods.dropout())
+            if (hm.dropout())
                 for_each_score<false>(s, q0 + warp_row0, k0, [&](float& p, int i, int jj, int, int, int) {
-                    if (!mods.keep(i, jj, h)) p = 0.f;
+                    if (!hm.keep(i, jj)) p = 0.f;
                 });
         }
 

@@ -154,13 +154,14 @@ flash_fwd_wide(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const 
                 softmax.update(s, acc, scale_log2);
             } else {
                 T unused;
+                const auto hm = mods.at_head(h);
                 for_each_score<false>(s, q0 + warp_row0, k0, [&](T& x, int i, int jj, int, int, int) {
-                    x = mods.score_log2(x, i, jj, h, scale_log2, needs_mask, unused);
+                    x = hm.score_log2(x, i, jj, scale_log2, needs_mask, unused);
                 });
                 softmax.update(s, acc, T(1));
-                if (mods.dropout())
+                if (hm.dropout())
                     for_each_score<false>(s, q0 + warp_row0, k0, [&](T& p, int i, int jj, int, int, int) {
-                        if (!mods.keep(i, jj, h)) p = T(0);
+                        if (!hm.keep(i, jj)) p = T(0);
                     });
             }
 

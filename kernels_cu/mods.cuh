@@ -50,6 +50,48 @@ template <> __device__ __forceinline__ float tanh_acc<half_t>(float x) {
 template <> __device__ __forceinline__ float tanh_acc<bfloat16_t>(float x) { return tanh_acc<half_t>(x); }
 template <typename T> __device__ __forceinline__ double tanh_acc(double x) { return tanh(x); }
 
+// Mods' per-score state of one query head, copied into registers for the scores of one
+// tile: read from shared memory per score, the options would cost a load each.
+template <typename T, typename Acc, bool EXT> struct HeadMods {};   // dense: nothing
+template <typename T, typename Acc>
+struct HeadMods<T, Acc, true> {
+    const MaskInfo<true>* mask;
+    int h, off;
+    Acc softcap;         // 0: off
+    const T* bias;       // this head's bias rows, or null
+    i64 bias_sq, bias_sk;
+    Acc slope_log2;      // ALiBi slope times log2(e); 0: off
+    u64 seed, stream;    // Dropout: keep (row, key) iff its Philox word >= threshold;
+    u32 threshold;       // 0: off. Kept scores are scaled by 1 / (1 - p).
+    Acc drop_scale;
+
+    __device__ __forceinline__ bool dropout() const { return threshold != 0; }
+    __device__ __forceinline__ bool keep(int i, int j) const {
+        return !dropout() || dropout_keep(seed, stream, i, j, threshold);
+    }
+
+    // The score of (row i, key j) in log2 units from the raw product s = q_i . k_j:
+    // scale (folded with log2 e), softcap, bias, ALiBi, and -inf where hidden (only
+    // checked when `masked`). `dtanh` receives softcap's derivative factor 1 - tanh^2
+    // (left alone without softcap).
+    __device__ __forceinline__ Acc score_log2(Acc s, int i, int j, Acc scale_log2, bool masked, Acc& dtanh) const {
+        Acc x = s * scale_log2;
+        if (softcap > Acc(0)) {
+            // softcap * tanh(scale s / softcap), in log2 units: the division by log2 e
+            // and the multiplication by it cancel around the tanh.
+            const Acc th = tanh_acc<T>(x * Acc(LN2_D) / softcap);
+            dtanh = Acc(1) - th * th;
+            x = softcap * Acc(LOG2E_D) * th;
+        }
+        if (bias != nullptr) x += to_acc(bias[i * bias_sq + j * bias_sk]) * Acc(LOG2E_D);
+        if (slope_log2 != Acc(0)) {
+            const int dist = i + off - j;
+            x -= slope_log2 * Acc(dist < 0 ? -dist : dist);
+        }
+        return masked && !mask->visible(i, j, h) ? Acc(-INFINITY) : x;
+    }
+};
+
 template <typename T, typename Acc, int MODE>
 struct Mods {
     static constexpr bool EXT = MODE != MODE_DENSE;
@@ -113,32 +155,27 @@ struct Mods {
     }
 
     __device__ __forceinline__ bool dropout() const { return EXT && threshold != 0; }
-    __device__ __forceinline__ bool keep(int i, int j, int h) const {
-        return !dropout() || dropout_keep(seed, stream0 + h, i, j, threshold);
-    }
 
-    // The score of (row i, key j) of head h in log2 units from the raw product
-    // s = q_i . k_j: scale (folded with log2 e), softcap, bias, ALiBi, and -inf where
-    // hidden (only checked when `masked`). `dtanh` receives softcap's derivative factor
-    // 1 - tanh^2 (left alone without softcap).
-    __device__ __forceinline__ Acc score_log2(Acc s, int i, int j, int h, Acc scale_log2, bool masked,
-                                              Acc& dtanh) const {
-        Acc x = s * scale_log2;
+    // The per-score state of head h, for the scores of one tile (below).
+    __device__ __forceinline__ HeadMods<T, Acc, EXT> at_head(int h) const {
         if constexpr (EXT) {
-            if (softcap > Acc(0)) {
-                // softcap * tanh(scale s / softcap), in log2 units: the division by
-                // log2 e and the multiplication by it cancel around the tanh.
-                const Acc th = tanh_acc<T>(x * Acc(LN2_D) / softcap);
-                dtanh = Acc(1) - th * th;
-                x = softcap * Acc(LOG2E_D) * th;
-            }
-            if (bias != nullptr) x += to_acc(bias[h * bias_sh + i * bias_sq + j * bias_sk]) * Acc(LOG2E_D);
-            if (alibi != nullptr) {
-                const int dist = i + mask.off() - j;
-                x -= alibi[h] * Acc(LOG2E_D) * Acc(dist < 0 ? -dist : dist);
-            }
+            HeadMods<T, Acc, EXT> m;
+            m.mask = &mask;
+            m.h = h;
+            m.off = mask.off();
+            m.softcap = softcap;
+            m.bias = bias != nullptr ? bias + h * bias_sh : nullptr;
+            m.bias_sq = bias_sq;
+            m.bias_sk = bias_sk;
+            m.slope_log2 = alibi != nullptr ? alibi[h] * Acc(LOG2E_D) : Acc(0);
+            m.seed = seed;
+            m.stream = stream0 + h;
+            m.threshold = threshold;
+            m.drop_scale = drop_scale;
+            return m;
+        } else {
+            return {};
         }
-        return masked && !mask.visible(i, j, h) ? Acc(-INFINITY) : x;
     }
 };
 
