@@ -81,7 +81,8 @@ FWD_WIDE_EXT_TILES = {
     "float32": {**FWD_WIDE_TILES["float32"],
                 256: ((64, 16, 16, 4, 128), (32, 16, 16, 2, 128))},
     "float64": {**FWD_WIDE_TILES["float64"],
-                64: ((64, 32, 16, 4, 64), (32, 32, 16, 2, 64))},
+                64: ((64, 32, 16, 4, 64), (32, 32, 16, 2, 64)),
+                256: ((64, 8, 8, 4, 128), (32, 8, 8, 2, 64), (16, 8, 8, 1, 64))},
 }
 PORTABLE_SMEM = 99 * 1024
 # mods.cuh MODS_SETUP: the option state of a MODE_EXT kernel in static shared memory,
@@ -229,7 +230,7 @@ def _load(variant: Variant, device_id: int):
     compiled = _nvrtc.compile_kernel(variant.source, variant.name_expression, arch)
     with cupy.cuda.Device(device_id):
         kernel = cupy.RawModule(path=str(compiled.binary_path)).get_function(compiled.lowered_name)
-        if variant.smem_bytes > 48 * 1024:
+        if variant.total_smem > 48 * 1024:   # static + dynamic past the default needs the opt-in
             kernel.max_dynamic_shared_size_bytes = variant.smem_bytes
     return kernel
 

@@ -69,15 +69,25 @@ __device__ __forceinline__ void dropped_p(float (&kept)[MT][NT][4], const float 
 
 // recomputed_p over mma C fragments (mods.cuh for_each_score: fragment rows start at r0,
 // columns at c0, KEY_ROWS for the key-major products); lse2_at(mt, nt, e) gives the
-// element's row workspace.
+// element's row workspace. The options' terms go one pass per term (HeadMods scores_log2).
 template <int MODE, bool KEY_ROWS, int MT, int NT, int MT2, int NT2, typename M, typename H, typename L>
 __device__ __forceinline__ void recompute_p(float (&s)[MT][NT][4], float (&dtanh)[MT2][NT2][4], const M& mods,
                                             const H& hm, int r0, int c0, L&& lse2_at, float scale_log2, bool masked) {
-    for_each_score<KEY_ROWS>(s, r0, c0, [&](float& x, int i, int j, int mt, int nt, int e) {
-        float dt = 1.f;
-        x = recomputed_p<MODE>(mods, hm, x, i, j, lse2_at(mt, nt, e), scale_log2, masked, dt);
-        if constexpr (MODE == MODE_EXT) dtanh[mt][nt][e] = dt;
-    });
+    if constexpr (MODE == MODE_DENSE) {
+        for_each_score<KEY_ROWS>(s, r0, c0, [&](float& x, int i, int j, int mt, int nt, int e) {
+            float unused;
+            x = recomputed_p<MODE>(mods, hm, x, i, j, lse2_at(mt, nt, e), scale_log2, masked, unused);
+        });
+    } else {
+        hm.template scores_log2<KEY_ROWS>(s, dtanh, r0, c0, scale_log2, masked);
+        for_each_score<KEY_ROWS>(s, r0, c0, [&](float& x, int, int, int mt, int nt, int e) {
+            x = exp2_fast(x - lse2_at(mt, nt, e));
+        });
+        if (hm.dropout())
+            for_each_score<KEY_ROWS>(s, r0, c0, [&](float& p, int i, int j, int, int, int) {
+                if (!hm.keep(i, j)) p = -p;
+            });
+    }
 }
 
 // dS over C fragments, in place of P: score_grad, then the bias gradient (the dS of the

@@ -153,11 +153,9 @@ flash_fwd_wide(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const 
                 if (needs_mask) mask.apply(s, q0 + warp_row0, k0);
                 softmax.update(s, acc, scale_log2);
             } else {
-                T unused;
+                T unused[1][1][4];
                 const auto hm = mods.at_head(h);
-                for_each_score<false>(s, q0 + warp_row0, k0, [&](T& x, int i, int jj, int, int, int) {
-                    x = hm.score_log2(x, i, jj, scale_log2, needs_mask, unused);
-                });
+                hm.template scores_log2<false>(s, unused, q0 + warp_row0, k0, scale_log2, needs_mask);
                 softmax.update(s, acc, T(1));
                 if (hm.dropout())
                     for_each_score<false>(s, q0 + warp_row0, k0, [&](T& p, int i, int jj, int, int, int) {

@@ -50,6 +50,23 @@ template <> __device__ __forceinline__ float tanh_acc<half_t>(float x) {
 template <> __device__ __forceinline__ float tanh_acc<bfloat16_t>(float x) { return tanh_acc<half_t>(x); }
 template <typename T> __device__ __forceinline__ double tanh_acc(double x) { return tanh(x); }
 
+// f(x, row, key, mt, nt, e) for each score of mma C fragments [MT][NT][4] whose rows start
+// at r0 and columns at c0 (mask.cuh, apply, has the layout). With KEY_ROWS the fragment
+// rows are keys and its columns queries (the backward's transposed products).
+template <bool KEY_ROWS, int MT, int NT, typename Acc, typename F>
+__device__ __forceinline__ void for_each_score(Acc (&s)[MT][NT][4], int r0, int c0, F&& f) {
+    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+        #pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int fr = r0 + mt * 16 + g + (e / 2) * 8, fc = c0 + nt * 8 + 2 * t + (e % 2);
+                f(s[mt][nt][e], KEY_ROWS ? fc : fr, KEY_ROWS ? fr : fc, mt, nt, e);
+            }
+}
+
 // Mods' per-score state of one query head, copied into registers for the scores of one
 // tile: read from shared memory per score, the options would cost a load each.
 template <typename T, typename Acc, bool EXT> struct HeadMods {};   // dense: nothing
@@ -76,19 +93,51 @@ struct HeadMods<T, Acc, true> {
     // (left alone without softcap).
     __device__ __forceinline__ Acc score_log2(Acc s, int i, int j, Acc scale_log2, bool masked, Acc& dtanh) const {
         Acc x = s * scale_log2;
-        if (softcap > Acc(0)) {
-            // softcap * tanh(scale s / softcap), in log2 units: the division by log2 e
-            // and the multiplication by it cancel around the tanh.
-            const Acc th = tanh_acc<T>(x * Acc(LN2_D) / softcap);
-            dtanh = Acc(1) - th * th;
-            x = softcap * Acc(LOG2E_D) * th;
-        }
-        if (bias != nullptr) x += to_acc(bias[i * bias_sq + j * bias_sk]) * Acc(LOG2E_D);
-        if (slope_log2 != Acc(0)) {
-            const int dist = i + off - j;
-            x -= slope_log2 * Acc(dist < 0 ? -dist : dist);
-        }
+        if (softcap > Acc(0)) x = capped(x, dtanh);
+        if (bias != nullptr) x += biased(i, j);
+        if (slope_log2 != Acc(0)) x -= alibi(i, j);
         return masked && !mask->visible(i, j, h) ? Acc(-INFINITY) : x;
+    }
+
+    // score_log2 over mma C fragments (for_each_score's layout), one pass per term that
+    // is on: a uniform branch per term and tile instead of one per score. `dtanh` is
+    // written where it has the fragments' shape (the backward keeps it).
+    template <bool KEY_ROWS, int MT, int NT, int MT2, int NT2>
+    __device__ __forceinline__ void scores_log2(Acc (&s)[MT][NT][4], Acc (&dtanh)[MT2][NT2][4], int r0, int c0,
+                                                Acc scale_log2, bool masked) const {
+        constexpr bool KEEP_DTANH = MT2 == MT && NT2 == NT;
+        for_each_score<KEY_ROWS>(s, r0, c0, [&](Acc& x, int, int, int, int, int) { x *= scale_log2; });
+        if (softcap > Acc(0))
+            for_each_score<KEY_ROWS>(s, r0, c0, [&](Acc& x, int, int, int mt, int nt, int e) {
+                Acc dt;
+                x = capped(x, dt);
+                if constexpr (KEEP_DTANH) dtanh[mt][nt][e] = dt;
+            });
+        else if constexpr (KEEP_DTANH)
+            for_each_score<KEY_ROWS>(s, r0, c0, [&](Acc&, int, int, int mt, int nt, int e) { dtanh[mt][nt][e] = Acc(1); });
+        if (bias != nullptr)
+            for_each_score<KEY_ROWS>(s, r0, c0, [&](Acc& x, int i, int j, int, int, int) { x += biased(i, j); });
+        if (slope_log2 != Acc(0))
+            for_each_score<KEY_ROWS>(s, r0, c0, [&](Acc& x, int i, int j, int, int, int) { x -= alibi(i, j); });
+        if (masked)
+            for_each_score<KEY_ROWS>(s, r0, c0, [&](Acc& x, int i, int j, int, int, int) {
+                if (!mask->visible(i, j, h)) x = Acc(-INFINITY);
+            });
+    }
+
+    // softcap * tanh(scale s / softcap) of a log2-unit score x = scale s log2 e, in log2
+    // units (the division by log2 e and the multiplication by it cancel around the tanh).
+    __device__ __forceinline__ Acc capped(Acc x, Acc& dtanh) const {
+        const Acc th = tanh_acc<T>(x * Acc(LN2_D) / softcap);
+        dtanh = Acc(1) - th * th;
+        return softcap * Acc(LOG2E_D) * th;
+    }
+    __device__ __forceinline__ Acc biased(int i, int j) const {
+        return to_acc(bias[i * bias_sq + j * bias_sk]) * Acc(LOG2E_D);
+    }
+    __device__ __forceinline__ Acc alibi(int i, int j) const {
+        const int dist = i + off - j;
+        return slope_log2 * Acc(dist < 0 ? -dist : dist);
     }
 };
 
@@ -179,19 +228,3 @@ struct Mods {
     }
 };
 
-// f(x, row, key, mt, nt, e) for each score of mma C fragments [MT][NT][4] whose rows start
-// at r0 and columns at c0 (mask.cuh, apply, has the layout). With KEY_ROWS the fragment
-// rows are keys and its columns queries (the backward's transposed products).
-template <bool KEY_ROWS, int MT, int NT, typename Acc, typename F>
-__device__ __forceinline__ void for_each_score(Acc (&s)[MT][NT][4], int r0, int c0, F&& f) {
-    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-        #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-            #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int fr = r0 + mt * 16 + g + (e / 2) * 8, fc = c0 + nt * 8 + 2 * t + (e % 2);
-                f(s[mt][nt][e], KEY_ROWS ? fc : fr, KEY_ROWS ? fr : fc, mt, nt, e);
-            }
-}
