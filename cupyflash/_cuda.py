@@ -455,6 +455,10 @@ BWD_SM80_Q_TILES = {
     192: ((128, 64, 8), (64, 64, 4), (32, 32, 2)),
     256: ((128, 32, 8), (64, 32, 4), (32, 16, 2)),
 }
+# The option kernels (MODE_EXT) where a tile above spills with the options' registers
+# (build check, NVRTC 13): smaller fallbacks at d = 192.
+BWD_SM80_EXT_KV_TILES = {**BWD_SM80_KV_TILES, 192: ((32, 128, 8), (32, 64, 4), (16, 32, 2))}
+BWD_SM80_EXT_Q_TILES = {**BWD_SM80_Q_TILES, 192: ((128, 64, 8), (64, 32, 4), (32, 32, 2))}
 # From d = 192, dK and dV beside each other exceed the registers (build check): the
 # dK/dV kernel runs twice, once for dV and once for dK (+ dQ), recomputing P.
 BWD_SPLIT_MIN_HEAD_DIM = 192
@@ -514,11 +518,12 @@ def backward_plan(dtype_name: str, D: int, deterministic: bool, mode: int = MODE
     convert = None if deterministic else Variant(
         "bwd_prep.cu", f"flash_bwd_dq_convert<{ctype}>", 256, _CONVERT_ELEMS, 0)
     if dtype_name in HALF_DTYPES:
-        tiles = BWD_SM80_KV_TILES[D]
+        tiles = (BWD_SM80_EXT_KV_TILES if mode else BWD_SM80_KV_TILES)[D]
         passes = ((GRAD_DV, GRAD_DK | dq_bit) if D >= BWD_SPLIT_MIN_HEAD_DIM
                   else (GRAD_DV | GRAD_DK | dq_bit,))
         kv = tuple((grads, [_sm80_dkdv(dtype_name, D, t, grads, mode) for t in tiles]) for grads in passes)
-        dq = [_sm80_dq(dtype_name, D, t, mode) for t in BWD_SM80_Q_TILES[D]] if deterministic else None
+        q_tiles = (BWD_SM80_EXT_Q_TILES if mode else BWD_SM80_Q_TILES)[D]
+        dq = [_sm80_dq(dtype_name, D, t, mode) for t in q_tiles] if deterministic else None
     else:
         grads = GRAD_DV | GRAD_DK | dq_bit
         kv = ((grads, [_simt_backward(dtype_name, D, "flash_bwd_dkdv_simt", grads, mode)]),)

@@ -74,6 +74,7 @@ template <typename T, typename Acc>
 struct HeadMods<T, Acc, true> {
     const MaskInfo<true>* mask;
     int h, off;
+    int nq, nk;          // the batch entry's extents: tiles run past them
     Acc softcap;         // 0: off
     const T* bias;       // this head's bias rows, or null
     i64 bias_sq, bias_sk;
@@ -132,8 +133,9 @@ struct HeadMods<T, Acc, true> {
         dtanh = Acc(1) - th * th;
         return softcap * Acc(LOG2E_D) * th;
     }
+    // Rows and keys past the sequence (a tile's padding) read no bias: it has none there.
     __device__ __forceinline__ Acc biased(int i, int j) const {
-        return to_acc(bias[i * bias_sq + j * bias_sk]) * Acc(LOG2E_D);
+        return i < nq && j < nk ? to_acc(bias[i * bias_sq + j * bias_sk]) * Acc(LOG2E_D) : Acc(0);
     }
     __device__ __forceinline__ Acc alibi(int i, int j) const {
         const int dist = i + off - j;
@@ -212,6 +214,8 @@ struct Mods {
             m.mask = &mask;
             m.h = h;
             m.off = mask.off();
+            m.nq = mask.nq;
+            m.nk = mask.nk;
             m.softcap = softcap;
             m.bias = bias != nullptr ? bias + h * bias_sh : nullptr;
             m.bias_sq = bias_sq;
