@@ -74,7 +74,6 @@ template <typename T, typename Acc>
 struct HeadMods<T, Acc, true> {
     const MaskInfo<true>* mask;
     int h, off;
-    int nq, nk;          // the batch entry's extents: tiles run past them
     Acc softcap;         // 0: off
     const T* bias;       // this head's bias rows, or null
     i64 bias_sq, bias_sk;
@@ -135,7 +134,7 @@ struct HeadMods<T, Acc, true> {
     }
     // Rows and keys past the sequence (a tile's padding) read no bias: it has none there.
     __device__ __forceinline__ Acc biased(int i, int j) const {
-        return i < nq && j < nk ? to_acc(bias[i * bias_sq + j * bias_sk]) * Acc(LOG2E_D) : Acc(0);
+        return i < mask->nq && j < mask->nk ? to_acc(bias[i * bias_sq + j * bias_sk]) * Acc(LOG2E_D) : Acc(0);
     }
     __device__ __forceinline__ Acc alibi(int i, int j) const {
         const int dist = i + off - j;
@@ -214,8 +213,6 @@ struct Mods {
             m.mask = &mask;
             m.h = h;
             m.off = mask.off();
-            m.nq = mask.nq;
-            m.nk = mask.nk;
             m.softcap = softcap;
             m.bias = bias != nullptr ? bias + h * bias_sh : nullptr;
             m.bias_sq = bias_sq;
