@@ -79,6 +79,7 @@ FWD_WIDE_TILES = {
 # MODE_EXT kernels where the dense tile spills with the options' registers (build check).
 FWD_WIDE_EXT_TILES = {
     "float32": {**FWD_WIDE_TILES["float32"],
+                192: ((96, 16, 16, 6, 192), (48, 16, 16, 3, 192)),
                 256: ((64, 16, 16, 4, 128), (32, 16, 16, 2, 128))},
     "float64": {**FWD_WIDE_TILES["float64"],
                 64: ((64, 32, 16, 4, 64), (32, 32, 16, 2, 64)),
