@@ -726,9 +726,10 @@ def varlen_attention_vjp(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
     return o, _vjp_of(ctx)
 
 
-def precompile(*, dtypes=None, head_dims=None, device=None, workers=None):
+def precompile(*, dtypes=None, head_dims=None, device=None, workers=None, options=False):
     from . import _cuda
-    return _cuda.precompile(dtypes=dtypes, head_dims=head_dims, device=device, workers=workers)
+    return _cuda.precompile(dtypes=dtypes, head_dims=head_dims, device=device, workers=workers,
+                            options=options)
 
 
 def _precompile_doc():
