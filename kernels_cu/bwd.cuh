@@ -22,6 +22,32 @@ __device__ __forceinline__ i64 row_workspace_offset(int b, int h, int hq, int nq
     return ((i64)b * hq + h) * nq_pad;
 }
 
+// The (query head, query tile) pairs a key-block CTA visits, head-major: every query head
+// of its kv head's GQA group, times the query tiles that see some key of the block.
+// Iteration `it` is pair number `it`; next() skips the pairs the block mask leaves empty.
+struct KeyBlockPairs {
+    int hk, group, m_first, m_count, block_m, k0, k1;
+
+    template <bool EXT>
+    __device__ __forceinline__ KeyBlockPairs(const MaskInfo<EXT>& mask, int hk_, int group_, int k0_,
+                                             int block_n, int block_m_)
+        : hk(hk_), group(group_), block_m(block_m_), k0(k0_), k1(k0_ + block_n) {
+        const int2 tiles = mask.query_tile_range(k0, k1, block_m);
+        m_first = tiles.x;
+        m_count = tiles.y - tiles.x;
+    }
+    __device__ __forceinline__ int count() const { return group * m_count; }
+    __device__ __forceinline__ int head(int it) const { return hk * group + it / m_count; }
+    __device__ __forceinline__ int q0(int it) const { return (m_first + it % m_count) * block_m; }
+    // The first pair from `it` on that the block mask leaves on.
+    template <bool EXT>
+    __device__ __forceinline__ int next(int it, const MaskInfo<EXT>& mask) const {
+        if (EXT && mask.blocks != nullptr)
+            while (it < count() && mask.block_state(q0(it), q0(it) + block_m, k0, k1, head(it)) == 0) ++it;
+        return it;
+    }
+};
+
 
 // Kernel parameters of the bias gradient: an accumulator in the bias's compact shape
 // (cupyflash/_mods.py), strides 0 on the axes it broadcasts over so that atomics sum

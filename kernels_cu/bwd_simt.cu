@@ -115,16 +115,7 @@ flash_bwd_dkdv_simt(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(c
     const int k0 = blockIdx.x * BLOCK;
     const int k_rows = min(BLOCK, mask.nk - k0);
     if (k_rows <= 0) return;   // varlen: the grid covers the longest sequence
-    const int2 q_tiles = mask.query_tile_range(k0, k0 + BLOCK, BLOCK);
-    const int m_first = q_tiles.x, m_count = q_tiles.y - q_tiles.x;
-    const int n_iter = group * m_count;   // (query head, query tile) pairs, head-major
-    auto head_of = [&](int it) { return hk * group + it / m_count; };
-    auto q0_of = [&](int it) { return (m_first + it % m_count) * BLOCK; };
-    auto next_iter = [&](int it) {   // the first iteration from `it` on the block mask leaves on
-        if (MODE != MODE_DENSE && mask.blocks != nullptr)
-            while (it < n_iter && mask.block_state(q0_of(it), q0_of(it) + BLOCK, k0, k0 + BLOCK, head_of(it)) == 0) ++it;
-        return it;
-    };
+    const KeyBlockPairs pairs(mask, hk, group, k0, BLOCK, BLOCK);
     T* dbias_b = MODE != MODE_DENSE && dbias != nullptr ? dbias + b * dbias_sb : nullptr;
 
     const Strided<const T> Q = TENSOR(const T, q), K = TENSOR(const T, k), V = TENSOR(const T, v);
@@ -138,8 +129,8 @@ flash_bwd_dkdv_simt(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(c
         #pragma unroll
         for (int c = 0; c < DC; ++c) { acc_dk[i][c] = T(0); acc_dv[i][c] = T(0); }
 
-    for (int it = next_iter(0); it < n_iter; it = next_iter(it + 1)) {
-        const int h = head_of(it), q0 = q0_of(it);
+    for (int it = pairs.next(0, mask); it < pairs.count(); it = pairs.next(it + 1, mask)) {
+        const int h = pairs.head(it), q0 = pairs.q0(it);
         const int q_rows = min(BLOCK, mask.nq - q0);
         const T* q_blk = Q.at(mods.tb, h, mods.q_base + q0);
         const T* do_blk = dO.at(mods.tb, h, mods.q_base + q0);

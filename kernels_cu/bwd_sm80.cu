@@ -94,18 +94,9 @@ flash_bwd_dkdv_sm80(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(c
     const int k0 = blockIdx.x * BLOCK_N;
     const int k_rows = min(BLOCK_N, mask.nk - k0);
     if (k_rows <= 0) return;   // varlen: the grid covers the longest sequence
-    const int2 q_tiles = mask.query_tile_range(k0, k0 + BLOCK_N, BLOCK_M);
+    const KeyBlockPairs pairs(mask, hk, group, k0, BLOCK_N, BLOCK_M);
+    const int n_iter = pairs.count();
     float* dbias_b = MODE != MODE_DENSE && dbias != nullptr ? dbias + b * dbias_sb : nullptr;
-    const int m_first = q_tiles.x, m_count = q_tiles.y - q_tiles.x;
-    const int n_iter = group * m_count;          // (query head, query tile) pairs, head-major
-    auto head_of = [&](int it) { return hk * group + it / m_count; };
-    auto q0_of = [&](int it) { return (m_first + it % m_count) * BLOCK_M; };
-    // The first iteration from `it` on that the block mask leaves on.
-    auto next_iter = [&](int it) {
-        if (MODE != MODE_DENSE && mask.blocks != nullptr)
-            while (it < n_iter && mask.block_state(q0_of(it), q0_of(it) + BLOCK_M, k0, k0 + BLOCK_N, head_of(it)) == 0) ++it;
-        return it;
-    };
 
     const Strided<const T> Q = TENSOR(const T, q), K = TENSOR(const T, k), V = TENSOR(const T, v);
     const Strided<const T> dO = TENSOR(const T, dout);
@@ -118,7 +109,7 @@ flash_bwd_dkdv_sm80(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(c
     // 16-byte copies need its start aligned.
     const bool rows_vec = mods.q_base % 4 == 0;
     auto load_query_tile = [&](int it, int buf) {
-        const int h = head_of(it), q0 = q0_of(it);
+        const int h = pairs.head(it), q0 = pairs.q0(it);
         const int rows = min(BLOCK_M, mask.nq - q0);
         load_tile<T, BLOCK_M, D, C::THREADS>(sQ + buf * BLOCK_M * C::LD, Q.at(mods.tb, h, mods.q_base + q0), Q.row, rows, d, vec);
         load_tile<T, BLOCK_M, D, C::THREADS>(sdO + buf * BLOCK_M * C::LD, dO.at(mods.tb, h, mods.q_base + q0), dO.row, rows, dim_v, vec);
@@ -127,7 +118,7 @@ flash_bwd_dkdv_sm80(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(c
         if constexpr (C::DK) load_tile<float, 1, BLOCK_M, C::THREADS>(sDelta + buf * BLOCK_M, delta + at, 0, 1, BLOCK_M, rows_vec);
         cp_async_commit();
     };
-    int it = next_iter(0);
+    int it = pairs.next(0, mask);
     if (it < n_iter) load_query_tile(it, 0);
     cp_async_commit();
 
@@ -138,8 +129,8 @@ flash_bwd_dkdv_sm80(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(c
     zero_frags(acc_dk);
 
     for (int step = 0; it < n_iter; ++step) {
-        const int h = head_of(it), q0 = q0_of(it);
-        const int next = next_iter(it + 1);
+        const int h = pairs.head(it), q0 = pairs.q0(it);
+        const int next = pairs.next(it + 1, mask);
         const int buf = step % 2;
         const T* sQb = sQ + buf * BLOCK_M * C::LD;
         const T* sdOb = sdO + buf * BLOCK_M * C::LD;
