@@ -457,9 +457,10 @@ BWD_SM80_Q_TILES = {
     256: ((128, 32, 8), (64, 32, 4), (32, 16, 2)),
 }
 # The option kernels (MODE_EXT) where a tile above spills with the options' registers
-# (build check, NVRTC 13; the softcap derivative is kept beside the scores): one m-tile
-# per warp for dQ at d = 64, 32-query tiles for dK/dV at d = 128, smaller fallbacks at 192.
-BWD_SM80_EXT_KV_TILES = {**BWD_SM80_KV_TILES, 128: ((32, 128, 8), (32, 64, 4)),
+# (build check, NVRTC 12.9 and 13; the softcap derivative is kept beside the scores): one
+# m-tile per warp for dQ at d = 64, 32-query tiles for dK/dV at d = 64 and 128, smaller
+# fallbacks at 192.
+BWD_SM80_EXT_KV_TILES = {**BWD_SM80_KV_TILES, 64: ((32, 128, 4),), 128: ((32, 128, 8), (32, 64, 4)),
                          192: ((32, 128, 8), (32, 64, 4), (16, 32, 2))}
 BWD_SM80_EXT_Q_TILES = {**BWD_SM80_Q_TILES, 64: ((64, 64, 4),),
                         192: ((128, 64, 8), (64, 32, 4), (32, 32, 2))}
