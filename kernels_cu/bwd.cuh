@@ -93,7 +93,7 @@ __device__ __forceinline__ void dropped_p(float (&kept)[MT][NT][4], const float 
             for (int e = 0; e < 4; ++e) kept[mt][nt][e] = p[mt][nt][e] > 0.f ? p[mt][nt][e] * scale : 0.f;
 }
 
-// recomputed_p over mma C fragments (mods.cuh for_each_score: fragment rows start at r0,
+// recomputed_p over mma C fragments (mask.cuh for_each_score: fragment rows start at r0,
 // columns at c0, KEY_ROWS for the key-major products); lse2_at(mt, nt, e) gives the
 // element's row workspace. The options' terms go one pass per term (HeadMods scores_log2).
 template <int MODE, bool KEY_ROWS, int MT, int NT, int MT2, int NT2, typename M, typename H, typename L>

@@ -179,13 +179,7 @@ flash_fwd_wide(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const 
             #pragma unroll
             for (int dp = 0; dp < DT / 2; ++dp) {
                 T part[FRESH ? MT : 1][2][4];
-                #pragma unroll
-                for (int mt = 0; mt < MT; ++mt)
-                    #pragma unroll
-                    for (int i = 0; i < 2; ++i)
-                        #pragma unroll
-                        for (int e = 0; e < 4; ++e)
-                            if (FRESH) part[FRESH ? mt : 0][i][e] = T(0);
+                if constexpr (FRESH) zero_frags(part);
                 #pragma unroll
                 for (int ps = 0; ps < NT; ++ps) {
                     Operand<T, 2> bv[2];

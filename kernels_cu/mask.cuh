@@ -13,6 +13,24 @@
 #pragma once
 #include "elem.cuh"
 
+// f(x, row, key, mt, nt, e) for each score of mma C fragments [MT][NT][4] whose rows start
+// at r0 and columns at c0: element e of n-tile nt of m-tile mt is row r0 + 16 mt + g + 8 (e / 2),
+// column c0 + 8 nt + 2 t + e % 2 (g = lane / 4, t = lane % 4). With KEY_ROWS the fragment
+// rows are keys and its columns queries (the backward's transposed products).
+template <bool KEY_ROWS, int MT, int NT, typename Acc, typename F>
+__device__ __forceinline__ void for_each_score(Acc (&s)[MT][NT][4], int r0, int c0, F&& f) {
+    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+        #pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int fr = r0 + mt * 16 + g + (e / 2) * 8, fc = c0 + nt * 8 + 2 * t + (e % 2);
+                f(s[mt][nt][e], KEY_ROWS ? fc : fr, KEY_ROWS ? fr : fc, mt, nt, e);
+            }
+}
+
 #define NO_LIMIT 0x3fffffff   // an unbounded window side, beyond any index
 
 template <bool EXT>
@@ -106,28 +124,12 @@ struct MaskInfo {
         return q1 > nq || k0 < key_lo(min(q1, nq) - 1) || block_state(q0, q1, k0, k1, h) != 1;
     }
 
-    // Hide (-inf) what a row may not see in scores held as mma C fragments: element e of
-    // n-tile nt of m-tile mt is row row0 + 16 mt + g + 8 (e / 2), key k0 + 8 nt + 2 t + e % 2
-    // (g = lane / 4, t = lane % 4).
-    template <int MT, int NT, typename Acc>
-    __device__ __forceinline__ void apply(Acc (&s)[MT][NT][4], int row0, int k0) const {
-        const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-        #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-            #pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-                #pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    if (!visible(row0 + mt * 16 + g + (e / 2) * 8, k0 + nt * 8 + 2 * t + (e % 2)))
-                        s[mt][nt][e] = -INFINITY;
+    // Hide (-inf) what a row of head h may not see in scores held as mma C fragments
+    // (for_each_score's layout; KEY_ROWS for the backward's key-major products).
+    template <bool KEY_ROWS = false, int MT, int NT, typename Acc>
+    __device__ __forceinline__ void apply(Acc (&s)[MT][NT][4], int r0, int c0, int h = 0) const {
+        for_each_score<KEY_ROWS>(s, r0, c0, [&](Acc& x, int i, int j, int, int, int) {
+            if (!visible(i, j, h)) x = Acc(-INFINITY);
+        });
     }
 };
-
-// The dense fast path's mask.
-__device__ __forceinline__ MaskInfo<false> dense_mask(int nq, int nk, int causal) {
-    MaskInfo<false> m{};
-    m.nq = nq;
-    m.nk = nk;
-    m.causal = causal;
-    return m;
-}

@@ -50,23 +50,6 @@ template <> __device__ __forceinline__ float tanh_acc<half_t>(float x) {
 template <> __device__ __forceinline__ float tanh_acc<bfloat16_t>(float x) { return tanh_acc<half_t>(x); }
 template <typename T> __device__ __forceinline__ double tanh_acc(double x) { return tanh(x); }
 
-// f(x, row, key, mt, nt, e) for each score of mma C fragments [MT][NT][4] whose rows start
-// at r0 and columns at c0 (mask.cuh, apply, has the layout). With KEY_ROWS the fragment
-// rows are keys and its columns queries (the backward's transposed products).
-template <bool KEY_ROWS, int MT, int NT, typename Acc, typename F>
-__device__ __forceinline__ void for_each_score(Acc (&s)[MT][NT][4], int r0, int c0, F&& f) {
-    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-        #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-            #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int fr = r0 + mt * 16 + g + (e / 2) * 8, fc = c0 + nt * 8 + 2 * t + (e % 2);
-                f(s[mt][nt][e], KEY_ROWS ? fc : fr, KEY_ROWS ? fr : fc, mt, nt, e);
-            }
-}
-
 // Mods' per-score state of one query head, copied into registers for the scores of one
 // tile: read from shared memory per score, the options would cost a load each.
 template <typename T, typename Acc, bool EXT> struct HeadMods {};   // dense: nothing
@@ -119,10 +102,7 @@ struct HeadMods<T, Acc, true> {
             for_each_score<KEY_ROWS>(s, r0, c0, [&](Acc& x, int i, int j, int, int, int) { x += biased(i, j); });
         if (slope_log2 != Acc(0))
             for_each_score<KEY_ROWS>(s, r0, c0, [&](Acc& x, int i, int j, int, int, int) { x -= alibi(i, j); });
-        if (masked)
-            for_each_score<KEY_ROWS>(s, r0, c0, [&](Acc& x, int i, int j, int, int, int) {
-                if (!mask->visible(i, j, h)) x = Acc(-INFINITY);
-            });
+        if (masked) mask->template apply<KEY_ROWS>(s, r0, c0, h);
     }
 
     // softcap * tanh(scale s / softcap) of a log2-unit score x = scale s log2 e, in log2
