@@ -16,6 +16,7 @@ import math
 import numpy as np
 
 from . import _arrays, _mods, _nvrtc, _philox
+from ._validate import check_flag
 
 # Head dims the kernels are instantiated for; any d <= 256 runs in the smallest one that
 # holds it, its padding columns zero-filled on load.
@@ -289,9 +290,7 @@ def precompile(*, dtypes=None, head_dims=None, device=None, workers=None, option
         if not isinstance(d, (int, np.integer)) or not 1 <= d <= HEAD_DIMS[-1]:
             raise ValueError(f"head_dims: each must be an integer in [1, {HEAD_DIMS[-1]}], got {d!r}")
     dims = sorted({padded_head_dim(int(d), int(d)) for d in (head_dims or HEAD_DIMS)})
-    if not isinstance(options, (bool, np.bool_)):
-        raise TypeError(f"options must be True or False, got {options!r}")
-    modes = (MODE_DENSE, MODE_EXT) if options else (MODE_DENSE,)
+    modes = (MODE_DENSE, MODE_EXT) if check_flag(options, "options") else (MODE_DENSE,)
     arch, _ = _device_info(device_id)
     wanted = {}
     for name in names:
