@@ -92,8 +92,11 @@ flash_fwd_sm80(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const 
     for (int it = 0; j < tiles.y; ++it) {
         const int k0 = j * BLOCK_N;
         const int next = mask.next_key_tile(j + 1, tiles.y, q0, q0 + q_rows, BLOCK_N, h);
-        const T* sKj = sK + (it % 2) * BLOCK_N * C::LD;
-        const T* sVj = sV + (it % 2) * BLOCK_N * C::LD;
+        // The buffer of this tile: the dense path visits every tile, so j's parity serves
+        // and the loop keeps one induction variable.
+        const int buf = (MODE == MODE_DENSE ? j : it) % 2;
+        const T* sKj = sK + buf * BLOCK_N * C::LD;
+        const T* sVj = sV + buf * BLOCK_N * C::LD;
         cp_async_wait<1>();   // Q and K_j have landed
         __syncthreads();
 
@@ -101,7 +104,7 @@ flash_fwd_sm80(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const 
         float s[MT][NT][4];
         zero_frags(s);
         if constexpr (C::Q_IN_REGS) {
-            if (it == 0) {
+            if (MODE == MODE_DENSE ? j == 0 : it == 0) {   // the first tile visited
                 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt)
                     #pragma unroll
@@ -120,7 +123,7 @@ flash_fwd_sm80(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const 
         // Prefetch the next K tile into the other buffer: every warp finished reading it
         // (the previous tile) before the barrier above. An empty group keeps the wait
         // counts uniform.
-        if (next < tiles.y) load_k(next, (it + 1) % 2);
+        if (next < tiles.y) load_k(next, buf ^ 1);
         cp_async_commit();
 
         // Hide what a row may not see; the predicate runs only on tiles that are not
@@ -146,7 +149,7 @@ flash_fwd_sm80(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const 
         // O += P V_j, P taken straight from the S accumulators
         warp_mm_AB<T, D, MT, NT, DT>(acc, s, sVj);
 
-        if (next < tiles.y) load_v(next, (it + 1) % 2);
+        if (next < tiles.y) load_v(next, buf ^ 1);
         cp_async_commit();
         j = next;
     }

@@ -63,7 +63,8 @@ struct MaskInfo {
         return !EXT || blocks == nullptr || blocks[h * blocks_head + (i / block_q) * blocks_row + j / block_k] != 0;
     }
     __device__ __forceinline__ bool visible(int i, int j, int h = 0) const {
-        return (!EXT || i < nq) && j >= key_lo(i) && j < key_hi(i) && block_visible(i, j, h);
+        if constexpr (!EXT) return j < nk && (!causal || j <= i + off());   // the diagonal tiles' test
+        return i < nq && j >= key_lo(i) && j < key_hi(i) && block_visible(i, j, h);
     }
 
     // Tiles of the block mask over rows [q0, q1) x keys [k0, k1) (clipped to the
