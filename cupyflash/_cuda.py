@@ -37,6 +37,20 @@ FWD_SM80_TILES = {
     192: ((128, 64, 8), (64, 32, 4)),
     256: ((128, 64, 8), (128, 32, 8), (32, 32, 2)),
 }
+# Hopper forward tiles (fwd_sm90.cu, wgmma; sm_90a only) per head dim, (BLOCK_N,
+# WARPGROUPS): BLOCK_M is 64 query rows per warpgroup. Head dims that are not a multiple
+# of 64 and GPUs other than sm_90 use the tables above.
+FWD_SM90_TILES = {
+    64: ((128, 2),),
+    128: ((128, 2),),
+    192: ((64, 2),),
+    256: ((64, 2),),
+}
+# With the options' registers (build check): 64-key tiles, and none past d = 128.
+FWD_SM90_EXT_TILES = {
+    64: ((64, 2),),
+    128: ((64, 2),),
+}
 # The same with the options of _mods (window, dropout, bias, ...; the MODE_EXT kernels):
 # their per-score work and the option state need registers that the dense tiles with 64
 # keys or two m-tiles per warp do not have (build check), so 32-key tiles (16 at d = 192).
@@ -112,6 +126,10 @@ class Variant:
     smem_bytes: int
     column_passes: int = 1   # CTAs per query block, each computing some output columns
     mode: int = MODE_DENSE
+    arch: str | None = None  # the one NVRTC target it builds and runs on; None: every one
+
+    def builds_for(self, arch: str) -> bool:
+        return self.arch is None or self.arch == arch
 
     @property
     def total_smem(self) -> int:
@@ -133,6 +151,15 @@ def _sm80_forward(dtype_name: str, D: int, tile, mode: int) -> Variant:
     return Variant("fwd_sm80.cu", expr, warps * 32, block_m, smem, mode=mode)
 
 
+def _sm90_forward(dtype_name: str, D: int, tile, mode: int) -> Variant:
+    block_n, warpgroups = tile
+    block_m = 64 * warpgroups
+    # fwd_sm90.cu Sm90FwdTile: Q, K and V twice each, swizzled; 1024 bytes to align them.
+    smem = (block_m + 4 * block_n) * D * 2 + 1024
+    expr = f"flash_fwd_sm90<{_CPP_TYPE[dtype_name]}, {D}, {block_n}, {warpgroups}, {mode}>"
+    return Variant("fwd_sm90.cu", expr, warpgroups * 128, block_m, smem, mode=mode, arch="sm_90a")
+
+
 def _wide_forward(dtype_name: str, D: int, tile, mode: int) -> Variant:
     block_m, block_n, sub_n, warps, dv_tile = tile
     item = np.dtype(dtype_name).itemsize
@@ -146,8 +173,10 @@ def _wide_forward(dtype_name: str, D: int, tile, mode: int) -> Variant:
 def forward_variants(dtype_name: str, D: int, mode: int = MODE_DENSE) -> list[Variant]:
     """Every forward instantiation that may serve (dtype, D, mode), in order of preference."""
     if dtype_name in HALF_DTYPES:
+        hopper = (FWD_SM90_EXT_TILES if mode else FWD_SM90_TILES).get(D, ())
         tiles = (FWD_SM80_EXT_TILES if mode else FWD_SM80_TILES)[D]
-        return [_sm80_forward(dtype_name, D, tile, mode) for tile in tiles]
+        return ([_sm90_forward(dtype_name, D, tile, mode) for tile in hopper]
+                + [_sm80_forward(dtype_name, D, tile, mode) for tile in tiles])
     tiles = (FWD_WIDE_EXT_TILES if mode else FWD_WIDE_TILES)[dtype_name][D]
     return [_wide_forward(dtype_name, D, tile, mode) for tile in tiles]
 
@@ -238,9 +267,9 @@ def _load(variant: Variant, device_id: int):
 
 
 def _choose(variants: list[Variant], device_id: int) -> Variant:
-    _, smem_limit = _device_info(device_id)
+    arch, smem_limit = _device_info(device_id)
     for v in variants:
-        if v.total_smem <= smem_limit:
+        if v.builds_for(arch) and v.total_smem <= smem_limit:
             return v
     raise RuntimeError(f"no kernel tile fits this GPU's {smem_limit} bytes of shared memory per block")
 

@@ -15,7 +15,7 @@ from . import _cuda, _nvrtc
 
 def build_all(archs=_cuda.BUILD_ARCHS, jobs: int = 2):
     """Compile all instantiations for ``archs``; returns [(variant, Compiled)]."""
-    work = [(v, arch) for arch in archs for v in _cuda.all_variants()]
+    work = [(v, arch) for arch in archs for v in _cuda.all_variants() if v.builds_for(arch)]
     compiled = _nvrtc.compile_many([(v.source, v.name_expression, arch) for v, arch in work], jobs)
     return [(v, c) for (v, _), c in zip(work, compiled)]
 

@@ -6,6 +6,7 @@
 typedef unsigned short u16;
 typedef unsigned int u32;
 typedef long long i64;
+typedef unsigned long long u64;
 
 struct half_t { u16 bits; };
 struct bfloat16_t { u16 bits; };

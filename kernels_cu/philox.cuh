@@ -7,8 +7,6 @@
 #pragma once
 #include "elem.cuh"
 
-typedef unsigned long long u64;
-
 #define PHILOX_M0 0xD2511F53u
 #define PHILOX_M1 0xCD9E8D57u
 #define PHILOX_W0 0x9E3779B9u   // golden ratio

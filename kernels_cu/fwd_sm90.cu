@@ -1,0 +1,174 @@
+// Forward attention on Hopper's warpgroup MMA (sm_90a, fp16/bf16).
+//
+// The partitioning and the online softmax of fwd_sm80.cu, with the products on wgmma:
+// a CTA of WARPGROUPS warpgroups owns 64 query rows per warpgroup; for each key tile
+// every warpgroup computes its S = Q K_j^T (both operands read from shared memory by
+// descriptor) and O += P V_j (P from its registers, V read N-major), 64 x BLOCK_N and
+// 64 x D per instruction sequence instead of a warp's 16 x 8 pieces. Each warp then
+// holds one 16-row m-tile of S and O in the mma.sync fragment layout (wgmma.cuh), so
+// masks, options and the softmax are fwd_sm80's, with MT = 1.
+// Q, K and V sit in shared memory in the 128-byte-swizzled layout that the descriptors
+// address; K and V are double-buffered by cp.async as in fwd_sm80.cu. The warpgroups
+// wait for their own products only: while one runs its softmax the tensor cores serve
+// the other.
+#include "elem.cuh"
+#include "copy.cuh"
+#include "mods.cuh"
+#include "softmax.cuh"
+#include "tensor.cuh"
+#include "warp_mm.cuh"
+#include "wgmma.cuh"
+
+template <typename T, int D, int BLOCK_N, int WARPGROUPS>
+struct Sm90FwdTile {
+    static constexpr int THREADS = WARPGROUPS * 128;
+    static constexpr int BLOCK_M = WARPGROUPS * 64;
+    static constexpr int NT = BLOCK_N / 8;          // n-tiles of S per warp
+    static constexpr int DT = D / 8;                // n-tiles of O per warp
+    static constexpr int KSTEPS = D / 16;           // k-steps of Q K^T
+    static constexpr int PSTEPS = BLOCK_N / 16;     // k-steps of P V
+    static constexpr int Q_ELEMS = BLOCK_M * D, KV_ELEMS = BLOCK_N * D;
+    // Q, then K and V twice each; the epilogue stages O over Q and K with padded rows.
+    static constexpr int SMEM_ELEMS = Q_ELEMS + 4 * KV_ELEMS;
+    static constexpr int ALIGN = 1024;              // Swizzle128 tiles start on 1024 bytes
+    static_assert(D % 64 == 0 && BLOCK_N % 64 == 0 && BLOCK_N <= 256 && D <= 256, "tile shape");
+    static_assert(Q_ELEMS + 2 * KV_ELEMS >= BLOCK_M * SmemTile<T, D>::stride, "epilogue staging");
+};
+
+// One CTA per SM: the tiles take most of the shared memory, and the bound lets ptxas
+// give each thread the registers of S, O and P.
+template <typename T, int D, int BLOCK_N, int WARPGROUPS, int MODE>
+__global__ void __launch_bounds__(WARPGROUPS * 128, 1)
+flash_fwd_sm90(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const T, v),
+               TENSOR_ARG(T, o), float* __restrict__ lse,
+               int group, int nq, int nk, int d, int dv,
+               float scale_log2, int causal, int vec, MODS_ARGS(T, float))
+{
+    typedef Sm90FwdTile<T, D, BLOCK_N, WARPGROUPS> C;
+    constexpr int BLOCK_M = C::BLOCK_M, NT = C::NT, DT = C::DT;
+    typedef Swizzle128<T, BLOCK_M> QLayout;
+    typedef Swizzle128<T, BLOCK_N> KVLayout;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    T* sQ = reinterpret_cast<T*>(smem_raw + (C::ALIGN - smem_addr(smem_raw) % C::ALIGN) % C::ALIGN);
+    T* sK = sQ + C::Q_ELEMS;               // two buffers
+    T* sV = sK + 2 * C::KV_ELEMS;          // two buffers
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int g = lane / 4, t = lane % 4;
+    const int wg_row0 = (warp / 4) * 64;   // this warpgroup's rows of the query tile
+    const int warp_row0 = warp * 16;       // this warp's m-tile
+    // Heavy (late, causal) query blocks first so the tail of the grid is short.
+    const int m_block = gridDim.x - 1 - blockIdx.x;
+    const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
+    MODS_SETUP(T, float, MODE, b, gridDim.y, nq, nk, causal);
+    const auto& mask = mods.mask;
+    const int q0 = m_block * BLOCK_M;
+    const int q_rows = min(BLOCK_M, mask.nq - q0);
+    if (q_rows <= 0) return;   // varlen: the grid covers the longest sequence
+    const int2 tiles = mask.key_tile_range(q0, q0 + q_rows, BLOCK_N);
+    const int key_rows = mask.stop();   // rows past it are never read (key padding)
+
+    const Strided<const T> Q = TENSOR(const T, q), K = TENSOR(const T, k), V = TENSOR(const T, v);
+    const Strided<T> O = TENSOR(T, o);
+    const T* k_head = K.at(mods.tb, hk, mods.k_base);
+    const T* v_head = V.at(mods.tb, hk, mods.k_base);
+    auto load_k = [&](int j, int buf) {
+        load_tile_as<T, BLOCK_N, D, C::THREADS, KVLayout>(sK + buf * C::KV_ELEMS, k_head + (i64)j * BLOCK_N * K.row,
+                                                          K.row, min(BLOCK_N, key_rows - j * BLOCK_N), d, vec);
+    };
+    auto load_v = [&](int j, int buf) {
+        load_tile_as<T, BLOCK_N, D, C::THREADS, KVLayout>(sV + buf * C::KV_ELEMS, v_head + (i64)j * BLOCK_N * V.row,
+                                                          V.row, min(BLOCK_N, key_rows - j * BLOCK_N), dv, vec);
+    };
+    int j = mask.next_key_tile(tiles.x, tiles.y, q0, q0 + q_rows, BLOCK_N, h);
+
+    load_tile_as<T, BLOCK_M, D, C::THREADS, QLayout>(sQ, Q.at(mods.tb, h, mods.q_base + q0), Q.row, q_rows, d, vec);
+    if (j < tiles.y) load_k(j, 0);
+    cp_async_commit();
+    if (j < tiles.y) load_v(j, 0);
+    cp_async_commit();
+
+    float acc[1][DT][4];
+    zero_frags(acc);
+    OnlineSoftmax<1> softmax;
+    softmax.init();
+
+    for (int it = 0; j < tiles.y; ++it) {
+        const int k0 = j * BLOCK_N;
+        const int next = mask.next_key_tile(j + 1, tiles.y, q0, q0 + q_rows, BLOCK_N, h);
+        // The dense path visits every tile from 0, so j's parity is the buffer.
+        const int buf = (MODE == MODE_DENSE ? j : it) % 2;
+        const T* sKj = sK + buf * C::KV_ELEMS;
+        const T* sVj = sV + buf * C::KV_ELEMS;
+        cp_async_wait<1>();   // Q and K_j have landed
+        fence_async_smem();
+        __syncthreads();
+
+        // S = Q K_j^T, this warpgroup's 64 rows
+        float s[1][NT][4];
+        wgmma_fence();
+        #pragma unroll
+        for (int ks = 0; ks < C::KSTEPS; ++ks)
+            Wgmma<T, BLOCK_N>::ss(s[0], kmajor_desc<T, BLOCK_M>(sQ, wg_row0, ks),
+                                  kmajor_desc<T, BLOCK_N>(sKj, 0, ks), ks > 0);
+        wgmma_commit();
+        wgmma_wait<0>();
+        reg_fence(s[0]);
+
+        // Prefetch the next K tile into the other buffer: every warpgroup finished
+        // reading it (the previous tile) before the barrier above.
+        if (next < tiles.y) load_k(next, buf ^ 1);
+        cp_async_commit();
+
+        const bool needs_mask = mask.tile_needs_mask(q0, q0 + q_rows, k0, k0 + BLOCK_N, h);
+        if constexpr (MODE == MODE_DENSE) {
+            if (needs_mask) mask.apply(s, q0 + warp_row0, k0);
+            softmax.update(s, acc, scale_log2);
+        } else {
+            float unused[1][1][4];
+            const auto hm = mods.at_head(h);
+            hm.template scores_log2<false>(s, unused, q0 + warp_row0, k0, scale_log2, needs_mask);
+            softmax.update(s, acc, 1.f);
+            if (hm.dropout())
+                for_each_score<false>(s, q0 + warp_row0, k0, [&](float& p, int i, int jj, int, int, int) {
+                    if (!hm.keep(i, jj)) p = 0.f;
+                });
+        }
+        u32 p[C::PSTEPS][4];
+        #pragma unroll
+        for (int ks = 0; ks < C::PSTEPS; ++ks) c_to_a_frag<T>(p[ks], s, 0, ks);
+
+        cp_async_wait<1>();   // V_j has landed
+        fence_async_smem();
+        __syncthreads();
+
+        // O += P V_j
+        wgmma_fence();
+        #pragma unroll
+        for (int ks = 0; ks < C::PSTEPS; ++ks)
+            Wgmma<T, D>::rs(acc[0], p[ks], mnmajor_desc<T, BLOCK_N>(sVj, ks), 1);
+        wgmma_commit();
+        wgmma_wait<0>();
+        reg_fence(acc[0]);
+
+        if (next < tiles.y) load_v(next, buf ^ 1);
+        cp_async_commit();
+        j = next;
+    }
+
+    float row_lse[1][2];
+    softmax.finalize(acc, row_lse, mods.dropout() ? mods.drop_scale : 1.f);
+
+    // Epilogue as in fwd_sm80.cu, the output staged with padded rows over Q and K (every
+    // warpgroup is past its last product once all threads pass the barrier).
+    cp_async_wait<0>();
+    __syncthreads();
+    warp_store_c<T, D>(sQ, warp_row0, acc, 1.f);
+    #pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        const int r = warp_row0 + g + hh * 8;
+        if (t == 0 && r < q_rows) lse[((i64)mods.tb * gridDim.y + h) * nq + mods.q_base + q0 + r] = row_lse[0][hh];
+    }
+    __syncthreads();
+    store_tile<T, BLOCK_M, D, C::THREADS>(O.at(mods.tb, h, mods.q_base + q0), O.row, sQ, q_rows, dv, vec);
+}

@@ -1,0 +1,123 @@
+// Hopper (sm_90a) warpgroup MMA: wgmma.mma_async on 16-bit operands with fp32
+// accumulators, and the 128-byte-swizzled shared-memory layout its descriptors read.
+//
+// A warpgroup (4 consecutive warps, the first a multiple of 4) computes a 64 x n tile.
+// Warp w of the group holds rows 16 w .. 16 w + 15 in the same C fragment layout as
+// mma.sync m16n8k16 (mma.cuh), n / 8 fragments of 4 floats; and an A operand in
+// registers has the m16n8k16 A layout. So the softmax, masks and C -> A conversion of the
+// sm80 kernels serve these tiles unchanged, each warp seeing one 16-row m-tile.
+//
+// Ordering (PTX ISA, "Asynchronous Warpgroup Level Matrix Multiply-Accumulate"):
+//   wgmma_fence()      before the first wgmma of a batch, after registers it reads
+//                      (accumulator, A) were last written by other instructions;
+//   wgmma_commit()     closes the batch; wgmma_wait<N>() waits until at most N batches
+//                      are pending; the accumulators may be read only after that
+//                      (reg_fence keeps the compiler from hoisting reads above the wait);
+//   fence_async_smem() makes this thread's shared-memory writes (cp.async included)
+//                      visible to the async proxy that wgmma reads through; a barrier
+//                      after it publishes them to the whole CTA.
+#pragma once
+#include "elem.cuh"
+#include "copy.cuh"
+#include "wgmma_operands.cuh"
+
+// ---------------------------------------------------------------- shared-memory layout
+// A ROWS x COLS tile (COLS a multiple of 64 16-bit elements) as COLS / 64 panels of
+// ROWS x 64: row r of a panel is 128 bytes at r * 128, and its 16-byte chunk c sits at
+// position c ^ (r % 8) (the 128-byte swizzle: the 8 rows a tensor-core phase reads fall
+// in distinct banks). The tile must start on a 1024-byte boundary, where the pattern of
+// 8 rows starts. load_tile takes it as a layout.
+template <typename T, int ROWS>
+struct Swizzle128 {
+    static constexpr int PANEL_COLS = 128 / sizeof(T);
+    static constexpr int PANEL_ELEMS = ROWS * PANEL_COLS;
+    static_assert(ROWS % 8 == 0, "whole swizzle atoms of 8 rows");
+    // Element offset of (r, col); col a multiple of the 16-byte chunk.
+    __device__ static __forceinline__ int offset(int r, int col) {
+        const int chunk = (col % PANEL_COLS) / Chunk<T>::elems;
+        return (col / PANEL_COLS) * PANEL_ELEMS + r * PANEL_COLS + (chunk ^ (r % 8)) * Chunk<T>::elems;
+    }
+};
+
+// ---------------------------------------------------------------- descriptors
+// Matrix descriptor of an operand in a Swizzle128 tile (PTX ISA, "Matrix Descriptor
+// Format"): start address, leading and stride byte offsets (all >> 4), swizzle mode 1
+// (128-byte). Base offset 0: every operand starts in a 1024-byte-aligned atom row 0, or
+// at a 32-byte step along k inside one.
+__device__ __forceinline__ u64 wgmma_desc(const void* start, u32 leading_bytes, u32 stride_bytes) {
+    return static_cast<u64>((smem_addr(start) & 0x3FFFF) >> 4)
+         | static_cast<u64>((leading_bytes >> 4) & 0x3FFF) << 16
+         | static_cast<u64>((stride_bytes >> 4) & 0x3FFF) << 32
+         | 1ull << 62;
+}
+
+// K-major operand (rows of the tile along m or n, k contiguous: Q and K for S = Q K^T):
+// k-step ks of 16 elements starts at panel ks / 4, byte 32 (ks % 4) of its rows; the
+// 8-row groups are 1024 bytes apart (stride offset); the leading offset is unused.
+template <typename T, int ROWS>
+__device__ __forceinline__ u64 kmajor_desc(const T* tile, int row0, int ks) {
+    typedef Swizzle128<T, ROWS> L;
+    constexpr int KS_PER_PANEL = L::PANEL_COLS / 16;
+    return wgmma_desc(tile + (ks / KS_PER_PANEL) * L::PANEL_ELEMS + row0 * L::PANEL_COLS + (ks % KS_PER_PANEL) * 16,
+                      16, 1024);
+}
+
+// MN-major operand (k along the tile's rows, n contiguous: V for O = P V, k = keys):
+// k-step ks starts at row 16 ks; 64-column panels are PANEL_ELEMS apart (leading
+// offset), groups of 8 k-rows 1024 bytes apart (stride offset).
+template <typename T, int ROWS>
+__device__ __forceinline__ u64 mnmajor_desc(const T* tile, int ks) {
+    typedef Swizzle128<T, ROWS> L;
+    return wgmma_desc(tile + ks * 16 * L::PANEL_COLS, L::PANEL_ELEMS * sizeof(T), 1024);
+}
+
+// ---------------------------------------------------------------- ordering
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory");
+}
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// An empty volatile asm per register: reads of d after it cannot move above an earlier
+// volatile asm (the wait), writes before it cannot sink below.
+template <int NT>
+__device__ __forceinline__ void reg_fence(float (&d)[NT][4]) {
+    #pragma unroll
+    for (int i = 0; i < NT; ++i)
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[i][e]) :: "memory");
+}
+
+// ---------------------------------------------------------------- the MMA
+// Wgmma<T, N>::ss: D (+)= A B^T, A 64 x 16 and B N x 16 both K-major in shared memory.
+// Wgmma<T, N>::rs: D (+)= A B, A 64 x 16 in registers (the m16n8k16 A layout), B 16 x N
+// MN-major in shared memory. `accumulate` 0 ignores D's old value.
+template <typename T, int N> struct Wgmma;
+
+#define WGMMA_DEFINE(TYPE, TY, N)                                                            \
+template <> struct Wgmma<TYPE, N> {                                                          \
+    static __device__ __forceinline__ void ss(float (&d)[N / 8][4], u64 a, u64 b, int accumulate) { \
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " WG_N##N##_SS_SCALE ", 0;\n"         \
+                     "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " "          \
+                     WG_N##N##_ACC ", " WG_N##N##_SS ", p, 1, 1, 0, 0;\n}\n"                 \
+                     : WG_N##N##_OPS(d) : "l"(a), "l"(b), "r"(accumulate) : "memory");      \
+    }                                                                                        \
+    static __device__ __forceinline__ void rs(float (&d)[N / 8][4], const u32 (&a)[4], u64 b, int accumulate) { \
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " WG_N##N##_RS_SCALE ", 0;\n"         \
+                     "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " "          \
+                     WG_N##N##_ACC ", " WG_N##N##_RS ", p, 1, 1, 1;\n}\n"                    \
+                     : WG_N##N##_OPS(d)                                                      \
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate)  \
+                     : "memory");                                                            \
+    }                                                                                        \
+};
+WGMMA_DEFINE(half_t, "f16", 64)
+WGMMA_DEFINE(half_t, "f16", 128)
+WGMMA_DEFINE(half_t, "f16", 192)
+WGMMA_DEFINE(half_t, "f16", 256)
+WGMMA_DEFINE(bfloat16_t, "bf16", 64)
+WGMMA_DEFINE(bfloat16_t, "bf16", 128)
+WGMMA_DEFINE(bfloat16_t, "bf16", 192)
+WGMMA_DEFINE(bfloat16_t, "bf16", 256)
+#undef WGMMA_DEFINE
