@@ -29,13 +29,16 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" :: "n"(N));
 }
 
-// Shared-memory tile layouts: the element offset of (row, col), col a multiple of the
-// 16-byte chunk. Padded rows of LDS elements (a multiple of 16 bytes: other fragment
-// reads than ldmatrix want other paddings, see mma_wide.cuh); wgmma.cuh has the swizzled
-// layout of the Hopper kernels.
+// Shared-memory tile layouts: at(tile, r, col) is the address of element (r, col), col a
+// multiple of the 16-byte chunk, and ROWS_APART<N> the distance in elements from (r, col)
+// to (r + N, col) for the N a loader steps by. Padded rows of LDS elements (a multiple of
+// 16 bytes: other fragment reads than ldmatrix want other paddings, see mma_wide.cuh);
+// wgmma.cuh has the swizzled layout of the Hopper kernels.
 template <int LDS>
 struct PaddedRows {
-    __device__ static __forceinline__ int offset(int r, int col) { return r * LDS + col; }
+    template <typename T>
+    __device__ static __forceinline__ T* at(T* tile, int r, int col) { return tile + r * LDS + col; }
+    template <int N> static constexpr int ROWS_APART = N * LDS;
 };
 
 // Load a ROWS x COLS tile starting at `src` (row stride `ld` elements) into `dst`, laid
@@ -53,14 +56,16 @@ __device__ __forceinline__ void load_tile_as(T* dst, const T* src, i64 ld, int r
     constexpr int ROW_STEP = FIXED_COL ? NTHREADS / CHUNKS_PER_ROW : 1;
     constexpr int ITERS = FIXED_COL ? (ROWS + ROW_STEP - 1) / ROW_STEP
                                     : (ROWS * CHUNKS_PER_ROW + NTHREADS - 1) / NTHREADS;
-    if (vec && FIXED_COL && rows >= ROWS && cols >= COLS) {
+    constexpr bool STEP_APART = Layout::template ROWS_APART<ROW_STEP> >= 0;
+    if (vec && FIXED_COL && STEP_APART && rows >= ROWS && cols >= COLS) {
         // A whole tile (every tile but a sequence's last): no bounds, no zero-fill.
         const int r0 = threadIdx.x / CHUNKS_PER_ROW, col = (threadIdx.x % CHUNKS_PER_ROW) * CE;
         const T* s = src + r0 * ld + col;
+        T* d = Layout::at(dst, r0, col);
         #pragma unroll
         for (int i = 0; i < ITERS; ++i)
             if (r0 + i * ROW_STEP < ROWS)
-                cp_async_16(dst + Layout::offset(r0 + i * ROW_STEP, col), s + i * ROW_STEP * ld, 16);
+                cp_async_16(d + i * Layout::template ROWS_APART<ROW_STEP>, s + i * ROW_STEP * ld, 16);
         return;
     }
     #pragma unroll
@@ -69,7 +74,7 @@ __device__ __forceinline__ void load_tile_as(T* dst, const T* src, i64 ld, int r
         const int r = FIXED_COL ? threadIdx.x / CHUNKS_PER_ROW + i * ROW_STEP : c / CHUNKS_PER_ROW;
         const int col = (c % CHUNKS_PER_ROW) * CE;
         if (r >= ROWS) break;
-        T* d = dst + Layout::offset(r, col);
+        T* d = Layout::at(dst, r, col);
         const int n = (r < rows) ? max(0, min(CE, cols - col)) : 0;
         const T* s = src + r * ld + col;
         if (vec) {

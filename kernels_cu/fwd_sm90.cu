@@ -8,9 +8,9 @@
 // holds one 16-row m-tile of S and O in the mma.sync fragment layout (wgmma.cuh), so
 // masks, options and the softmax are fwd_sm80's, with MT = 1.
 // Q, K and V sit in shared memory in the 128-byte-swizzled layout that the descriptors
-// address; K and V are double-buffered by cp.async as in fwd_sm80.cu. The warpgroups
-// wait for their own products only: while one runs its softmax the tensor cores serve
-// the other.
+// address; K and V are double-buffered by cp.async as in fwd_sm80.cu. Each warpgroup
+// overlaps its softmax of one key tile with its P V of the previous one (the pipeline
+// in the main loop), and the warpgroups wait for their own products only.
 #include "elem.cuh"
 #include "copy.cuh"
 #include "mods.cuh"
@@ -80,80 +80,118 @@ flash_fwd_sm90(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const 
         load_tile_as<T, BLOCK_N, D, C::THREADS, KVLayout>(sV + buf * C::KV_ELEMS, v_head + (i64)j * BLOCK_N * V.row,
                                                           V.row, min(BLOCK_N, key_rows - j * BLOCK_N), dv, vec);
     };
-    int j = mask.next_key_tile(tiles.x, tiles.y, q0, q0 + q_rows, BLOCK_N, h);
+    const int first = mask.next_key_tile(tiles.x, tiles.y, q0, q0 + q_rows, BLOCK_N, h);
 
     load_tile_as<T, BLOCK_M, D, C::THREADS, QLayout>(sQ, Q.at(mods.tb, h, mods.q_base + q0), Q.row, q_rows, d, vec);
-    if (j < tiles.y) load_k(j, 0);
+    if (first < tiles.y) load_k(first, 0);
     cp_async_commit();
-    if (j < tiles.y) load_v(j, 0);
+    if (first < tiles.y) load_v(first, 0);
     cp_async_commit();
 
     float acc[1][DT][4];
     zero_frags(acc);
     OnlineSoftmax<1> softmax;
     softmax.init();
+    float s[1][NT][4];
+    u32 p[C::PSTEPS][4];   // P of the tile whose P V is next, as A fragments
+    float alpha[1][2];
 
-    for (int it = 0; j < tiles.y; ++it) {
-        const int k0 = j * BLOCK_N;
-        const int next = mask.next_key_tile(j + 1, tiles.y, q0, q0 + q_rows, BLOCK_N, h);
-        // The dense path visits every tile from 0, so j's parity is the buffer.
-        const int buf = (MODE == MODE_DENSE ? j : it) % 2;
-        const T* sKj = sK + buf * C::KV_ELEMS;
-        const T* sVj = sV + buf * C::KV_ELEMS;
-        cp_async_wait<1>();   // Q and K_j have landed
-        fence_async_smem();
-        __syncthreads();
-
-        // S = Q K_j^T, this warpgroup's 64 rows
-        float s[1][NT][4];
+    // S = Q K^T of the key tile in buffer `buf` (this warpgroup's 64 rows), issued as one
+    // batch; the caller waits for it.
+    auto issue_s = [&](int buf) {
+        const T* sKb = sK + buf * C::KV_ELEMS;
+        wgmma_fence();
+        Wgmma<T, BLOCK_N>::template ss<false>(s[0], kmajor_desc<T, BLOCK_M>(sQ, wg_row0, 0), kmajor_desc<T, BLOCK_N>(sKb, 0, 0));
+        #pragma unroll
+        for (int ks = 1; ks < C::KSTEPS; ++ks)
+            Wgmma<T, BLOCK_N>::template ss<true>(s[0], kmajor_desc<T, BLOCK_M>(sQ, wg_row0, ks), kmajor_desc<T, BLOCK_N>(sKb, 0, ks));
+        wgmma_commit();
+    };
+    // O += P V of the tile in buffer `buf`, issued as one batch.
+    auto issue_pv = [&](int buf) {
         wgmma_fence();
         #pragma unroll
-        for (int ks = 0; ks < C::KSTEPS; ++ks)
-            Wgmma<T, BLOCK_N>::ss(s[0], kmajor_desc<T, BLOCK_M>(sQ, wg_row0, ks),
-                                  kmajor_desc<T, BLOCK_N>(sKj, 0, ks), ks > 0);
+        for (int ks = 0; ks < C::PSTEPS; ++ks)
+            Wgmma<T, D>::template rs<true>(acc[0], p[ks], mnmajor_desc<T, BLOCK_N>(sV + buf * C::KV_ELEMS, ks));
         wgmma_commit();
-        wgmma_wait<0>();
-        reg_fence(s[0]);
-
-        // Prefetch the next K tile into the other buffer: every warpgroup finished
-        // reading it (the previous tile) before the barrier above.
-        if (next < tiles.y) load_k(next, buf ^ 1);
-        cp_async_commit();
-
+    };
+    // Masks and options on the scores of key tile jt, folded into the softmax state: s
+    // becomes P. Returns whether acc must be rescaled by alpha before this tile's P V
+    // is added.
+    auto softmax_tile = [&](int jt) {
+        const int k0 = jt * BLOCK_N;
         const bool needs_mask = mask.tile_needs_mask(q0, q0 + q_rows, k0, k0 + BLOCK_N, h);
+        bool grew;
         if constexpr (MODE == MODE_DENSE) {
             if (needs_mask) mask.apply(s, q0 + warp_row0, k0);
-            softmax.update(s, acc, scale_log2);
+            grew = softmax.fold(s, scale_log2, alpha);
         } else {
             float unused[1][1][4];
             const auto hm = mods.at_head(h);
             hm.template scores_log2<false>(s, unused, q0 + warp_row0, k0, scale_log2, needs_mask);
-            softmax.update(s, acc, 1.f);
+            grew = softmax.fold(s, 1.f, alpha);
             if (hm.dropout())
-                for_each_score<false>(s, q0 + warp_row0, k0, [&](float& p, int i, int jj, int, int, int) {
-                    if (!hm.keep(i, jj)) p = 0.f;
+                for_each_score<false>(s, q0 + warp_row0, k0, [&](float& x, int i, int jj, int, int, int) {
+                    if (!hm.keep(i, jj)) x = 0.f;
                 });
         }
-        u32 p[C::PSTEPS][4];
+        return grew;
+    };
+    // P into A fragments; p must not change while a P V that reads it is in flight.
+    auto round_p = [&]() {
         #pragma unroll
         for (int ks = 0; ks < C::PSTEPS; ++ks) c_to_a_frag<T>(p[ks], s, 0, ks);
+    };
 
-        cp_async_wait<1>();   // V_j has landed
+    // Pipeline: the t-th key tile visited sits in buffer t % 2 (K and V alike). Before
+    // the loop, S and P of the first tile; while there is a next tile, an iteration
+    // issues S of the next tile and P V of this one back to back, and runs the softmax
+    // of the next tile while the tensor cores still accumulate P V; acc is rescaled only
+    // once that product has landed. The last P V follows the loop. (The issue order is
+    // unconditional inside the loop: a wgmma batch issued on one path only would leave
+    // register copies between the wgmmas and their wait.)
+    int next = tiles.y, it = 0;
+    if (first < tiles.y) {
+        cp_async_wait<1>();   // Q and K of the first tile have landed
         fence_async_smem();
         __syncthreads();
+        issue_s(0);
+        next = mask.next_key_tile(first + 1, tiles.y, q0, q0 + q_rows, BLOCK_N, h);
+        if (next < tiles.y) load_k(next, 1);
+        cp_async_commit();
+        wgmma_wait<0>();
+        reg_fence(s[0]);
+        softmax_tile(first);   // acc is still 0: nothing to rescale
+        round_p();
+    }
+    for (; next < tiles.y; ++it) {
+        const int buf = it % 2;
+        cp_async_wait<0>();   // V of this tile and K of the next have landed
+        fence_async_smem();
+        __syncthreads();      // ... for all threads, and no warpgroup reads the other buffers any more
+        const int after = mask.next_key_tile(next + 1, tiles.y, q0, q0 + q_rows, BLOCK_N, h);
+        load_v(next, buf ^ 1);
+        if (after < tiles.y) load_k(after, buf);
+        cp_async_commit();
 
-        // O += P V_j
-        wgmma_fence();
-        #pragma unroll
-        for (int ks = 0; ks < C::PSTEPS; ++ks)
-            Wgmma<T, D>::rs(acc[0], p[ks], mnmajor_desc<T, BLOCK_N>(sVj, ks), 1);
-        wgmma_commit();
+        issue_s(buf ^ 1);
+        issue_pv(buf);
+        wgmma_wait<1>();   // S of the next tile (P V may still run)
+        reg_fence(s[0]);
+        const bool grew = softmax_tile(next);
         wgmma_wait<0>();
         reg_fence(acc[0]);
-
-        if (next < tiles.y) load_v(next, buf ^ 1);
-        cp_async_commit();
-        j = next;
+        if (grew) softmax.rescale(acc, alpha);
+        round_p();
+        next = after;
+    }
+    if (first < tiles.y) {
+        cp_async_wait<0>();   // V of the last tile has landed
+        fence_async_smem();
+        __syncthreads();
+        issue_pv(it % 2);
+        wgmma_wait<0>();
+        reg_fence(acc[0]);
     }
 
     float row_lse[1][2];

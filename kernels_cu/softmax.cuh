@@ -34,8 +34,6 @@ struct OnlineSoftmax {
             for (int h = 0; h < 2; ++h) { row_max[mt][h] = -INFINITY; row_sum[mt][h] = Acc(0); }
     }
 
-    // Fold one tile of scores into the state: s becomes P = exp2(s * scale_log2 - max).
-    //
     // The max is raised (and the output accumulator rescaled by exp2(old - new)) only
     // when some row of the warp would otherwise see a probability above 2^RESCALE_SLACK:
     // sum and accumulator always refer to the same max, so a stale max is exact, and
@@ -44,8 +42,12 @@ struct OnlineSoftmax {
     // subtracting 0 instead keeps its P at 0, not NaN.
     static constexpr float RESCALE_SLACK = 8.f;
 
-    template <int NT, int DT>
-    __device__ __forceinline__ void update(Acc (&s)[MT][NT][4], Acc (&acc)[MT][DT][4], Acc scale_log2) {
+    // Fold one tile of scores into the running max and sum: s becomes P = exp2(s *
+    // scale_log2 - max). Where the max grows, on_grow(mt, h, alpha) is told the factor
+    // exp2(old - new) by which the output accumulator's row must be multiplied before
+    // this tile's P V is added to it. Returns whether the max grew.
+    template <int NT, typename OnGrow>
+    __device__ __forceinline__ bool fold_with(Acc (&s)[MT][NT][4], Acc scale_log2, OnGrow&& on_grow) {
         Acc tile_max[MT][2];
         bool grow = false;
         #pragma unroll
@@ -60,7 +62,8 @@ struct OnlineSoftmax {
                 grow |= tile_max[mt][h] > row_max[mt][h] + RESCALE_SLACK;
             }
         }
-        if (__any_sync(0xffffffffu, grow)) {
+        const bool grew = __any_sync(0xffffffffu, grow);
+        if (grew) {
             #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
                 #pragma unroll
@@ -69,11 +72,7 @@ struct OnlineSoftmax {
                     const Acc alpha = exp2_fast(row_max[mt][h] - (new_max == -INFINITY ? Acc(0) : new_max));
                     row_max[mt][h] = new_max;
                     row_sum[mt][h] *= alpha;
-                    #pragma unroll
-                    for (int dt = 0; dt < DT; ++dt) {
-                        acc[mt][dt][2 * h] *= alpha;
-                        acc[mt][dt][2 * h + 1] *= alpha;
-                    }
+                    on_grow(mt, h, alpha);
                 }
             }
         }
@@ -95,6 +94,39 @@ struct OnlineSoftmax {
                 row_sum[mt][h] += sum;
             }
         }
+        return grew;
+    }
+
+    // The tile's fold with the accumulator rescaled at once.
+    template <int NT, int DT>
+    __device__ __forceinline__ void update(Acc (&s)[MT][NT][4], Acc (&acc)[MT][DT][4], Acc scale_log2) {
+        fold_with(s, scale_log2, [&](int mt, int h, Acc alpha) {
+            #pragma unroll
+            for (int dt = 0; dt < DT; ++dt) {
+                acc[mt][dt][2 * h] *= alpha;
+                acc[mt][dt][2 * h + 1] *= alpha;
+            }
+        });
+    }
+
+    // The fold with the rescale deferred (a pipelined kernel folds a tile while the
+    // previous P V still accumulates): alpha is valid where it returns true, for rescale.
+    template <int NT>
+    __device__ __forceinline__ bool fold(Acc (&s)[MT][NT][4], Acc scale_log2, Acc (&alpha)[MT][2]) {
+        return fold_with(s, scale_log2, [&](int mt, int h, Acc a) { alpha[mt][h] = a; });
+    }
+
+    template <int DT>
+    __device__ __forceinline__ static void rescale(Acc (&acc)[MT][DT][4], const Acc (&alpha)[MT][2]) {
+        #pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+            #pragma unroll
+            for (int h = 0; h < 2; ++h)
+                #pragma unroll
+                for (int dt = 0; dt < DT; ++dt) {
+                    acc[mt][dt][2 * h] *= alpha[mt][h];
+                    acc[mt][dt][2 * h + 1] *= alpha[mt][h];
+                }
     }
 
     // The single division by the row sum, and the natural-log LSE = ln2 * (max + log2 sum).

@@ -32,11 +32,13 @@ struct Swizzle128 {
     static constexpr int PANEL_COLS = 128 / sizeof(T);
     static constexpr int PANEL_ELEMS = ROWS * PANEL_COLS;
     static_assert(ROWS % 8 == 0, "whole swizzle atoms of 8 rows");
-    // Element offset of (r, col); col a multiple of the 16-byte chunk.
-    __device__ static __forceinline__ int offset(int r, int col) {
+    // Element (r, col), col a multiple of the 16-byte chunk (copy.cuh's layout interface).
+    __device__ static __forceinline__ T* at(T* tile, int r, int col) {
         const int chunk = (col % PANEL_COLS) / Chunk<T>::elems;
-        return (col / PANEL_COLS) * PANEL_ELEMS + r * PANEL_COLS + (chunk ^ (r % 8)) * Chunk<T>::elems;
+        return tile + (col / PANEL_COLS) * PANEL_ELEMS + r * PANEL_COLS + (chunk ^ (r % 8)) * Chunk<T>::elems;
     }
+    // Rows N apart share their swizzle only N a multiple of 8 (else -1: step row by row).
+    template <int N> static constexpr int ROWS_APART = N % 8 == 0 ? N * PANEL_COLS : -1;
 };
 
 // ---------------------------------------------------------------- descriptors
@@ -92,24 +94,29 @@ __device__ __forceinline__ void reg_fence(float (&d)[NT][4]) {
 // ---------------------------------------------------------------- the MMA
 // Wgmma<T, N>::ss: D (+)= A B^T, A 64 x 16 and B N x 16 both K-major in shared memory.
 // Wgmma<T, N>::rs: D (+)= A B, A 64 x 16 in registers (the m16n8k16 A layout), B 16 x N
-// MN-major in shared memory. `accumulate` 0 ignores D's old value.
+// MN-major in shared memory. ACCUMULATE = false overwrites D: its registers are then
+// outputs only, so D's old value is not kept alive (nor copied between loop iterations:
+// such moves would sit between a wgmma and its wait and make ptxas serialize the wgmmas).
 template <typename T, int N> struct Wgmma;
+
+#define WGMMA_ASM(TY, N, KIND, TAIL, CONSTRAINT, ...)                                        \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " WG_N##N##_##KIND##_SCALE ", 0;\n"     \
+                 "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " "              \
+                 WG_N##N##_ACC ", " WG_N##N##_##KIND ", p, 1, 1" TAIL ";\n}\n"               \
+                 : WG_N##N##_OPS(CONSTRAINT, d) : __VA_ARGS__, "r"(int(ACCUMULATE)) : "memory")
 
 #define WGMMA_DEFINE(TYPE, TY, N)                                                            \
 template <> struct Wgmma<TYPE, N> {                                                          \
-    static __device__ __forceinline__ void ss(float (&d)[N / 8][4], u64 a, u64 b, int accumulate) { \
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " WG_N##N##_SS_SCALE ", 0;\n"         \
-                     "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " "          \
-                     WG_N##N##_ACC ", " WG_N##N##_SS ", p, 1, 1, 0, 0;\n}\n"                 \
-                     : WG_N##N##_OPS(d) : "l"(a), "l"(b), "r"(accumulate) : "memory");      \
+    template <bool ACCUMULATE>                                                               \
+    static __device__ __forceinline__ void ss(float (&d)[N / 8][4], u64 a, u64 b) {          \
+        if constexpr (ACCUMULATE) WGMMA_ASM(TY, N, SS, ", 0, 0", "+f", "l"(a), "l"(b));       \
+        else WGMMA_ASM(TY, N, SS, ", 0, 0", "=f", "l"(a), "l"(b));                            \
     }                                                                                        \
-    static __device__ __forceinline__ void rs(float (&d)[N / 8][4], const u32 (&a)[4], u64 b, int accumulate) { \
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " WG_N##N##_RS_SCALE ", 0;\n"         \
-                     "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " "          \
-                     WG_N##N##_ACC ", " WG_N##N##_RS ", p, 1, 1, 1;\n}\n"                    \
-                     : WG_N##N##_OPS(d)                                                      \
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate)  \
-                     : "memory");                                                            \
+    template <bool ACCUMULATE>                                                               \
+    static __device__ __forceinline__ void rs(float (&d)[N / 8][4], const u32 (&a)[4], u64 b) { \
+        if constexpr (ACCUMULATE)                                                            \
+            WGMMA_ASM(TY, N, RS, ", 1", "+f", "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b)); \
+        else WGMMA_ASM(TY, N, RS, ", 1", "=f", "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b)); \
     }                                                                                        \
 };
 WGMMA_DEFINE(half_t, "f16", 64)
@@ -121,3 +128,4 @@ WGMMA_DEFINE(bfloat16_t, "bf16", 128)
 WGMMA_DEFINE(bfloat16_t, "bf16", 192)
 WGMMA_DEFINE(bfloat16_t, "bf16", 256)
 #undef WGMMA_DEFINE
+#undef WGMMA_ASM
