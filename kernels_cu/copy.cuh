@@ -29,43 +29,32 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" :: "n"(N));
 }
 
-// Shared-memory tile layouts: at(tile, r, col) is the address of element (r, col), col a
-// multiple of the 16-byte chunk, and ROWS_APART<N> the distance in elements from (r, col)
-// to (r + N, col) for the N a loader steps by. Padded rows of LDS elements (a multiple of
-// 16 bytes: other fragment reads than ldmatrix want other paddings, see mma_wide.cuh);
-// wgmma.cuh has the swizzled layout of the Hopper kernels.
-template <int LDS>
-struct PaddedRows {
-    template <typename T>
-    __device__ static __forceinline__ T* at(T* tile, int r, int col) { return tile + r * LDS + col; }
-    template <int N> static constexpr int ROWS_APART = N * LDS;
-};
-
-// Load a ROWS x COLS tile starting at `src` (row stride `ld` elements) into `dst`, laid
-// out by Layout.
+// Load a ROWS x COLS tile starting at `src` (row stride `ld` elements) into `dst`
+// (row stride LDS elements, a multiple of 16 bytes: other fragment reads than ldmatrix
+// want other paddings, see mma_wide.cuh).
 // `vec` says every row start is 16-byte aligned (base pointer and stride), which
 // allows cp.async; otherwise elements are copied one by one, synchronously. Either
 // way the data is visible after the caller's cp_async_wait + __syncthreads.
-template <typename T, int ROWS, int COLS, int NTHREADS, typename Layout>
-__device__ __forceinline__ void load_tile_as(T* dst, const T* src, i64 ld, int rows, int cols, bool vec) {
+template <typename T, int ROWS, int COLS, int NTHREADS, int LDS = SmemTile<T, COLS>::stride>
+__device__ __forceinline__ void load_tile(T* dst, const T* src, i64 ld, int rows, int cols, bool vec) {
     constexpr int CE = Chunk<T>::elems;
     constexpr int CHUNKS_PER_ROW = COLS / CE;
+    static_assert(LDS % CE == 0 && LDS >= COLS, "16-byte aligned rows");
     // Each thread moves the same column chunk of every ROW_STEP-th row (when the thread
     // count allows), so its addresses advance by a constant and cost few registers.
     constexpr bool FIXED_COL = NTHREADS % CHUNKS_PER_ROW == 0;
     constexpr int ROW_STEP = FIXED_COL ? NTHREADS / CHUNKS_PER_ROW : 1;
     constexpr int ITERS = FIXED_COL ? (ROWS + ROW_STEP - 1) / ROW_STEP
                                     : (ROWS * CHUNKS_PER_ROW + NTHREADS - 1) / NTHREADS;
-    constexpr bool STEP_APART = Layout::template ROWS_APART<ROW_STEP> >= 0;
-    if (vec && FIXED_COL && STEP_APART && rows >= ROWS && cols >= COLS) {
+    if (vec && FIXED_COL && rows >= ROWS && cols >= COLS) {
         // A whole tile (every tile but a sequence's last): no bounds, no zero-fill.
         const int r0 = threadIdx.x / CHUNKS_PER_ROW, col = (threadIdx.x % CHUNKS_PER_ROW) * CE;
         const T* s = src + r0 * ld + col;
-        T* d = Layout::at(dst, r0, col);
+        T* d = dst + r0 * LDS + col;
         #pragma unroll
         for (int i = 0; i < ITERS; ++i)
             if (r0 + i * ROW_STEP < ROWS)
-                cp_async_16(d + i * Layout::template ROWS_APART<ROW_STEP>, s + i * ROW_STEP * ld, 16);
+                cp_async_16(d + i * ROW_STEP * LDS, s + i * ROW_STEP * ld, 16);
         return;
     }
     #pragma unroll
@@ -74,7 +63,7 @@ __device__ __forceinline__ void load_tile_as(T* dst, const T* src, i64 ld, int r
         const int r = FIXED_COL ? threadIdx.x / CHUNKS_PER_ROW + i * ROW_STEP : c / CHUNKS_PER_ROW;
         const int col = (c % CHUNKS_PER_ROW) * CE;
         if (r >= ROWS) break;
-        T* d = Layout::at(dst, r, col);
+        T* d = dst + r * LDS + col;
         const int n = (r < rows) ? max(0, min(CE, cols - col)) : 0;
         const T* s = src + r * ld + col;
         if (vec) {
@@ -88,12 +77,6 @@ __device__ __forceinline__ void load_tile_as(T* dst, const T* src, i64 ld, int r
             }
         }
     }
-}
-
-template <typename T, int ROWS, int COLS, int NTHREADS, int LDS = SmemTile<T, COLS>::stride>
-__device__ __forceinline__ void load_tile(T* dst, const T* src, i64 ld, int rows, int cols, bool vec) {
-    static_assert(LDS % Chunk<T>::elems == 0 && LDS >= COLS, "16-byte aligned rows");
-    load_tile_as<T, ROWS, COLS, NTHREADS, PaddedRows<LDS>>(dst, src, ld, rows, cols, vec);
 }
 
 // Store the first `rows` x `cols` of a shared-memory tile to global memory.

@@ -46,8 +46,6 @@ flash_fwd_sm90(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const 
 {
     typedef Sm90FwdTile<T, D, BLOCK_N, WARPGROUPS> C;
     constexpr int BLOCK_M = C::BLOCK_M, NT = C::NT, DT = C::DT;
-    typedef Swizzle128<T, BLOCK_M> QLayout;
-    typedef Swizzle128<T, BLOCK_N> KVLayout;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* sQ = reinterpret_cast<T*>(smem_raw + (C::ALIGN - smem_addr(smem_raw) % C::ALIGN) % C::ALIGN);
     T* sK = sQ + C::Q_ELEMS;               // two buffers
@@ -73,16 +71,16 @@ flash_fwd_sm90(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const 
     const T* k_head = K.at(mods.tb, hk, mods.k_base);
     const T* v_head = V.at(mods.tb, hk, mods.k_base);
     auto load_k = [&](int j, int buf) {
-        load_tile_as<T, BLOCK_N, D, C::THREADS, KVLayout>(sK + buf * C::KV_ELEMS, k_head + (i64)j * BLOCK_N * K.row,
+        load_tile_swizzled<T, BLOCK_N, D, C::THREADS>(sK + buf * C::KV_ELEMS, k_head + (i64)j * BLOCK_N * K.row,
                                                           K.row, min(BLOCK_N, key_rows - j * BLOCK_N), d, vec);
     };
     auto load_v = [&](int j, int buf) {
-        load_tile_as<T, BLOCK_N, D, C::THREADS, KVLayout>(sV + buf * C::KV_ELEMS, v_head + (i64)j * BLOCK_N * V.row,
+        load_tile_swizzled<T, BLOCK_N, D, C::THREADS>(sV + buf * C::KV_ELEMS, v_head + (i64)j * BLOCK_N * V.row,
                                                           V.row, min(BLOCK_N, key_rows - j * BLOCK_N), dv, vec);
     };
     const int first = mask.next_key_tile(tiles.x, tiles.y, q0, q0 + q_rows, BLOCK_N, h);
 
-    load_tile_as<T, BLOCK_M, D, C::THREADS, QLayout>(sQ, Q.at(mods.tb, h, mods.q_base + q0), Q.row, q_rows, d, vec);
+    load_tile_swizzled<T, BLOCK_M, D, C::THREADS>(sQ, Q.at(mods.tb, h, mods.q_base + q0), Q.row, q_rows, d, vec);
     if (first < tiles.y) load_k(first, 0);
     cp_async_commit();
     if (first < tiles.y) load_v(first, 0);

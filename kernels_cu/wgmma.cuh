@@ -26,20 +26,39 @@
 // ROWS x 64: row r of a panel is 128 bytes at r * 128, and its 16-byte chunk c sits at
 // position c ^ (r % 8) (the 128-byte swizzle: the 8 rows a tensor-core phase reads fall
 // in distinct banks). The tile must start on a 1024-byte boundary, where the pattern of
-// 8 rows starts. load_tile takes it as a layout.
+// 8 rows starts.
 template <typename T, int ROWS>
 struct Swizzle128 {
     static constexpr int PANEL_COLS = 128 / sizeof(T);
     static constexpr int PANEL_ELEMS = ROWS * PANEL_COLS;
     static_assert(ROWS % 8 == 0, "whole swizzle atoms of 8 rows");
-    // Element (r, col), col a multiple of the 16-byte chunk (copy.cuh's layout interface).
+    // Element (r, col), col a multiple of the 16-byte chunk.
     __device__ static __forceinline__ T* at(T* tile, int r, int col) {
         const int chunk = (col % PANEL_COLS) / Chunk<T>::elems;
         return tile + (col / PANEL_COLS) * PANEL_ELEMS + r * PANEL_COLS + (chunk ^ (r % 8)) * Chunk<T>::elems;
     }
-    // Rows N apart share their swizzle only N a multiple of 8 (else -1: step row by row).
-    template <int N> static constexpr int ROWS_APART = N % 8 == 0 ? N * PANEL_COLS : -1;
 };
+
+// copy.cuh's load_tile into a Swizzle128 tile: the same zero-fill of missing rows and
+// columns, each 16-byte chunk at its swizzled place. (A separate loop rather than a
+// layout parameter of load_tile: that changed the sm80 kernels' code and made two spill.)
+template <typename T, int ROWS, int COLS, int NTHREADS>
+__device__ __forceinline__ void load_tile_swizzled(T* dst, const T* src, i64 ld, int rows, int cols, bool vec) {
+    constexpr int CE = Chunk<T>::elems, CHUNKS_PER_ROW = COLS / CE;
+    #pragma unroll
+    for (int c = threadIdx.x; c < ROWS * CHUNKS_PER_ROW; c += NTHREADS) {
+        const int r = c / CHUNKS_PER_ROW, col = (c % CHUNKS_PER_ROW) * CE;
+        T* d = Swizzle128<T, ROWS>::at(dst, r, col);
+        const int n = (r < rows) ? max(0, min(CE, cols - col)) : 0;
+        const T* s = src + r * ld + col;
+        if (vec) {
+            cp_async_16(d, n > 0 ? s : src, n * (int)sizeof(T));   // never dereference past the tensor
+        } else {
+            #pragma unroll
+            for (int e = 0; e < CE; ++e) d[e] = e < n ? s[e] : T{};
+        }
+    }
+}
 
 // ---------------------------------------------------------------- descriptors
 // Matrix descriptor of an operand in a Swizzle128 tile (PTX ISA, "Matrix Descriptor
