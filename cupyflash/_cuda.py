@@ -49,11 +49,9 @@ FWD_SM90_TILES = {
     192: ((64, 2),),
     256: ((64, 2),),
 }
-# With the options' registers (build check, NVRTC 12.9 and 13): 64-key tiles at d = 64;
-# from d = 128 every tile spills, so the sm80 kernels serve.
-FWD_SM90_EXT_TILES = {
-    64: ((64, 2),),
-}
+# With the options' registers the sm90 tiles spill (build check, NVRTC 12.9 and 13: from
+# d = 128 every tile, at d = 64 with the loader's fast path), so the sm80 kernels serve.
+FWD_SM90_EXT_TILES = {}
 # The same with the options of _mods (window, dropout, bias, ...; the MODE_EXT kernels):
 # their per-score work and the option state need registers that the dense tiles with 64
 # keys or two m-tiles per warp do not have (build check), so 32-key tiles (16 at d = 192).

@@ -45,6 +45,21 @@ struct Swizzle128 {
 template <typename T, int ROWS, int COLS, int NTHREADS>
 __device__ __forceinline__ void load_tile_swizzled(T* dst, const T* src, i64 ld, int rows, int cols, bool vec) {
     constexpr int CE = Chunk<T>::elems, CHUNKS_PER_ROW = COLS / CE;
+    // A whole tile where each thread can keep one chunk column and step by whole swizzle
+    // atoms: one address computation, then constant offsets.
+    constexpr int ROW_STEP = NTHREADS / CHUNKS_PER_ROW;
+    if constexpr (NTHREADS % CHUNKS_PER_ROW == 0 && ROW_STEP % 8 == 0) {
+        if (vec && rows >= ROWS && cols >= COLS) {
+            const int r0 = threadIdx.x / CHUNKS_PER_ROW, col = (threadIdx.x % CHUNKS_PER_ROW) * CE;
+            T* d = Swizzle128<T, ROWS>::at(dst, r0, col);
+            const T* s = src + r0 * ld + col;
+            #pragma unroll
+            for (int i = 0; i < (ROWS + ROW_STEP - 1) / ROW_STEP; ++i)
+                if (r0 + i * ROW_STEP < ROWS)
+                    cp_async_16(d + i * ROW_STEP * Swizzle128<T, ROWS>::PANEL_COLS, s + i * ROW_STEP * ld, 16);
+            return;
+        }
+    }
     #pragma unroll
     for (int c = threadIdx.x; c < ROWS * CHUNKS_PER_ROW; c += NTHREADS) {
         const int r = c / CHUNKS_PER_ROW, col = (c % CHUNKS_PER_ROW) * CE;
