@@ -18,11 +18,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from cupyflash import _cuda, bench  # noqa: E402
 
 # Forward tile candidates per (dtype, head dim), in the form of the tile tables' entries:
-# _cuda.FWD_SM80_TILES' (BLOCK_M, BLOCK_N, WARPS) for 16-bit dtypes, _cuda.FWD_WIDE_TILES'
-# (BLOCK_M, BLOCK_N, SUB_N, WARPS, DV_TILE) for fp32/fp64 (all spill-free).
+# for 16-bit dtypes _cuda.FWD_SM90_TILES' (BLOCK_N, WARPGROUPS) (Hopper only) and
+# _cuda.FWD_SM80_TILES' (BLOCK_M, BLOCK_N, WARPS), for fp32/fp64 _cuda.FWD_WIDE_TILES'
+# (BLOCK_M, BLOCK_N, SUB_N, WARPS, DV_TILE) (all spill-free).
 TUNE_CANDIDATES = {
-    ("bfloat16", 64): [(128, 64, 4), (128, 32, 4), (128, 128, 8)],
-    ("bfloat16", 128): [(128, 32, 4), (128, 64, 4), (128, 128, 8), (128, 64, 8)],
+    ("bfloat16", 64): [(128, 3), (128, 2), (64, 3), (128, 64, 4), (128, 32, 4), (128, 128, 8)],
+    ("bfloat16", 128): [(128, 2), (64, 2), (128, 32, 4), (128, 64, 4), (128, 128, 8), (128, 64, 8)],
     ("float32", 64): [(64, 64, 32, 4, 64), (128, 64, 32, 8, 64)],
     ("float32", 128): [(64, 32, 32, 4, 128), (128, 64, 32, 8, 128), (64, 16, 16, 4, 128)],
     ("float64", 64): [(64, 32, 32, 4, 64), (64, 32, 16, 4, 64), (128, 32, 16, 8, 64)],
@@ -37,9 +38,14 @@ def tune(dtype, d, candidates, seqlens=(4096, 16384)):
     import cupyflash
 
     print(f"tuning {dtype} d={d}")
-    table = _cuda.FWD_SM80_TILES if dtype in ("float16", "bfloat16") else _cuda.FWD_WIDE_TILES[dtype]
     for tile in candidates:
-        table[d] = (tile,)
+        if dtype not in _cuda.HALF_DTYPES:
+            _cuda.FWD_WIDE_TILES[dtype][d] = (tile,)
+        elif len(tile) == 2:
+            _cuda.FWD_SM90_TILES[d] = (tile,)
+        else:   # an sm80 tile: no Hopper tile in front of it
+            _cuda.FWD_SM90_TILES.pop(d, None)
+            _cuda.FWD_SM80_TILES[d] = (tile,)
         for causal in (False, True):
             for N in seqlens:
                 H, B = bench.HIDDEN // d, bench.TOKENS // N

@@ -37,9 +37,10 @@ FWD_SM80_TILES = {
     192: ((128, 64, 8), (64, 32, 4)),
     256: ((128, 64, 8), (128, 32, 8), (32, 32, 2)),
 }
-# Hopper forward tiles (fwd_sm90.cu, wgmma; sm_90a only) per head dim, (BLOCK_N,
-# WARPGROUPS): BLOCK_M is 64 query rows per warpgroup. Head dims that are not a multiple
-# of 64 and GPUs other than sm_90 use the tables above.
+# Hopper forward tiles (fwd_sm90.cu, wgmma; sm_90a only, dense mode) per head dim,
+# (BLOCK_N, WARPGROUPS): BLOCK_M is 64 query rows per warpgroup. Head dims that are not a
+# multiple of 64, other GPUs and calls with options (with their registers every sm90 tile
+# spilled, build check) use the sm80 tables.
 # H100, bf16, ratio to FlashAttention-2 in the same run (N = 2k, 4k, 16k, non-causal):
 # d = 64 (128, 3) 0.88/0.93/1.04 against (128, 2) 0.67/0.81/0.93; d = 128 (128, 2)
 # 0.81/0.84/0.91 against (64, 2) 0.66/0.69/0.78 (without the in-warpgroup pipeline).
@@ -49,9 +50,6 @@ FWD_SM90_TILES = {
     192: ((64, 2),),
     256: ((64, 2),),
 }
-# With the options' registers the sm90 tiles spill (build check, NVRTC 12.9 and 13: from
-# d = 128 every tile, at d = 64 with the loader's fast path), so the sm80 kernels serve.
-FWD_SM90_EXT_TILES = {}
 # The same with the options of _mods (window, dropout, bias, ...; the MODE_EXT kernels):
 # their per-score work and the option state need registers that the dense tiles with 64
 # keys or two m-tiles per warp do not have (build check), so 32-key tiles (16 at d = 192).
@@ -174,7 +172,7 @@ def _wide_forward(dtype_name: str, D: int, tile, mode: int) -> Variant:
 def forward_variants(dtype_name: str, D: int, mode: int = MODE_DENSE) -> list[Variant]:
     """Every forward instantiation that may serve (dtype, D, mode), in order of preference."""
     if dtype_name in HALF_DTYPES:
-        hopper = (FWD_SM90_EXT_TILES if mode else FWD_SM90_TILES).get(D, ())
+        hopper = () if mode else FWD_SM90_TILES.get(D, ())
         tiles = (FWD_SM80_EXT_TILES if mode else FWD_SM80_TILES)[D]
         return ([_sm90_forward(dtype_name, D, tile, mode) for tile in hopper]
                 + [_sm80_forward(dtype_name, D, tile, mode) for tile in tiles])

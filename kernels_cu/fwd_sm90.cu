@@ -6,7 +6,8 @@
 // descriptor) and O += P V_j (P from its registers, V read N-major), 64 x BLOCK_N and
 // 64 x D per instruction sequence instead of a warp's 16 x 8 pieces. Each warp then
 // holds one 16-row m-tile of S and O in the mma.sync fragment layout (wgmma.cuh), so
-// masks, options and the softmax are fwd_sm80's, with MT = 1.
+// masks and the softmax are fwd_sm80's, with MT = 1. Dense mode only (plain and causal):
+// with the options' registers every tile spilled (build check), so fwd_sm80 serves those.
 // Q, K and V sit in shared memory in the 128-byte-swizzled layout that the descriptors
 // address; K and V are double-buffered by cp.async as in fwd_sm80.cu. Each warpgroup
 // overlaps its softmax of one key tile with its P V of the previous one (the pipeline
@@ -28,8 +29,8 @@ struct Sm90FwdTile {
     static constexpr int KSTEPS = D / 16;           // k-steps of Q K^T
     static constexpr int PSTEPS = BLOCK_N / 16;     // k-steps of P V
     static constexpr int Q_ELEMS = BLOCK_M * D, KV_ELEMS = BLOCK_N * D;
-    // Q, then K and V twice each; the epilogue stages O over Q and K with padded rows.
-    static constexpr int SMEM_ELEMS = Q_ELEMS + 4 * KV_ELEMS;
+    // Shared memory (cupyflash/_cuda.py mirrors it): Q, then K and V twice each; the
+    // epilogue stages O over Q and K with padded rows.
     static constexpr int ALIGN = 1024;              // Swizzle128 tiles start on 1024 bytes
     static_assert(D % 64 == 0 && BLOCK_N % 64 == 0 && BLOCK_N <= 256 && D <= 256, "tile shape");
     static_assert(Q_ELEMS + 2 * KV_ELEMS >= BLOCK_M * SmemTile<T, D>::stride, "epilogue staging");
@@ -44,6 +45,7 @@ flash_fwd_sm90(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const 
                int group, int nq, int nk, int d, int dv,
                float scale_log2, int causal, int vec, MODS_ARGS(T, float))
 {
+    static_assert(MODE == MODE_DENSE, "the options run in fwd_sm80.cu");
     typedef Sm90FwdTile<T, D, BLOCK_N, WARPGROUPS> C;
     constexpr int BLOCK_M = C::BLOCK_M, NT = C::NT, DT = C::DT;
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -113,26 +115,14 @@ flash_fwd_sm90(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const 
             Wgmma<T, D>::template rs<true>(acc[0], p[ks], mnmajor_desc<T, BLOCK_N>(sV + buf * C::KV_ELEMS, ks));
         wgmma_commit();
     };
-    // Masks and options on the scores of key tile jt, folded into the softmax state: s
-    // becomes P. Returns whether acc must be rescaled by alpha before this tile's P V
-    // is added.
+    // The mask on the scores of key tile jt, folded into the softmax state: s becomes P.
+    // Returns whether acc must be rescaled by alpha before this tile's P V is added.
     auto softmax_tile = [&](int jt) {
         const int k0 = jt * BLOCK_N;
         const bool needs_mask = mask.tile_needs_mask(q0, q0 + q_rows, k0, k0 + BLOCK_N, h);
         bool grew;
-        if constexpr (MODE == MODE_DENSE) {
-            if (needs_mask) mask.apply(s, q0 + warp_row0, k0);
-            grew = softmax.fold(s, scale_log2, alpha);
-        } else {
-            float unused[1][1][4];
-            const auto hm = mods.at_head(h);
-            hm.template scores_log2<false>(s, unused, q0 + warp_row0, k0, scale_log2, needs_mask);
-            grew = softmax.fold(s, 1.f, alpha);
-            if (hm.dropout())
-                for_each_score<false>(s, q0 + warp_row0, k0, [&](float& x, int i, int jj, int, int, int) {
-                    if (!hm.keep(i, jj)) x = 0.f;
-                });
-        }
+        if (needs_mask) mask.apply(s, q0 + warp_row0, k0);
+        grew = softmax.fold(s, scale_log2, alpha);
         return grew;
     };
     // P into A fragments; p must not change while a P V that reads it is in flight.
@@ -193,7 +183,7 @@ flash_fwd_sm90(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const 
     }
 
     float row_lse[1][2];
-    softmax.finalize(acc, row_lse, mods.dropout() ? mods.drop_scale : 1.f);
+    softmax.finalize(acc, row_lse);
 
     // Epilogue as in fwd_sm80.cu, the output staged with padded rows over Q and K (every
     // warpgroup is past its last product once all threads pass the barrier).

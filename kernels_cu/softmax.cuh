@@ -97,16 +97,20 @@ struct OnlineSoftmax {
         return grew;
     }
 
+    // Row h of m-tile mt of the output accumulator times alpha.
+    template <int DT>
+    __device__ __forceinline__ static void rescale_row(Acc (&acc)[MT][DT][4], int mt, int h, Acc alpha) {
+        #pragma unroll
+        for (int dt = 0; dt < DT; ++dt) {
+            acc[mt][dt][2 * h] *= alpha;
+            acc[mt][dt][2 * h + 1] *= alpha;
+        }
+    }
+
     // The tile's fold with the accumulator rescaled at once.
     template <int NT, int DT>
     __device__ __forceinline__ void update(Acc (&s)[MT][NT][4], Acc (&acc)[MT][DT][4], Acc scale_log2) {
-        fold_with(s, scale_log2, [&](int mt, int h, Acc alpha) {
-            #pragma unroll
-            for (int dt = 0; dt < DT; ++dt) {
-                acc[mt][dt][2 * h] *= alpha;
-                acc[mt][dt][2 * h + 1] *= alpha;
-            }
-        });
+        fold_with(s, scale_log2, [&](int mt, int h, Acc alpha) { rescale_row(acc, mt, h, alpha); });
     }
 
     // The fold with the rescale deferred (a pipelined kernel folds a tile while the
@@ -121,12 +125,7 @@ struct OnlineSoftmax {
         #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
             #pragma unroll
-            for (int h = 0; h < 2; ++h)
-                #pragma unroll
-                for (int dt = 0; dt < DT; ++dt) {
-                    acc[mt][dt][2 * h] *= alpha[mt][h];
-                    acc[mt][dt][2 * h + 1] *= alpha[mt][h];
-                }
+            for (int h = 0; h < 2; ++h) rescale_row(acc, mt, h, alpha[mt][h]);
     }
 
     // The single division by the row sum, and the natural-log LSE = ln2 * (max + log2 sum).

@@ -62,3 +62,15 @@ def test_every_variant_names_a_kernel_template_of_its_source():
         name, args = re.fullmatch(r"(\w+)<(.*)>", v.name_expression).groups()
         assert name in templates[v.source], f"{v.name_expression}: no kernel {name} in {v.source}"
         assert len(args.split(",")) == templates[v.source][name], v.name_expression
+
+
+@pytest.mark.parametrize("arch, source", [("sm_90a", "fwd_sm90.cu"), ("sm_80", "fwd_sm80.cu"),
+                                          ("sm_89", "fwd_sm80.cu")])
+def test_hopper_forward_only_where_it_builds(monkeypatch, arch, source):
+    # _choose skips a kernel built for another target (fwd_sm90.cu is sm_90a-only wgmma),
+    # and the option kernels never take it.
+    monkeypatch.setattr(_cuda, "_device_info", lambda device_id: (arch, HOPPER_SMEM))
+    assert _cuda._choose(_cuda.forward_variants("bfloat16", 128), 0).source == source
+    assert _cuda._choose(_cuda.forward_variants("bfloat16", 128, _cuda.MODE_EXT), 0).source == "fwd_sm80.cu"
+    assert all(v.builds_for(arch) for v in (_cuda._choose(_cuda.forward_variants("float16", D), 0)
+                                           for D in _cuda.HEAD_DIMS))
