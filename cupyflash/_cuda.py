@@ -491,6 +491,13 @@ BWD_SM80_EXT_KV_TILES = {**BWD_SM80_KV_TILES, 64: ((32, 128, 4),), 128: ((32, 12
                          192: ((32, 128, 8), (32, 64, 4), (16, 32, 2))}
 BWD_SM80_EXT_Q_TILES = {**BWD_SM80_Q_TILES, 64: ((64, 64, 4),),
                         192: ((128, 64, 8), (64, 32, 4), (32, 32, 2))}
+# Hopper dK/dV kernel (bwd_sm90.cu, wgmma; sm_90a only, dense mode), (BLOCK_M, WARPGROUPS):
+# query tile, warpgroups of 64 keys each. Ahead of the sm80 tiles above where it builds;
+# other head dims, GPUs and the options use those.
+BWD_SM90_KV_TILES = {
+    64: ((128, 2),),
+    128: ((64, 2),),
+}
 # From d = 192, dK and dV beside each other exceed the registers (build check): the
 # dK/dV kernel runs twice, once for dV and once for dK (+ dQ), recomputing P.
 BWD_SPLIT_MIN_HEAD_DIM = 192
@@ -528,6 +535,17 @@ def _sm80_dkdv(dtype_name: str, D: int, tile, grads: int, mode: int) -> Variant:
     return Variant("bwd_sm80.cu", expr, warps * 32, block_n, smem, mode=mode)
 
 
+def _sm90_dkdv(dtype_name: str, D: int, tile, grads: int, mode: int) -> Variant:
+    block_m, warpgroups = tile
+    block_n = 64 * warpgroups
+    dq = bool(grads & GRAD_DQ)
+    # bwd_sm90.cu Sm90BwdKVTile: K, V, Q and dO twice, dS^T (with dQ), swizzled; lse2 and
+    # delta twice; 1024 bytes to align the tiles.
+    smem = (2 * block_n * D + 4 * block_m * D + dq * block_n * block_m) * 2 + 4 * block_m * 4 + 1024
+    expr = f"flash_bwd_dkdv_sm90<{_CPP_TYPE[dtype_name]}, {D}, {block_m}, {warpgroups}, {grads}, {mode}>"
+    return Variant("bwd_sm90.cu", expr, warpgroups * 128, block_n, smem, mode=mode, arch="sm_90a")
+
+
 def _sm80_dq(dtype_name: str, D: int, tile, mode: int) -> Variant:
     block_m, block_n, warps = tile
     smem = (2 * block_m + 4 * block_n) * (D + 8) * 2   # bwd_sm80.cu BwdQTile: Q, dO, K and V twice
@@ -553,7 +571,10 @@ def backward_plan(dtype_name: str, D: int, deterministic: bool, mode: int = MODE
         tiles = (BWD_SM80_EXT_KV_TILES if mode else BWD_SM80_KV_TILES)[D]
         passes = ((GRAD_DV, GRAD_DK | dq_bit) if D >= BWD_SPLIT_MIN_HEAD_DIM
                   else (GRAD_DV | GRAD_DK | dq_bit,))
-        kv = tuple((grads, [_sm80_dkdv(dtype_name, D, t, grads, mode) for t in tiles]) for grads in passes)
+        hopper = () if mode or len(passes) > 1 else BWD_SM90_KV_TILES.get(D, ())
+        kv = tuple((grads, [*(_sm90_dkdv(dtype_name, D, t, grads, mode) for t in hopper),
+                            *(_sm80_dkdv(dtype_name, D, t, grads, mode) for t in tiles)])
+                   for grads in passes)
         q_tiles = (BWD_SM80_EXT_Q_TILES if mode else BWD_SM80_Q_TILES)[D]
         dq = [_sm80_dq(dtype_name, D, t, mode) for t in q_tiles] if deterministic else None
     else:

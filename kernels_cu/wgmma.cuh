@@ -98,13 +98,15 @@ __device__ __forceinline__ u64 kmajor_desc(const T* tile, int row0, int ks) {
                       16, 1024);
 }
 
-// MN-major operand (k along the tile's rows, n contiguous: V for O = P V, k = keys):
-// k-step ks starts at row 16 ks; 64-column panels are PANEL_ELEMS apart (leading
-// offset), groups of 8 k-rows 1024 bytes apart (stride offset).
+// MN-major operand (k along the tile's rows, m or n contiguous: V for O = P V, k = keys;
+// the backward's dS^T as the A of dQ = dS K): k-step ks starts at row 16 ks; the operand
+// starts at column col0 (a multiple of 64); 64-column panels are PANEL_ELEMS apart
+// (leading offset), groups of 8 k-rows 1024 bytes apart (stride offset).
 template <typename T, int ROWS>
-__device__ __forceinline__ u64 mnmajor_desc(const T* tile, int ks) {
+__device__ __forceinline__ u64 mnmajor_desc(const T* tile, int ks, int col0 = 0) {
     typedef Swizzle128<T, ROWS> L;
-    return wgmma_desc(tile + ks * 16 * L::PANEL_COLS, L::PANEL_ELEMS * sizeof(T), 1024);
+    return wgmma_desc(tile + (col0 / L::PANEL_COLS) * L::PANEL_ELEMS + ks * 16 * L::PANEL_COLS,
+                      L::PANEL_ELEMS * sizeof(T), 1024);
 }
 
 // ---------------------------------------------------------------- ordering
@@ -127,6 +129,8 @@ __device__ __forceinline__ void reg_fence(float (&d)[NT][4]) {
 
 // ---------------------------------------------------------------- the MMA
 // Wgmma<T, N>::ss: D (+)= A B^T, A 64 x 16 and B N x 16 both K-major in shared memory.
+// Wgmma<T, N>::ss_mn: D (+)= A B, A 64 x 16 and B 16 x N both MN-major in shared memory
+// (the transpose bits of both operands set).
 // Wgmma<T, N>::rs: D (+)= A B, A 64 x 16 in registers (the m16n8k16 A layout), B 16 x N
 // MN-major in shared memory. ACCUMULATE = false overwrites D: its registers are then
 // outputs only, so D's old value is not kept alive (nor copied between loop iterations:
@@ -145,6 +149,11 @@ template <> struct Wgmma<TYPE, N> {                                             
     static __device__ __forceinline__ void ss(float (&d)[N / 8][4], u64 a, u64 b) {          \
         if constexpr (ACCUMULATE) WGMMA_ASM(TY, N, SS, ", 0, 0", "+f", "l"(a), "l"(b));       \
         else WGMMA_ASM(TY, N, SS, ", 0, 0", "=f", "l"(a), "l"(b));                            \
+    }                                                                                        \
+    template <bool ACCUMULATE>                                                               \
+    static __device__ __forceinline__ void ss_mn(float (&d)[N / 8][4], u64 a, u64 b) {       \
+        if constexpr (ACCUMULATE) WGMMA_ASM(TY, N, SS, ", 1, 1", "+f", "l"(a), "l"(b));       \
+        else WGMMA_ASM(TY, N, SS, ", 1, 1", "=f", "l"(a), "l"(b));                            \
     }                                                                                        \
     template <bool ACCUMULATE>                                                               \
     static __device__ __forceinline__ void rs(float (&d)[N / 8][4], const u32 (&a)[4], u64 b) { \

@@ -74,3 +74,24 @@ def test_hopper_forward_only_where_it_builds(monkeypatch, arch, source):
     assert _cuda._choose(_cuda.forward_variants("bfloat16", 128, _cuda.MODE_EXT), 0).source == "fwd_sm80.cu"
     assert all(v.builds_for(arch) for v in (_cuda._choose(_cuda.forward_variants("float16", D), 0)
                                            for D in _cuda.HEAD_DIMS))
+
+
+@pytest.mark.parametrize("arch, source", [("sm_90a", "bwd_sm90.cu"), ("sm_80", "bwd_sm80.cu"),
+                                          ("sm_89", "bwd_sm80.cu")])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_hopper_backward_only_where_it_builds(monkeypatch, arch, source, deterministic):
+    # The key-block launch takes bwd_sm90.cu on Hopper at d = 64 and 128 (its dQ kernel
+    # stays bwd_sm80.cu's); the option kernels and the split passes of large head dims
+    # never take it.
+    monkeypatch.setattr(_cuda, "_device_info", lambda device_id: (arch, HOPPER_SMEM))
+
+    def kv_sources(dtype, D, mode=_cuda.MODE_DENSE):
+        plan = _cuda.backward_plan(dtype, D, deterministic, mode)
+        return [_cuda._choose(candidates, 0).source for _, candidates in plan.kv]
+
+    for D in (64, 128):
+        assert kv_sources("bfloat16", D) == [source]
+        assert kv_sources("bfloat16", D, _cuda.MODE_EXT) == ["bwd_sm80.cu"]
+    assert kv_sources("float16", 256) == ["bwd_sm80.cu", "bwd_sm80.cu"]
+    plan = _cuda.backward_plan("float16", 128, deterministic)
+    assert plan.dq is None or _cuda._choose(plan.dq, 0).source == "bwd_sm80.cu"
