@@ -18,9 +18,9 @@ want bench && { timeout 160 python3 bench/bench_attention.py --dtypes bfloat16 -
 want mods-bench && { timeout 120 python3 -m cupyflash.bench --mods ${COMMIT:+--commit "$COMMIT"} --out "$OUT/bench-mods.json" > "$OUT/bench-mods.log" 2>&1; echo "mods bench rc=$?"; }
 want examples && { timeout 40 python3 examples/long_sequence.py > "$OUT/long_sequence.log" 2>&1; echo "long_sequence rc=$?"; cat "$OUT/long_sequence.log"; }
 want examples && { timeout 50 python3 examples/train_tiny_transformer.py --steps 300 > "$OUT/train.log" 2>&1; echo "train rc=$?"; tail -n 3 "$OUT/train.log"; }
-want sanitize && { timeout 40 compute-sanitizer --tool memcheck --error-exitcode 9 python3 tests/sanitize_cases.py > "$OUT/sanitize-memcheck.log" 2>&1
+want sanitize && { timeout 90 compute-sanitizer --tool memcheck --error-exitcode 9 python3 tests/sanitize_cases.py > "$OUT/sanitize-memcheck.log" 2>&1
 echo "memcheck rc=$? : $(grep -E 'ERROR SUMMARY|sanitize cases' "$OUT/sanitize-memcheck.log" | tr '\n' ' ')"; }
-want sanitize && { timeout 30 compute-sanitizer --tool racecheck --error-exitcode 9 python3 tests/sanitize_cases.py float16 > "$OUT/sanitize-racecheck.log" 2>&1
+want sanitize && { timeout 90 compute-sanitizer --tool racecheck --error-exitcode 9 python3 tests/sanitize_cases.py float16 > "$OUT/sanitize-racecheck.log" 2>&1
 echo "racecheck rc=$? : $(grep -E 'RACECHECK SUMMARY|sanitize cases' "$OUT/sanitize-racecheck.log" | tr '\n' ' ')"; }
 want bench && sed -n '/^pass /,$p' "$OUT/bench.log"
 want mods-bench && sed -n '/^pass /,$p' "$OUT/bench-mods.log"

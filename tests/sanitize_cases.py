@@ -20,7 +20,7 @@ import ml_dtypes  # noqa: E402
 
 import cupyflash  # noqa: E402
 
-SHAPES = ((1, 1, 32), (17, 33, 72), (129, 65, 128), (65, 129, 256))
+SHAPES = ((1, 1, 32), (17, 33, 72), (33, 47, 64), (129, 65, 128), (65, 129, 256))
 # The options' kernels (MODE_EXT): every option at once, on the odd shapes, and varlen.
 def _options(nq, nk, rng):
     blocks = rng.random((4, -(-nq // 16), -(-nk // 16))) < 0.7
@@ -35,15 +35,18 @@ def main():
     dtypes = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "float64": np.float64}
     for dtype in [dtypes[name] for name in sys.argv[1:]] or dtypes.values():
         for nq, nk, d in SHAPES:
-            for causal, options in ((False, False), (True, False), (True, True)):
+            for causal, options, deterministic in ((False, False, False), (True, False, False),
+                                                   (True, False, True), (True, True, False)):
                 q = cp.asarray(rng.standard_normal((1, 4, nq, d)).astype(dtype))
                 k, v = (cp.asarray(rng.standard_normal((1, 2, nk, d)).astype(dtype)) for _ in range(2))
                 extra = _options(nq, nk, rng) if options else {}
                 if "bias" in extra:
                     extra["bias"] = extra["bias"].astype(dtype)
                 # Where a launch fails, the sanitizer log shows which case was running.
-                print(f"case {np.dtype(dtype).name} {nq}x{nk} d={d} causal={causal} options={options}", flush=True)
-                o, vjp = cupyflash.attention_vjp(q, k, v, causal=causal, backend="cuda", **extra)
+                print(f"case {np.dtype(dtype).name} {nq}x{nk} d={d} causal={causal} options={options} "
+                      f"deterministic={deterministic}", flush=True)
+                o, vjp = cupyflash.attention_vjp(q, k, v, causal=causal, deterministic=deterministic,
+                                                 backend="cuda", **extra)
                 grads = vjp(cp.asarray(rng.standard_normal(o.shape).astype(dtype)))
                 for x in (o, *grads):
                     bad += bool(cp.isnan(x.astype(np.float32)).any())
