@@ -41,11 +41,14 @@ FWD_SM80_TILES = {
 # (BLOCK_N, WARPGROUPS): BLOCK_M is 64 query rows per warpgroup. Head dims that are not a
 # multiple of 64, other GPUs and calls with options (with their registers every sm90 tile
 # spilled, build check) use the sm80 tables.
-# H100, bf16, ratio to FlashAttention-2 in the same run (N = 2k, 4k, 16k, non-causal):
-# d = 64 (128, 3) 0.88/0.93/1.04 against (128, 2) 0.67/0.81/0.93; d = 128 (128, 2)
-# 0.81/0.84/0.91 against (64, 2) 0.66/0.69/0.78 (without the in-warpgroup pipeline).
+# H100, bf16, TFLOP/s at N = 2k/4k/16k non-causal, then causal, one run beside
+# FlashAttention-2 (bench/results/h100-2026-11-23-tune-sm90-fwd.log): d = 64 (256, 2)
+# 289/301/327, 232/274/318; (128, 3) 288/303/333, 230/251/307; (192, 2) and (128, 2)
+# 10-15% below; FA2 301/305/312, 266/287/295. d = 128 (128, 2) 349/375/393, 298/317/381
+# against (192, 2) 328/349/379, 283/309/370; FA2 355/339/356, 276/301/310. (Three
+# warpgroups with 192 or 256 keys spill: 168 registers a thread.)
 FWD_SM90_TILES = {
-    64: ((128, 3),),
+    64: ((256, 2),),
     128: ((128, 2),),
     192: ((64, 2),),
     256: ((64, 2),),
