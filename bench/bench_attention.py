@@ -18,12 +18,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from cupyflash import _cuda, bench  # noqa: E402
 
 # Forward tile candidates per (dtype, head dim), in the form of the tile tables' entries:
-# for 16-bit dtypes _cuda.FWD_SM90_TILES' (BLOCK_N, WARPGROUPS) (Hopper only) and
-# _cuda.FWD_SM80_TILES' (BLOCK_M, BLOCK_N, WARPS), for fp32/fp64 _cuda.FWD_WIDE_TILES'
-# (BLOCK_M, BLOCK_N, SUB_N, WARPS, DV_TILE) (all spill-free).
+# for 16-bit dtypes ("sm90", _cuda.FWD_SM90_TILES' (BLOCK_N, WARPGROUPS, CTAS_PER_SM))
+# (Hopper only) and ("sm80", _cuda.FWD_SM80_TILES' (BLOCK_M, BLOCK_N, WARPS)), for
+# fp32/fp64 _cuda.FWD_WIDE_TILES' (BLOCK_M, BLOCK_N, SUB_N, WARPS, DV_TILE) (all spill-free).
 TUNE_CANDIDATES = {
-    ("bfloat16", 64): [(128, 3), (128, 2), (64, 3), (128, 64, 4), (128, 32, 4), (128, 128, 8)],
-    ("bfloat16", 128): [(128, 2), (64, 2), (128, 32, 4), (128, 64, 4), (128, 128, 8), (128, 64, 8)],
+    ("bfloat16", 64): [("sm90", (256, 2, 1)), ("sm90", (128, 1, 3)), ("sm90", (64, 2, 2)),
+                       ("sm90", (64, 1, 4)), ("sm90", (128, 3, 1))],
+    ("bfloat16", 128): [("sm90", (128, 2, 1)), ("sm90", (64, 1, 2))],
     ("float32", 64): [(64, 64, 32, 4, 64), (128, 64, 32, 8, 64)],
     ("float32", 128): [(64, 32, 32, 4, 128), (128, 64, 32, 8, 128), (64, 16, 16, 4, 128)],
     ("float64", 64): [(64, 32, 32, 4, 64), (64, 32, 16, 4, 64), (128, 32, 16, 8, 64)],
@@ -31,7 +32,7 @@ TUNE_CANDIDATES = {
 }
 
 
-def tune(dtype, d, candidates, seqlens=(4096, 16384)):
+def tune(dtype, d, candidates, seqlens=(2048, 4096, 16384)):
     """Time each forward tile candidate for (dtype, d); prints TFLOP/s per candidate."""
     import cupy as cp
 
@@ -41,9 +42,11 @@ def tune(dtype, d, candidates, seqlens=(4096, 16384)):
     for tile in candidates:
         if dtype not in _cuda.HALF_DTYPES:
             _cuda.FWD_WIDE_TILES[dtype][d] = (tile,)
-        elif len(tile) == 2:
+        elif tile[0] == "sm90":
+            tile = tile[1]
             _cuda.FWD_SM90_TILES[d] = (tile,)
         else:   # an sm80 tile: no Hopper tile in front of it
+            tile = tile[1]
             _cuda.FWD_SM90_TILES.pop(d, None)
             _cuda.FWD_SM80_TILES[d] = (tile,)
         for causal in (False, True):

@@ -38,7 +38,8 @@ FWD_SM80_TILES = {
     256: ((128, 64, 8), (128, 32, 8), (32, 32, 2)),
 }
 # Hopper forward tiles (fwd_sm90.cu, wgmma; sm_90a only, dense mode) per head dim,
-# (BLOCK_N, WARPGROUPS): BLOCK_M is 64 query rows per warpgroup. Head dims that are not a
+# (BLOCK_N, WARPGROUPS, CTAS_PER_SM): BLOCK_M is 64 query rows per warpgroup; CTAS_PER_SM
+# is the kernel's launch bound (2: half the registers, two CTAs overlapping). Head dims that are not a
 # multiple of 64, other GPUs and calls with options (with their registers every sm90 tile
 # spilled, build check) use the sm80 tables.
 # H100, bf16, TFLOP/s at N = 2k/4k/16k non-causal, then causal, one run beside
@@ -48,10 +49,10 @@ FWD_SM80_TILES = {
 # against (192, 2) 328/349/379, 283/309/370; FA2 355/339/356, 276/301/310. (Three
 # warpgroups with 192 or 256 keys spill: 168 registers a thread.)
 FWD_SM90_TILES = {
-    64: ((256, 2),),
-    128: ((128, 2),),
-    192: ((64, 2),),
-    256: ((64, 2),),
+    64: ((256, 2, 1),),
+    128: ((128, 2, 1),),
+    192: ((64, 2, 1),),
+    256: ((64, 2, 1),),
 }
 # The same with the options of _mods (window, dropout, bias, ...; the MODE_EXT kernels):
 # their per-score work and the option state need registers that the dense tiles with 64
@@ -154,11 +155,11 @@ def _sm80_forward(dtype_name: str, D: int, tile, mode: int) -> Variant:
 
 
 def _sm90_forward(dtype_name: str, D: int, tile, mode: int) -> Variant:
-    block_n, warpgroups = tile
+    block_n, warpgroups, ctas_per_sm = tile
     block_m = 64 * warpgroups
     # fwd_sm90.cu Sm90FwdTile: Q, K and V twice each, swizzled; 1024 bytes to align them.
     smem = (block_m + 4 * block_n) * D * 2 + 1024
-    expr = f"flash_fwd_sm90<{_CPP_TYPE[dtype_name]}, {D}, {block_n}, {warpgroups}, {mode}>"
+    expr = f"flash_fwd_sm90<{_CPP_TYPE[dtype_name]}, {D}, {block_n}, {warpgroups}, {ctas_per_sm}, {mode}>"
     return Variant("fwd_sm90.cu", expr, warpgroups * 128, block_m, smem, mode=mode, arch="sm_90a")
 
 

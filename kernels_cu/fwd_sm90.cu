@@ -36,10 +36,13 @@ struct Sm90FwdTile {
     static_assert(Q_ELEMS + 2 * KV_ELEMS >= BLOCK_M * SmemTile<T, D>::stride, "epilogue staging");
 };
 
-// One CTA per SM: the tiles take most of the shared memory, and the bound lets ptxas
-// give each thread the registers of S, O and P.
-template <typename T, int D, int BLOCK_N, int WARPGROUPS, int MODE>
-__global__ void __launch_bounds__(WARPGROUPS * 128, 1)
+// CTAS_PER_SM resident CTAs: with one, the tiles may take most of the shared memory and
+// each thread up to 255 registers for S, O and P; with two, ptxas must fit each thread in
+// half the register file, and one CTA's load prologue, softmax and epilogue overlap the
+// other's products (the warpgroups of one CTA meet at a barrier every key tile, so they
+// leave the tensor cores idle at the same moments).
+template <typename T, int D, int BLOCK_N, int WARPGROUPS, int CTAS_PER_SM, int MODE>
+__global__ void __launch_bounds__(WARPGROUPS * 128, CTAS_PER_SM)
 flash_fwd_sm90(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const T, v),
                TENSOR_ARG(T, o), float* __restrict__ lse,
                int group, int nq, int nk, int d, int dv,
