@@ -331,7 +331,7 @@ def precompile(*, dtypes=None, head_dims=None, device=None, workers=None, option
             for mode in modes:
                 chosen.append(_choose(forward_variants(name, D, mode), device_id))
                 for deterministic in (False, True):
-                    plan = backward_plan(name, D, deterministic, mode)
+                    plan = device_backward_plan(name, D, deterministic, mode, device_id)
                     chosen += [plan.prep, *([plan.convert] if plan.convert else [])]
                     chosen += [_choose(candidates, device_id) for _, candidates in plan.kv]
                     chosen += [_choose(plan.dq, device_id)] if plan.dq else []
@@ -505,8 +505,51 @@ BWD_SM90_KV_TILES = {
 # From d = 192, dK and dV beside each other exceed the registers (build check): the
 # dK/dV kernel runs twice, once for dV and once for dK (+ dQ), recomputing P.
 BWD_SPLIT_MIN_HEAD_DIM = 192
-# fp32/fp64 CUDA-core backward: rows (= keys) per tile. fp64 takes 32 so that dK and dV
-# (2 * 2 * D / 16 doubles per thread) stay in registers up to d = 256.
+# fp32 (3xTF32) and fp64 (DMMA) tensor-core backward (bwd_wide.cu), per dtype and head dim,
+# in order of preference as above: the first entries fill H100/H200's 227 KB per block,
+# then ~160 KB (A100) and ~100 KB. dK/dV kernel, (BLOCK_M, BLOCK_N, WARPS, SLICE): query
+# tile, key block, warps (16 keys each), queries whose S^T and dP^T are live at once (16,
+# or 8 where 16 spills: build check); dK and dV of a warp's keys stay in registers, in one
+# launch below BWD_WIDE_SPLIT_MIN_HEAD_DIM and in a dV and a dK launch from there.
+BWD_WIDE_KV_TILES = {
+    "float32": {
+        32: ((64, 128, 8, 16), (32, 64, 4, 16), (16, 64, 4, 16)),
+        64: ((64, 128, 8, 16), (32, 64, 4, 16), (16, 64, 4, 16)),
+        96: ((32, 128, 8, 8), (16, 64, 4, 8), (16, 32, 2, 8)),
+        128: ((32, 128, 8, 8), (16, 64, 4, 8), (16, 32, 2, 8)),
+        192: ((32, 64, 4, 8), (16, 64, 4, 8), (16, 32, 2, 8)),
+        256: ((16, 64, 4, 8), (16, 32, 2, 8)),
+    },
+    "float64": {
+        32: ((32, 128, 8, 16), (16, 64, 4, 16), (16, 32, 2, 16)),
+        64: ((16, 128, 8, 8), (16, 64, 4, 8), (16, 32, 2, 8)),
+        96: ((16, 64, 4, 8), (16, 32, 2, 8)),
+        128: ((16, 64, 4, 8), (16, 32, 2, 8)),
+    },
+}
+BWD_WIDE_SPLIT_MIN_HEAD_DIM = {"float32": 192, "float64": 96}
+# Deterministic dQ kernel, (BLOCK_M, BLOCK_N, WARPS, SLICE): query block (16 rows per
+# warp), key tile, keys whose S and dP are live at once.
+BWD_WIDE_Q_TILES = {
+    "float32": {
+        32: ((128, 64, 8, 16), (64, 32, 4, 16)),
+        64: ((128, 64, 8, 16), (64, 32, 4, 16)),
+        96: ((128, 32, 8, 16), (64, 16, 4, 16)),
+        128: ((128, 32, 8, 16), (64, 16, 4, 16), (32, 16, 2, 16)),
+        192: ((64, 32, 4, 8), (32, 16, 2, 8)),
+        256: ((64, 16, 4, 8), (32, 16, 2, 8)),
+    },
+    "float64": {
+        32: ((128, 32, 8, 16), (64, 16, 4, 16)),
+        64: ((128, 16, 8, 16), (64, 16, 4, 16), (32, 16, 2, 16)),
+        96: ((64, 16, 4, 8), (32, 16, 2, 8)),
+        128: ((64, 16, 4, 8), (32, 16, 2, 8)),
+    },
+}
+# fp64 from d = 192, where even one of dK, dV (or dQ) per 16-key m-tile exceeds the
+# registers, runs on the CUDA cores (bwd_simt.cu), and so do fp32/fp64 where the tensor-core
+# tiles do not fit the device (device_backward_plan): rows (= keys) per tile. fp64 takes 32
+# so that dK and dV (2 * 2 * D / 16 doubles per thread) stay in registers up to d = 256.
 BWD_SIMT_BLOCK = {"float32": 64, "float64": 32}
 # bwd.cuh: the row workspaces are padded to a multiple of this many rows.
 BWD_ROW_PAD = 128
@@ -557,6 +600,25 @@ def _sm80_dq(dtype_name: str, D: int, tile, mode: int) -> Variant:
     return Variant("bwd_sm80.cu", expr, warps * 32, block_m, smem, mode=mode)
 
 
+def _wide_dkdv(dtype_name: str, D: int, tile, grads: int, mode: int) -> Variant:
+    block_m, block_n, warps, slice_ = tile
+    ld = D + 8   # mma_wide.cuh PairRows
+    dk, dq = bool(grads & GRAD_DK), bool(grads & GRAD_DQ)
+    # bwd_wide.cu WideBwdKVTile: K, V (with dK), Q and dO twice, dS (with dQ); lse2 (and delta) twice.
+    elems = block_n * ld * (1 + dk) + 4 * block_m * ld + dq * block_m * (block_n + 8) + (4 if dk else 2) * block_m
+    expr = (f"flash_bwd_dkdv_wide<{_CPP_TYPE[dtype_name]}, {D}, {block_m}, {block_n}, {warps}, {slice_}, "
+            f"{grads}, {mode}>")
+    return Variant("bwd_wide.cu", expr, warps * 32, block_n, elems * np.dtype(dtype_name).itemsize, mode=mode)
+
+
+def _wide_dq(dtype_name: str, D: int, tile, mode: int) -> Variant:
+    block_m, block_n, warps, slice_ = tile
+    # bwd_wide.cu WideBwdQTile: Q, dO, K and V twice, rows of D + 8.
+    smem = (2 * block_m + 4 * block_n) * (D + 8) * np.dtype(dtype_name).itemsize
+    expr = f"flash_bwd_dq_wide<{_CPP_TYPE[dtype_name]}, {D}, {block_m}, {block_n}, {warps}, {slice_}, {mode}>"
+    return Variant("bwd_wide.cu", expr, warps * 32, block_m, smem, mode=mode)
+
+
 def _simt_backward(dtype_name: str, D: int, kernel: str, grads: int | None, mode: int) -> Variant:
     block = BWD_SIMT_BLOCK[dtype_name]
     smem = (4 * block * 33 + 2 * block * (block + 1)) * np.dtype(dtype_name).itemsize   # BwdSimtTile
@@ -564,8 +626,11 @@ def _simt_backward(dtype_name: str, D: int, kernel: str, grads: int | None, mode
     return Variant("bwd_simt.cu", f"{kernel}<{targs}>", 256, block, smem, mode=mode)
 
 
-def backward_plan(dtype_name: str, D: int, deterministic: bool, mode: int = MODE_DENSE) -> BackwardPlan:
-    """The kernels of a backward pass for (dtype, padded head dim D, mode)."""
+def backward_plan(dtype_name: str, D: int, deterministic: bool, mode: int = MODE_DENSE,
+                  cuda_cores: bool = False) -> BackwardPlan:
+    """The kernels of a backward pass for (dtype, padded head dim D, mode); for fp32/fp64,
+    ``cuda_cores`` asks for the CUDA-core kernels instead of the tensor cores' (the
+    fallback of `device_backward_plan`)."""
     ctype = _CPP_TYPE[dtype_name]
     dq_bit = 0 if deterministic else GRAD_DQ
     prep = Variant("bwd_prep.cu", f"flash_bwd_prep<{ctype}>", _PREP_WARPS * 32, _PREP_WARPS, 0)
@@ -581,6 +646,12 @@ def backward_plan(dtype_name: str, D: int, deterministic: bool, mode: int = MODE
                    for grads in passes)
         q_tiles = (BWD_SM80_EXT_Q_TILES if mode else BWD_SM80_Q_TILES)[D]
         dq = [_sm80_dq(dtype_name, D, t, mode) for t in q_tiles] if deterministic else None
+    elif D in BWD_WIDE_KV_TILES[dtype_name] and not cuda_cores:
+        passes = ((GRAD_DV, GRAD_DK | dq_bit) if D >= BWD_WIDE_SPLIT_MIN_HEAD_DIM[dtype_name]
+                  else (GRAD_DV | GRAD_DK | dq_bit,))
+        kv = tuple((grads, [_wide_dkdv(dtype_name, D, t, grads, mode) for t in BWD_WIDE_KV_TILES[dtype_name][D]])
+                   for grads in passes)
+        dq = [_wide_dq(dtype_name, D, t, mode) for t in BWD_WIDE_Q_TILES[dtype_name][D]] if deterministic else None
     else:
         grads = GRAD_DV | GRAD_DK | dq_bit
         kv = ((grads, [_simt_backward(dtype_name, D, "flash_bwd_dkdv_simt", grads, mode)]),)
@@ -588,14 +659,28 @@ def backward_plan(dtype_name: str, D: int, deterministic: bool, mode: int = MODE
     return BackwardPlan(kv=kv, dq=dq, prep=prep, convert=convert)
 
 
+def device_backward_plan(dtype_name: str, D: int, deterministic: bool, mode: int, device_id: int) -> BackwardPlan:
+    """backward_plan's kernels where every launch has a tile that fits the device; else
+    (fp32/fp64 at the largest head dims on ~100 KB GPUs, whose double-buffered tensor-core
+    tiles do not fit) the CUDA-core plan, which streams the head dim in chunks."""
+    plan = backward_plan(dtype_name, D, deterministic, mode)
+    arch, smem_limit = _device_info(device_id)
+    launches = [candidates for _, candidates in plan.kv] + ([plan.dq] if plan.dq else [])
+    if all(any(v.builds_for(arch) and v.total_smem <= smem_limit for v in c) for c in launches):
+        return plan
+    return backward_plan(dtype_name, D, deterministic, mode, cuda_cores=True)
+
+
 def backward_variants(dtype_name: str, D: int, mode: int = MODE_DENSE) -> list[Variant]:
-    """Every backward instantiation that may serve (dtype, D, mode), both determinism modes."""
+    """Every backward instantiation that may serve (dtype, D, mode): both determinism
+    modes, and for fp32/fp64 the CUDA-core fallback too."""
     seen = {}
     for deterministic in (True, False):
-        plan = backward_plan(dtype_name, D, deterministic, mode)
-        for v in (plan.prep, plan.convert, *(v for _, launch in plan.kv for v in launch), *(plan.dq or ())):
-            if v is not None:
-                seen.setdefault(v.name_expression, v)
+        for cuda_cores in (False, True) if dtype_name not in HALF_DTYPES else (False,):
+            plan = backward_plan(dtype_name, D, deterministic, mode, cuda_cores)
+            for v in (plan.prep, plan.convert, *(v for _, launch in plan.kv for v in launch), *(plan.dq or ())):
+                if v is not None:
+                    seen.setdefault(v.name_expression, v)
     return list(seen.values())
 
 
@@ -623,7 +708,7 @@ def attention_backward(do, q, k, v, o, lse, dq, dk, dv, *, scale, causal, determ
     Hk, Nk, dim_v = k.shape[1], k.shape[2], v.shape[3]
     device_id = q.device.id
     name = q.dtype.name
-    plan = backward_plan(name, padded_head_dim(d, dim_v), bool(deterministic), kernel_mode(mods))
+    plan = device_backward_plan(name, padded_head_dim(d, dim_v), bool(deterministic), kernel_mode(mods), device_id)
     acc = _arrays.accumulation_dtype(q.dtype).type
     group = Hq // Hk
     # Under varlen a query tile of the last sequence reads up to a tile past the rows.
@@ -640,9 +725,12 @@ def attention_backward(do, q, k, v, o, lse, dq, dk, dv, *, scale, causal, determ
     dq_accum = None if deterministic else cupy.zeros((B, Hq, Nq, d), acc)
     shape_args = (np.int32(group), np.int32(Nq), np.int32(Nk), np.int32(d), np.int32(dim_v),
                   np.int32(nq_pad), acc(scale * math.log2(math.e)), acc(scale), np.int32(bool(causal)))
-    sm80 = name in HALF_DTYPES
-    tail = (np.int32(_rows_16b_aligned(q, k, v, do, dq, dk, dv)),) if sm80 else ()
-    tail += _mods_args(mods, acc)
+    vec = np.int32(_rows_16b_aligned(q, k, v, do, dq, dk, dv))
+    mods_args = _mods_args(mods, acc)
+
+    def tail(variant):   # every kernel but the CUDA-core ones copies tiles with cp.async
+        return ((vec,) if variant.source != "bwd_simt.cu" else ()) + mods_args
+
     dbias_args = (_pointer(dbias), *_strides_or_zero(dbias, 4))
     inputs = (*_tensor_args(q), *_tensor_args(k), *_tensor_args(v), *_tensor_args(do))
     for grads, candidates in plan.kv:
@@ -650,14 +738,14 @@ def attention_backward(do, q, k, v, o, lse, dq, dk, dv, *, scale, causal, determ
         # A null pointer where the launch adds nothing into dq (or dbias: only the dK
         # launch has dS).
         args = (*inputs, *_tensor_args(dk), *_tensor_args(dv),
-                dq_accum if grads & GRAD_DQ else np.uint64(0), lse2, delta, *shape_args, *tail,
+                dq_accum if grads & GRAD_DQ else np.uint64(0), lse2, delta, *shape_args, *tail(variant),
                 *(dbias_args if grads & GRAD_DK else (np.uint64(0), *_strides_or_zero(None, 4))))
         grid = (math.ceil(keys / variant.block_m), Hk, batch)
         _load(variant, device_id)(grid, (variant.threads,), args, shared_mem=variant.smem_bytes)
 
     if plan.dq is not None:
         variant = _choose(plan.dq, device_id)
-        args = (*inputs, *_tensor_args(dq), lse2, delta, *shape_args, *tail)
+        args = (*inputs, *_tensor_args(dq), lse2, delta, *shape_args, *tail(variant))
         grid = (math.ceil(rows / variant.block_m), Hq, batch)
         _load(variant, device_id)(grid, (variant.threads,), args, shared_mem=variant.smem_bytes)
     else:

@@ -83,34 +83,34 @@ __device__ __forceinline__ Acc score_grad(const H& hm, Acc p, Acc dp, Acc delta)
 }
 
 // The P that multiplies dO into dV: recomputed_p's, dropped ones 0, kept ones scaled.
-template <int MT, int NT>
-__device__ __forceinline__ void dropped_p(float (&kept)[MT][NT][4], const float (&p)[MT][NT][4], float scale) {
+template <int MT, int NT, typename Acc>
+__device__ __forceinline__ void dropped_p(Acc (&kept)[MT][NT][4], const Acc (&p)[MT][NT][4], Acc scale) {
     #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
         #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
             #pragma unroll
-            for (int e = 0; e < 4; ++e) kept[mt][nt][e] = p[mt][nt][e] > 0.f ? p[mt][nt][e] * scale : 0.f;
+            for (int e = 0; e < 4; ++e) kept[mt][nt][e] = p[mt][nt][e] > Acc(0) ? p[mt][nt][e] * scale : Acc(0);
 }
 
 // recomputed_p over mma C fragments (mask.cuh for_each_score: fragment rows start at r0,
 // columns at c0, KEY_ROWS for the key-major products); lse2_at(mt, nt, e) gives the
 // element's row workspace. The options' terms go one pass per term (HeadMods scores_log2).
-template <int MODE, bool KEY_ROWS, int MT, int NT, int MT2, int NT2, typename M, typename H, typename L>
-__device__ __forceinline__ void recompute_p(float (&s)[MT][NT][4], float (&dtanh)[MT2][NT2][4], const M& mods,
-                                            const H& hm, int r0, int c0, L&& lse2_at, float scale_log2, bool masked) {
+template <int MODE, bool KEY_ROWS, int MT, int NT, int MT2, int NT2, typename Acc, typename M, typename H, typename L>
+__device__ __forceinline__ void recompute_p(Acc (&s)[MT][NT][4], Acc (&dtanh)[MT2][NT2][4], const M& mods,
+                                            const H& hm, int r0, int c0, L&& lse2_at, Acc scale_log2, bool masked) {
     if constexpr (MODE == MODE_DENSE) {
-        for_each_score<KEY_ROWS>(s, r0, c0, [&](float& x, int i, int j, int mt, int nt, int e) {
-            float unused;
+        for_each_score<KEY_ROWS>(s, r0, c0, [&](Acc& x, int i, int j, int mt, int nt, int e) {
+            Acc unused;
             x = recomputed_p<MODE>(mods, hm, x, i, j, lse2_at(mt, nt, e), scale_log2, masked, unused);
         });
     } else {
         hm.template scores_log2<KEY_ROWS>(s, dtanh, r0, c0, scale_log2, masked);
-        for_each_score<KEY_ROWS>(s, r0, c0, [&](float& x, int, int, int mt, int nt, int e) {
+        for_each_score<KEY_ROWS>(s, r0, c0, [&](Acc& x, int, int, int mt, int nt, int e) {
             x = exp2_fast(x - lse2_at(mt, nt, e));
         });
         if (hm.dropout())
-            for_each_score<KEY_ROWS>(s, r0, c0, [&](float& p, int i, int j, int, int, int) {
+            for_each_score<KEY_ROWS>(s, r0, c0, [&](Acc& p, int i, int j, int, int, int) {
                 if (!hm.keep(i, j)) p = -p;
             });
     }
@@ -119,12 +119,12 @@ __device__ __forceinline__ void recompute_p(float (&s)[MT][NT][4], float (&dtanh
 // dS over C fragments, in place of P: score_grad, then the bias gradient (the dS of the
 // biased score, added into dbias_b, this batch entry's accumulator, where not null) and
 // softcap's derivative. delta_at(mt, nt, e) as lse2_at above.
-template <int MODE, bool KEY_ROWS, int MT, int NT, int MT2, int NT2, typename M, typename H, typename L>
-__device__ __forceinline__ void grad_scores(float (&s)[MT][NT][4], const float (&dp)[MT][NT][4],
-                                            const float (&dtanh)[MT2][NT2][4], const M& mods, const H& hm,
-                                            int r0, int c0, L&& delta_at, float* dbias_b,
+template <int MODE, bool KEY_ROWS, int MT, int NT, int MT2, int NT2, typename Acc, typename M, typename H, typename L>
+__device__ __forceinline__ void grad_scores(Acc (&s)[MT][NT][4], const Acc (&dp)[MT][NT][4],
+                                            const Acc (&dtanh)[MT2][NT2][4], const M& mods, const H& hm,
+                                            int r0, int c0, L&& delta_at, Acc* dbias_b,
                                             i64 dbias_sh, i64 dbias_sq, i64 dbias_sk) {
-    for_each_score<KEY_ROWS>(s, r0, c0, [&](float& x, int i, int j, int mt, int nt, int e) {
+    for_each_score<KEY_ROWS>(s, r0, c0, [&](Acc& x, int i, int j, int mt, int nt, int e) {
         x = score_grad<MODE>(hm, x, dp[mt][nt][e], delta_at(mt, nt, e));
         if constexpr (MODE != MODE_DENSE) {
             if (dbias_b != nullptr && i < mods.mask.nq && j < mods.mask.nk)

@@ -57,7 +57,6 @@ flash_fwd_wide(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const 
 {
     typedef WideFwdTile<T, D, DV_TILE, BLOCK_M, BLOCK_N, SUB_N, WARPS> C;
     constexpr int MT = C::MT, NT = C::NT, DT = C::DT, LDQ = C::LDQ, LDV = C::LDV;
-    constexpr bool FRESH = !Operand<T, 4>::ACCUMULATE_EXACT;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* sQ = reinterpret_cast<T*>(smem_raw);
     T* sK = sQ + BLOCK_M * LDQ;            // two buffers
@@ -130,22 +129,10 @@ flash_fwd_wide(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const 
             // S = Q K_sub^T
             T s[MT][NT][4];
             zero_frags(s);
-            #pragma unroll
-            for (int ks = 0; ks < C::KSTEPS; ++ks) {
-                Operand<T, 4> a[MT];
-                #pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    if (C::Q_IN_REGS) a[mt] = q_frag[C::Q_IN_REGS ? mt : 0][C::Q_IN_REGS ? ks : 0];
-                    else load_a<T, LDQ>(a[mt], sQ, warp_row0 + mt * 16, ks * 8);
-                }
-                #pragma unroll
-                for (int nt = 0; nt < NT; ++nt) {
-                    Operand<T, 2> bk;
-                    load_bt<T, LDQ>(bk, sKs, nt * 8, ks * 8);
-                    #pragma unroll
-                    for (int mt = 0; mt < MT; ++mt) mma_16x8x8(s[mt][nt], a[mt], bk);
-                }
-            }
+            wide_mm_ABt_from<T, LDQ, MT, NT, C::KSTEPS>(s, [&](Operand<T, 4>& a, int mt, int ks) {
+                if (C::Q_IN_REGS) a = q_frag[C::Q_IN_REGS ? mt : 0][C::Q_IN_REGS ? ks : 0];
+                else load_a<T, LDQ>(a, sQ, warp_row0 + mt * 16, ks * 8);
+            }, sKs);
 
             // The predicate runs only on sub-tiles that are not wholly visible.
             const bool needs_mask = mask.tile_needs_mask(q0, q0 + q_rows, k0, k0 + SUB_N, h);
@@ -163,41 +150,8 @@ flash_fwd_wide(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const 
                     });
             }
 
-            // P as the A operands of P V (split into TF32 pairs once for fp32).
-            Operand<T, 4> p[MT][NT];
-            #pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-                #pragma unroll
-                for (int nt = 0; nt < NT; ++nt) {
-                    p[mt][nt].set(0, s[mt][nt][0]);
-                    p[mt][nt].set(2, s[mt][nt][1]);
-                    p[mt][nt].set(1, s[mt][nt][2]);
-                    p[mt][nt].set(3, s[mt][nt][3]);
-                }
-
-            // O += P V_sub, one 16-column pair at a time (for fp32 summed from zero).
-            #pragma unroll
-            for (int dp = 0; dp < DT / 2; ++dp) {
-                T part[FRESH ? MT : 1][2][4];
-                if constexpr (FRESH) zero_frags(part);
-                #pragma unroll
-                for (int ps = 0; ps < NT; ++ps) {
-                    Operand<T, 2> bv[2];
-                    load_b_pair<T, LDV>(bv, sVs, ps * 8, dp * 16);
-                    #pragma unroll
-                    for (int mt = 0; mt < MT; ++mt)
-                        #pragma unroll
-                        for (int i = 0; i < 2; ++i)
-                            mma_16x8x8(FRESH ? part[FRESH ? mt : 0][i] : acc[mt][2 * dp + i], p[mt][ps], bv[i]);
-                }
-                #pragma unroll
-                for (int mt = 0; mt < MT; ++mt)
-                    #pragma unroll
-                    for (int i = 0; i < 2; ++i)
-                        #pragma unroll
-                        for (int e = 0; e < 4; ++e)
-                            if (FRESH) acc[mt][2 * dp + i][e] += part[FRESH ? mt : 0][i][e];
-            }
+            // O += P V_sub.
+            wide_mm_AB<T, LDV>(acc, s, sVs);
         }
         j = next;
     }

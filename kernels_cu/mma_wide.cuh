@@ -183,3 +183,94 @@ __device__ __forceinline__ void store_o_row(T* row, const T (&c)[4], const T (&d
             if (col + i < cols) row[col + i] = x[i];
     }
 }
+
+// ---------------------------------------------------------------- warp-level products
+// The two shapes of attention's products, for one warp that owns MT 16-row m-tiles of
+// the result and its whole width (the fp32/fp64 counterparts of warp_mm.cuh):
+//   wide_mm_ABt_from: C += A B^T, B row-major in shared memory with its n index as the
+//                     row (S = Q K^T and its relatives), A supplied by a callback;
+//   wide_mm_AB_from:  C += A B, B row-major with k as its row (P V, dS K), the result in
+//                     the paired column layout of load_b_pair (store_o_row writes it).
+
+// C[MT][NT] += A B^T over 8 KSTEPS columns, B rows [0, 8 NT) of a PairRows tile with
+// stride LD; load_a(a, mt, ks) fills A's operand of m-tile mt, k-step ks.
+template <typename T, int LD, int MT, int NT, int KSTEPS, typename LoadA>
+__device__ __forceinline__ void wide_mm_ABt_from(T (&c)[MT][NT][4], LoadA&& load_a, const T* sB) {
+    #pragma unroll
+    for (int ks = 0; ks < KSTEPS; ++ks) {
+        Operand<T, 4> a[MT];
+        #pragma unroll
+        for (int mt = 0; mt < MT; ++mt) load_a(a[mt], mt, ks);
+        #pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            Operand<T, 2> b;
+            load_bt<T, LD>(b, sB, nt * 8, ks * 8);
+            #pragma unroll
+            for (int mt = 0; mt < MT; ++mt) mma_16x8x8(c[mt][nt], a[mt], b);
+        }
+    }
+}
+
+// The same with A rows a_row0 + [0, 16 MT) of a PairRows tile of stride LD.
+template <typename T, int LD, int MT, int NT, int KSTEPS>
+__device__ __forceinline__ void wide_mm_ABt(T (&c)[MT][NT][4], const T* sA, int a_row0, const T* sB) {
+    wide_mm_ABt_from<T, LD, MT, NT, KSTEPS>(
+        c, [&](Operand<T, 4>& a, int mt, int ks) { load_a<T, LD>(a, sA, a_row0 + mt * 16, ks * 8); }, sB);
+}
+
+// C[MT][NT] += A B over 8 KT rows of B (stride LDB), columns [0, 8 NT), 16 at a time;
+// load_a(a, mt, kt) fills A's operand of m-tile mt, k-step kt. For fp32 every 16-column
+// pair is summed from zero in the tensor cores and added into C in the FPU: TF32 MMAs
+// truncate as they accumulate, and over a long sequence of calls that bias would grow
+// (fwd_wide.cu, tests/test_tf32_split.py). DMMA rounds to nearest and accumulates into C.
+template <typename T, int LDB, int MT, int KT, int NT, typename LoadA>
+__device__ __forceinline__ void wide_mm_AB_from(T (&c)[MT][NT][4], LoadA&& load_a, const T* sB) {
+    constexpr bool FRESH = !Operand<T, 4>::ACCUMULATE_EXACT;
+    static_assert(NT % 2 == 0, "B operands come in pairs of n-tiles");
+    #pragma unroll
+    for (int dp = 0; dp < NT / 2; ++dp) {
+        T part[FRESH ? MT : 1][2][4];
+        if constexpr (FRESH) zero_frags(part);
+        #pragma unroll
+        for (int kt = 0; kt < KT; ++kt) {
+            Operand<T, 2> b[2];
+            load_b_pair<T, LDB>(b, sB, kt * 8, dp * 16);
+            #pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                Operand<T, 4> a;
+                load_a(a, mt, kt);
+                #pragma unroll
+                for (int i = 0; i < 2; ++i)
+                    mma_16x8x8(FRESH ? part[FRESH ? mt : 0][i] : c[mt][2 * dp + i], a, b[i]);
+            }
+        }
+        #pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+            #pragma unroll
+            for (int i = 0; i < 2; ++i)
+                #pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    if (FRESH) c[mt][2 * dp + i][e] += part[FRESH ? mt : 0][i][e];
+    }
+}
+
+// C += f(X) B with X in registers as the C fragments of an earlier product (P, dS^T):
+// the fragment of n-tile kt is, as it stands, A's operand of k-step kt (see the top of
+// this file); each element goes through f (the backward's dropout on P) and is converted
+// (split, for fp32) once for all column pairs.
+struct Identity { template <typename X> __device__ __forceinline__ X operator()(X x) const { return x; } };
+
+template <typename T, int LDB, int MT, int KT, int NT, typename F = Identity>
+__device__ __forceinline__ void wide_mm_AB(T (&c)[MT][NT][4], const T (&x)[MT][KT][4], const T* sB, F f = F()) {
+    Operand<T, 4> ops[MT][KT];
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+        #pragma unroll
+        for (int kt = 0; kt < KT; ++kt) {
+            ops[mt][kt].set(0, f(x[mt][kt][0]));
+            ops[mt][kt].set(2, f(x[mt][kt][1]));
+            ops[mt][kt].set(1, f(x[mt][kt][2]));
+            ops[mt][kt].set(3, f(x[mt][kt][3]));
+        }
+    wide_mm_AB_from<T, LDB, MT, KT, NT>(c, [&](Operand<T, 4>& a, int mt, int kt) { a = ops[mt][kt]; }, sB);
+}

@@ -171,7 +171,7 @@ def test_empty_batch(layout):
 
 
 @pytest.mark.parametrize("dtype,d", [("float16", 128), ("bfloat16", 256), ("bfloat16", 72),
-                                     ("float32", 64), ("float64", 192)])
+                                     ("float32", 64), ("float32", 256), ("float64", 128), ("float64", 192)])
 def test_deterministic_is_bitwise_reproducible(rng, dtype, d):
     import cupy as cp
     host, (q, k, v, do) = _inputs(rng, dtype, d, 300, 257, 4, "bshd")
@@ -198,21 +198,24 @@ def test_rows_without_keys_get_zero_dq(rng, dtype, deterministic):
     _check(grads, _reference_grads(host, "bhsd", causal=True), dtype, "bhsd")
 
 
-def test_strided_inputs_without_alignment(rng):
-    """Every other 76-element row of one buffer, as in the forward test: the rows are 304
-    bytes apart, but k and do start 152 bytes into theirs, so their rows are not 16-byte
-    aligned and the kernels take the element-wise copy path instead of 16-byte copies."""
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+def test_strided_inputs_without_alignment(rng, dtype):
+    """Every other row of one buffer whose rows are 8 bytes longer than a multiple of 16
+    (72 elements and 8 bytes), as in the forward test: q's rows are 16-byte aligned, but k
+    and do start half a buffer row into theirs, so their rows are not, and the kernels
+    take the element-wise copy path instead of 16-byte copies."""
     import cupy as cp
     from cupyflash import _cuda
-    base = cp.asarray(rng.standard_normal((1, 3, 2 * 257, 76)).astype(np.float16))
+    width = 72 + 8 // np.dtype(dtype).itemsize
+    base = cp.asarray(rng.standard_normal((1, 3, 2 * 257, width)).astype(dtype))
     q, k = base[:, :, ::2, :72], base[:, :, 1::2, :72]
-    v = cp.asarray(rng.standard_normal((1, 3, 257, 72)).astype(np.float16))
-    do = cp.asarray(rng.standard_normal((1, 3, 2 * 257, 76)).astype(np.float16))[:, :, 1::2, :72]
+    v = cp.asarray(rng.standard_normal((1, 3, 257, 72)).astype(dtype))
+    do = cp.asarray(rng.standard_normal((1, 3, 2 * 257, width)).astype(dtype))[:, :, 1::2, :72]
     assert not _cuda._rows_16b_aligned(q, k, do)
     host = [cp.asnumpy(x) for x in (q, k, v, do)]
     for deterministic in (False, True):
         grads = _poisoned_backward(q, k, v, do, causal=False, layout="bhsd", deterministic=deterministic)
-        _check(grads, _reference_grads(host, "bhsd", causal=False), "float16", "bhsd")
+        _check(grads, _reference_grads(host, "bhsd", causal=False), dtype, "bhsd")
 
 
 def test_runs_on_the_current_stream(rng):

@@ -10,7 +10,7 @@ DTYPES = ("float16", "bfloat16", "float32", "float64")
 HOPPER_SMEM = 227 * 1024   # opt-in shared memory per block on H100/H200
 
 
-def _candidate_lists(dtype, D):
+def _candidate_lists(dtype, D, cuda_cores=False):
     """Each launch's tile candidates, in order of preference: the forward's, and those of
     the backward's key-block and dQ kernels in both modes, for the dense and the
     options' kernels."""
@@ -18,7 +18,7 @@ def _candidate_lists(dtype, D):
     for mode in (_cuda.MODE_DENSE, _cuda.MODE_EXT):
         lists.append(_cuda.forward_variants(dtype, D, mode))
         for deterministic in (False, True):
-            plan = _cuda.backward_plan(dtype, D, deterministic, mode)
+            plan = _cuda.backward_plan(dtype, D, deterministic, mode, cuda_cores)
             lists += [c for _, c in plan.kv] + ([plan.dq] if plan.dq else [])
     return lists
 
@@ -28,6 +28,10 @@ def _candidate_lists(dtype, D):
 def test_first_tiles_fit_hopper_and_last_fit_100kb(dtype, D):
     for candidates in _candidate_lists(dtype, D):
         assert candidates[0].total_smem <= HOPPER_SMEM, candidates[0].name_expression
+    # Where a tensor-core backward tile does not fit ~100 KB (fp32/fp64 at the largest
+    # head dims), device_backward_plan falls back to the CUDA-core plan, which does.
+    wide = dtype not in _cuda.HALF_DTYPES
+    for candidates in _candidate_lists(dtype, D, cuda_cores=wide):
         assert candidates[-1].total_smem <= _cuda.PORTABLE_SMEM, candidates[-1].name_expression
 
 
@@ -95,3 +99,16 @@ def test_hopper_backward_only_where_it_builds(monkeypatch, arch, source, determi
     assert kv_sources("float16", 256) == ["bwd_sm80.cu", "bwd_sm80.cu"]
     plan = _cuda.backward_plan("float16", 128, deterministic)
     assert plan.dq is None or _cuda._choose(plan.dq, 0).source == "bwd_sm80.cu"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_wide_backward_runs_on_the_tensor_cores_where_it_fits(dtype):
+    # fp32 at every head dim and fp64 up to d = 128 take bwd_wide.cu (3xTF32 / DMMA); fp64
+    # from d = 192, where one gradient per 16-key m-tile exceeds the registers, the CUDA cores.
+    for D in _cuda.HEAD_DIMS:
+        wide = dtype == "float32" or D <= 128
+        for deterministic in (False, True):
+            for mode in (_cuda.MODE_DENSE, _cuda.MODE_EXT):
+                plan = _cuda.backward_plan(dtype, D, deterministic, mode)
+                sources = {v.source for _, c in plan.kv for v in c} | {v.source for v in plan.dq or ()}
+                assert sources == {"bwd_wide.cu" if wide else "bwd_simt.cu"}, (D, deterministic, mode)

@@ -1,0 +1,363 @@
+// Backward attention on the tensor cores for fp32 and fp64 inputs, at the inputs' own
+// precision (sm_80 and newer): fp64 on DMMA, fp32 as 3xTF32 (mma_wide.cuh). The
+// algorithm and the kernel split are bwd_sm80.cu's (see there), with mma_wide.cuh's
+// 16x8x8 steps in place of m16n8k16 and the row workspaces in the accumulation type:
+//
+// flash_bwd_dkdv_wide: a CTA owns BLOCK_N keys of one kv head, split across its warps in
+//   16-key m-tiles, and walks every (query head, query tile) pair of its GQA group that
+//   sees them (bwd.cuh KeyBlockPairs), Q, dO and the row workspaces double-buffered by
+//   cp.async. S^T = K Q^T and dP^T = V dO^T are key-major, so their C fragments are the
+//   A operands of dV += P^T dO and dK += dS^T Q as they stand (mma_wide.cuh: the k index
+//   of a step is a label). dK and dV stay in registers; where both do not fit, the host
+//   runs a dV launch and a dK launch (GRADS). With GRAD_DQ the warps also write dS,
+//   query-major, to shared memory and add dQ = dS K over the whole key block into the
+//   workspace with atomics, each (query m-tile, 16 columns) job a complete sum.
+//
+// flash_bwd_dq_wide (the deterministic mode): a CTA owns BLOCK_M query rows of one head
+//   and streams the key tiles its rows see, recomputing S, P, dP and dS per tile with dQ
+//   in registers; no atomics, bitwise reproducible.
+//
+// Every tile sits in shared memory with PairRows' stride (D + 8 elements), conflict-free
+// for the A and B^T operand reads (pairs along a row). Q and dO (dK/dV kernel) and K (both
+// kernels) are also read as B operands with k as their row (load_b_pair), which that
+// stride serves with two-way bank conflicts.
+//
+// For fp32 the products that sum over a sequence (dV, dK, dQ) are summed per query slice
+// or key slice from zero in the tensor cores and added in the FPU (wide_mm_AB), as the
+// forward does for O.
+#include "elem.cuh"
+#include "copy.cuh"
+#include "mma_wide.cuh"
+#include "mods.cuh"
+#include "tensor.cuh"
+#include "bwd.cuh"
+
+// SLICE: queries of S^T and dP^T live at once beside the accumulators (8 or 16: the
+// tile table picks the larger where it does not spill).
+template <typename T, int D, int BLOCK_M, int BLOCK_N, int WARPS, int SLICE, int GRADS>
+struct WideBwdKVTile {
+    static constexpr int THREADS = WARPS * 32;
+    static constexpr int MT = BLOCK_N / WARPS / 16;   // key m-tiles per warp
+    static constexpr int SNT = SLICE / 8;
+    static constexpr int KSTEPS = D / 8;
+    static constexpr int DT = D / 8;                  // n-tiles of dK, dV
+    static constexpr int LD = PairRows<T, D>::stride;
+    static constexpr int LDS = PairRows<T, BLOCK_N>::stride;   // dS, query-major
+    static constexpr bool DV = GRADS & GRAD_DV, DK = GRADS & GRAD_DK, DQ = GRADS & GRAD_DQ;
+    // Shared memory, in this order (cupyflash/_cuda.py mirrors the sizes):
+    static constexpr int K_ELEMS = BLOCK_N * LD;
+    static constexpr int V_ELEMS = DK ? BLOCK_N * LD : 0;     // dP needs V; dV alone does not
+    static constexpr int QDO_ELEMS = 4 * BLOCK_M * LD;        // Q and dO, two buffers each
+    static constexpr int DS_ELEMS = DQ ? BLOCK_M * LDS : 0;
+    static constexpr int ROW_ELEMS = (DK ? 4 : 2) * BLOCK_M;  // lse2 (and delta), two buffers each
+    static_assert(BLOCK_N % (16 * WARPS) == 0 && BLOCK_M % SLICE == 0 && D % 32 == 0, "tile shape");
+    static_assert(GRADS != 0 && (!DQ || DK), "dQ comes with dK (both need dS)");
+    static_assert(BWD_ROW_PAD % BLOCK_M == 0, "query tiles read the padded row workspaces whole");
+};
+
+// Minimum one CTA per SM: without it ptxas aims at more resident CTAs than shared memory
+// allows and spills (as in fwd_wide.cu).
+template <typename T, int D, int BLOCK_M, int BLOCK_N, int WARPS, int SLICE, int GRADS, int MODE>
+__global__ void __launch_bounds__(WARPS * 32, 1)
+flash_bwd_dkdv_wide(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const T, v),
+                    TENSOR_ARG(const T, dout), TENSOR_ARG(T, dk), TENSOR_ARG(T, dv),
+                    T* __restrict__ dq_accum, const T* __restrict__ lse2, const T* __restrict__ delta,
+                    int group, int nq, int nk, int d, int dim_v, int nq_pad,
+                    T scale_log2, T scale, int causal, int vec, MODS_ARGS(T, T), DBIAS_ARGS(T))
+{
+    typedef WideBwdKVTile<T, D, BLOCK_M, BLOCK_N, WARPS, SLICE, GRADS> C;
+    constexpr int MT = C::MT, SNT = C::SNT, DT = C::DT, LD = C::LD;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    T* sK = reinterpret_cast<T*>(smem_raw);
+    T* sV = sK + C::K_ELEMS;
+    T* sQ = sV + C::V_ELEMS;                  // two buffers
+    T* sdO = sQ + 2 * BLOCK_M * LD;           // two buffers
+    T* sdS = sdO + 2 * BLOCK_M * LD;
+    T* sLse = sdS + C::DS_ELEMS;              // two buffers
+    T* sDelta = sLse + 2 * BLOCK_M;           // two buffers (DK only)
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int g = lane / 4, t = lane % 4;
+    const int hk = blockIdx.y, b = blockIdx.z;
+    const int hq = gridDim.y * group;
+    MODS_SETUP(T, T, MODE, b, hq, nq, nk, causal);
+    const auto& mask = mods.mask;
+    const int k0 = blockIdx.x * BLOCK_N;
+    const int k_rows = min(BLOCK_N, mask.nk - k0);
+    if (k_rows <= 0) return;   // varlen: the grid covers the longest sequence
+    const KeyBlockPairs pairs(mask, hk, group, k0, BLOCK_N, BLOCK_M);
+    const int n_iter = pairs.count();
+    T* dbias_b = MODE != MODE_DENSE && dbias != nullptr ? dbias + b * dbias_sb : nullptr;
+
+    const Strided<const T> Q = TENSOR(const T, q), K = TENSOR(const T, k), V = TENSOR(const T, v);
+    const Strided<const T> dO = TENSOR(const T, dout);
+
+    load_tile<T, BLOCK_N, D, C::THREADS, LD>(sK, K.at(mods.tb, hk, mods.k_base + k0), K.row, k_rows, d, vec);
+    if constexpr (C::DK) load_tile<T, BLOCK_N, D, C::THREADS, LD>(sV, V.at(mods.tb, hk, mods.k_base + k0), V.row, k_rows, dim_v, vec);
+
+    // Q, dO, lse2 (and delta) of iteration `it` into buffer `buf` (as in bwd_sm80.cu: the
+    // row workspaces are padded; under varlen the 16-byte copies need the start aligned).
+    const bool rows_vec = (mods.q_base * (int)sizeof(T)) % 16 == 0;
+    auto load_query_tile = [&](int it, int buf) {
+        const int h = pairs.head(it), q0 = pairs.q0(it);
+        const int rows = min(BLOCK_M, mask.nq - q0);
+        load_tile<T, BLOCK_M, D, C::THREADS, LD>(sQ + buf * BLOCK_M * LD, Q.at(mods.tb, h, mods.q_base + q0), Q.row, rows, d, vec);
+        load_tile<T, BLOCK_M, D, C::THREADS, LD>(sdO + buf * BLOCK_M * LD, dO.at(mods.tb, h, mods.q_base + q0), dO.row, rows, dim_v, vec);
+        const i64 at = row_workspace_offset(mods.tb, h, hq, nq_pad) + mods.q_base + q0;
+        load_tile<T, 1, BLOCK_M, C::THREADS, BLOCK_M>(sLse + buf * BLOCK_M, lse2 + at, 0, 1, BLOCK_M, rows_vec);
+        if constexpr (C::DK) load_tile<T, 1, BLOCK_M, C::THREADS, BLOCK_M>(sDelta + buf * BLOCK_M, delta + at, 0, 1, BLOCK_M, rows_vec);
+        cp_async_commit();
+    };
+    int it = pairs.next(0, mask);
+    if (it < n_iter) load_query_tile(it, 0);
+    cp_async_commit();
+
+    const int warp_row0 = warp * MT * 16;
+    T acc_dv[C::DV ? MT : 1][C::DV ? DT : 1][4];
+    T acc_dk[C::DK ? MT : 1][C::DK ? DT : 1][4];
+    zero_frags(acc_dv);
+    zero_frags(acc_dk);
+
+    for (int step = 0; it < n_iter; ++step) {
+        const int h = pairs.head(it), q0 = pairs.q0(it);
+        const int next = pairs.next(it + 1, mask);
+        const int buf = step % 2;
+        const T* sQb = sQ + buf * BLOCK_M * LD;
+        const T* sdOb = sdO + buf * BLOCK_M * LD;
+        const T* sLseb = sLse + buf * BLOCK_M;
+        const T* sDeltab = sDelta + buf * BLOCK_M;
+        cp_async_wait<0>();   // this iteration's tiles (and K, V) have landed
+        __syncthreads();      // ... for every thread, and iteration it-1 no longer reads the other buffer or sdS
+        if (next < n_iter) load_query_tile(next, (step + 1) % 2);
+
+        const bool needs_mask = mask.tile_needs_mask(q0, q0 + BLOCK_M, k0, k0 + BLOCK_N, h);
+        #pragma unroll 1
+        for (int q_s = 0; q_s < BLOCK_M; q_s += SLICE) {
+            const T* sQs = sQb + q_s * LD;
+            const T* sdOs = sdOb + q_s * LD;
+            // S^T = K Q^T, then P^T = exp2(S^T scale log2 e - lse2[query]), 0 where hidden.
+            T s[MT][SNT][4];
+            T dtanh[MODE == MODE_EXT ? MT : 1][MODE == MODE_EXT ? SNT : 1][4];
+            zero_frags(s);
+            wide_mm_ABt<T, LD, MT, SNT, C::KSTEPS>(s, sK, warp_row0, sQs);
+            recompute_p<MODE, true>(s, dtanh, mods, mods.at_head(h), k0 + warp_row0, q0 + q_s,
+                                    [&](int, int nt, int e) { return sLseb[q_s + nt * 8 + 2 * t + (e % 2)]; },
+                                    scale_log2, needs_mask);
+
+            if constexpr (C::DV) {
+                if constexpr (MODE == MODE_DENSE) {
+                    wide_mm_AB<T, LD>(acc_dv, s, sdOs);
+                } else {   // dropout: the P that multiplies dO (bwd.cuh dropped_p)
+                    const bool dropout = mods.dropout();
+                    const T drop_scale = mods.drop_scale;
+                    wide_mm_AB<T, LD>(acc_dv, s, sdOs, [=](T p) {
+                        return !dropout ? p : (p > T(0) ? p * drop_scale : T(0));
+                    });
+                }
+            }
+
+            if constexpr (C::DK) {
+                // dP^T = V dO^T; dS^T = P^T o (dP^T - delta[query]), in place of P^T.
+                T dp[MT][SNT][4];
+                zero_frags(dp);
+                wide_mm_ABt<T, LD, MT, SNT, C::KSTEPS>(dp, sV, warp_row0, sdOs);
+                grad_scores<MODE, true>(s, dp, dtanh, mods, mods.at_head(h), k0 + warp_row0, q0 + q_s,
+                                        [&](int, int nt, int e) { return sDeltab[q_s + nt * 8 + 2 * t + (e % 2)]; },
+                                        dbias_b, dbias_sh, dbias_sq, dbias_sk);
+                wide_mm_AB<T, LD>(acc_dk, s, sQs);
+            }
+
+            if constexpr (C::DQ) {
+                // dS into shared memory, query-major (its key pairs adjacent for load_a).
+                for_each_score<true>(s, k0 + warp_row0, q0 + q_s, [&](T& x, int i, int j, int, int, int) {
+                    sdS[(i - q0) * C::LDS + j - k0] = x;
+                });
+            }
+        }
+
+        if constexpr (C::DQ) {
+            __syncthreads();
+            // dQ = dS K over all BLOCK_N keys, the warps taking (query m-tile, 16 columns)
+            // jobs: each job is a complete sum, added once per element.
+            constexpr int JOBS = (BLOCK_M / 16) * (D / 16);
+            T* dq_head = dq_accum + (((i64)mods.tb * hq + h) * nq + mods.q_base) * (i64)d;
+            for (int job = warp; job < JOBS; job += WARPS) {
+                const int mq = job % (BLOCK_M / 16), col0 = (job / (BLOCK_M / 16)) * 16;
+                if (col0 >= d) continue;   // padding columns: dQ is 0 there
+                T part[1][2][4];
+                zero_frags(part);
+                wide_mm_AB_from<T, LD, 1, BLOCK_N / 8>(part, [&](Operand<T, 4>& a, int, int ks) {
+                    load_a<T, C::LDS>(a, sdS, mq * 16, ks * 8);
+                }, sK + col0);
+                #pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    const int row = q0 + mq * 16 + g + hh * 8;
+                    if (row >= mask.nq) continue;
+                    // store_o_row's layout: columns col0 + 4 t .. + 3 of the row.
+                    const T x[4] = {part[0][0][2 * hh], part[0][1][2 * hh], part[0][0][2 * hh + 1], part[0][1][2 * hh + 1]};
+                    #pragma unroll
+                    for (int i = 0; i < 4; ++i)
+                        if (col0 + 4 * t + i < d) atomicAdd(dq_head + (i64)row * d + col0 + 4 * t + i, x[i]);
+                }
+            }
+        }
+        it = next;
+    }
+    cp_async_wait<0>();
+
+    // Epilogue: each thread writes four consecutive columns of its rows (store_o_row).
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        #pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const int r = warp_row0 + mt * 16 + g + hh * 8;
+            if (r >= k_rows) continue;
+            if constexpr (C::DV) {
+                T* out = TENSOR(T, dv).at(mods.tb, hk, mods.k_base + k0 + r);
+                #pragma unroll
+                for (int dp = 0; dp < DT / 2; ++dp)
+                    store_o_row(out + dp * 16, acc_dv[mt][2 * dp], acc_dv[mt][2 * dp + 1], hh, dim_v - dp * 16, vec);
+            }
+            if constexpr (C::DK) {
+                T* out = TENSOR(T, dk).at(mods.tb, hk, mods.k_base + k0 + r);
+                #pragma unroll
+                for (int dp = 0; dp < DT / 2; ++dp) {
+                    T lo[4], hi[4];
+                    #pragma unroll
+                    for (int e = 0; e < 4; ++e) { lo[e] = acc_dk[mt][2 * dp][e] * scale; hi[e] = acc_dk[mt][2 * dp + 1][e] * scale; }
+                    store_o_row(out + dp * 16, lo, hi, hh, d - dp * 16, vec);
+                }
+            }
+        }
+    }
+}
+
+// SLICE: keys of S and dP live at once beside the dQ accumulator (as in WideBwdKVTile).
+template <typename T, int D, int BLOCK_M, int BLOCK_N, int WARPS, int SLICE>
+struct WideBwdQTile {
+    static constexpr int THREADS = WARPS * 32;
+    static constexpr int MT = BLOCK_M / WARPS / 16;   // query m-tiles per warp
+    static constexpr int SNT = SLICE / 8;
+    static constexpr int KSTEPS = D / 8;
+    static constexpr int DT = D / 8;                  // n-tiles of dQ
+    static constexpr int LD = PairRows<T, D>::stride;
+    // Shared memory: Q, dO, then K and V with two buffers each (cupyflash/_cuda.py mirrors it).
+    static_assert(BLOCK_M % (16 * WARPS) == 0 && BLOCK_N % SLICE == 0 && D % 32 == 0, "tile shape");
+    static_assert(BWD_ROW_PAD % BLOCK_M == 0, "query blocks read the padded row workspaces whole");
+};
+
+template <typename T, int D, int BLOCK_M, int BLOCK_N, int WARPS, int SLICE, int MODE>
+__global__ void __launch_bounds__(WARPS * 32, 1)
+flash_bwd_dq_wide(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const T, v),
+                  TENSOR_ARG(const T, dout), TENSOR_ARG(T, dq), const T* __restrict__ lse2,
+                  const T* __restrict__ delta, int group, int nq, int nk, int d, int dim_v,
+                  int nq_pad, T scale_log2, T scale, int causal, int vec, MODS_ARGS(T, T))
+{
+    typedef WideBwdQTile<T, D, BLOCK_M, BLOCK_N, WARPS, SLICE> C;
+    constexpr int MT = C::MT, SNT = C::SNT, DT = C::DT, LD = C::LD;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    T* sQ = reinterpret_cast<T*>(smem_raw);
+    T* sdO = sQ + BLOCK_M * LD;
+    T* sK = sdO + BLOCK_M * LD;          // two buffers
+    T* sV = sK + 2 * BLOCK_N * LD;       // two buffers
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int g = lane / 4;
+    const int m_block = gridDim.x - 1 - blockIdx.x;   // heavy (late, causal) blocks first
+    const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
+    MODS_SETUP(T, T, MODE, b, gridDim.y, nq, nk, causal);
+    const auto& mask = mods.mask;
+    const int q0 = m_block * BLOCK_M;
+    const int q_rows = min(BLOCK_M, mask.nq - q0);
+    if (q_rows <= 0) return;   // varlen: the grid covers the longest sequence
+    const int2 tiles = mask.key_tile_range(q0, q0 + q_rows, BLOCK_N);
+    const int key_rows = mask.stop();   // rows past it are never read (key padding)
+
+    const Strided<const T> Q = TENSOR(const T, q), K = TENSOR(const T, k), V = TENSOR(const T, v);
+    const Strided<const T> dO = TENSOR(const T, dout);
+    const T* k_head = K.at(mods.tb, hk, mods.k_base);
+    const T* v_head = V.at(mods.tb, hk, mods.k_base);
+
+    load_tile<T, BLOCK_M, D, C::THREADS, LD>(sQ, Q.at(mods.tb, h, mods.q_base + q0), Q.row, q_rows, d, vec);
+    load_tile<T, BLOCK_M, D, C::THREADS, LD>(sdO, dO.at(mods.tb, h, mods.q_base + q0), dO.row, q_rows, dim_v, vec);
+    auto load_key_tile = [&](int j, int buf) {
+        const int rows = min(BLOCK_N, key_rows - j * BLOCK_N);
+        load_tile<T, BLOCK_N, D, C::THREADS, LD>(sK + buf * BLOCK_N * LD, k_head + (i64)j * BLOCK_N * K.row, K.row, rows, d, vec);
+        load_tile<T, BLOCK_N, D, C::THREADS, LD>(sV + buf * BLOCK_N * LD, v_head + (i64)j * BLOCK_N * V.row, V.row, rows, dim_v, vec);
+        cp_async_commit();
+    };
+    int j = mask.next_key_tile(tiles.x, tiles.y, q0, q0 + q_rows, BLOCK_N, h);
+    if (j < tiles.y) load_key_tile(j, 0);
+    cp_async_commit();
+
+    // The row workspaces of this thread's rows; padded, so rows past nq read lse2 = +inf
+    // and give P = 0 (under varlen: the next sequence's rows, which the mask hides).
+    const int warp_row0 = warp * MT * 16;
+    const i64 at = row_workspace_offset(mods.tb, h, gridDim.y, nq_pad) + mods.q_base + q0 + warp_row0 + g;
+    T row_lse[MT][2], row_delta[MT][2];
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+        #pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            row_lse[mt][hh] = lse2[at + mt * 16 + hh * 8];
+            row_delta[mt][hh] = delta[at + mt * 16 + hh * 8];
+        }
+
+    T acc[MT][DT][4];
+    zero_frags(acc);
+
+    for (int step = 0; j < tiles.y; ++step) {
+        const int k0 = j * BLOCK_N;
+        const int next = mask.next_key_tile(j + 1, tiles.y, q0, q0 + q_rows, BLOCK_N, h);
+        const T* sKj = sK + (step % 2) * BLOCK_N * LD;
+        const T* sVj = sV + (step % 2) * BLOCK_N * LD;
+        cp_async_wait<0>();   // Q, dO and tile j have landed
+        __syncthreads();      // ... for every thread, and the previous tile's buffers are free
+        if (next < tiles.y) load_key_tile(next, (step + 1) % 2);
+
+        const bool needs_mask = mask.tile_needs_mask(q0, q0 + BLOCK_M, k0, k0 + BLOCK_N, h);
+        #pragma unroll 1
+        for (int k_s = 0; k_s < BLOCK_N; k_s += SLICE) {
+            const T* sKs = sKj + k_s * LD;
+            const T* sVs = sVj + k_s * LD;
+            // S = Q K^T, then P = exp2(S scale log2 e - lse2[row]), 0 where hidden.
+            T s[MT][SNT][4];
+            T dtanh[MODE == MODE_EXT ? MT : 1][MODE == MODE_EXT ? SNT : 1][4];
+            zero_frags(s);
+            wide_mm_ABt<T, LD, MT, SNT, C::KSTEPS>(s, sQ, warp_row0, sKs);
+            recompute_p<MODE, false>(s, dtanh, mods, mods.at_head(h), q0 + warp_row0, k0 + k_s,
+                                     [&](int mt, int, int e) { return row_lse[mt][e / 2]; },
+                                     scale_log2, needs_mask);
+
+            // dP = dO V^T; dS = P o (dP - delta[row]) in place of P; dQ += dS K. (The
+            // key-block kernel adds the bias gradient.)
+            T dp[MT][SNT][4];
+            zero_frags(dp);
+            wide_mm_ABt<T, LD, MT, SNT, C::KSTEPS>(dp, sdO, warp_row0, sVs);
+            grad_scores<MODE, false>(s, dp, dtanh, mods, mods.at_head(h), q0 + warp_row0, k0 + k_s,
+                                     [&](int mt, int, int e) { return row_delta[mt][e / 2]; },
+                                     static_cast<T*>(nullptr), 0, 0, 0);
+            wide_mm_AB<T, LD>(acc, s, sKs);
+        }
+        j = next;
+    }
+    cp_async_wait<0>();   // with no key tile, the Q and dO copies may still be in flight
+
+    const Strided<T> dQ = TENSOR(T, dq);
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        #pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const int r = warp_row0 + mt * 16 + g + hh * 8;
+            if (r >= q_rows) continue;
+            T* out = dQ.at(mods.tb, h, mods.q_base + q0 + r);
+            #pragma unroll
+            for (int dp = 0; dp < DT / 2; ++dp) {
+                T lo[4], hi[4];
+                #pragma unroll
+                for (int e = 0; e < 4; ++e) { lo[e] = acc[mt][2 * dp][e] * scale; hi[e] = acc[mt][2 * dp + 1][e] * scale; }
+                store_o_row(out + dp * 16, lo, hi, hh, d - dp * 16, vec);
+            }
+        }
+    }
+}
