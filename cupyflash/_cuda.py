@@ -42,14 +42,17 @@ FWD_SM80_TILES = {
 # is the kernel's launch bound (2: half the registers, two CTAs overlapping). Head dims that are not a
 # multiple of 64, other GPUs and calls with options (with their registers every sm90 tile
 # spilled, build check) use the sm80 tables.
-# H100, bf16, TFLOP/s at N = 2k/4k/16k non-causal, then causal, one run beside
-# FlashAttention-2 (bench/results/h100-2026-11-23-tune-sm90-fwd.log): d = 64 (256, 2)
-# 289/301/327, 232/274/318; (128, 3) 288/303/333, 230/251/307; (192, 2) and (128, 2)
-# 10-15% below; FA2 301/305/312, 266/287/295. d = 128 (128, 2) 349/375/393, 298/317/381
-# against (192, 2) 328/349/379, 283/309/370; FA2 355/339/356, 276/301/310. (Three
-# warpgroups with 192 or 256 keys spill: 168 registers a thread.)
+# H100, bf16, TFLOP/s at N = 2k/4k/16k non-causal, then causal (bench/results/
+# h100-2026-11-23-tune-sm90-ctas.log, one run): d = 64 (64, 2, 2) 296/320/341, 266/288/324
+# against (256, 2, 1) 267/296/328, 228/270/315, (128, 1, 3) 275/297/311, 243/255/292,
+# (64, 1, 4) and (128, 3, 1) between; FA2 in the same process at N = 4k 308, 280. Two CTAs
+# of 64 keys overlap where one CTA's warpgroups wait together at the key tile's barrier.
+# d = 128 (128, 2, 1) 355/368/391, 275/314/381 against (64, 1, 2) 284/297/313, 254/269/306
+# (two CTAs need 64-key tiles and one warpgroup each at d = 128: 81 KB of shared memory).
+# Earlier run (h100-2026-11-23-tune-sm90-fwd.log): three warpgroups with 192 or 256 keys
+# spill (168 registers a thread); (192, 2) at d = 128 5% below (128, 2).
 FWD_SM90_TILES = {
-    64: ((256, 2, 1),),
+    64: ((64, 2, 2),),
     128: ((128, 2, 1),),
     192: ((64, 2, 1),),
     256: ((64, 2, 1),),
@@ -507,18 +510,25 @@ BWD_SM90_KV_TILES = {
 BWD_SPLIT_MIN_HEAD_DIM = 192
 # fp32 (3xTF32) and fp64 (DMMA) tensor-core backward (bwd_wide.cu), per dtype and head dim,
 # in order of preference as above: the first entries fill H100/H200's 227 KB per block,
-# then ~160 KB (A100) and ~100 KB. dK/dV kernel, (BLOCK_M, BLOCK_N, WARPS, SLICE): query
-# tile, key block, warps (16 keys each), queries whose S^T and dP^T are live at once (16,
-# or 8 where 16 spills: build check); dK and dV of a warp's keys stay in registers, in one
-# launch below BWD_WIDE_SPLIT_MIN_HEAD_DIM and in a dV and a dK launch from there.
+# then ~160 KB (A100); where none fits a ~100 KB GPU, device_backward_plan takes the
+# CUDA-core kernels. dK/dV kernel, (BLOCK_M, BLOCK_N, WARPS, SLICE): query tile, key
+# block, warps (16 keys each), queries whose S^T and dP^T are live at once; dK and dV of a
+# warp's keys stay in registers, in one launch below BWD_WIDE_SPLIT_MIN_HEAD_DIM and in a
+# dV and a dK launch from there. These kernels run at ptxas' 255 registers from d = 96
+# (fp32) or 64 (fp64), and SLICE (8 or 16) is the one with the fewest spill bytes under
+# NVRTC 12.9 (build check): 0 for the first entries up to d = 96, 4-16 bytes at d = 128-256
+# for fp32, up to 64 bytes in the fallbacks. H100, same run as torch (bench/results/
+# h100-2026-11-23-fc1b479-wide.json), N = 4096: fp32 d = 64 49 TFLOP/s (1.39x torch's efficient
+# backward), d = 128 40 (1.10x); fp64 d = 64 24 (1.07x torch's math backward), d = 128 17
+# (0.48x: two launches, 4 warps of 16 keys with 128 registers of dK or dV each).
 BWD_WIDE_KV_TILES = {
     "float32": {
         32: ((64, 128, 8, 16), (32, 64, 4, 16), (16, 64, 4, 16)),
         64: ((64, 128, 8, 16), (32, 64, 4, 16), (16, 64, 4, 16)),
         96: ((32, 128, 8, 8), (16, 64, 4, 8), (16, 32, 2, 8)),
         128: ((32, 128, 8, 8), (16, 64, 4, 8), (16, 32, 2, 8)),
-        192: ((32, 64, 4, 8), (16, 64, 4, 8), (16, 32, 2, 8)),
-        256: ((16, 64, 4, 8), (16, 32, 2, 8)),
+        192: ((16, 64, 4, 16), (16, 32, 2, 16)),
+        256: ((16, 64, 4, 16), (16, 32, 2, 16)),
     },
     "float64": {
         32: ((32, 128, 8, 16), (16, 64, 4, 16), (16, 32, 2, 16)),
@@ -537,7 +547,7 @@ BWD_WIDE_Q_TILES = {
         96: ((128, 32, 8, 16), (64, 16, 4, 16)),
         128: ((128, 32, 8, 16), (64, 16, 4, 16), (32, 16, 2, 16)),
         192: ((64, 32, 4, 8), (32, 16, 2, 8)),
-        256: ((64, 16, 4, 8), (32, 16, 2, 8)),
+        256: ((64, 16, 4, 16), (32, 16, 2, 16)),
     },
     "float64": {
         32: ((128, 32, 8, 16), (64, 16, 4, 16)),
