@@ -1,5 +1,8 @@
 // Backward attention on the CUDA cores for fp32 and fp64 inputs, at the inputs' own
-// precision (no TF32). The algorithm and the kernel split are those of bwd_sm80.cu (see
+// precision (no TF32): the fallback of the tensor-core bwd_wide.cu, for fp64 from d = 192
+// (where one gradient of 16 keys per warp exceeds the registers) and for GPUs whose shared
+// memory the tensor-core tiles do not fit (cupyflash/_cuda.py device_backward_plan), since
+// it streams the head dim in chunks. The algorithm and the kernel split are those of bwd_sm80.cu (see
 // there): flash_bwd_dkdv_simt owns a key block and walks the query tiles of its GQA
 // group, optionally adding dQ into a workspace with atomics; flash_bwd_dq_simt owns a
 // query block and walks its key tiles, for a deterministic dQ.
