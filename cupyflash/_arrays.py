@@ -194,6 +194,8 @@ def lse_shape(q_shape, layout):
 def _merge_leading(x, count):
     """View of ``x`` with its first ``count`` axes merged into one, or None where the
     strides make that impossible without a copy."""
+    if count == 1:   # nothing to merge (the common (B, H, N, d) case): no new view
+        return x
     shape, strides = x.shape[:count], x.strides[:count]
     # Axes of length 1 take no part in addressing, whatever their stride.
     used = [(n, s) for n, s in zip(shape, strides) if n != 1]

@@ -404,6 +404,17 @@ def _strides_or_zero(x, ndim: int) -> tuple:
 
 def _mods_args(mods, acc) -> tuple:
     """The MODS_ARGS of mods.cuh, in order, for accumulation type ``acc``."""
+    if not mods.active:   # the dense kernels (kernel_mode) read none of them
+        return _no_mods_args(acc)
+    return _build_mods_args(mods, acc)
+
+
+@functools.lru_cache(maxsize=None)
+def _no_mods_args(acc) -> tuple:   # built once: a call's host time shows at small N
+    return _build_mods_args(_mods.NONE, acc)
+
+
+def _build_mods_args(mods, acc) -> tuple:
     block_q, block_k = mods.block_size
     bmask_strides = _strides_or_zero(mods.block_mask, 4)[:3]   # its rows are contiguous
     alibi_sb = _strides_or_zero(mods.alibi_slopes, 2)[0]
@@ -426,6 +437,14 @@ def _grid_extents(q, k, mods) -> tuple[int, int, int]:
     return q.shape[0], q.shape[2], k.shape[2]
 
 
+@functools.lru_cache(maxsize=None)
+def _forward_kernel(dtype_name: str, D: int, mode: int, device_id: int):
+    """The forward Variant that serves (dtype, D, mode) on the device, and its kernel
+    (asked once: a call's host time shows in the short calls of small N)."""
+    variant = _choose(forward_variants(dtype_name, D, mode), device_id)
+    return variant, _load(variant, device_id)
+
+
 def attention_forward(q, k, v, o, lse, *, scale: float, causal: bool, mods=_mods.NONE) -> None:
     """Launch the forward kernel: writes o (B, Hq, Nq, dv) and lse (B, Hq, Nq).
 
@@ -440,8 +459,7 @@ def attention_forward(q, k, v, o, lse, *, scale: float, causal: bool, mods=_mods
     B, Hq, Nq, d = q.shape
     Hk, Nk, dv = k.shape[1], k.shape[2], v.shape[3]
     device_id = q.device.id
-    variant = _choose(forward_variants(q.dtype.name, padded_head_dim(d, dv), kernel_mode(mods)), device_id)
-    kernel = _load(variant, device_id)
+    variant, kernel = _forward_kernel(q.dtype.name, padded_head_dim(d, dv), kernel_mode(mods), device_id)
     acc = _arrays.accumulation_dtype(q.dtype).type
     # The kernels fold the scale into their exp2 (exp2(s * scale_log2 - max)) and need it
     # positive so that masked -inf scores stay -inf. The smallest normal float gives

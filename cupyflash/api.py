@@ -343,9 +343,9 @@ _MOD_ARRAYS = ("block_mask", "bias", "alibi_slopes", "cu_seqlens_q", "cu_seqlens
 
 
 def _move_modifiers(mods, kind, device):
-    return dataclasses.replace(mods, **{
-        name: _arrays.move(getattr(mods, name), kind, device)
-        for name in _MOD_ARRAYS if getattr(mods, name) is not None})
+    moved = {name: _arrays.move(getattr(mods, name), kind, device)
+             for name in _MOD_ARRAYS if getattr(mods, name) is not None}
+    return dataclasses.replace(mods, **moved) if moved else mods   # mods are immutable
 
 
 def _forward(q, k, v, options, varlen=None):
