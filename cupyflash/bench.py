@@ -75,29 +75,20 @@ def time_ms(fn, repeat=7, warmup=3, calls=5):
     issues them and as flash-attn's own benchmark times them: the host's Python work
     before a launch then overlaps the previous call's GPU work. (With events around
     each call and a synchronization between calls, that host time shows as GPU idle
-    time: 0.13 ms of a 0.96 ms forward at N = 2048, bench/NOTES.md.) The garbage
-    collector is off while timing, as in `timeit`: a collection of the benchmark's own
-    objects (rows, torch graphs) inside a timed loop would stall the launches."""
-    import gc
-
+    time: 0.13 ms of a 0.96 ms forward at N = 2048, bench/NOTES.md.)"""
     import cupy as cp
 
     for _ in range(warmup):
         fn()
     start, stop = cp.cuda.Event(), cp.cuda.Event()
     times = []
-    gc.collect()
-    gc.disable()
-    try:
-        for _ in range(repeat):
-            start.record()
-            for _ in range(calls):
-                fn()
-            stop.record()
-            stop.synchronize()
-            times.append(cp.cuda.get_elapsed_time(start, stop) / calls)
-    finally:
-        gc.enable()
+    for _ in range(repeat):
+        start.record()
+        for _ in range(calls):
+            fn()
+        stop.record()
+        stop.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, stop) / calls)
     return float(np.median(times))
 
 
