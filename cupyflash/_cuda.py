@@ -114,7 +114,7 @@ MODE_DENSE, MODE_EXT = 0, 1   # mods.cuh: the kernels' MODE template argument
 
 _CPP_TYPE = {"float16": "half_t", "bfloat16": "bfloat16_t", "float32": "float", "float64": "double"}
 # dtypes served by the m16n8k16 kernels (fwd_sm80.cu, bwd_sm80.cu); the others by fwd_wide.cu
-# and bwd_simt.cu.
+# and bwd_wide.cu (bwd_simt.cu where those do not fit).
 HALF_DTYPES = ("float16", "bfloat16")
 MIN_COMPUTE_CAPABILITY = 80   # cp.async, ldmatrix, mma.sync m16n8k16 bf16, DMMA
 BUILD_ARCHS = ("sm_80", "sm_90a")
