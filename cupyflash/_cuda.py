@@ -534,8 +534,8 @@ BWD_SPLIT_MIN_HEAD_DIM = 192
 # warp's keys stay in registers, in one launch below BWD_WIDE_SPLIT_MIN_HEAD_DIM and in a
 # dV and a dK launch from there. These kernels run at ptxas' 255 registers from d = 96
 # (fp32) or 64 (fp64), and SLICE (8 or 16) is the one with the fewest spill bytes under
-# NVRTC 12.9 (build check): 0 for the first entries up to d = 96, 4-16 bytes at d = 128-256
-# for fp32, up to 64 bytes in the fallbacks. H100, same run as torch (bench/results/
+# NVRTC 12.9 (build check): 0 for the first entries up to d = 96, 4-16 bytes for most at
+# d = 128-256 in fp32, up to 80 bytes (fp32 d = 192's dQ kernel, the 2-warp fallbacks). H100, same run as torch (bench/results/
 # h100-2026-11-23-fc1b479-wide.json), N = 4096: fp32 d = 64 49 TFLOP/s (1.39x torch's efficient
 # backward), d = 128 40 (1.10x); fp64 d = 64 24 (1.07x torch's math backward), d = 128 17
 # (0.48x: two launches, 4 warps of 16 keys with 128 registers of dK or dV each).
