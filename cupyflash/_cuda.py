@@ -404,17 +404,6 @@ def _strides_or_zero(x, ndim: int) -> tuple:
 
 def _mods_args(mods, acc) -> tuple:
     """The MODS_ARGS of mods.cuh, in order, for accumulation type ``acc``."""
-    if not mods.active:   # the dense kernels (kernel_mode) read none of them
-        return _no_mods_args(acc)
-    return _build_mods_args(mods, acc)
-
-
-@functools.lru_cache(maxsize=None)
-def _no_mods_args(acc) -> tuple:   # built once: a call's host time shows at small N
-    return _build_mods_args(_mods.NONE, acc)
-
-
-def _build_mods_args(mods, acc) -> tuple:
     block_q, block_k = mods.block_size
     bmask_strides = _strides_or_zero(mods.block_mask, 4)[:3]   # its rows are contiguous
     alibi_sb = _strides_or_zero(mods.alibi_slopes, 2)[0]
@@ -437,14 +426,6 @@ def _grid_extents(q, k, mods) -> tuple[int, int, int]:
     return q.shape[0], q.shape[2], k.shape[2]
 
 
-@functools.lru_cache(maxsize=None)
-def _forward_kernel(dtype_name: str, D: int, mode: int, device_id: int):
-    """The forward Variant that serves (dtype, D, mode) on the device, and its kernel
-    (asked once: a call's host time shows in the short calls of small N)."""
-    variant = _choose(forward_variants(dtype_name, D, mode), device_id)
-    return variant, _load(variant, device_id)
-
-
 def attention_forward(q, k, v, o, lse, *, scale: float, causal: bool, mods=_mods.NONE) -> None:
     """Launch the forward kernel: writes o (B, Hq, Nq, dv) and lse (B, Hq, Nq).
 
@@ -459,7 +440,8 @@ def attention_forward(q, k, v, o, lse, *, scale: float, causal: bool, mods=_mods
     B, Hq, Nq, d = q.shape
     Hk, Nk, dv = k.shape[1], k.shape[2], v.shape[3]
     device_id = q.device.id
-    variant, kernel = _forward_kernel(q.dtype.name, padded_head_dim(d, dv), kernel_mode(mods), device_id)
+    variant = _choose(forward_variants(q.dtype.name, padded_head_dim(d, dv), kernel_mode(mods)), device_id)
+    kernel = _load(variant, device_id)
     acc = _arrays.accumulation_dtype(q.dtype).type
     # The kernels fold the scale into their exp2 (exp2(s * scale_log2 - max)) and need it
     # positive so that masked -inf scores stay -inf. The smallest normal float gives
@@ -535,10 +517,11 @@ BWD_SPLIT_MIN_HEAD_DIM = 192
 # dV and a dK launch from there. These kernels run at ptxas' 255 registers from d = 96
 # (fp32) or 64 (fp64), and SLICE (8 or 16) is the one with the fewest spill bytes under
 # NVRTC 12.9 (build check): 0 for the first entries up to d = 96, 4-16 bytes for most at
-# d = 128-256 in fp32, up to 80 bytes (fp32 d = 192's dQ kernel, the 2-warp fallbacks). H100, same run as torch (bench/results/
-# h100-2026-11-23-fc1b479-wide.json), N = 4096: fp32 d = 64 49 TFLOP/s (1.39x torch's efficient
-# backward), d = 128 40 (1.10x); fp64 d = 64 24 (1.07x torch's math backward), d = 128 17
-# (0.48x: two launches, 4 warps of 16 keys with 128 registers of dK or dV each).
+# d = 128-256 in fp32, up to 80 bytes (fp32 d = 192's dQ kernel, the 2-warp fallbacks).
+# H100, same run as torch (bench/results/h100-2026-11-23-fc1b479-wide.json), N = 4096:
+# fp32 d = 64 49 TFLOP/s (1.39x torch's efficient backward), d = 128 40 (1.10x); fp64
+# d = 64 24 (1.07x torch's math backward), d = 128 17 (0.48x: two launches, 4 warps of 16
+# keys with 128 registers of dK or dV each).
 BWD_WIDE_KV_TILES = {
     "float32": {
         32: ((64, 128, 8, 16), (32, 64, 4, 16), (16, 64, 4, 16)),
@@ -699,16 +682,24 @@ def device_backward_plan(dtype_name: str, D: int, deterministic: bool, mode: int
     return backward_plan(dtype_name, D, deterministic, mode, cuda_cores=True)
 
 
+def _plan_variants(plan: BackwardPlan) -> list[Variant]:
+    return [v for v in (plan.prep, plan.convert, *(v for _, launch in plan.kv for v in launch), *(plan.dq or ()))
+            if v is not None]
+
+
 def backward_variants(dtype_name: str, D: int, mode: int = MODE_DENSE) -> list[Variant]:
     """Every backward instantiation that may serve (dtype, D, mode): both determinism
-    modes, and for fp32/fp64 the CUDA-core fallback too."""
+    modes, and the CUDA-core plan where device_backward_plan can fall back to it (a launch
+    whose last tile needs more than a ~100 KB GPU has)."""
     seen = {}
     for deterministic in (True, False):
-        for cuda_cores in (False, True) if dtype_name not in HALF_DTYPES else (False,):
-            plan = backward_plan(dtype_name, D, deterministic, mode, cuda_cores)
-            for v in (plan.prep, plan.convert, *(v for _, launch in plan.kv for v in launch), *(plan.dq or ())):
-                if v is not None:
-                    seen.setdefault(v.name_expression, v)
+        plan = backward_plan(dtype_name, D, deterministic, mode)
+        variants = _plan_variants(plan)
+        launches = [c for _, c in plan.kv] + ([plan.dq] if plan.dq else [])
+        if any(c[-1].total_smem > PORTABLE_SMEM for c in launches):
+            variants += _plan_variants(backward_plan(dtype_name, D, deterministic, mode, cuda_cores=True))
+        for v in variants:
+            seen.setdefault(v.name_expression, v)
     return list(seen.values())
 
 

@@ -83,14 +83,17 @@ __device__ __forceinline__ Acc score_grad(const H& hm, Acc p, Acc dp, Acc delta)
 }
 
 // The P that multiplies dO into dV: recomputed_p's, dropped ones 0, kept ones scaled.
-template <int MT, int NT, typename Acc>
-__device__ __forceinline__ void dropped_p(Acc (&kept)[MT][NT][4], const Acc (&p)[MT][NT][4], Acc scale) {
+template <typename Acc>
+__device__ __forceinline__ Acc kept_p(Acc p, Acc scale) { return p > Acc(0) ? p * scale : Acc(0); }
+
+template <int MT, int NT>
+__device__ __forceinline__ void dropped_p(float (&kept)[MT][NT][4], const float (&p)[MT][NT][4], float scale) {
     #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
         #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
             #pragma unroll
-            for (int e = 0; e < 4; ++e) kept[mt][nt][e] = p[mt][nt][e] > Acc(0) ? p[mt][nt][e] * scale : Acc(0);
+            for (int e = 0; e < 4; ++e) kept[mt][nt][e] = kept_p(p[mt][nt][e], scale);
 }
 
 // recomputed_p over mma C fragments (mask.cuh for_each_score: fragment rows start at r0,
@@ -118,11 +121,12 @@ __device__ __forceinline__ void recompute_p(Acc (&s)[MT][NT][4], Acc (&dtanh)[MT
 
 // dS over C fragments, in place of P: score_grad, then the bias gradient (the dS of the
 // biased score, added into dbias_b, this batch entry's accumulator, where not null) and
-// softcap's derivative. delta_at(mt, nt, e) as lse2_at above.
+// softcap's derivative. delta_at(mt, nt, e) as lse2_at above. Acc is taken from the
+// fragments alone (NoDeduce), so callers without a bias gradient pass a plain nullptr.
 template <int MODE, bool KEY_ROWS, int MT, int NT, int MT2, int NT2, typename Acc, typename M, typename H, typename L>
 __device__ __forceinline__ void grad_scores(Acc (&s)[MT][NT][4], const Acc (&dp)[MT][NT][4],
                                             const Acc (&dtanh)[MT2][NT2][4], const M& mods, const H& hm,
-                                            int r0, int c0, L&& delta_at, Acc* dbias_b,
+                                            int r0, int c0, L&& delta_at, typename NoDeduce<Acc>::type* dbias_b,
                                             i64 dbias_sh, i64 dbias_sq, i64 dbias_sk) {
     for_each_score<KEY_ROWS>(s, r0, c0, [&](Acc& x, int i, int j, int mt, int nt, int e) {
         x = score_grad<MODE>(hm, x, dp[mt][nt][e], delta_at(mt, nt, e));

@@ -360,7 +360,7 @@ flash_bwd_dq_sm80(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(con
             warp_mm_ABt<T, D, MT, SNT, C::KSTEPS>(dp, sdO, warp_row0, sVs);
             grad_scores<MODE, false>(s, dp, dtanh, mods, mods.at_head(h), q0 + warp_row0, k0 + k_s,
                                      [&](int mt, int, int e) { return row_delta[mt][e / 2]; },
-                                     static_cast<float*>(nullptr), 0, 0, 0);
+                                     nullptr, 0, 0, 0);
             warp_mm_AB<T, D, MT, SNT, DT>(acc, s, sKs);
         }
         j = next;

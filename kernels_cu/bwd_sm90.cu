@@ -167,7 +167,7 @@ flash_bwd_dkdv_sm90(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(c
         reg_fence(dp[0]);
         grad_scores<MODE, true>(s, dp, unused_dtanh, mods, mods.at_head(h), k0 + warp_row0, q0,
                                 [&](int, int nt, int e) { return sDeltab[nt * 8 + 2 * t + (e % 2)]; },
-                                static_cast<float*>(nullptr), 0, 0, 0);
+                                nullptr, 0, 0, 0);
         u32 ds_frag[C::QSTEPS][4];
         #pragma unroll
         for (int ks = 0; ks < C::QSTEPS; ++ks) c_to_a_frag<T>(ds_frag[ks], s, 0, ks);

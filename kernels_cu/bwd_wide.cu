@@ -147,12 +147,10 @@ flash_bwd_dkdv_wide(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(c
             if constexpr (C::DV) {
                 if constexpr (MODE == MODE_DENSE) {
                     wide_mm_AB<T, LD>(acc_dv, s, sdOs);
-                } else {   // dropout: the P that multiplies dO (bwd.cuh dropped_p)
+                } else {   // dropout: the P that multiplies dO (bwd.cuh kept_p)
                     const bool dropout = mods.dropout();
                     const T drop_scale = mods.drop_scale;
-                    wide_mm_AB<T, LD>(acc_dv, s, sdOs, [=](T p) {
-                        return !dropout ? p : (p > T(0) ? p * drop_scale : T(0));
-                    });
+                    wide_mm_AB<T, LD>(acc_dv, s, sdOs, [=](T p) { return dropout ? kept_p(p, drop_scale) : p; });
                 }
             }
 
@@ -193,8 +191,8 @@ flash_bwd_dkdv_wide(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(c
                 for (int hh = 0; hh < 2; ++hh) {
                     const int row = q0 + mq * 16 + g + hh * 8;
                     if (row >= mask.nq) continue;
-                    // store_o_row's layout: columns col0 + 4 t .. + 3 of the row.
-                    const T x[4] = {part[0][0][2 * hh], part[0][1][2 * hh], part[0][0][2 * hh + 1], part[0][1][2 * hh + 1]};
+                    T x[4];   // columns col0 + 4 t .. + 3 of the row
+                    paired_row(x, part[0][0], part[0][1], hh, T(1));
                     #pragma unroll
                     for (int i = 0; i < 4; ++i)
                         if (col0 + 4 * t + i < d) atomicAdd(dq_head + (i64)row * d + col0 + 4 * t + i, x[i]);
@@ -221,12 +219,8 @@ flash_bwd_dkdv_wide(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(c
             if constexpr (C::DK) {
                 T* out = TENSOR(T, dk).at(mods.tb, hk, mods.k_base + k0 + r);
                 #pragma unroll
-                for (int dp = 0; dp < DT / 2; ++dp) {
-                    T lo[4], hi[4];
-                    #pragma unroll
-                    for (int e = 0; e < 4; ++e) { lo[e] = acc_dk[mt][2 * dp][e] * scale; hi[e] = acc_dk[mt][2 * dp + 1][e] * scale; }
-                    store_o_row(out + dp * 16, lo, hi, hh, d - dp * 16, vec);
-                }
+                for (int dp = 0; dp < DT / 2; ++dp)
+                    store_o_row(out + dp * 16, acc_dk[mt][2 * dp], acc_dk[mt][2 * dp + 1], hh, d - dp * 16, vec, scale);
             }
         }
     }
@@ -336,7 +330,7 @@ flash_bwd_dq_wide(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(con
             wide_mm_ABt<T, LD, MT, SNT, C::KSTEPS>(dp, sdO, warp_row0, sVs);
             grad_scores<MODE, false>(s, dp, dtanh, mods, mods.at_head(h), q0 + warp_row0, k0 + k_s,
                                      [&](int mt, int, int e) { return row_delta[mt][e / 2]; },
-                                     static_cast<T*>(nullptr), 0, 0, 0);
+                                     nullptr, 0, 0, 0);
             wide_mm_AB<T, LD>(acc, s, sKs);
         }
         j = next;
@@ -352,12 +346,8 @@ flash_bwd_dq_wide(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(con
             if (r >= q_rows) continue;
             T* out = dQ.at(mods.tb, h, mods.q_base + q0 + r);
             #pragma unroll
-            for (int dp = 0; dp < DT / 2; ++dp) {
-                T lo[4], hi[4];
-                #pragma unroll
-                for (int e = 0; e < 4; ++e) { lo[e] = acc[mt][2 * dp][e] * scale; hi[e] = acc[mt][2 * dp + 1][e] * scale; }
-                store_o_row(out + dp * 16, lo, hi, hh, d - dp * 16, vec);
-            }
+            for (int dp = 0; dp < DT / 2; ++dp)
+                store_o_row(out + dp * 16, acc[mt][2 * dp], acc[mt][2 * dp + 1], hh, d - dp * 16, vec, scale);
         }
     }
 }

@@ -81,6 +81,9 @@ __device__ __forceinline__ double log2_fast(double x) { return log2(x); }
 #define INFINITY __int_as_float(0x7f800000)
 #endif
 
+// A template parameter's use that takes no part in deduction (std::type_identity).
+template <typename X> struct NoDeduce { typedef X type; };
+
 // Zero a warp's accumulator fragments ([m-tile][n-tile][4], any accumulation type).
 template <int MT, int NT, typename Acc>
 __device__ __forceinline__ void zero_frags(Acc (&c)[MT][NT][4]) {

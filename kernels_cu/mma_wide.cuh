@@ -168,13 +168,23 @@ __device__ __forceinline__ void store4(double* p, double a, double b, double c, 
 }
 
 // One row of an n-tile pair's C fragments (c of n-tile 2p, d of n-tile 2p + 1, half hh:
-// row g + 8 hh) into global memory: the four consecutive columns 16 p + 4 t .. + 3 of
-// `row` (which points at column 16 p), of which the first `cols` exist. `vec`: 16-byte
-// aligned rows.
+// row g + 8 hh): this thread's four consecutive columns 16 p + 4 t .. + 3, times mul.
 template <typename T>
-__device__ __forceinline__ void store_o_row(T* row, const T (&c)[4], const T (&d)[4], int hh, int cols, bool vec) {
+__device__ __forceinline__ void paired_row(T (&x)[4], const T (&c)[4], const T (&d)[4], int hh, T mul) {
+    x[0] = c[2 * hh] * mul;
+    x[1] = d[2 * hh] * mul;
+    x[2] = c[2 * hh + 1] * mul;
+    x[3] = d[2 * hh + 1] * mul;
+}
+
+// paired_row into global memory at `row` (which points at column 16 p), of which the first
+// `cols` columns exist. `vec`: 16-byte aligned rows.
+template <typename T>
+__device__ __forceinline__ void store_o_row(T* row, const T (&c)[4], const T (&d)[4], int hh, int cols, bool vec,
+                                            T mul = T(1)) {
     const int col = 4 * (threadIdx.x % 4);
-    const T x[4] = {c[2 * hh], d[2 * hh], c[2 * hh + 1], d[2 * hh + 1]};
+    T x[4];
+    paired_row(x, c, d, hh, mul);
     if (vec && col + 4 <= cols) {
         store4(row + col, x[0], x[1], x[2], x[3]);
     } else {
