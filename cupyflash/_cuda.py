@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 
-from . import _arrays, _mods, _nvrtc, _philox
+from . import _arrays, _mods, _nvrtc, _philox, _tma
 from ._validate import check_flag
 
 # Head dims the kernels are instantiated for; any d <= 256 runs in the smallest one that
@@ -37,25 +37,16 @@ FWD_SM80_TILES = {
     192: ((128, 64, 8), (64, 32, 4)),
     256: ((128, 64, 8), (128, 32, 8), (32, 32, 2)),
 }
-# Hopper forward tiles (fwd_sm90.cu, wgmma; sm_90a only, dense mode) per head dim,
-# (BLOCK_N, WARPGROUPS, CTAS_PER_SM): BLOCK_M is 64 query rows per warpgroup; CTAS_PER_SM
-# is the kernel's launch bound (2: half the registers, two CTAs overlapping). Head dims that are not a
-# multiple of 64, other GPUs and calls with options (with their registers every sm90 tile
-# spilled, build check) use the sm80 tables.
-# H100, bf16, TFLOP/s at N = 2k/4k/16k non-causal, then causal (bench/results/
-# h100-2026-11-23-tune-sm90-ctas.log, one run): d = 64 (64, 2, 2) 296/320/341, 266/288/324
-# against (256, 2, 1) 267/296/328, 228/270/315, (128, 1, 3) 275/297/311, 243/255/292,
-# (64, 1, 4) and (128, 3, 1) between; FA2 in the same process at N = 4k 308, 280. Two CTAs
-# of 64 keys overlap where one CTA's warpgroups wait together at the key tile's barrier.
-# d = 128 (128, 2, 1) 355/368/391, 275/314/381 against (64, 1, 2) 284/297/313, 254/269/306
-# (two CTAs need 64-key tiles and one warpgroup each at d = 128: 81 KB of shared memory).
-# Earlier run (h100-2026-11-23-tune-sm90-fwd.log): three warpgroups with 192 or 256 keys
-# spill (168 registers a thread); (192, 2) at d = 128 5% below (128, 2).
+# Hopper forward tiles (fwd_sm90.cu: warp-specialised, TMA and wgmma; sm_90a only, dense
+# mode, inputs a tensor map can describe) per head dim, (BLOCK_N, CONSUMERS, STAGES): keys
+# per tile, consumer warpgroups of 64 query rows each (BLOCK_M = 64 CONSUMERS), K/V stages
+# in shared memory. One CTA per SM. Head dims that are not a multiple of 64, other GPUs,
+# calls with options and rows that are not 16-byte aligned use the sm80 tables.
 FWD_SM90_TILES = {
-    64: ((64, 2, 2),),
-    128: ((128, 2, 1),),
-    192: ((64, 2, 1),),
-    256: ((64, 2, 1),),
+    64: ((128, 3, 2),),
+    128: ((128, 2, 2),),
+    192: ((64, 2, 2),),
+    256: ((64, 2, 2),),
 }
 # The same with the options of _mods (window, dropout, bias, ...; the MODE_EXT kernels):
 # their per-score work and the option state need registers that the dense tiles with 64
@@ -133,6 +124,7 @@ class Variant:
     column_passes: int = 1   # CTAs per query block, each computing some output columns
     mode: int = MODE_DENSE
     arch: str | None = None  # the one NVRTC target it builds and runs on; None: every one
+    tile: tuple = ()         # the tile-table entry it was made from
 
     def builds_for(self, arch: str) -> bool:
         return self.arch is None or self.arch == arch
@@ -158,12 +150,14 @@ def _sm80_forward(dtype_name: str, D: int, tile, mode: int) -> Variant:
 
 
 def _sm90_forward(dtype_name: str, D: int, tile, mode: int) -> Variant:
-    block_n, warpgroups, ctas_per_sm = tile
-    block_m = 64 * warpgroups
-    # fwd_sm90.cu Sm90FwdTile: Q, K and V twice each, swizzled; 1024 bytes to align them.
-    smem = (block_m + 4 * block_n) * D * 2 + 1024
-    expr = f"flash_fwd_sm90<{_CPP_TYPE[dtype_name]}, {D}, {block_n}, {warpgroups}, {ctas_per_sm}, {mode}>"
-    return Variant("fwd_sm90.cu", expr, warpgroups * 128, block_m, smem, mode=mode, arch="sm_90a")
+    block_n, consumers, stages = tile
+    block_m = 64 * consumers
+    # fwd_sm90.cu Sm90FwdTile: Q, then K and V STAGES times each, swizzled, 1024 bytes to
+    # align them; then Sm90FwdBarriers (1 + 4 STAGES mbarriers of 8 bytes).
+    smem = (block_m + 2 * stages * block_n) * D * 2 + 1024 + 8 * (1 + 4 * stages)
+    expr = f"flash_fwd_sm90<{_CPP_TYPE[dtype_name]}, {D}, {block_n}, {consumers}, {stages}>"
+    return Variant("fwd_sm90.cu", expr, (consumers + 1) * 128, block_m, smem, mode=mode, arch="sm_90a",
+                   tile=tuple(tile))
 
 
 def _wide_forward(dtype_name: str, D: int, tile, mode: int) -> Variant:
@@ -440,20 +434,37 @@ def attention_forward(q, k, v, o, lse, *, scale: float, causal: bool, mods=_mods
     B, Hq, Nq, d = q.shape
     Hk, Nk, dv = k.shape[1], k.shape[2], v.shape[3]
     device_id = q.device.id
-    variant = _choose(forward_variants(q.dtype.name, padded_head_dim(d, dv), kernel_mode(mods)), device_id)
-    kernel = _load(variant, device_id)
+    variants = forward_variants(q.dtype.name, padded_head_dim(d, dv), kernel_mode(mods))
+    variant = _choose(variants, device_id)
     acc = _arrays.accumulation_dtype(q.dtype).type
     # The kernels fold the scale into their exp2 (exp2(s * scale_log2 - max)) and need it
     # positive so that masked -inf scores stay -inf. The smallest normal float gives
     # exactly scale 0's result: every exp2 argument rounds to 0.
     scale_log2 = max(scale * math.log2(math.e), float(np.finfo(np.float32).tiny))
-    args = (*_tensor_args(q), *_tensor_args(k), *_tensor_args(v), *_tensor_args(o), lse,
-            np.int32(Hq // Hk), np.int32(Nq), np.int32(Nk), np.int32(d), np.int32(dv),
-            acc(scale_log2), np.int32(bool(causal)), np.int32(_rows_16b_aligned(q, k, v, o)),
-            *_mods_args(mods, acc))
+    shape_args = (np.int32(Hq // Hk), np.int32(Nq), np.int32(Nk))
+    maps = _sm90_tensor_maps(variant, q, k, v) if variant.source == "fwd_sm90.cu" else None
+    if maps is not None:
+        args = (*maps, *_tensor_args(o), lse, *shape_args, np.int32(dv), acc(scale_log2),
+                np.int32(bool(causal)), np.int32(_rows_16b_aligned(o)))
+    else:
+        if variant.source == "fwd_sm90.cu":   # inputs the copy engine cannot read
+            variant = _choose([c for c in variants if c.source != "fwd_sm90.cu"], device_id)
+        args = (*_tensor_args(q), *_tensor_args(k), *_tensor_args(v), *_tensor_args(o), lse,
+                *shape_args, np.int32(d), np.int32(dv), acc(scale_log2), np.int32(bool(causal)),
+                np.int32(_rows_16b_aligned(q, k, v, o)), *_mods_args(mods, acc))
+    kernel = _load(variant, device_id)
     batch, rows, _ = _grid_extents(q, k, mods)
     grid = (math.ceil(rows / variant.block_m) * variant.column_passes, Hq, batch)
     kernel(grid, (variant.threads,), args, shared_mem=variant.smem_bytes)
+
+
+def _sm90_tensor_maps(variant: Variant, q, k, v):
+    """fwd_sm90.cu's tensor maps of q, k and v (boxes of the query tile's and the key
+    tile's rows, 64 columns), or None where one of them cannot be made."""
+    block_n = variant.tile[0]
+    maps = (_tma.tensor_map(q, variant.block_m, 64), _tma.tensor_map(k, block_n, 64),
+            _tma.tensor_map(v, block_n, 64))
+    return None if any(m is None for m in maps) else maps
 
 
 # --------------------------------------------------------------------------- backward

@@ -135,3 +135,18 @@ def test_scale_zero_averages_the_visible_values(rng, dtype):
     visible = np.arange(90)[None, :] <= np.arange(70)[:, None] + 20
     ref = np.einsum("ij,bhjd->bhid", visible / visible.sum(1, keepdims=True), v64)
     assert rel_err(cp.asnumpy(o).astype(np.float64), ref) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_hopper_forward_reads_through_tensor_maps(rng, layout):
+    """On Hopper, dense 16-bit calls whose rows are 16-byte aligned run fwd_sm90.cu with
+    TMA tensor maps in both layouts, not the sm80 fallback that unaligned rows take."""
+    import cupy as cp
+    from cupyflash import _arrays, _cuda
+    if _cuda._device_info(cp.cuda.Device().id)[0] != "sm_90a":
+        pytest.skip("not a Hopper GPU")
+    host, (q, k, v) = make_inputs(rng, "bfloat16", 128, 300, 301, 4, layout)
+    views = [_arrays.bhsd_view(x, layout) for x in (q, k, v)]
+    variant = _cuda._choose(_cuda.forward_variants("bfloat16", 128), cp.cuda.Device().id)
+    assert variant.source == "fwd_sm90.cu"
+    assert _cuda._sm90_tensor_maps(variant, *views) is not None

@@ -1,0 +1,80 @@
+"""Tensor maps for Hopper's tensor memory accelerator (kernels_cu/tma.cuh).
+
+A tensor map is the 128-byte descriptor through which a TMA copy reads a box of a
+tensor. The driver encodes it (``cuTensorMapEncodeTiled``); CuPy does not wrap that call,
+so it is made here through ctypes on the driver library that CuPy itself runs on (no
+further dependency). The kernels take the map by value as a ``__grid_constant__``
+parameter; CuPy passes a NumPy void scalar of its bytes as such a struct.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import numpy as np
+
+# CUtensorMapDataType, CUtensorMapSwizzle, CUtensorMapL2promotion (cuda.h).
+_DATA_TYPE = {"float16": 6, "bfloat16": 9}
+_SWIZZLE_128B = 3
+_L2_PROMOTION_256B = 3
+_INTERLEAVE_NONE = 0
+_OOB_FILL_ZEROS = 0
+MAP_BYTES = 128
+# The copy engine's limits (CUDA driver API, cuTensorMapEncodeTiled): 16-byte aligned
+# base and strides below 2^40 bytes, boxes of at most 256 elements per axis.
+_ALIGN = 16
+_MAX_STRIDE = 1 << 40
+MAX_BOX = 256
+
+_MAP_DTYPE = np.dtype((np.void, MAP_BYTES))
+
+
+@functools.lru_cache(maxsize=None)
+def _encoder():
+    """cuTensorMapEncodeTiled from the driver library, or None where there is none."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        fn = lib.cuTensorMapEncodeTiled
+    except (OSError, AttributeError):
+        return None
+    u32p, u64p = ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint64)
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64p, u64p, u32p, u32p,
+                   ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    return fn
+
+
+def describable(x) -> bool:
+    """Whether a (B, H, N, d) view of 16-bit elements can be read through a tensor map:
+    base and every stride of an axis longer than one 16-byte aligned (the last axis is
+    contiguous), strides below the engine's limit."""
+    if x.dtype.name not in _DATA_TYPE or x.data.ptr % _ALIGN:
+        return False
+    return all(n == 1 or (st % _ALIGN == 0 and 0 < st < _MAX_STRIDE) for n, st in zip(x.shape[:3], x.strides[:3]))
+
+
+def tensor_map(x, box_rows: int, box_cols: int):
+    """The tensor map of a (B, H, N, d) view for boxes of ``box_rows`` rows and
+    ``box_cols`` columns (128 bytes: the swizzle span) with the 128-byte swizzle, as a
+    NumPy void scalar to pass as a kernel argument; None where the driver refuses it
+    (or `describable` says no)."""
+    encode = _encoder()
+    if encode is None or not describable(x) or box_rows > MAX_BOX or box_cols * x.dtype.itemsize != 128:
+        return None
+    B, H, N, d = x.shape
+    # Axes innermost first: column, row, head, batch. An axis of extent 1 is never
+    # stepped along, so any valid stride serves for it.
+    strides = [st if n > 1 else _ALIGN for n, st in zip((N, H, B), (x.strides[2], x.strides[1], x.strides[0]))]
+    dims = (ctypes.c_uint64 * 4)(d, N, H, B)
+    byte_strides = (ctypes.c_uint64 * 3)(*strides)
+    box = (ctypes.c_uint32 * 4)(box_cols, box_rows, 1, 1)
+    steps = (ctypes.c_uint32 * 4)(1, 1, 1, 1)
+    # The driver writes the map to a 64-byte aligned address.
+    buf = np.zeros(MAP_BYTES + 64, np.uint8)
+    start = -buf.ctypes.data % 64
+    out = buf[start:start + MAP_BYTES].view(_MAP_DTYPE)
+    status = encode(out.ctypes.data, _DATA_TYPE[x.dtype.name], 4, ctypes.c_void_p(x.data.ptr), dims,
+                    byte_strides, box, steps, _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_256B,
+                    _OOB_FILL_ZEROS)
+    return None if status != 0 else out[0]

@@ -1,0 +1,78 @@
+// Hopper's tensor memory accelerator (TMA, sm_90): bulk tensor copies from global to
+// shared memory that complete on an mbarrier, and the mbarrier operations a producer and
+// its consumers synchronise with.
+//
+// A tensor map (CUtensorMap, 128 opaque bytes) describes one (B, H, N, d) tensor: its
+// base, extents and byte strides, the box one copy moves and the shared-memory swizzle.
+// The host encodes it (cupyflash/_tma.py, the driver's cuTensorMapEncodeTiled) and passes
+// it by value as a __grid_constant__ kernel parameter, so the copy engine reads it from
+// the parameter space. Elements outside the extents arrive as zeros: sequence tails and
+// head-dim padding need no bounds code.
+//
+// mbarrier protocol (PTX ISA, "Parallel Synchronization and Communication Instructions:
+// mbarrier"): a barrier completes a phase when its pending arrivals reach zero and its
+// expected transaction bytes have all landed; waiters name the phase by its parity. A
+// "full" barrier takes one arrival from the producer (which announces the bytes of the
+// copies) plus the copies' bytes; an "empty" barrier takes one arrival per consumer warp
+// that has finished reading the stage.
+#pragma once
+#include "elem.cuh"
+#include "copy.cuh"
+
+struct __align__(64) TmaMap { u64 opaque[16]; };
+
+__device__ __forceinline__ void mbar_init(u64* bar, int arrivals) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(smem_addr(bar)), "r"(arrivals) : "memory");
+}
+// Makes the initialised barriers visible to the copy engine (and, after a CTA barrier,
+// to the other threads).
+__device__ __forceinline__ void mbar_init_fence() {
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u64* bar) {
+    asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n"
+                 :: "r"(smem_addr(bar)) : "memory");
+}
+// The producer's arrival on a full barrier, announcing `bytes` of copies to wait for.
+__device__ __forceinline__ void mbar_arrive_expect_tx(u64* bar, u32 bytes) {
+    asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.expect_tx.shared::cta.b64 state, [%0], %1;\n}\n"
+                 :: "r"(smem_addr(bar)), "r"(bytes) : "memory");
+}
+// Wait until the phase of parity `parity` has completed. A fresh barrier is in phase 0,
+// so waiting for parity 1 returns at once: that is how a producer finds every stage
+// empty on its first round.
+__device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
+    u32 done;
+    do {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                     "selp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
+    } while (!done);
+}
+
+// One box of a 4-D tensor map at coordinates (c0 innermost: the head-dim column; c1 row;
+// c2 head; c3 batch) into `dst` (1024-byte aligned for the 128-byte swizzle), its bytes
+// counted on `bar`.
+__device__ __forceinline__ void tma_load_4d(void* dst, const TmaMap& map, u64* bar, int c0, int c1, int c2, int c3) {
+    asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3, %4, %5}], [%6];\n"
+                 :: "r"(smem_addr(dst)), "l"(reinterpret_cast<u64>(&map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3),
+                    "r"(smem_addr(bar))
+                 : "memory");
+}
+
+// Register budgets of warp-specialised kernels (sm_90a): the producer warpgroup gives
+// registers back, the consumers take them. Both need the kernel's launch bound with one
+// CTA per SM (__launch_bounds__(threads, 1)), and every warp of a warpgroup executes them.
+template <int REGS> __device__ __forceinline__ void warpgroup_release_regs() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(REGS));
+}
+template <int REGS> __device__ __forceinline__ void warpgroup_claim_regs() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(REGS));
+}
+
+// A barrier among the first `threads` threads of the CTA (id 0 is __syncthreads'), for
+// the consumer warpgroups without the producer.
+__device__ __forceinline__ void named_barrier(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
+}
