@@ -42,9 +42,15 @@ FWD_SM80_TILES = {
 # per tile, consumer warpgroups of 64 query rows each (BLOCK_M = 64 CONSUMERS), K/V stages
 # in shared memory. One CTA per SM. Head dims that are not a multiple of 64, other GPUs,
 # calls with options and rows that are not 16-byte aligned use the sm80 tables.
+# H100, bf16, TFLOP/s at N = 2k/4k/16k non-causal, then causal (bench/results/
+# h100-2026-11-23-tune-sm90-tma.log, one run): d = 64 (128, 3, 2) 406/442/491, 301/371/437
+# against (128, 2, 2) 318/352/389, 282/327/378 and (128, 3, 3), (128, 2, 4), (64, 3, 4),
+# (192, 2, 2) between; d = 128 (128, 2, 3) 557/607/631, 382/502/626 against (128, 2, 2)
+# 559/565/617, 358/472/590, (192, 2, 2) 507/594/642, 310/447/614, (64, 2, 4) 451/498/528;
+# d = 192 (64, 2, 2) 580/641/643, 401/471/635 and (64, 2, 3) 586/648/619, 412/494/618.
 FWD_SM90_TILES = {
     64: ((128, 3, 2),),
-    128: ((128, 2, 2),),
+    128: ((128, 2, 3),),
     192: ((64, 2, 2),),
     256: ((64, 2, 2),),
 }
