@@ -28,18 +28,21 @@ TUNE_CANDIDATES = {
                         ("sm90", (64, 2, 4))],
     ("bfloat16", 192): [("sm90", (64, 2, 2)), ("sm90", (64, 2, 3))],
     ("float32", 64): [(64, 64, 32, 4, 64), (128, 64, 32, 8, 64)],
-    ("float32", 128): [(64, 32, 32, 4, 128), (128, 64, 32, 8, 128), (64, 16, 16, 4, 128)],
+    ("float32", 128): [(128, 64, 32, 8, 128), (96, 64, 32, 6, 128), (128, 32, 32, 8, 128), (128, 64, 32, 8, 64)],
     ("float64", 64): [(64, 32, 32, 4, 64), (64, 32, 16, 4, 64), (128, 32, 16, 8, 64)],
-    ("float64", 128): [(128, 16, 8, 8, 128), (128, 16, 16, 8, 128), (64, 16, 16, 4, 128)],
+    ("float64", 128): [(128, 16, 16, 8, 128), (128, 16, 8, 8, 128), (96, 16, 16, 6, 128), (128, 16, 16, 8, 64),
+                       (64, 32, 16, 4, 128)],
 }
 
 
-def tune(dtype, d, candidates, seqlens=(2048, 4096, 16384)):
-    """Time each forward tile candidate for (dtype, d); prints TFLOP/s per candidate."""
+def tune(dtype, d, candidates):
+    """Time each forward tile candidate for (dtype, d); prints TFLOP/s per candidate, at
+    the grid's sequence lengths from 2k for 16-bit dtypes and at the wide dtypes' own."""
     import cupy as cp
 
     import cupyflash
 
+    seqlens = (2048, 4096, 16384) if dtype in _cuda.HALF_DTYPES else (1024, 4096)
     print(f"tuning {dtype} d={d}")
     for tile in candidates:
         if dtype not in _cuda.HALF_DTYPES:
