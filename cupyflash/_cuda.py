@@ -38,21 +38,26 @@ FWD_SM80_TILES = {
     256: ((128, 64, 8), (128, 32, 8), (32, 32, 2)),
 }
 # Hopper forward tiles (fwd_sm90.cu: warp-specialised, TMA and wgmma; sm_90a only, dense
-# mode, inputs a tensor map can describe) per head dim, (BLOCK_N, CONSUMERS, STAGES): keys
-# per tile, consumer warpgroups of 64 query rows each (BLOCK_M = 64 CONSUMERS), K/V stages
-# in shared memory. One CTA per SM. Head dims that are not a multiple of 64, other GPUs,
+# mode, inputs a tensor map can describe) per head dim, (BLOCK_N, CONSUMERS, STAGES,
+# PINGPONG): keys per tile, consumer warpgroups of 64 query rows each (BLOCK_M =
+# 64 CONSUMERS), K/V stages in shared memory, whether the consumers take turns to issue
+# their products. One CTA per SM. Head dims that are not a multiple of 64, other GPUs,
 # calls with options and rows that are not 16-byte aligned use the sm80 tables.
-# H100, bf16, TFLOP/s at N = 2k/4k/16k non-causal, then causal (bench/results/
-# h100-2026-11-23-tune-sm90-tma.log, one run): d = 64 (128, 3, 2) 406/442/491, 301/371/437
-# against (128, 2, 2) 318/352/389, 282/327/378 and (128, 3, 3), (128, 2, 4), (64, 3, 4),
-# (192, 2, 2) between; d = 128 (128, 2, 3) 557/607/631, 382/502/626 against (128, 2, 2)
-# 559/565/617, 358/472/590, (192, 2, 2) 507/594/642, 310/447/614, (64, 2, 4) 451/498/528;
-# d = 192 (64, 2, 2) 580/641/643, 401/471/635 and (64, 2, 3) 586/648/619, 412/494/618.
+# H100, bf16, TFLOP/s at N = 2k/4k/16k non-causal, then causal, one run each:
+# - without ping-pong (bench/results/h100-2026-11-23-tune-sm90-tma.log): d = 64 (128, 3, 2)
+#   406/442/491, 301/371/437 against (128, 2, 2) 318/352/389, 282/327/378 and (128, 3, 3),
+#   (128, 2, 4), (64, 3, 4), (192, 2, 2) between; d = 128 three stages beat two (557/607/631,
+#   382/502/626 against 559/565/617, 358/472/590); d = 192 two and three stages within 4%.
+# - ping-pong (h100-2026-11-23-tune-sm90-pingpong.log): d = 128 (128, 2, 2, 1) 597/649/643,
+#   419/531/647 against (128, 2, 3, 0) 526/601/600, 362/471/566 in the same run and
+#   (128, 2, 3, 1) 504/583/621, 389/487/595 (why the third stage costs with the turns is
+#   not measured apart); at d = 64 (128, 3, 2, 1) 430/465/504, 301/343/434 against
+#   411/459/490, 293/372/465 without (mixed: kept off), at d = 192 and 256 mixed too.
 FWD_SM90_TILES = {
-    64: ((128, 3, 2),),
-    128: ((128, 2, 3),),
-    192: ((64, 2, 2),),
-    256: ((64, 2, 2),),
+    64: ((128, 3, 2, 0),),
+    128: ((128, 2, 2, 1),),
+    192: ((64, 2, 2, 0),),
+    256: ((64, 2, 2, 0),),
 }
 # The same with the options of _mods (window, dropout, bias, ...; the MODE_EXT kernels):
 # their per-score work and the option state need registers that the dense tiles with 64
@@ -156,12 +161,12 @@ def _sm80_forward(dtype_name: str, D: int, tile, mode: int) -> Variant:
 
 
 def _sm90_forward(dtype_name: str, D: int, tile, mode: int) -> Variant:
-    block_n, consumers, stages = tile
+    block_n, consumers, stages, pingpong = tile
     block_m = 64 * consumers
     # fwd_sm90.cu Sm90FwdTile: Q, then K and V STAGES times each, swizzled, 1024 bytes to
     # align them; then Sm90FwdBarriers (1 + 4 STAGES mbarriers of 8 bytes).
     smem = (block_m + 2 * stages * block_n) * D * 2 + 1024 + 8 * (1 + 4 * stages)
-    expr = f"flash_fwd_sm90<{_CPP_TYPE[dtype_name]}, {D}, {block_n}, {consumers}, {stages}>"
+    expr = f"flash_fwd_sm90<{_CPP_TYPE[dtype_name]}, {D}, {block_n}, {consumers}, {stages}, {pingpong}>"
     return Variant("fwd_sm90.cu", expr, (consumers + 1) * 128, block_m, smem, mode=mode, arch="sm_90a",
                    tile=tuple(tile))
 

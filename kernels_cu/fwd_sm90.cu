@@ -14,7 +14,10 @@
 // tile) and issue no loads; the producer runs ahead by up to STAGES tiles. setmaxnreg
 // moves registers from the producer to the consumers.
 // Inside a consumer warpgroup S of the next key tile and P V of this one are issued back
-// to back, and the softmax of the next tile runs while P V accumulates.
+// to back, and the softmax of the next tile runs while P V accumulates. With PINGPONG the
+// consumer warpgroups also take turns to issue (FlashAttention-3's warpgroup ping-pong):
+// each waits for the previous one's issue, so one's softmax runs while the tensor cores
+// work on the others' products instead of all softmaxes falling on the same moments.
 // Each warp holds one 16-row m-tile of S and O in the mma.sync fragment layout
 // (wgmma.cuh), so masks and the softmax are fwd_sm80's with MT = 1. Dense mode only
 // (plain and causal); the options and tensors TMA cannot describe (rows not 16-byte
@@ -30,6 +33,9 @@
 
 template <typename T, int D, int BLOCK_N, int CONSUMERS, int STAGES>
 struct Sm90FwdTile {
+    // Named barriers: 0 is __syncthreads', EPILOGUE_BARRIER the consumers' own, then one
+    // per consumer warpgroup for the ping-pong.
+    static constexpr int EPILOGUE_BARRIER = 1, PINGPONG_BARRIER0 = 2;
     static constexpr int CONSUMER_THREADS = CONSUMERS * 128;
     static constexpr int THREADS = CONSUMER_THREADS + 128;   // + the producer warpgroup
     static constexpr int BLOCK_M = CONSUMERS * 64;
@@ -63,7 +69,31 @@ struct Sm90FwdBarriers {
     u64 k_empty[STAGES], v_empty[STAGES];
 };
 
-template <typename T, int D, int BLOCK_N, int CONSUMERS, int STAGES>
+// The issue turns of the ping-pong: warpgroup i waits at barrier i for warpgroup i - 1
+// (cyclically) to have issued, issues, and lets warpgroup i + 1 go. Every warpgroup of a
+// CTA visits the same key tiles, so all take the same number of turns.
+template <int CONSUMERS, int BARRIER0, bool ON>
+struct IssueTurns {
+    static_assert(!ON || CONSUMERS > 1, "turns need two warpgroups");
+    int wg;
+    __device__ __forceinline__ static void bar_arrive(int id) {
+        asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "n"(256) : "memory");
+    }
+    __device__ __forceinline__ void start() const {   // the first turn is warpgroup 0's
+        if (ON && wg == CONSUMERS - 1) bar_arrive(BARRIER0);
+    }
+    __device__ __forceinline__ void wait() const {
+        if (ON) named_barrier(BARRIER0 + wg, 256);
+    }
+    __device__ __forceinline__ void pass() const {
+        if (ON) bar_arrive(BARRIER0 + (wg + 1) % CONSUMERS);
+    }
+    __device__ __forceinline__ void finish() const {   // takes back start()'s extra turn
+        if (ON && wg == 0) named_barrier(BARRIER0, 256);
+    }
+};
+
+template <typename T, int D, int BLOCK_N, int CONSUMERS, int STAGES, int PINGPONG>
 __global__ void __launch_bounds__(Sm90FwdTile<T, D, BLOCK_N, CONSUMERS, STAGES>::THREADS, 1)
 flash_fwd_sm90(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k_map,
                const __grid_constant__ TmaMap v_map, TENSOR_ARG(T, o), float* __restrict__ lse,
@@ -131,6 +161,7 @@ flash_fwd_sm90(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
     warpgroup_claim_regs<C::CONSUMER_REGS>();
     const int g = lane / 4, t4 = lane % 4;
     const int wg_row0 = (warp / 4) * 64;   // this warpgroup's rows of the query tile
+    const IssueTurns<CONSUMERS, C::PINGPONG_BARRIER0, PINGPONG != 0> turns{warp / 4};
     const int warp_row0 = warp * 16;       // this warp's m-tile
     // Stage and phase of the t-th key tile visited.
     auto wait_full = [&](u64* full, int t) { mbar_wait(&full[t % STAGES], (t / STAGES) & 1); };
@@ -189,9 +220,12 @@ flash_fwd_sm90(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
     mbar_wait(&bars.q_full, 0);   // also when no key is visible: no copy may outlive the CTA
     const int n_tiles = tiles.y - tiles.x;
     int t = 0;
+    turns.start();
     if (n_tiles > 0) {
         wait_full(bars.k_full, 0);
+        turns.wait();
         issue_s(0);
+        turns.pass();
         wgmma_wait<0>();
         reg_fence(s[0]);
         release(bars.k_empty, 0);
@@ -200,9 +234,11 @@ flash_fwd_sm90(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
     }
     for (; t + 1 < n_tiles; ++t) {
         wait_full(bars.k_full, t + 1);
-        issue_s((t + 1) % STAGES);
         wait_full(bars.v_full, t);
+        turns.wait();
+        issue_s((t + 1) % STAGES);
         issue_pv(t % STAGES);
+        turns.pass();
         wgmma_wait<1>();   // S of the next tile (P V may still run)
         reg_fence(s[0]);
         release(bars.k_empty, t + 1);
@@ -215,11 +251,14 @@ flash_fwd_sm90(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
     }
     if (n_tiles > 0) {
         wait_full(bars.v_full, t);
+        turns.wait();
         issue_pv(t % STAGES);
+        turns.pass();
         wgmma_wait<0>();
         reg_fence(acc[0]);
         release(bars.v_empty, t);
     }
+    turns.finish();
 
     float row_lse[1][2];
     softmax.finalize(acc, row_lse);
@@ -227,14 +266,14 @@ flash_fwd_sm90(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
     // Epilogue as in fwd_sm80.cu, the output staged with padded rows over Q and K once
     // every consumer warpgroup is past its last product (the producer has nothing in
     // flight: every copy it issued has been waited for).
-    named_barrier(1, C::CONSUMER_THREADS);
+    named_barrier(C::EPILOGUE_BARRIER, C::CONSUMER_THREADS);
     warp_store_c<T, D>(sQ, warp_row0, acc, 1.f);
     #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
         const int r = warp_row0 + g + hh * 8;
         if (t4 == 0 && r < q_rows) lse[((i64)b * gridDim.y + h) * nq + q0 + r] = row_lse[0][hh];
     }
-    named_barrier(1, C::CONSUMER_THREADS);
+    named_barrier(C::EPILOGUE_BARRIER, C::CONSUMER_THREADS);
     const Strided<T> O = TENSOR(T, o);
     store_tile<T, BLOCK_M, D, C::CONSUMER_THREADS>(O.at(b, h, q0), O.row, sQ, q_rows, dv, vec);
 }
