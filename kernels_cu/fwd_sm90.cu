@@ -71,25 +71,43 @@ struct Sm90FwdBarriers {
 
 // The issue turns of the ping-pong: warpgroup i waits at barrier i for warpgroup i - 1
 // (cyclically) to have issued, issues, and lets warpgroup i + 1 go. Every warpgroup of a
-// CTA visits the same key tiles, so all take the same number of turns.
+// CTA visits the same key tiles, so all take the same number of turns. The barrier ids
+// are immediates (a dispatch on the warpgroup): with ids in registers ptxas reserves all
+// 16 barriers, and compute-sanitizer's racecheck lost track of the epilogue's barrier
+// (hazards between the warpgroups' O staging and the store, 2026-11-23).
 template <int CONSUMERS, int BARRIER0, bool ON>
 struct IssueTurns {
     static_assert(!ON || CONSUMERS > 1, "turns need two warpgroups");
+    static constexpr int PAIR = 256;   // the waiting warpgroup and the one it waits for
     int wg;
-    __device__ __forceinline__ static void bar_arrive(int id) {
-        asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "n"(256) : "memory");
+    template <int ID> __device__ __forceinline__ static void bar_sync() {
+        asm volatile("bar.sync %0, %1;\n" :: "n"(ID), "n"(PAIR) : "memory");
+    }
+    template <int ID> __device__ __forceinline__ static void bar_arrive() {
+        asm volatile("bar.arrive %0, %1;\n" :: "n"(ID), "n"(PAIR) : "memory");
+    }
+    // Warpgroup w's own barrier (I counts up to it), and the next warpgroup's.
+    template <int I = 0> __device__ __forceinline__ void sync_own() const {
+        if constexpr (I < CONSUMERS) {
+            if (wg == I) bar_sync<BARRIER0 + I>(); else sync_own<I + 1>();
+        }
+    }
+    template <int I = 0> __device__ __forceinline__ void arrive_next() const {
+        if constexpr (I < CONSUMERS) {
+            if (wg == I) bar_arrive<BARRIER0 + (I + 1) % CONSUMERS>(); else arrive_next<I + 1>();
+        }
     }
     __device__ __forceinline__ void start() const {   // the first turn is warpgroup 0's
-        if (ON && wg == CONSUMERS - 1) bar_arrive(BARRIER0);
+        if (ON && wg == CONSUMERS - 1) bar_arrive<BARRIER0>();
     }
     __device__ __forceinline__ void wait() const {
-        if (ON) named_barrier(BARRIER0 + wg, 256);
+        if constexpr (ON) sync_own();
     }
     __device__ __forceinline__ void pass() const {
-        if (ON) bar_arrive(BARRIER0 + (wg + 1) % CONSUMERS);
+        if constexpr (ON) arrive_next();
     }
     __device__ __forceinline__ void finish() const {   // takes back start()'s extra turn
-        if (ON && wg == 0) named_barrier(BARRIER0, 256);
+        if (ON && wg == 0) bar_sync<BARRIER0>();
     }
 };
 
