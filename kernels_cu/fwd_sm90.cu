@@ -73,8 +73,8 @@ struct Sm90FwdBarriers {
 // (cyclically) to have issued, issues, and lets warpgroup i + 1 go. Every warpgroup of a
 // CTA visits the same key tiles, so all take the same number of turns. The barrier ids
 // are immediates (a dispatch on the warpgroup): with ids in registers ptxas reserves all
-// 16 barriers, and compute-sanitizer's racecheck lost track of the epilogue's barrier
-// (hazards between the warpgroups' O staging and the store, 2026-11-23).
+// 16 barriers. Off in every tile for now: with it, racecheck reports hazards between
+// the warpgroups' O staging and the store (cupyflash/_cuda.py FWD_SM90_TILES).
 template <int CONSUMERS, int BARRIER0, bool ON>
 struct IssueTurns {
     static_assert(!ON || CONSUMERS > 1, "turns need two warpgroups");
