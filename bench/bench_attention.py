@@ -18,15 +18,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from cupyflash import _cuda, bench  # noqa: E402
 
 # Forward tile candidates per (dtype, head dim), in the form of the tile tables' entries:
-# for 16-bit dtypes ("sm90", _cuda.FWD_SM90_TILES' (BLOCK_N, CONSUMERS, STAGES, PINGPONG)) (Hopper
+# for 16-bit dtypes ("sm90", _cuda.FWD_SM90_TILES' (BLOCK_N, CONSUMERS, STAGES)) (Hopper
 # only) and ("sm80", _cuda.FWD_SM80_TILES' (BLOCK_M, BLOCK_N, WARPS)), for fp32/fp64
 # _cuda.FWD_WIDE_TILES' (BLOCK_M, BLOCK_N, SUB_N, WARPS, DV_TILE) (all spill-free).
 TUNE_CANDIDATES = {
-    ("bfloat16", 64): [("sm90", (128, 3, 2, 0)), ("sm90", (128, 3, 2, 1)), ("sm90", (128, 2, 2, 1)),
-                       ("sm90", (128, 2, 3, 1))],
-    ("bfloat16", 128): [("sm90", (128, 2, 3, 0)), ("sm90", (128, 2, 3, 1)), ("sm90", (128, 2, 2, 1))],
-    ("bfloat16", 192): [("sm90", (64, 2, 2, 0)), ("sm90", (64, 2, 2, 1))],
-    ("bfloat16", 256): [("sm90", (64, 2, 2, 0)), ("sm90", (64, 2, 2, 1))],
+    ("bfloat16", 64): [("sm90", (128, 3, 2)), ("sm90", (128, 2, 2)), ("sm90", (128, 3, 3)),
+                       ("sm90", (128, 2, 4)), ("sm90", (64, 3, 4)), ("sm90", (192, 2, 2))],
+    ("bfloat16", 128): [("sm90", (128, 2, 3)), ("sm90", (128, 2, 2)), ("sm90", (192, 2, 2)),
+                        ("sm90", (64, 2, 4))],
+    ("bfloat16", 192): [("sm90", (64, 2, 2)), ("sm90", (64, 2, 3))],
     ("float32", 64): [(64, 64, 32, 4, 64), (128, 64, 32, 8, 64)],
     ("float32", 128): [(128, 64, 32, 8, 128), (96, 64, 32, 6, 128), (128, 32, 32, 8, 128), (128, 64, 32, 8, 64)],
     ("float64", 64): [(64, 32, 32, 4, 64), (64, 32, 16, 4, 64), (128, 32, 16, 8, 64)],

@@ -151,6 +151,19 @@ def has_contiguous_last_axis(x):
     return x.shape[-1] == 1 or x.size == 0 or x.strides[-1] == x.dtype.itemsize
 
 
+def rows_16b_aligned(*arrays):
+    """Every row start of these (B, H, N, d) device views 16-byte aligned: the base and
+    the strides of the axes longer than one (so tiles may move in 16-byte copies, or
+    through TMA tensor maps)."""
+    for x in arrays:
+        if x.data.ptr % 16:
+            return False
+        for extent, stride in zip(x.shape[:3], x.strides[:3]):
+            if extent > 1 and stride % 16:
+                return False
+    return True
+
+
 def data_pointer(x):
     """The address of a numpy or cupy array's first element."""
     return x.__array_interface__["data"][0] if isinstance(x, np.ndarray) else x.data.ptr

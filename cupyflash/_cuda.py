@@ -38,31 +38,22 @@ FWD_SM80_TILES = {
     256: ((128, 64, 8), (128, 32, 8), (32, 32, 2)),
 }
 # Hopper forward tiles (fwd_sm90.cu: warp-specialised, TMA and wgmma; sm_90a only, dense
-# mode, inputs a tensor map can describe) per head dim, (BLOCK_N, CONSUMERS, STAGES,
-# PINGPONG): keys per tile, consumer warpgroups of 64 query rows each (BLOCK_M =
-# 64 CONSUMERS), K/V stages in shared memory, whether the consumers take turns to issue
-# their products. One CTA per SM. Head dims that are not a multiple of 64, other GPUs,
+# mode, inputs a tensor map can describe) per head dim, (BLOCK_N, CONSUMERS, STAGES): keys
+# per tile, consumer warpgroups of 64 query rows each (BLOCK_M = 64 CONSUMERS), K/V stages
+# in shared memory. One CTA per SM. Head dims that are not a multiple of 64, other GPUs,
 # calls with options and rows that are not 16-byte aligned use the sm80 tables.
-# H100, bf16, TFLOP/s at N = 2k/4k/16k non-causal, then causal, one run each:
-# - without ping-pong (bench/results/h100-2026-11-23-tune-sm90-tma.log): d = 64 (128, 3, 2)
-#   406/442/491, 301/371/437 against (128, 2, 2) 318/352/389, 282/327/378 and (128, 3, 3),
-#   (128, 2, 4), (64, 3, 4), (192, 2, 2) between; d = 128 three stages beat two (557/607/631,
-#   382/502/626 against 559/565/617, 358/472/590); d = 192 two and three stages within 4%.
-# - ping-pong (h100-2026-11-23-tune-sm90-pingpong.log): d = 128 (128, 2, 2, 1) 597/649/643,
-#   419/531/647 against (128, 2, 3, 0) 526/601/600, 362/471/566 in the same run and
-#   (128, 2, 3, 1) 504/583/621, 389/487/595 (why the third stage costs with the turns is
-#   not measured apart); at d = 64 (128, 3, 2, 1) 430/465/504, 301/343/434 against
-#   411/459/490, 293/372/465 without (mixed), at d = 192 and 256 mixed too.
-#   Ping-pong stays off everywhere: with it, compute-sanitizer's racecheck reports hazards
-#   between one warpgroup's O staging and the other's store across the epilogue barrier
-#   (bench/results/h100-2026-11-23-pingpong-racecheck.log; the GPU tests pass, and the
-#   turn protocol looks right on paper, but a race report is not shipped unexplained).
-#   (128, 2, 3, 0) at d = 128 is racecheck-clean.
+# H100, bf16, TFLOP/s at N = 2k/4k/16k non-causal, then causal (bench/results/
+# h100-2026-11-23-tune-sm90-tma.log, one run): d = 64 (128, 3, 2) 406/442/491, 301/371/437
+# against (128, 2, 2) 318/352/389, 282/327/378 and (128, 3, 3), (128, 2, 4), (64, 3, 4),
+# (192, 2, 2) between; d = 128 three stages beat two (557/607/631, 382/502/626 against
+# 559/565/617, 358/472/590); d = 192 two and three stages within 4%. FlashAttention-3's
+# warpgroup ping-pong gained 7-16% at d = 128 but drew a racecheck report it did not
+# explain, and was taken out (bench/NOTES.md, session 6; the code is in b26d7f8).
 FWD_SM90_TILES = {
-    64: ((128, 3, 2, 0),),
-    128: ((128, 2, 3, 0),),
-    192: ((64, 2, 2, 0),),
-    256: ((64, 2, 2, 0),),
+    64: ((128, 3, 2),),
+    128: ((128, 2, 3),),
+    192: ((64, 2, 2),),
+    256: ((64, 2, 2),),
 }
 # The same with the options of _mods (window, dropout, bias, ...; the MODE_EXT kernels):
 # their per-score work and the option state need registers that the dense tiles with 64
@@ -166,12 +157,12 @@ def _sm80_forward(dtype_name: str, D: int, tile, mode: int) -> Variant:
 
 
 def _sm90_forward(dtype_name: str, D: int, tile, mode: int) -> Variant:
-    block_n, consumers, stages, pingpong = tile
+    block_n, consumers, stages = tile
     block_m = 64 * consumers
     # fwd_sm90.cu Sm90FwdTile: Q, then K and V STAGES times each, swizzled, 1024 bytes to
     # align them; then Sm90FwdBarriers (1 + 4 STAGES mbarriers of 8 bytes).
     smem = (block_m + 2 * stages * block_n) * D * 2 + 1024 + 8 * (1 + 4 * stages)
-    expr = f"flash_fwd_sm90<{_CPP_TYPE[dtype_name]}, {D}, {block_n}, {consumers}, {stages}, {pingpong}>"
+    expr = f"flash_fwd_sm90<{_CPP_TYPE[dtype_name]}, {D}, {block_n}, {consumers}, {stages}>"
     return Variant("fwd_sm90.cu", expr, (consumers + 1) * 128, block_m, smem, mode=mode, arch="sm_90a",
                    tile=tuple(tile))
 
@@ -361,17 +352,6 @@ def _tensor_args(x) -> tuple:
     return (x, np.int64(x.strides[0] // item), np.int64(x.strides[1] // item), np.int64(x.strides[2] // item))
 
 
-def _rows_16b_aligned(*arrays) -> bool:
-    """Every row start 16-byte aligned (so tiles may move with 16-byte copies)."""
-    for x in arrays:
-        if x.data.ptr % 16:
-            return False
-        for extent, stride in zip(x.shape[:3], x.strides[:3]):
-            if extent > 1 and stride % 16:
-                return False
-    return True
-
-
 def _batch_part(x, b0: int, b1: int):
     """Batch entries [b0, b1) of an array whose first axis is the batch; None and arrays
     broadcast over the batch (first axis 1) as they are."""
@@ -458,16 +438,18 @@ def attention_forward(q, k, v, o, lse, *, scale: float, causal: bool, mods=_mods
     # exactly scale 0's result: every exp2 argument rounds to 0.
     scale_log2 = max(scale * math.log2(math.e), float(np.finfo(np.float32).tiny))
     shape_args = (np.int32(Hq // Hk), np.int32(Nq), np.int32(Nk))
-    maps = _sm90_tensor_maps(variant, q, k, v) if variant.source == "fwd_sm90.cu" else None
+    maps = None
+    if variant.source == "fwd_sm90.cu":
+        maps = _sm90_tensor_maps(variant, q, k, v)
+        if maps is None:   # inputs the copy engine cannot read: the next kernel in line
+            variant = _choose([c for c in variants if c.source != "fwd_sm90.cu"], device_id)
     if maps is not None:
         args = (*maps, *_tensor_args(o), lse, *shape_args, np.int32(dv), acc(scale_log2),
-                np.int32(bool(causal)), np.int32(_rows_16b_aligned(o)))
+                np.int32(bool(causal)), np.int32(_arrays.rows_16b_aligned(o)))
     else:
-        if variant.source == "fwd_sm90.cu":   # inputs the copy engine cannot read
-            variant = _choose([c for c in variants if c.source != "fwd_sm90.cu"], device_id)
         args = (*_tensor_args(q), *_tensor_args(k), *_tensor_args(v), *_tensor_args(o), lse,
                 *shape_args, np.int32(d), np.int32(dv), acc(scale_log2), np.int32(bool(causal)),
-                np.int32(_rows_16b_aligned(q, k, v, o)), *_mods_args(mods, acc))
+                np.int32(_arrays.rows_16b_aligned(q, k, v, o)), *_mods_args(mods, acc))
     kernel = _load(variant, device_id)
     batch, rows, _ = _grid_extents(q, k, mods)
     grid = (math.ceil(rows / variant.block_m) * variant.column_passes, Hq, batch)
@@ -476,10 +458,9 @@ def attention_forward(q, k, v, o, lse, *, scale: float, causal: bool, mods=_mods
 
 def _sm90_tensor_maps(variant: Variant, q, k, v):
     """fwd_sm90.cu's tensor maps of q, k and v (boxes of the query tile's and the key
-    tile's rows, 64 columns), or None where one of them cannot be made."""
+    tile's rows), or None where one of them cannot be made."""
     block_n = variant.tile[0]
-    maps = (_tma.tensor_map(q, variant.block_m, 64), _tma.tensor_map(k, block_n, 64),
-            _tma.tensor_map(v, block_n, 64))
+    maps = (_tma.tensor_map(q, variant.block_m), _tma.tensor_map(k, block_n), _tma.tensor_map(v, block_n))
     return None if any(m is None for m in maps) else maps
 
 
@@ -771,7 +752,7 @@ def attention_backward(do, q, k, v, o, lse, dq, dk, dv, *, scale, causal, determ
     dq_accum = None if deterministic else cupy.zeros((B, Hq, Nq, d), acc)
     shape_args = (np.int32(group), np.int32(Nq), np.int32(Nk), np.int32(d), np.int32(dim_v),
                   np.int32(nq_pad), acc(scale * math.log2(math.e)), acc(scale), np.int32(bool(causal)))
-    vec = np.int32(_rows_16b_aligned(q, k, v, do, dq, dk, dv))
+    vec = np.int32(_arrays.rows_16b_aligned(q, k, v, do, dq, dk, dv))
     mods_args = _mods_args(mods, acc)
 
     def tail(variant):   # every kernel but the CUDA-core ones copies tiles with cp.async

@@ -14,6 +14,8 @@ import functools
 
 import numpy as np
 
+from . import _arrays
+
 # CUtensorMapDataType, CUtensorMapSwizzle, CUtensorMapL2promotion (cuda.h).
 _DATA_TYPE = {"float16": 6, "bfloat16": 9}
 _SWIZZLE_128B = 3
@@ -21,9 +23,10 @@ _L2_PROMOTION_256B = 3
 _INTERLEAVE_NONE = 0
 _OOB_FILL_ZEROS = 0
 MAP_BYTES = 128
+SWIZZLE_BYTES = 128   # a box row spans the swizzle: 64 columns of 16-bit elements
 # The copy engine's limits (CUDA driver API, cuTensorMapEncodeTiled): 16-byte aligned
-# base and strides below 2^40 bytes, boxes of at most 256 elements per axis.
-_ALIGN = 16
+# base and strides (arrays.rows_16b_aligned) below 2^40 bytes, boxes of at most 256
+# elements per axis.
 _MAX_STRIDE = 1 << 40
 MAX_BOX = 256
 
@@ -49,19 +52,20 @@ def describable(x) -> bool:
     """Whether a (B, H, N, d) view of 16-bit elements can be read through a tensor map:
     base and every stride of an axis longer than one 16-byte aligned (the last axis is
     contiguous), strides below the engine's limit."""
-    if x.dtype.name not in _DATA_TYPE or x.data.ptr % _ALIGN:
+    if x.dtype.name not in _DATA_TYPE or not _arrays.rows_16b_aligned(x):
         return False
-    return all(n == 1 or (st % _ALIGN == 0 and 0 < st < _MAX_STRIDE) for n, st in zip(x.shape[:3], x.strides[:3]))
+    return all(n == 1 or 0 < st < _MAX_STRIDE for n, st in zip(x.shape[:3], x.strides[:3]))
 
 
-def tensor_map(x, box_rows: int, box_cols: int):
-    """The tensor map of a (B, H, N, d) view for boxes of ``box_rows`` rows and
-    ``box_cols`` columns (128 bytes: the swizzle span) with the 128-byte swizzle, as a
-    NumPy void scalar to pass as a kernel argument; None where the driver refuses it
-    (or `describable` says no)."""
-    if not describable(x) or box_rows > MAX_BOX or box_cols * x.dtype.itemsize != 128:
+def tensor_map(x, box_rows: int):
+    """The tensor map of a (B, H, N, d) view for boxes of ``box_rows`` rows and one
+    swizzle span of columns, with the 128-byte swizzle (kernels_cu/wgmma.cuh Swizzle128's
+    panels), as a NumPy void scalar to pass as a kernel argument; None where the driver
+    refuses it (or `describable` says no)."""
+    if not describable(x) or box_rows > MAX_BOX:
         return None
-    return _encode(x.data.ptr, x.dtype.name, tuple(x.shape), tuple(x.strides), box_rows, box_cols)
+    return _encode(x.data.ptr, x.dtype.name, tuple(x.shape), tuple(x.strides), box_rows,
+                   SWIZZLE_BYTES // x.dtype.itemsize)
 
 
 # A map is a function of these arguments alone, and encoding one through ctypes costs tens
@@ -75,7 +79,7 @@ def _encode(ptr: int, dtype_name: str, shape: tuple, strides: tuple, box_rows: i
     B, H, N, d = shape
     # Axes innermost first: column, row, head, batch. An axis of extent 1 is never
     # stepped along, so any valid stride serves for it.
-    steps_bytes = [st if n > 1 else _ALIGN for n, st in zip((N, H, B), (strides[2], strides[1], strides[0]))]
+    steps_bytes = [st if n > 1 else 16 for n, st in zip((N, H, B), (strides[2], strides[1], strides[0]))]
     dims = (ctypes.c_uint64 * 4)(d, N, H, B)
     byte_strides = (ctypes.c_uint64 * 3)(*steps_bytes)
     box = (ctypes.c_uint32 * 4)(box_cols, box_rows, 1, 1)

@@ -14,10 +14,7 @@
 // tile) and issue no loads; the producer runs ahead by up to STAGES tiles. setmaxnreg
 // moves registers from the producer to the consumers.
 // Inside a consumer warpgroup S of the next key tile and P V of this one are issued back
-// to back, and the softmax of the next tile runs while P V accumulates. With PINGPONG the
-// consumer warpgroups also take turns to issue (FlashAttention-3's warpgroup ping-pong):
-// each waits for the previous one's issue, so one's softmax runs while the tensor cores
-// work on the others' products instead of all softmaxes falling on the same moments.
+// to back, and the softmax of the next tile runs while P V accumulates.
 // Each warp holds one 16-row m-tile of S and O in the mma.sync fragment layout
 // (wgmma.cuh), so masks and the softmax are fwd_sm80's with MT = 1. Dense mode only
 // (plain and causal); the options and tensors TMA cannot describe (rows not 16-byte
@@ -33,9 +30,8 @@
 
 template <typename T, int D, int BLOCK_N, int CONSUMERS, int STAGES>
 struct Sm90FwdTile {
-    // Named barriers: 0 is __syncthreads', EPILOGUE_BARRIER the consumers' own, then one
-    // per consumer warpgroup for the ping-pong.
-    static constexpr int EPILOGUE_BARRIER = 1, PINGPONG_BARRIER0 = 2;
+    // Named barrier of the consumers alone (0 is __syncthreads').
+    static constexpr int EPILOGUE_BARRIER = 1;
     static constexpr int CONSUMER_THREADS = CONSUMERS * 128;
     static constexpr int THREADS = CONSUMER_THREADS + 128;   // + the producer warpgroup
     static constexpr int BLOCK_M = CONSUMERS * 64;
@@ -69,49 +65,7 @@ struct Sm90FwdBarriers {
     u64 k_empty[STAGES], v_empty[STAGES];
 };
 
-// The issue turns of the ping-pong: warpgroup i waits at barrier i for warpgroup i - 1
-// (cyclically) to have issued, issues, and lets warpgroup i + 1 go. Every warpgroup of a
-// CTA visits the same key tiles, so all take the same number of turns. The barrier ids
-// are immediates (a dispatch on the warpgroup): with ids in registers ptxas reserves all
-// 16 barriers. Off in every tile for now: with it, racecheck reports hazards between
-// the warpgroups' O staging and the store (cupyflash/_cuda.py FWD_SM90_TILES).
-template <int CONSUMERS, int BARRIER0, bool ON>
-struct IssueTurns {
-    static_assert(!ON || CONSUMERS > 1, "turns need two warpgroups");
-    static constexpr int PAIR = 256;   // the waiting warpgroup and the one it waits for
-    int wg;
-    template <int ID> __device__ __forceinline__ static void bar_sync() {
-        asm volatile("bar.sync %0, %1;\n" :: "n"(ID), "n"(PAIR) : "memory");
-    }
-    template <int ID> __device__ __forceinline__ static void bar_arrive() {
-        asm volatile("bar.arrive %0, %1;\n" :: "n"(ID), "n"(PAIR) : "memory");
-    }
-    // Warpgroup w's own barrier (I counts up to it), and the next warpgroup's.
-    template <int I = 0> __device__ __forceinline__ void sync_own() const {
-        if constexpr (I < CONSUMERS) {
-            if (wg == I) bar_sync<BARRIER0 + I>(); else sync_own<I + 1>();
-        }
-    }
-    template <int I = 0> __device__ __forceinline__ void arrive_next() const {
-        if constexpr (I < CONSUMERS) {
-            if (wg == I) bar_arrive<BARRIER0 + (I + 1) % CONSUMERS>(); else arrive_next<I + 1>();
-        }
-    }
-    __device__ __forceinline__ void start() const {   // the first turn is warpgroup 0's
-        if (ON && wg == CONSUMERS - 1) bar_arrive<BARRIER0>();
-    }
-    __device__ __forceinline__ void wait() const {
-        if constexpr (ON) sync_own();
-    }
-    __device__ __forceinline__ void pass() const {
-        if constexpr (ON) arrive_next();
-    }
-    __device__ __forceinline__ void finish() const {   // takes back start()'s extra turn
-        if (ON && wg == 0) bar_sync<BARRIER0>();
-    }
-};
-
-template <typename T, int D, int BLOCK_N, int CONSUMERS, int STAGES, int PINGPONG>
+template <typename T, int D, int BLOCK_N, int CONSUMERS, int STAGES>
 __global__ void __launch_bounds__(Sm90FwdTile<T, D, BLOCK_N, CONSUMERS, STAGES>::THREADS, 1)
 flash_fwd_sm90(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k_map,
                const __grid_constant__ TmaMap v_map, TENSOR_ARG(T, o), float* __restrict__ lse,
@@ -179,7 +133,6 @@ flash_fwd_sm90(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
     warpgroup_claim_regs<C::CONSUMER_REGS>();
     const int g = lane / 4, t4 = lane % 4;
     const int wg_row0 = (warp / 4) * 64;   // this warpgroup's rows of the query tile
-    const IssueTurns<CONSUMERS, C::PINGPONG_BARRIER0, PINGPONG != 0> turns{warp / 4};
     const int warp_row0 = warp * 16;       // this warp's m-tile
     // Stage and phase of the t-th key tile visited.
     auto wait_full = [&](u64* full, int t) { mbar_wait(&full[t % STAGES], (t / STAGES) & 1); };
@@ -238,12 +191,9 @@ flash_fwd_sm90(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
     mbar_wait(&bars.q_full, 0);   // also when no key is visible: no copy may outlive the CTA
     const int n_tiles = tiles.y - tiles.x;
     int t = 0;
-    turns.start();
     if (n_tiles > 0) {
         wait_full(bars.k_full, 0);
-        turns.wait();
         issue_s(0);
-        turns.pass();
         wgmma_wait<0>();
         reg_fence(s[0]);
         release(bars.k_empty, 0);
@@ -253,10 +203,8 @@ flash_fwd_sm90(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
     for (; t + 1 < n_tiles; ++t) {
         wait_full(bars.k_full, t + 1);
         wait_full(bars.v_full, t);
-        turns.wait();
         issue_s((t + 1) % STAGES);
         issue_pv(t % STAGES);
-        turns.pass();
         wgmma_wait<1>();   // S of the next tile (P V may still run)
         reg_fence(s[0]);
         release(bars.k_empty, t + 1);
@@ -269,14 +217,11 @@ flash_fwd_sm90(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
     }
     if (n_tiles > 0) {
         wait_full(bars.v_full, t);
-        turns.wait();
         issue_pv(t % STAGES);
-        turns.pass();
         wgmma_wait<0>();
         reg_fence(acc[0]);
         release(bars.v_empty, t);
     }
-    turns.finish();
 
     float row_lse[1][2];
     softmax.finalize(acc, row_lse);

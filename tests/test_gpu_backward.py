@@ -211,7 +211,7 @@ def test_strided_inputs_without_alignment(rng, dtype):
     q, k = base[:, :, ::2, :72], base[:, :, 1::2, :72]
     v = cp.asarray(rng.standard_normal((1, 3, 257, 72)).astype(dtype))
     do = cp.asarray(rng.standard_normal((1, 3, 2 * 257, width)).astype(dtype))[:, :, 1::2, :72]
-    assert not _cuda._rows_16b_aligned(q, k, do)
+    assert not _arrays.rows_16b_aligned(q, k, do)
     host = [cp.asnumpy(x) for x in (q, k, v, do)]
     for deterministic in (False, True):
         grads = _poisoned_backward(q, k, v, do, causal=False, layout="bhsd", deterministic=deterministic)

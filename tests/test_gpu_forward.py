@@ -107,7 +107,7 @@ def test_strided_inputs_without_alignment(rng):
     q = base[:, :, ::2, :72]
     k = base[:, :, 1::2, :72]
     v = cp.asarray(rng.standard_normal((1, 3, 257, 72)).astype(np.float16))
-    assert not _cuda._rows_16b_aligned(q, k)
+    assert not _arrays.rows_16b_aligned(q, k)
     o = cupyflash.attention(q, k, v, backend="cuda")
     ref = cupyflash.attention(*(cp.asnumpy(x).astype(np.float64) for x in (q, k, v)), backend="numpy")
     assert rel_err(cp.asnumpy(o).astype(np.float64), ref) < TOLERANCE["float16"]

@@ -40,21 +40,24 @@ def test_transformer_layout_is_describable():
 ])
 def test_views_the_copy_engine_cannot_read(why, view):
     assert not _tma.describable(view), why
-    assert _tma.tensor_map(view, 64, 64) is None
+    assert _tma.tensor_map(view, 64) is None
 
 
 def test_axes_of_extent_one_may_have_any_stride():
     assert _tma.describable(_view((1, 1, 10, 64), strides=(6, 10, 128, 2)))
 
 
-def test_boxes_must_span_the_128_byte_swizzle_and_at_most_256_rows():
+def test_boxes_span_the_128_byte_swizzle_and_at_most_256_rows(monkeypatch):
     x = _view((1, 2, 10, 64))
-    assert _tma.tensor_map(x, 64, 32) is None
-    assert _tma.tensor_map(x, 512, 64) is None
+    asked = []
+    monkeypatch.setattr(_tma, "_encode", lambda *args: asked.append(args))
+    _tma.tensor_map(x, 128)
+    assert asked[0][-2:] == (128, 64)   # 64 columns of 2 bytes
+    assert _tma.tensor_map(x, 512) is None
 
 
 def test_no_driver_means_no_map(monkeypatch):
     monkeypatch.setattr(_tma, "_encoder", lambda: None)
     _tma._encode.cache_clear()
-    assert _tma.tensor_map(_view((1, 2, 10, 64)), 64, 64) is None
+    assert _tma.tensor_map(_view((1, 2, 10, 64)), 64) is None
     _tma._encode.cache_clear()
