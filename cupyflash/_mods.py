@@ -28,16 +28,17 @@ probabilities:
     ``P = softmax over the visible j`` (a row with none: output 0, LSE -inf); the LSE is
     that of ``P``, before dropout.
 dropout:
-    ``o_i = sum_j P_ij * keep_ij / (1 - dropout_p) * v_j`` with ``keep_ij =
+    ``o_i = sum_j P_ij * keep_ij * c * v_j`` with ``c = _philox.dropout_scale(dropout_p)``
+    (``1 / (1 - p)`` at the drawn p, a multiple of 1/256) and ``keep_ij =
     _philox.dropout_keep(seed, rng_offset, b, h, i, j, p=dropout_p, heads=Hq)`` (rows and
     columns counted from the start of the batch entry's own sequence).
 gradients:
-    ``dP_ij = keep_ij / (1 - p) * do_i . v_j``, ``D_i = do_i . o_i``,
+    ``dP_ij = keep_ij c * do_i . v_j``, ``D_i = do_i . o_i``,
     ``dS_ij = P_ij (dP_ij - D_i)`` (d loss / d x_ij);
     ``dbias`` = dS summed over the axes the bias broadcasts over;
     through softcap: ``dS_ij * (1 - tanh^2(x_raw / softcap))`` with ``x_raw = scale q.k``;
     ``dq_i = scale * sum_j dS'_ij k_j``, ``dk_j = scale * sum_i dS'_ij q_i``,
-    ``dv_j = sum_i P_ij keep_ij / (1 - p) do_i``. The ALiBi slopes get no gradient.
+    ``dv_j = sum_i P_ij keep_ij c do_i``. The ALiBi slopes get no gradient.
 
 Compact arrays (never broadcast in memory; a size-1 axis broadcasts):
     block_mask   (Bm, Hm, ceil(Nq / block_q), ceil(Nk / block_k)) uint8, C-contiguous,

@@ -15,18 +15,27 @@ For attention score (row, col) of head ``head`` of batch entry ``batch``, in a c
 
     key     = (seed mod 2**32, seed >> 32)
     stream  = (offset + batch * heads + head) mod 2**64
-    counter = (col >> 2, row, stream mod 2**32, stream >> 32)
-    word    = philox4x32_10(counter, key)[col & 3]
-    keep    = word >= threshold,   threshold = min(round(p * 2**32), 2**32 - 1)
+    x       = (col >> 5) * 4 + ((col >> 1) & 3)
+    y       = (row >> 4) * 8 + (row & 7)
+    counter = (x, y, stream mod 2**32, stream >> 32)
+    byte    = ((row >> 3) & 1) * 8 + ((col >> 3) & 3) * 2 + (col & 1)
+    draw    = bits 8 (byte mod 4) .. 8 (byte mod 4) + 7 of philox4x32_10(counter, key)[byte >> 2]
+    keep    = draw >= threshold,   threshold = round(p * 256), in 1 .. 255 for p > 0
 
-so one Philox call serves 4 consecutive columns of a row, and a thread needs nothing but
-its own indices. For a fixed seed the counter is injective in (stream, row, col >> 2) for
-rows < 2**32 and columns < 2**34, and the stream counts (batch, head) pairs: a call that
-draws the masks of B batch entries x H heads uses streams offset .. offset + B*H - 1, so
-the next call under the same seed starts at offset + B*H (as torch advances its Philox
-offset) and never repeats a counter. P(keep) = 1 - threshold / 2**32, within 2**-32 of
-1 - p; the threshold is computed here, on the host, and handed to kernels as a uint32, so
-no float rounding differs between the two sides.
+so one Philox call gives the 16 bytes of rows {r, r + 8} x 8 columns of a 16 x 32 block,
+exactly the scores one GPU thread holds in 4 n-tiles of an mma.sync C fragment (it draws
+them with a single call), and a thread needs nothing but its own indices. The pair (x, y)
+with the byte is a bijection of (row, col) for rows < 2**32 and columns < 2**34, and the
+stream counts (batch, head) pairs: a call that draws the masks of B batch entries x H heads
+uses streams offset .. offset + B*H - 1, so the next call under the same seed starts at
+offset + B*H (as torch advances its Philox offset) and never repeats a counter.
+
+The draw has 8-bit resolution, as FlashAttention's: a score is dropped with probability
+``threshold / 256`` (``dropout_p`` rounded to the nearest multiple of 1/256) and a kept
+one is scaled by ``dropout_scale(p) = 256 / (256 - threshold)``, so the output stays an
+unbiased estimate. A p that rounds to 0 or 256 is refused by the validation. The
+threshold and the scale are computed here, on the host, and handed to the kernels, so no
+float rounding differs between the two sides.
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ import operator
 
 import numpy as np
 
+from . import _validate
 from ._validate import _check_int, _check_int_in, _check_real
 
 # Random123's philox4x32 multipliers and Weyl key increments (golden ratio, sqrt(3) - 1).
@@ -103,17 +113,28 @@ def _check_seed(seed) -> int:
     return _check_int_in(seed, "seed", 0, 2**64, hi_text="2**64")
 
 
-def dropout_threshold(p) -> int:
-    """The uint32 a Philox word must reach for its score to be kept: round(p * 2**32),
-    clamped to 2**32 - 1 so it fits a uint32 (mirror: the ``threshold`` argument of the
-    device functions, which the host computes with this function).
+# The draw's resolution: one byte per score.
+DRAW_LEVELS = _validate.DROPOUT_LEVELS
 
-    ``p * 2**32`` is exact in binary floating point, so the rounding is the only one.
-    """
+
+def dropout_threshold(p) -> int:
+    """The byte a score's draw must reach to be kept: ``round(p * 256)`` (mirror: the
+    ``threshold`` of the device functions, which the host computes with this function).
+    0 for p = 0 (no dropout); a p > 0 must round to 1 .. 255."""
     p = _check_real(p, "p")
     if not 0.0 <= p < 1.0:
         raise ValueError(f"p must be in [0, 1), got {p!r}")
-    return min(round(p * 2**32), 2**32 - 1)
+    threshold = round(p * DRAW_LEVELS)
+    if p > 0 and not 1 <= threshold < DRAW_LEVELS:
+        raise ValueError(f"p must be 0 or in [1/512, 1 - 1/512): dropout is drawn at 8-bit resolution "
+                         f"(p is rounded to a multiple of 1/256), got {p!r}")
+    return threshold
+
+
+def dropout_scale(p) -> float:
+    """The factor of a kept score, ``1 / (1 - dropout_threshold(p) / 256)``: one over the
+    probability that a score is kept, so dropout leaves the expected output unchanged."""
+    return DRAW_LEVELS / (DRAW_LEVELS - dropout_threshold(p))
 
 
 def dropout_stream(offset, batch, head, *, heads) -> int:
@@ -126,13 +147,30 @@ def dropout_stream(offset, batch, head, *, heads) -> int:
     return (offset + batch * heads + head) % 2**64
 
 
-def _dropout_words(seed: int, stream: int, row, group) -> np.ndarray:
-    """Philox4x32-10 words of (row, column group) in one stream, broadcast over ``row`` and
-    ``group`` (mirror: ``dropout_words``)."""
-    row, group = np.broadcast_arrays(np.asarray(row, np.uint64), np.asarray(group, np.uint64))
-    counter = np.stack([group, row, np.full_like(row, stream & 0xFFFFFFFF),
-                        np.full_like(row, stream >> 32)], axis=-1)
+def _dropout_words(seed: int, stream: int, x, y) -> np.ndarray:
+    """Philox4x32-10 words of counters (x, y) of one stream, broadcast over ``x`` and
+    ``y`` (mirror: ``dropout_words``)."""
+    x, y = np.broadcast_arrays(np.asarray(x, np.uint64), np.asarray(y, np.uint64))
+    counter = np.stack([x, y, np.full_like(x, stream & 0xFFFFFFFF), np.full_like(x, stream >> 32)], axis=-1)
     return philox4x32(counter, np.array([seed & 0xFFFFFFFF, seed >> 32], np.uint64))
+
+
+def _counter_x(col):
+    return (col >> 5) * 4 + ((col >> 1) & 3)
+
+
+def _counter_y(row):
+    return (row >> 4) * 8 + (row & 7)
+
+
+def _draw_bytes(words: np.ndarray) -> np.ndarray:
+    """The 16 draws of each call, (..., 4) uint32 words -> (..., 16) bytes, byte b from
+    bits 8 (b mod 4) up of word b >> 2 (the little-endian order of the words' bytes)."""
+    return np.ascontiguousarray(words.astype("<u4")).view(np.uint8)
+
+
+def _byte_index(row, col):
+    return ((row >> 3) & 1) * 8 + ((col >> 3) & 3) * 2 + (col & 1)
 
 
 def _indices(value, name: str, limit: int) -> np.ndarray:
@@ -168,17 +206,17 @@ def dropout_keep(seed, offset, batch, head, row, col, *, p, heads) -> np.ndarray
             raise TypeError(f"{name} must be integer, got dtype {a.dtype}")
         if a.size and (a.min() < 0 or a.max() >= limit):
             raise ValueError(f"{name} must be in [0, {limit})")
-    col = col.astype(np.int64)
-    words = _dropout_words(seed, stream, row, col >> 2)
-    word = np.take_along_axis(words, np.broadcast_to(col & 3, words.shape[:-1])[..., None], axis=-1)
-    return word[..., 0] >= threshold
+    row, col = np.broadcast_arrays(row.astype(np.int64), col.astype(np.int64))
+    draws = _draw_bytes(_dropout_words(seed, stream, _counter_x(col), _counter_y(row)))
+    draw = np.take_along_axis(draws, _byte_index(row, col)[..., None], axis=-1)[..., 0]
+    return draw >= threshold
 
 
 def dropout_keep_mask(seed, offset, batch, head, rows, cols, *, p, heads) -> np.ndarray:
     """The dropout keep mask of one (batch, head) over a grid of (row, col) scores.
 
-    One Philox4x32-10 call per row and group of 4 consecutive columns; the module
-    docstring gives the mapping, which ``kernels_cu/philox.cuh`` evaluates per element.
+    One Philox4x32-10 call per 16 scores (the module docstring gives the mapping, which
+    ``kernels_cu/philox.cuh`` evaluates per element and per mma fragment).
 
     Parameters
     ----------
@@ -207,6 +245,8 @@ def dropout_keep_mask(seed, offset, batch, head, rows, cols, *, p, heads) -> np.
     stream = dropout_stream(offset, batch, head, heads=heads)
     r = _indices(rows, "rows", MAX_ROWS)
     c = _indices(cols, "cols", MAX_COLS)
-    groups, where = np.unique(c >> 2, return_inverse=True)
-    words = _dropout_words(seed, stream, r[:, None], groups[None, :])   # (R, G, 4)
-    return words[:, where.reshape(-1), c & 3] >= threshold
+    # One call per distinct (y, x): rows share y in pairs, columns share x in fours.
+    ys, y_at = np.unique(_counter_y(r), return_inverse=True)
+    xs, x_at = np.unique(_counter_x(c), return_inverse=True)
+    draws = _draw_bytes(_dropout_words(seed, stream, xs[None, :], ys[:, None]))   # (Y, X, 16)
+    return draws[y_at.reshape(-1)[:, None], x_at.reshape(-1)[None, :], _byte_index(r[:, None], c[None, :])] >= threshold

@@ -33,7 +33,7 @@ import numpy as np
 from . import _mods
 from ._masks import (block_mask_tiles, key_block_range, query_block_range, tile_needs_mask,
                      visible)
-from ._philox import dropout_keep_mask
+from ._philox import dropout_keep_mask, dropout_scale
 
 __all__ = ["attention_forward", "attention_backward"]
 
@@ -189,7 +189,7 @@ class _Rules:
         return total
 
     def dropout_scale(self, rows: tuple[int, int], cols: tuple[int, int]):
-        """``keep / (1 - p)`` of one tile, ``(B, Hk, G, r, c)``; None without dropout.
+        """``keep * dropout_scale(p)`` (``keep / (1 - p)`` at the drawn p) of one tile, ``(B, Hk, G, r, c)``; None without dropout.
 
         Rows and columns count from the start of the piece, which for varlen is the
         sequence's own start, as the Philox mapping requires.
@@ -202,7 +202,7 @@ class _Rules:
                                         np.arange(*rows), np.arange(*cols), p=p, heads=self.hq)
                       for h in range(self.hq)])
             for b in self.piece.entries])
-        return _group(keep * self.dtype.type(1 / (1 - p)), self.hk)
+        return _group(keep * self.dtype.type(dropout_scale(p)), self.hk)
 
     def add_dbias(self, dbias, ds, rows: tuple[int, int], cols: tuple[int, int]):
         """Add a tile's dS, ``(B, Hk, G, r, c)``, into the compact bias gradient, summed

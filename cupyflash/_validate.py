@@ -12,6 +12,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+# Dropout draws one byte per score (cupyflash/_philox.py): p resolves to multiples of 1/256.
+DROPOUT_LEVELS = 256
+
 from . import _arrays
 
 MAX_HEAD_DIM = 256
@@ -139,6 +142,9 @@ def check_options(*, causal, scale, window, dropout_p, seed, block_mask, bias, a
     dropout_p = _check_real(dropout_p, "dropout_p")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+    if dropout_p > 0 and not 1 <= round(dropout_p * DROPOUT_LEVELS) < DROPOUT_LEVELS:
+        raise ValueError(f"dropout_p must be 0 or in [1/512, 1 - 1/512): dropout is drawn at 8-bit "
+                         f"resolution (rounded to a multiple of 1/256), got {dropout_p!r}")
     if seed is not None:
         seed = _check_int_in(seed, "seed", 0, 2**64, hi_text="2**64")
     softcap = _check_real(softcap, "softcap")

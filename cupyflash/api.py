@@ -34,8 +34,10 @@ window : (int, int), optional
     unbounded, so ``(-1, -1)`` (or None) is full attention. With ``causal`` both hold.
     Tiles outside the band are skipped, so the cost is ``O(N * (left + right))``.
 dropout_p : float, default 0.0
-    Dropout on the attention probabilities, in [0, 1): kept entries are scaled by
-    ``1 / (1 - dropout_p)``. The mask comes from Philox4x32-10 keyed by the seed and
+    Dropout on the attention probabilities, 0 or in [1/512, 1 - 1/512). It is drawn
+    at 8-bit resolution, as FlashAttention draws it: an entry is dropped with probability
+    ``round(256 * dropout_p) / 256`` and a kept one is scaled by one over the probability
+    of keeping it, so the output stays unbiased. The mask comes from Philox4x32-10 keyed by the seed and
     regenerated in the backward pass (nothing ``Nq x Nk`` is stored); the NumPy and GPU
     backends draw the same bits. The LSE is that of the softmax before dropout.
 seed : int, optional

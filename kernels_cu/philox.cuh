@@ -39,22 +39,53 @@ __device__ __forceinline__ u64 dropout_stream(u64 offset, u32 batch, u32 head, u
     return offset + static_cast<u64>(batch) * heads + head;
 }
 
-// _philox._dropout_words: the four words of row `row`, columns 4*group .. 4*group + 3.
-__device__ __forceinline__ uint4 dropout_words(u64 seed, u64 stream, u32 row, u32 group) {
-    const uint4 counter = {group, row, static_cast<u32>(stream), static_cast<u32>(stream >> 32)};
+// The dropout draw (_philox's module docstring is the mapping): one Philox call gives 16
+// bytes, one per score of a block of 2 rows x 8 columns laid out as an mma.sync C
+// fragment holds them, so a thread of a forward kernel draws the 16 scores of 4 n-tiles
+// of its m-tile with one call. Score (i, j) takes
+//   counter (x, y) = ((j >> 5) * 4 + ((j >> 1) & 3), (i >> 4) * 8 + (i & 7)),
+//   byte ((i >> 3) & 1) * 8 + ((j >> 3) & 3) * 2 + (j & 1) of the call's 16 (word byte / 4,
+//   bits 8 (byte % 4) and up),
+// and is kept iff that byte >= threshold (1 .. 255, _philox.dropout_threshold).
+
+// _philox._dropout_words: the four words of counter (x, y) of one stream.
+__device__ __forceinline__ uint4 dropout_words(u64 seed, u64 stream, u32 x, u32 y) {
+    const uint4 counter = {x, y, static_cast<u32>(stream), static_cast<u32>(stream >> 32)};
     const uint2 key = {static_cast<u32>(seed), static_cast<u32>(seed >> 32)};
     return philox4x32<10>(counter, key);
 }
 
-// Word j (= col & 3) of a group: the keep test reads one word per score.
-__device__ __forceinline__ u32 philox_word(uint4 w, u32 j) {
-    return j == 0 ? w.x : j == 1 ? w.y : j == 2 ? w.z : w.w;
+// Byte b (0 .. 15) of a call's words.
+__device__ __forceinline__ u32 dropout_byte(uint4 w, u32 b) {
+    const u32 word = (b >> 2) == 0 ? w.x : (b >> 2) == 1 ? w.y : (b >> 2) == 2 ? w.z : w.w;
+    return (word >> (8 * (b & 3))) & 0xffu;
 }
 
-// _philox.dropout_keep: does score (row, col) survive? `threshold` is
-// _philox.dropout_threshold(p), computed on the host so no float rounding differs. A kernel
-// holding several columns of one group calls dropout_words once and tests each word.
-__device__ __forceinline__ bool dropout_keep(u64 seed, u64 stream, u32 row, u64 col, u32 threshold) {
-    const uint4 w = dropout_words(seed, stream, row, static_cast<u32>(col >> 2));
-    return philox_word(w, static_cast<u32>(col & 3)) >= threshold;
+// _philox.dropout_keep: does score (row, col) survive? One call per score: for kernels
+// whose threads hold scores in another layout (the backward's transposed products).
+__device__ __forceinline__ bool dropout_keep(u64 seed, u64 stream, u64 row, u64 col, u32 threshold) {
+    const u32 x = static_cast<u32>((col >> 5) * 4 + ((col >> 1) & 3));
+    const u32 y = static_cast<u32>((row >> 4) * 8 + (row & 7));
+    const u32 b = static_cast<u32>(((row >> 3) & 1) * 8 + ((col >> 3) & 3) * 2 + (col & 1));
+    return dropout_byte(dropout_words(seed, stream, x, y), b) >= threshold;
+}
+
+// The dropout of one 16-row m-tile of scores held as mma C fragments [NT][4] (for_each_score's
+// layout) whose rows start at r0 (a multiple of 16) and columns at c0 (a multiple of 32):
+// f(x, kept) for each score, one Philox call per 4 n-tiles.
+template <int NT, typename Acc, typename F>
+__device__ __forceinline__ void dropout_fragment(Acc (&s)[NT][4], u64 seed, u64 stream, int r0, int c0,
+                                                 u32 threshold, F&& f) {
+    static_assert(NT % 4 == 0, "whole 32-column blocks");
+    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const u32 y = static_cast<u32>((r0 >> 4) * 8 + g);
+    #pragma unroll
+    for (int blk = 0; blk < NT / 4; ++blk) {
+        const uint4 w = dropout_words(seed, stream, static_cast<u32>(((c0 >> 5) + blk) * 4 + t), y);
+        #pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+            #pragma unroll
+            for (int e = 0; e < 4; ++e)
+                f(s[blk * 4 + nt][e], dropout_byte(w, (e / 2) * 8 + nt * 2 + (e % 2)) >= threshold);
+    }
 }

@@ -29,6 +29,8 @@ from __future__ import annotations
 import numpy as np
 from scipy.special import logsumexp, softmax
 
+from cupyflash import _philox
+
 __all__ = ["naive_attention", "naive_attention_grads", "naive_visible"]
 
 
@@ -98,7 +100,8 @@ def _probabilities(q, k, **options):
 
 
 def _dropout_factor(keep, dropout_p):
-    return 1.0 if keep is None else np.asarray(keep, np.float64) / (1.0 - dropout_p)
+    # Kept scores scale by one over the drawn keep probability (p at 8-bit resolution).
+    return 1.0 if keep is None else np.asarray(keep, np.float64) * _philox.dropout_scale(dropout_p)
 
 
 def _fold_group(x, hk):

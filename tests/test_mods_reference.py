@@ -308,15 +308,16 @@ def test_varlen_equals_per_sequence_oracle(causal, dtype, rng):
 
 def test_dropout_keep_rate_and_rescaling(rng):
     """With q = 0 the probabilities are uniform and V = 1 makes each row's output the kept
-    share of its row over 1 - p: exactly the Philox keep mask's, whose rate is 1 - p
-    within 5 sigma, so the output is unbiased."""
-    b, h, n, p = 1, 2, 256, 0.3
+    share of its row over the drawn keep probability: exactly the Philox keep mask's,
+    whose rate is that probability within 5 sigma, so the output is unbiased."""
+    b, h, n, p_asked = 1, 2, 256, 0.3
+    p = _philox.dropout_threshold(p_asked) / 256   # 0.30078..., the drawn probability
     q = np.zeros((b, h, n, 4))
     k = rng.standard_normal((b, h, n, 4))
     v = np.ones((b, h, n, 1))
     o, _ = attention_forward(q, k, v, scale=1.0, causal=False,
-                             mods=_mods.Modifiers(dropout_p=p, seed=5, rng_offset=0))
-    keep = keep_mask(5, 0, b, h, n, n, p)
+                             mods=_mods.Modifiers(dropout_p=p_asked, seed=5, rng_offset=0))
+    keep = keep_mask(5, 0, b, h, n, n, p_asked)
     np.testing.assert_allclose(o[..., 0], keep.sum(-1) / (n * (1 - p)), rtol=1e-13)
     sigma = math.sqrt(p * (1 - p) / keep.size)
     assert abs(keep.mean() - (1 - p)) < 5 * sigma

@@ -81,29 +81,51 @@ def test_philox_rejects_float_words_and_bad_rounds():
 
 
 def test_mapping_is_the_documented_one(rng):
-    """word = philox4x32_10((col >> 2, row, stream lo, stream hi), (seed lo, seed hi))[col & 3]
-    with stream = offset + batch * heads + head: the contract philox.cuh evaluates."""
+    """draw = byte ((row >> 3) & 1) * 8 + ((col >> 3) & 3) * 2 + (col & 1) of
+    philox4x32_10(((col >> 5) * 4 + ((col >> 1) & 3), (row >> 4) * 8 + (row & 7), stream lo,
+    stream hi), (seed lo, seed hi)), little-endian within its word, with stream = offset +
+    batch * heads + head: the contract philox.cuh evaluates."""
     seed, offset, batch, head, heads, p = 0x0123456789ABCDEF, 2**63 + 5, 3, 2, 5, 0.25
     stream = offset + batch * heads + head
     rows = rng.integers(0, 2**32, size=50)
     cols = rng.integers(0, 2**34, size=50)
-    threshold = round(p * 2**32)
+    threshold = 64
     for row, col in zip(rows.tolist(), cols.tolist()):
-        words = _philox.philox4x32([col >> 2, row, stream % 2**32, stream >> 32],
-                                   [seed % 2**32, seed >> 32])
-        expected = bool(words[col & 3] >= threshold)
+        words = _philox.philox4x32([(col >> 5) * 4 + ((col >> 1) & 3), (row >> 4) * 8 + (row & 7),
+                                    stream % 2**32, stream >> 32], [seed % 2**32, seed >> 32])
+        byte = ((row >> 3) & 1) * 8 + ((col >> 3) & 3) * 2 + (col & 1)
+        expected = bool((int(words[byte >> 2]) >> (8 * (byte & 3))) & 0xFF >= threshold)
         assert _philox.dropout_keep(seed, offset, batch, head, row, col, p=p, heads=heads) == expected
+
+
+def test_one_call_serves_a_fragment_threads_sixteen_scores():
+    """The 16 draws of one Philox call are the scores (r + 8 h, c + 8 n + e) for h, e in
+    {0, 1} and n in 0..3 (r a multiple of 16 plus g < 8, c a multiple of 32 plus 2 t): the
+    scores a thread of an mma.sync C fragment holds in 4 n-tiles."""
+    kw = dict(seed=3, offset=0, batch=0, head=0, p=0.5, heads=1)
+    stream = 0
+    for r, c in ((16 * 5 + 3, 32 * 7 + 2 * 2), (0, 0), (16 + 7, 32 + 6)):
+        words = _philox.philox4x32([(c >> 5) * 4 + ((c >> 1) & 3), (r >> 4) * 8 + (r & 7), stream, 0], [3, 0])
+        draws = words.astype("<u4").view(np.uint8)
+        rows = np.array([r + 8 * h for h in (0, 1) for n in range(4) for e in (0, 1)])
+        cols = np.array([c + 8 * n + e for h in (0, 1) for n in range(4) for e in (0, 1)])
+        np.testing.assert_array_equal(_philox.dropout_keep(row=rows, col=cols, **kw), draws >= 128)
 
 
 def test_threshold():
     assert _philox.dropout_threshold(0.0) == 0
-    assert _philox.dropout_threshold(0.5) == 2**31
-    assert _philox.dropout_threshold(0.1) == round(0.1 * 2**32)
-    # Rounds to 2**32 for p within 2**-33 of 1; clamped to fit a uint32.
-    assert _philox.dropout_threshold(1 - 2**-40) == 2**32 - 1
-    for p in (0.0, 0.1, 1 / 3, 0.5, 0.9, 1 - 2**-40):
-        keep = 1 - _philox.dropout_threshold(p) / 2**32
-        assert abs(keep - (1 - p)) <= 2**-32
+    assert _philox.dropout_threshold(0.5) == 128
+    assert _philox.dropout_threshold(0.1) == 26
+    assert _philox.dropout_threshold(1 / 512 + 1e-9) == 1
+    assert _philox.dropout_threshold(1 - 1 / 256) == 255
+    for p in (0.0, 0.1, 1 / 3, 0.5, 0.9):
+        keep = 1 - _philox.dropout_threshold(p) / 256
+        assert abs(keep - (1 - p)) <= 1 / 512
+        assert _philox.dropout_scale(p) == 1 / keep
+    # A p that rounds to no dropout, or to dropping everything, is refused.
+    for p in (1e-4, 1 - 1e-4):
+        with pytest.raises(ValueError, match="8-bit resolution"):
+            _philox.dropout_threshold(p)
 
 
 def test_p_zero_keeps_everything():
@@ -113,13 +135,18 @@ def test_p_zero_keeps_everything():
 @pytest.mark.parametrize("p", [0.01, 0.1, 0.3, 0.5, 0.9])
 def test_keep_rate_is_binomial(p):
     mask = _philox.dropout_keep_mask(2024, 11, 1, 3, 1024, 1023, p=p, heads=4)
+    p = _philox.dropout_threshold(p) / 256   # the drawn probability
     n = mask.size
     sigma = math.sqrt(n * p * (1 - p))
     assert abs(int(mask.sum()) - n * (1 - p)) < 6 * sigma
-    # Each of the 4 words of a Philox call (columns 4g + j) keeps at the same rate.
-    for j in range(4):
-        part = mask[:, j::4]
-        assert abs(int(part.sum()) - part.size * (1 - p)) < 6 * math.sqrt(part.size * p * (1 - p))
+    # Each of the 16 bytes of a Philox call (row bit 3, column bits 0 and 3-4) keeps at
+    # the same rate.
+    for h in range(2):
+        for n_tile in range(4):
+            for e in range(2):
+                part = mask[[i for i in range(1024) if (i >> 3) & 1 == h]][:, [j for j in range(1023)
+                                                                              if (j >> 3) & 3 == n_tile and j & 1 == e]]
+                assert abs(int(part.sum()) - part.size * (1 - p)) < 6 * math.sqrt(part.size * p * (1 - p))
 
 
 def _agreement_within_bounds(a, b, p):
@@ -271,7 +298,7 @@ def test_gpu_philox_matches_numpy(rounds, rng):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("p", [0.0, 0.1, 0.5, 1 - 2**-40])
+@pytest.mark.parametrize("p", [0.0, 0.1, 0.5, 1 - 1 / 256])
 def test_gpu_dropout_keep_matches_numpy(p, rng):
     import cupy
 
