@@ -15,12 +15,17 @@ import math
 
 import numpy as np
 
-from . import _arrays, _mods, _nvrtc, _philox, _tma
+from . import _arrays, _mods, _nvrtc, _params, _philox, _tma
 from ._validate import check_flag
 
 # Head dims the kernels are instantiated for; any d <= 256 runs in the smallest one that
 # holds it, its padding columns zero-filled on load.
 HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+# mods.cuh: the kernels' MODE template argument. MODE_BIAS is a policy of its own only in
+# fwd_sm90.cu (the bias's reads need registers its widest tiles spend on S and P); the
+# other families compile the bias into MODE_EXT.
+MODE_DENSE, MODE_EXT, MODE_BIAS = 0, 1, 2
+MODES = (MODE_DENSE, MODE_EXT, MODE_EXT | MODE_BIAS)
 
 # Tensor-core forward tiles per head dim, (BLOCK_M, BLOCK_N, WARPS), in order of
 # preference; the first that fits the device's shared memory is used. The later entries
@@ -55,6 +60,23 @@ FWD_SM90_TILES = {
     192: ((64, 2, 2),),
     256: ((64, 2, 2),),
 }
+# The same kernel with the options as policies of the same pipeline. MODE_EXT (every option
+# but the bias, switched on at run time): the options' per-head state and dropout's draws
+# take registers beside S and O, so d = 64 runs 2 consumers (3 spill). With the bias
+# (MODE_EXT | MODE_BIAS), 64-key tiles: its reads spill the 128-key tiles (build check);
+# d = 256 with a bias spills even at 64 keys and runs in fwd_sm80.cu.
+FWD_SM90_EXT_TILES = {
+    64: ((128, 2, 3),),
+    128: ((128, 2, 3),),
+    192: ((64, 2, 2),),
+    256: ((64, 2, 2),),
+}
+FWD_SM90_BIAS_TILES = {
+    64: ((64, 2, 4),),
+    128: ((64, 2, 4),),
+    192: ((64, 2, 2),),
+}
+_FWD_SM90_TABLES = {MODE_DENSE: FWD_SM90_TILES, MODE_EXT: FWD_SM90_EXT_TILES, MODE_EXT | MODE_BIAS: FWD_SM90_BIAS_TILES}
 # The same with the options of _mods (window, dropout, bias, ...; the MODE_EXT kernels):
 # their per-score work and the option state need registers that the dense tiles with 64
 # keys or two m-tiles per warp do not have (build check), so 32-key tiles (16 at d = 192).
@@ -108,7 +130,6 @@ PORTABLE_SMEM = 99 * 1024
 # mods.cuh MODS_SETUP: the option state of a MODE_EXT kernel in static shared memory,
 # beside the dynamic tiles (an upper bound of sizeof(Mods)).
 MODS_STATIC_SMEM = 256
-MODE_DENSE, MODE_EXT = 0, 1   # mods.cuh: the kernels' MODE template argument
 
 _CPP_TYPE = {"float16": "half_t", "bfloat16": "bfloat16_t", "float32": "float", "float64": "double"}
 # dtypes served by the m16n8k16 kernels (fwd_sm80.cu, bwd_sm80.cu); the others by fwd_wide.cu
@@ -120,21 +141,50 @@ MAX_GRID_YZ = 65535   # grid y (heads) and z (batch) extents
 
 
 @dataclasses.dataclass(frozen=True)
+class Family:
+    """A kernel family: the source its instantiations come from and what they need.
+
+    Every kernel of every family takes the contract's one ``AttnParams``
+    (`cupyflash._params`), so launches differ only in what the family asks for here.
+    """
+
+    source: str
+    arch: str | None = None      # the one NVRTC target it builds and runs on; None: every one
+    tensor_maps: bool = False    # reads q, k, v through TMA tensor maps (the host encodes them)
+    spill_free: bool = True      # tuned to live in registers for every dtype (the build check refuses spills)
+
+
+FWD_SM90 = Family("fwd_sm90.cu", arch="sm_90a", tensor_maps=True)
+FWD_SM80 = Family("fwd_sm80.cu")
+FWD_WIDE = Family("fwd_wide.cu")
+BWD_SM90 = Family("bwd_sm90.cu", arch="sm_90a")
+BWD_SM80 = Family("bwd_sm80.cu")
+# The fp32/fp64 backward keeps dK and dV of 16 keys per warp at 255 registers and spills a
+# few bytes from d = 128 (the tile tables say where): reported, not refused.
+BWD_WIDE = Family("bwd_wide.cu", spill_free=False)
+BWD_SIMT = Family("bwd_simt.cu", spill_free=False)
+BWD_PREP = Family("bwd_prep.cu", spill_free=False)
+
+
+@dataclasses.dataclass(frozen=True)
 class Variant:
     """One kernel instantiation and its launch shape."""
 
-    source: str
+    family: Family
     name_expression: str
     threads: int
     block_m: int
     smem_bytes: int
     column_passes: int = 1   # CTAs per query block, each computing some output columns
     mode: int = MODE_DENSE
-    arch: str | None = None  # the one NVRTC target it builds and runs on; None: every one
     tile: tuple = ()         # the tile-table entry it was made from
 
+    @property
+    def source(self) -> str:
+        return self.family.source
+
     def builds_for(self, arch: str) -> bool:
-        return self.arch is None or self.arch == arch
+        return self.family.arch is None or self.family.arch == arch
 
     @property
     def total_smem(self) -> int:
@@ -149,11 +199,16 @@ def padded_head_dim(d: int, dv: int) -> int:
     raise ValueError(f"head dim {need} exceeds the largest supported ({HEAD_DIMS[-1]})")
 
 
+# Each kernel takes the host's figure of its dynamic shared memory as its last template
+# argument and static_asserts it against its own layout: the build check (NVRTC, no GPU)
+# catches a formula below that drifted from the C++.
+
+
 def _sm80_forward(dtype_name: str, D: int, tile, mode: int) -> Variant:
     block_m, block_n, warps = tile
-    smem = (block_m + 4 * block_n) * (D + 8) * 2
-    expr = f"flash_fwd_sm80<{_CPP_TYPE[dtype_name]}, {D}, {block_m}, {block_n}, {warps}, {mode}>"
-    return Variant("fwd_sm80.cu", expr, warps * 32, block_m, smem, mode=mode)
+    smem = (block_m + 4 * block_n) * (D + 8) * 2   # fwd_sm80.cu FwdTile: Q, K and V twice
+    expr = f"flash_fwd_sm80<{_CPP_TYPE[dtype_name]}, {D}, {block_m}, {block_n}, {warps}, {mode}, {smem}>"
+    return Variant(FWD_SM80, expr, warps * 32, block_m, smem, mode=mode)
 
 
 def _sm90_forward(dtype_name: str, D: int, tile, mode: int) -> Variant:
@@ -162,9 +217,8 @@ def _sm90_forward(dtype_name: str, D: int, tile, mode: int) -> Variant:
     # fwd_sm90.cu Sm90FwdTile: Q, then K and V STAGES times each, swizzled, 1024 bytes to
     # align them; then Sm90FwdBarriers (1 + 4 STAGES mbarriers of 8 bytes).
     smem = (block_m + 2 * stages * block_n) * D * 2 + 1024 + 8 * (1 + 4 * stages)
-    expr = f"flash_fwd_sm90<{_CPP_TYPE[dtype_name]}, {D}, {block_n}, {consumers}, {stages}>"
-    return Variant("fwd_sm90.cu", expr, (consumers + 1) * 128, block_m, smem, mode=mode, arch="sm_90a",
-                   tile=tuple(tile))
+    expr = f"flash_fwd_sm90<{_CPP_TYPE[dtype_name]}, {D}, {block_n}, {consumers}, {stages}, {mode}, {smem}>"
+    return Variant(FWD_SM90, expr, (consumers + 1) * 128, block_m, smem, mode=mode, tile=tuple(tile))
 
 
 def _wide_forward(dtype_name: str, D: int, tile, mode: int) -> Variant:
@@ -173,14 +227,15 @@ def _wide_forward(dtype_name: str, D: int, tile, mode: int) -> Variant:
     # fwd_wide.cu WideFwdTile: Q, and K twice with rows of D + 8; V twice, padded 16 bytes.
     smem = ((block_m + 2 * block_n) * (D + 8) + 2 * block_n * (dv_tile + 16 // item)) * item
     expr = (f"flash_fwd_wide<{_CPP_TYPE[dtype_name]}, {D}, {dv_tile}, {block_m}, {block_n}, "
-            f"{sub_n}, {warps}, {mode}>")
-    return Variant("fwd_wide.cu", expr, warps * 32, block_m, smem, D // dv_tile, mode)
+            f"{sub_n}, {warps}, {mode}, {smem}>")
+    return Variant(FWD_WIDE, expr, warps * 32, block_m, smem, D // dv_tile, mode)
 
 
 def forward_variants(dtype_name: str, D: int, mode: int = MODE_DENSE) -> list[Variant]:
     """Every forward instantiation that may serve (dtype, D, mode), in order of preference."""
+    hopper = _FWD_SM90_TABLES[mode].get(D, ())
+    mode = _one_ext_mode(mode)   # the other families: one kernel for every option
     if dtype_name in HALF_DTYPES:
-        hopper = () if mode else FWD_SM90_TILES.get(D, ())
         tiles = (FWD_SM80_EXT_TILES if mode else FWD_SM80_TILES)[D]
         return ([_sm90_forward(dtype_name, D, tile, mode) for tile in hopper]
                 + [_sm80_forward(dtype_name, D, tile, mode) for tile in tiles])
@@ -193,15 +248,23 @@ def all_variants() -> list[Variant]:
     unique = {}   # the backward's per-dtype kernels serve every head dim
     for name in _CPP_TYPE:
         for D in HEAD_DIMS:
-            for mode in (MODE_DENSE, MODE_EXT):
+            for mode in MODES:
                 for v in (*forward_variants(name, D, mode), *backward_variants(name, D, mode)):
                     unique.setdefault((v.source, v.name_expression), v)
     return list(unique.values())
 
 
 def kernel_mode(mods) -> int:
-    """MODE_EXT where an option of ``mods`` is on, else the dense fast path."""
-    return MODE_EXT if mods.active else MODE_DENSE
+    """The policies a call needs: the dense fast path where no option of ``mods`` is on,
+    else MODE_EXT, with MODE_BIAS where it has a bias."""
+    if not mods.active:
+        return MODE_DENSE
+    return MODE_EXT | (MODE_BIAS if mods.bias is not None else 0)
+
+
+def _one_ext_mode(mode: int) -> int:
+    """The mode of a family that keeps no policy apart: MODE_EXT serves every option."""
+    return MODE_EXT if mode else MODE_DENSE
 
 
 # --------------------------------------------------------------------------- device side
@@ -326,7 +389,7 @@ def precompile(*, dtypes=None, head_dims=None, device=None, workers=None, option
         if not isinstance(d, (int, np.integer)) or not 1 <= d <= HEAD_DIMS[-1]:
             raise ValueError(f"head_dims: each must be an integer in [1, {HEAD_DIMS[-1]}], got {d!r}")
     dims = sorted({padded_head_dim(int(d), int(d)) for d in (head_dims or HEAD_DIMS)})
-    modes = (MODE_DENSE, MODE_EXT) if check_flag(options, "options") else (MODE_DENSE,)
+    modes = MODES if check_flag(options, "options") else (MODE_DENSE,)
     arch, _ = _device_info(device_id)
     wanted = {}
     for name in names:
@@ -344,12 +407,6 @@ def precompile(*, dtypes=None, head_dims=None, device=None, workers=None, option
     for v in wanted.values():
         _load(v, device_id)
     return list(wanted)
-
-
-def _tensor_args(x) -> tuple:
-    """A (B, H, N, d) view as the kernels take it: pointer and three element strides."""
-    item = x.dtype.itemsize
-    return (x, np.int64(x.strides[0] // item), np.int64(x.strides[1] // item), np.int64(x.strides[2] // item))
 
 
 def _batch_part(x, b0: int, b1: int):
@@ -380,32 +437,40 @@ def _in_batch_slices(launch, arrays, mods, **options) -> bool:
     return True
 
 
-def _pointer(x):
-    """A kernel pointer argument: the array, or a null pointer for an option that is off."""
-    return np.uint64(0) if x is None else x
-
-
-def _strides_or_zero(x, ndim: int) -> tuple:
-    """Element strides of a compact option array, 0 on its size-1 (broadcast) axes."""
-    if x is None:
-        return (np.int64(0),) * ndim
-    return tuple(np.int64(0 if n == 1 else st // x.dtype.itemsize) for n, st in zip(x.shape, x.strides))
-
-
-def _mods_args(mods, acc) -> tuple:
-    """The MODS_ARGS of mods.cuh, in order, for accumulation type ``acc``."""
+def _fill_mods(params: _params.Params, mods) -> None:
+    """The contract's ModsParams from ``mods`` (`cupyflash._mods`; arrays on the device)."""
     block_q, block_k = mods.block_size
-    bmask_strides = _strides_or_zero(mods.block_mask, 4)[:3]   # its rows are contiguous
-    alibi_sb = _strides_or_zero(mods.alibi_slopes, 2)[0]
     dropout = mods.dropout_p > 0
-    return (_pointer(mods.cu_seqlens_q), _pointer(mods.cu_seqlens_k), _pointer(mods.seqlens_k),
-            np.int32(mods.window[0]), np.int32(mods.window[1]),
-            _pointer(mods.block_mask), *bmask_strides, np.int32(block_q), np.int32(block_k),
-            _pointer(mods.bias), *_strides_or_zero(mods.bias, 4),
-            _pointer(mods.alibi_slopes), alibi_sb, acc(mods.softcap),
-            np.uint64(mods.seed), np.uint64(mods.rng_offset),
-            np.uint32(_philox.dropout_threshold(mods.dropout_p) if dropout else 0),
-            acc(1.0 / (1.0 - mods.dropout_p)))
+    params.mods(
+        cu_q=_params.address(mods.cu_seqlens_q), cu_k=_params.address(mods.cu_seqlens_k),
+        seqlens_k=_params.address(mods.seqlens_k),
+        win_left=mods.window[0], win_right=mods.window[1],
+        bmask=_params.address(mods.block_mask), block_q=block_q, block_k=block_k,
+        bias=_params.address(mods.bias), alibi=_params.address(mods.alibi_slopes),
+        alibi_sb=_params.element_strides(mods.alibi_slopes, 1)[0], softcap=mods.softcap,
+        rng_seed=mods.seed, rng_offset=mods.rng_offset,
+        drop_threshold=_philox.dropout_threshold(mods.dropout_p) if dropout else 0,
+        drop_scale=_philox.dropout_scale(mods.dropout_p) if dropout else 1.0)
+    # The block mask's rows are contiguous: three strides.
+    sb, sh, sq = _params.element_strides(mods.block_mask, 3)
+    params.mods(bmask_sb=sb, bmask_sh=sh, bmask_sq=sq)
+    sb, sh, sq, sk = _params.element_strides(mods.bias, 4)
+    params.mods(bias_sb=sb, bias_sh=sh, bias_sq=sq, bias_sk=sk)
+
+
+def _problem_params(q, k, v, *, scale: float, causal: bool, mods) -> _params.Params:
+    """The AttnParams every kernel of a call shares: q, k, v, the sizes, the scale and
+    the options."""
+    Hq, Hk = q.shape[1], k.shape[1]
+    # The kernels fold the scale into their exp2 (exp2(s * scale_log2 - max)) and need it
+    # positive so that masked -inf scores stay -inf. The smallest normal float gives
+    # exactly scale 0's result: every exp2 argument rounds to 0.
+    scale_log2 = max(scale * math.log2(math.e), float(np.finfo(np.float32).tiny))
+    params = _params.Params().tensor("q", q).tensor("k", k).tensor("v", v).set(
+        group=Hq // Hk, nq=q.shape[2], nk=k.shape[2], d=q.shape[3], dim_v=v.shape[3],
+        scale=scale, scale_log2=scale_log2, causal=int(bool(causal)))
+    _fill_mods(params, mods)
+    return params
 
 
 def _grid_extents(q, k, mods) -> tuple[int, int, int]:
@@ -427,33 +492,21 @@ def attention_forward(q, k, v, o, lse, *, scale: float, causal: bool, mods=_mods
         raise ValueError("lse must be a C-contiguous (B, Hq, Nq) array")
     if _in_batch_slices(attention_forward, (q, k, v, o, lse), mods, scale=scale, causal=causal):
         return
-    B, Hq, Nq, d = q.shape
-    Hk, Nk, dv = k.shape[1], k.shape[2], v.shape[3]
+    d, dv = q.shape[3], v.shape[3]
     device_id = q.device.id
     variants = forward_variants(q.dtype.name, padded_head_dim(d, dv), kernel_mode(mods))
     variant = _choose(variants, device_id)
-    acc = _arrays.accumulation_dtype(q.dtype).type
-    # The kernels fold the scale into their exp2 (exp2(s * scale_log2 - max)) and need it
-    # positive so that masked -inf scores stay -inf. The smallest normal float gives
-    # exactly scale 0's result: every exp2 argument rounds to 0.
-    scale_log2 = max(scale * math.log2(math.e), float(np.finfo(np.float32).tiny))
-    shape_args = (np.int32(Hq // Hk), np.int32(Nq), np.int32(Nk))
-    maps = None
-    if variant.source == "fwd_sm90.cu":
+    params = _problem_params(q, k, v, scale=scale, causal=causal, mods=mods)
+    params.tensor("o", o).set(lse=lse.data.ptr, vec=int(_arrays.rows_16b_aligned(q, k, v, o)))
+    if variant.family.tensor_maps:
         maps = _sm90_tensor_maps(variant, q, k, v)
         if maps is None:   # inputs the copy engine cannot read: the next kernel in line
-            variant = _choose([c for c in variants if c.source != "fwd_sm90.cu"], device_id)
-    if maps is not None:
-        args = (*maps, *_tensor_args(o), lse, *shape_args, np.int32(dv), acc(scale_log2),
-                np.int32(bool(causal)), np.int32(_arrays.rows_16b_aligned(o)))
-    else:
-        args = (*_tensor_args(q), *_tensor_args(k), *_tensor_args(v), *_tensor_args(o), lse,
-                *shape_args, np.int32(d), np.int32(dv), acc(scale_log2), np.int32(bool(causal)),
-                np.int32(_arrays.rows_16b_aligned(q, k, v, o)), *_mods_args(mods, acc))
-    kernel = _load(variant, device_id)
+            variant = _choose([c for c in variants if not c.family.tensor_maps], device_id)
+        else:
+            params.set(q_map=maps[0], k_map=maps[1], v_map=maps[2])
     batch, rows, _ = _grid_extents(q, k, mods)
-    grid = (math.ceil(rows / variant.block_m) * variant.column_passes, Hq, batch)
-    kernel(grid, (variant.threads,), args, shared_mem=variant.smem_bytes)
+    _launch(variant, device_id, (math.ceil(rows / variant.block_m) * variant.column_passes, q.shape[1], batch),
+            params)
 
 
 def _sm90_tensor_maps(variant: Variant, q, k, v):
@@ -597,8 +650,8 @@ def _sm80_dkdv(dtype_name: str, D: int, tile, grads: int, mode: int) -> Variant:
     # bwd_sm80.cu BwdKVTile: K, V (with dK), Q and dO twice, dS^T (with dQ); lse2 (and delta) twice.
     elems = block_n * ld * (1 + dk) + 4 * block_m * ld + dq * block_n * (block_m + 8)
     smem = elems * 2 + (4 if dk else 2) * block_m * 4
-    expr = f"flash_bwd_dkdv_sm80<{_CPP_TYPE[dtype_name]}, {D}, {block_m}, {block_n}, {warps}, {grads}, {mode}>"
-    return Variant("bwd_sm80.cu", expr, warps * 32, block_n, smem, mode=mode)
+    expr = f"flash_bwd_dkdv_sm80<{_CPP_TYPE[dtype_name]}, {D}, {block_m}, {block_n}, {warps}, {grads}, {mode}, {smem}>"
+    return Variant(BWD_SM80, expr, warps * 32, block_n, smem, mode=mode)
 
 
 def _sm90_dkdv(dtype_name: str, D: int, tile, grads: int, mode: int) -> Variant:
@@ -608,15 +661,15 @@ def _sm90_dkdv(dtype_name: str, D: int, tile, grads: int, mode: int) -> Variant:
     # bwd_sm90.cu Sm90BwdKVTile: K, V, Q and dO twice, dS^T (with dQ), swizzled; lse2 and
     # delta twice; 1024 bytes to align the tiles.
     smem = (2 * block_n * D + 4 * block_m * D + dq * block_n * block_m) * 2 + 4 * block_m * 4 + 1024
-    expr = f"flash_bwd_dkdv_sm90<{_CPP_TYPE[dtype_name]}, {D}, {block_m}, {warpgroups}, {grads}, {mode}>"
-    return Variant("bwd_sm90.cu", expr, warpgroups * 128, block_n, smem, mode=mode, arch="sm_90a")
+    expr = f"flash_bwd_dkdv_sm90<{_CPP_TYPE[dtype_name]}, {D}, {block_m}, {warpgroups}, {grads}, {mode}, {smem}>"
+    return Variant(BWD_SM90, expr, warpgroups * 128, block_n, smem, mode=mode)
 
 
 def _sm80_dq(dtype_name: str, D: int, tile, mode: int) -> Variant:
     block_m, block_n, warps = tile
     smem = (2 * block_m + 4 * block_n) * (D + 8) * 2   # bwd_sm80.cu BwdQTile: Q, dO, K and V twice
-    expr = f"flash_bwd_dq_sm80<{_CPP_TYPE[dtype_name]}, {D}, {block_m}, {block_n}, {warps}, {mode}>"
-    return Variant("bwd_sm80.cu", expr, warps * 32, block_m, smem, mode=mode)
+    expr = f"flash_bwd_dq_sm80<{_CPP_TYPE[dtype_name]}, {D}, {block_m}, {block_n}, {warps}, {mode}, {smem}>"
+    return Variant(BWD_SM80, expr, warps * 32, block_m, smem, mode=mode)
 
 
 def _wide_dkdv(dtype_name: str, D: int, tile, grads: int, mode: int) -> Variant:
@@ -625,24 +678,25 @@ def _wide_dkdv(dtype_name: str, D: int, tile, grads: int, mode: int) -> Variant:
     dk, dq = bool(grads & GRAD_DK), bool(grads & GRAD_DQ)
     # bwd_wide.cu WideBwdKVTile: K, V (with dK), Q and dO twice, dS (with dQ); lse2 (and delta) twice.
     elems = block_n * ld * (1 + dk) + 4 * block_m * ld + dq * block_m * (block_n + 8) + (4 if dk else 2) * block_m
+    smem = elems * np.dtype(dtype_name).itemsize
     expr = (f"flash_bwd_dkdv_wide<{_CPP_TYPE[dtype_name]}, {D}, {block_m}, {block_n}, {warps}, {slice_}, "
-            f"{grads}, {mode}>")
-    return Variant("bwd_wide.cu", expr, warps * 32, block_n, elems * np.dtype(dtype_name).itemsize, mode=mode)
+            f"{grads}, {mode}, {smem}>")
+    return Variant(BWD_WIDE, expr, warps * 32, block_n, smem, mode=mode)
 
 
 def _wide_dq(dtype_name: str, D: int, tile, mode: int) -> Variant:
     block_m, block_n, warps, slice_ = tile
     # bwd_wide.cu WideBwdQTile: Q, dO, K and V twice, rows of D + 8.
     smem = (2 * block_m + 4 * block_n) * (D + 8) * np.dtype(dtype_name).itemsize
-    expr = f"flash_bwd_dq_wide<{_CPP_TYPE[dtype_name]}, {D}, {block_m}, {block_n}, {warps}, {slice_}, {mode}>"
-    return Variant("bwd_wide.cu", expr, warps * 32, block_m, smem, mode=mode)
+    expr = f"flash_bwd_dq_wide<{_CPP_TYPE[dtype_name]}, {D}, {block_m}, {block_n}, {warps}, {slice_}, {mode}, {smem}>"
+    return Variant(BWD_WIDE, expr, warps * 32, block_m, smem, mode=mode)
 
 
 def _simt_backward(dtype_name: str, D: int, kernel: str, grads: int | None, mode: int) -> Variant:
     block = BWD_SIMT_BLOCK[dtype_name]
     smem = (4 * block * 33 + 2 * block * (block + 1)) * np.dtype(dtype_name).itemsize   # BwdSimtTile
-    targs = f"{_CPP_TYPE[dtype_name]}, {D}, {block}" + ("" if grads is None else f", {grads}") + f", {mode}"
-    return Variant("bwd_simt.cu", f"{kernel}<{targs}>", 256, block, smem, mode=mode)
+    targs = f"{_CPP_TYPE[dtype_name]}, {D}, {block}" + ("" if grads is None else f", {grads}") + f", {mode}, {smem}"
+    return Variant(BWD_SIMT, f"{kernel}<{targs}>", 256, block, smem, mode=mode)
 
 
 def backward_plan(dtype_name: str, D: int, deterministic: bool, mode: int = MODE_DENSE,
@@ -650,11 +704,11 @@ def backward_plan(dtype_name: str, D: int, deterministic: bool, mode: int = MODE
     """The kernels of a backward pass for (dtype, padded head dim D, mode); for fp32/fp64,
     ``cuda_cores`` asks for the CUDA-core kernels instead of the tensor cores' (the
     fallback of `device_backward_plan`)."""
+    mode = _one_ext_mode(mode)   # no backward family keeps a policy apart
     ctype = _CPP_TYPE[dtype_name]
     dq_bit = 0 if deterministic else GRAD_DQ
-    prep = Variant("bwd_prep.cu", f"flash_bwd_prep<{ctype}>", _PREP_WARPS * 32, _PREP_WARPS, 0)
-    convert = None if deterministic else Variant(
-        "bwd_prep.cu", f"flash_bwd_dq_convert<{ctype}>", 256, _CONVERT_ELEMS, 0)
+    prep = Variant(BWD_PREP, f"flash_bwd_prep<{ctype}>", _PREP_WARPS * 32, _PREP_WARPS, 0)
+    convert = None if deterministic else Variant(BWD_PREP, f"flash_bwd_dq_convert<{ctype}>", 256, _CONVERT_ELEMS, 0)
     if dtype_name in HALF_DTYPES:
         tiles = (BWD_SM80_EXT_KV_TILES if mode else BWD_SM80_KV_TILES)[D]
         passes = ((GRAD_DV, GRAD_DK | dq_bit) if D >= BWD_SPLIT_MIN_HEAD_DIM
@@ -732,50 +786,41 @@ def attention_backward(do, q, k, v, o, lse, dq, dk, dv, *, scale, causal, determ
                         causal=causal, deterministic=deterministic, dbias=dbias):
         return
     B, Hq, Nq, d = q.shape
-    Hk, Nk, dim_v = k.shape[1], k.shape[2], v.shape[3]
+    Hk, dim_v = k.shape[1], v.shape[3]
     device_id = q.device.id
-    name = q.dtype.name
-    plan = device_backward_plan(name, padded_head_dim(d, dim_v), bool(deterministic), kernel_mode(mods), device_id)
+    plan = device_backward_plan(q.dtype.name, padded_head_dim(d, dim_v), bool(deterministic), kernel_mode(mods),
+                                device_id)
     acc = _arrays.accumulation_dtype(q.dtype).type
-    group = Hq // Hk
     # Under varlen a query tile of the last sequence reads up to a tile past the rows.
     nq_pad = -(-(Nq + (BWD_ROW_PAD if mods.varlen else 0)) // BWD_ROW_PAD) * BWD_ROW_PAD
     batch, rows, keys = _grid_extents(q, k, mods)
 
     lse2 = cupy.empty((B, Hq, nq_pad), acc)
     delta = cupy.empty((B, Hq, nq_pad), acc)
-    _load(plan.prep, device_id)(
-        (nq_pad // _PREP_WARPS, Hq, B), (plan.prep.threads,),
-        (*_tensor_args(o), *_tensor_args(do), *_tensor_args(lse), lse2, delta,
-         np.int32(Nq), np.int32(dim_v), np.int32(nq_pad)))
+    params = _problem_params(q, k, v, scale=scale, causal=causal, mods=mods)
+    params.tensor("o", o).tensor("dout", do).tensor("dq", dq).tensor("dk", dk).tensor("dv", dv).set(
+        lse=cupy.ascontiguousarray(lse).data.ptr, lse2=lse2.data.ptr, delta=delta.data.ptr, nq_pad=nq_pad,
+        vec=int(_arrays.rows_16b_aligned(q, k, v, do, dq, dk, dv)))
+    _launch(plan.prep, device_id, (nq_pad // _PREP_WARPS, Hq, B), params)
 
     dq_accum = None if deterministic else cupy.zeros((B, Hq, Nq, d), acc)
-    shape_args = (np.int32(group), np.int32(Nq), np.int32(Nk), np.int32(d), np.int32(dim_v),
-                  np.int32(nq_pad), acc(scale * math.log2(math.e)), acc(scale), np.int32(bool(causal)))
-    vec = np.int32(_arrays.rows_16b_aligned(q, k, v, do, dq, dk, dv))
-    mods_args = _mods_args(mods, acc)
-
-    def tail(variant):   # every kernel but the CUDA-core ones copies tiles with cp.async
-        return ((vec,) if variant.source != "bwd_simt.cu" else ()) + mods_args
-
-    dbias_args = (_pointer(dbias), *_strides_or_zero(dbias, 4))
-    inputs = (*_tensor_args(q), *_tensor_args(k), *_tensor_args(v), *_tensor_args(do))
+    dbias_strides = _params.element_strides(dbias, 4)
     for grads, candidates in plan.kv:
+        # Null where the launch adds nothing into dq (or dbias: only the dK launch has dS).
+        params.set(dq_accum=_params.address(dq_accum if grads & GRAD_DQ else None),
+                   dbias=_params.address(dbias if grads & GRAD_DK else None))
+        params.set(**dict(zip(("dbias_sb", "dbias_sh", "dbias_sq", "dbias_sk"), dbias_strides)))
         variant = _choose(candidates, device_id)
-        # A null pointer where the launch adds nothing into dq (or dbias: only the dK
-        # launch has dS).
-        args = (*inputs, *_tensor_args(dk), *_tensor_args(dv),
-                dq_accum if grads & GRAD_DQ else np.uint64(0), lse2, delta, *shape_args, *tail(variant),
-                *(dbias_args if grads & GRAD_DK else (np.uint64(0), *_strides_or_zero(None, 4))))
-        grid = (math.ceil(keys / variant.block_m), Hk, batch)
-        _load(variant, device_id)(grid, (variant.threads,), args, shared_mem=variant.smem_bytes)
+        _launch(variant, device_id, (math.ceil(keys / variant.block_m), Hk, batch), params)
 
     if plan.dq is not None:
         variant = _choose(plan.dq, device_id)
-        args = (*inputs, *_tensor_args(dq), lse2, delta, *shape_args, *tail(variant))
-        grid = (math.ceil(rows / variant.block_m), Hq, batch)
-        _load(variant, device_id)(grid, (variant.threads,), args, shared_mem=variant.smem_bytes)
+        _launch(variant, device_id, (math.ceil(rows / variant.block_m), Hq, batch), params)
     else:
-        grid = (math.ceil(Nq * d / _CONVERT_ELEMS), Hq, B)
-        _load(plan.convert, device_id)(
-            grid, (plan.convert.threads,), (dq_accum, *_tensor_args(dq), np.int32(Nq), np.int32(d), acc(scale)))
+        params.set(dq_accum=_params.address(dq_accum))
+        _launch(plan.convert, device_id, (math.ceil(Nq * d / _CONVERT_ELEMS), Hq, B), params)
+
+
+def _launch(variant: Variant, device_id: int, grid: tuple, params: _params.Params) -> None:
+    """One kernel launch on CuPy's current stream: its one argument, the contract."""
+    _load(variant, device_id)(grid, (variant.threads,), (params.arg,), shared_mem=variant.smem_bytes)

@@ -131,6 +131,23 @@ def compile_kernel(source_file: str, name_expression: str, arch: str) -> Compile
     return Compiled(name_expression, lowered, arch, binary_path, log=log, **_parse_ptxas(log))
 
 
+def check_source(source: str, name: str, arch: str) -> None:
+    """Compile ``source`` (which may include the kernels' headers) for ``arch`` and keep
+    nothing: for compile-time checks such as the contract's static_asserts. Raises
+    KernelBuildError with NVRTC's log where it fails."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    headers = _headers()
+    program = nvrtc.createProgram(source, name, [h.encode() for h in headers.values()],
+                                  [n.encode() for n in headers])
+    try:
+        nvrtc.compileProgram(program, list(BASE_OPTIONS + (f"-arch={arch}",)))
+    except nvrtc.NVRTCError as error:
+        raise KernelBuildError(f"NVRTC failed on {name} for {arch}:\n{nvrtc.getProgramLog(program)}") from error
+    finally:
+        nvrtc.destroyProgram(program)
+
+
 def _compile_one(job):
     return compile_kernel(*job)
 

@@ -21,21 +21,24 @@ measuring, so ``--help`` and ``--plot-only`` run anywhere.
 
 ``--mods`` measures the attention modifiers instead of the dense grid, bfloat16 (see
 ``--mods-dtypes``) at ``--head-dims`` and N in ``--mods-seqlens`` (4096, 16384), same
-B*N and H*d. Its rows carry a ``variant`` and, where a dense cupyflash call is the
-baseline, ``speedup_vs_dense`` (baseline ms / row ms):
+B*N and H*d, forward and backward. Each row carries a ``variant``, ``visible_pairs`` (the
+(query, key) pairs its mask leaves visible, summed over batch and query heads) and
+TFLOP/s counted on those pairs (4 d per pair forward, 2.5 times that backward), and
+``speedup_vs_dense`` (the dense cupyflash call's ms over the row's, same causal flag):
 
+- ``dense``, causal and not: the baselines;
+- ``window left=256 right=0``, ``window left=2048 right=0``: causal sliding windows;
+- ``varlen 8 seqs``: 8 packed sequences of random lengths (at least 256) summing to B*N,
+  causal (the row lists them);
+- ``seqlens_k``: key padding, each batch entry keeping a random N/2 .. N keys;
+- ``gqa 8:1``: k and v with H/8 heads (torch SDPA cuDNN with enable_gqa beside it);
 - ``block_sparse density=x``: a random block mask (block 128, each row of blocks keeping
-  round(x * blocks) blocks, one pattern per head) at x = 1, 1/2, 1/4, 1/8, non-causal;
-  TFLOP/s counted on the dense FLOPs, baseline the plain dense call (variant ``dense``);
-- ``dropout p=0.1``: cupyflash (fixed seed) beside torch SDPA's flash and efficient
-  backends with dropout_p=0.1, causal and not; baseline the dense call of the same mask;
-- ``window left=256 right=0``: causal sliding window, TFLOP/s counted on the visible
-  pairs; baseline the dense causal call (torch SDPA has no window, flash-attn is not a
-  dependency: no peer);
-- ``varlen S seqs`` against ``padded+seqlens_k S seqs``: S = 8 sequences of random
-  lengths summing to B*N = 16384 tokens, packed (varlen_attention) or padded to the
-  longest (a dense (S, H, max, d) call with seqlens_k), causal and not; TFLOP/s of both
-  on the sequences' own FLOPs, N = the longest; the varlen row's baseline is the padded one.
+  round(x * blocks) blocks, one pattern per head) at x = 1, 1/2, 1/4, 1/8;
+- ``dropout p=0.1`` (torch SDPA flash and efficient with dropout beside it);
+- ``softcap 30``; ``alibi`` (causal, geometric slopes);
+- ``bias (Nq,Nk)``: one bias broadcast over batch and heads (torch SDPA cuDNN and
+  efficient with the same float mask beside it).
+Non-causal unless said.
 """
 
 from __future__ import annotations
@@ -261,7 +264,9 @@ def bench_case(dtype, d, causal, N, passes, peers, rows, naive_max_n):
 MOD_DENSITIES = (1.0, 0.5, 0.25, 0.125)
 MOD_BLOCK = 128
 MOD_DROPOUT = 0.1
-MOD_WINDOW = (256, 0)
+MOD_WINDOWS = (256, 2048)   # causal sliding windows (left, 0)
+MOD_GQA = 8                 # query heads per kv head
+MOD_SOFTCAP = 30.0
 VARLEN_SEQS = 8
 VARLEN_MIN = 256
 
@@ -310,9 +315,10 @@ def pair_flops(pairs, heads, d, pass_):
 
 
 def _measure(rows, run_factory, *, impl, pass_, dtype, d, causal, N, B, H, flop, variant,
-             baseline_ms=None, peak_fn=None):
+             baseline_ms=None, peak_fn=None, **extra):
     """Time ``run_factory()`` (which sets up, e.g. the forward a backward needs, and
-    returns the call to time), append its row, return its ms (None where it failed)."""
+    returns the call to time), append its row (with ``extra``), return its ms (None
+    where it failed)."""
     ms = peak = None
     try:
         run = run_factory()
@@ -323,7 +329,7 @@ def _measure(rows, run_factory, *, impl, pass_, dtype, d, causal, N, B, H, flop,
         ms = peak = None
     speedup = baseline_ms / ms if baseline_ms and ms else None
     rows.append(make_row(impl, pass_, dtype, d, causal, N, B, H, ms, peak, flop,
-                         variant=variant, speedup_vs_dense=speedup))
+                         variant=variant, speedup_vs_dense=speedup, **extra))
     _print_row(rows[-1])
     return ms
 
@@ -342,108 +348,123 @@ def _cupyflash_runs(q, k, v, do, **opts):
     return {"fwd": fwd, "bwd": bwd}
 
 
+def _torch_runs(torch, backend, tq, tk, tv, tdo, **sdpa_opts):
+    """(forward factory, backward factory) of torch SDPA on ``backend`` with ``sdpa_opts``."""
+    from torch.nn.attention import sdpa_kernel
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def fwd():
+        def run():
+            with sdpa_kernel(backend):
+                return sdpa(tq, tk, tv, **sdpa_opts)
+        return run
+
+    def bwd():
+        xs = [t.detach().requires_grad_() for t in (tq, tk, tv)]
+        with sdpa_kernel(backend):
+            out = sdpa(*xs, **sdpa_opts)
+        return lambda: torch.autograd.grad(out, xs, tdo, retain_graph=True)
+
+    return {"fwd": fwd, "bwd": bwd}
+
+
 def bench_mods_case(dtype, d, N, passes, peers, rows):
-    """The dense baselines, block-sparse densities, dropout (with torch's peers) and the
-    sliding window at one (dtype, d, N)."""
+    """Every modifier variant at one (dtype, d, N) beside the dense call with the same
+    causal flag, and beside torch SDPA where torch has the option; TFLOP/s on the
+    visible (query, key) pairs, ``visible_pairs`` summed over batch and query heads."""
     import cupy as cp
 
-    torch, SDPBackend, sdpa_kernel = _torch()
+    torch, SDPBackend, _ = _torch()
     H, B = HIDDEN // d, TOKENS // N
     scale = 1.0 / math.sqrt(d)
     (q, k, v, do), (tq, tk, tv, tdo) = make_inputs(dtype, (B, H, N, d), N * d + 5)
     case = dict(dtype=dtype, d=d, N=N, B=B, H=H)
     rng = np.random.default_rng(N * d)
     dense = {}
-    for causal in (False, True):
-        runs = _cupyflash_runs(q, k, v, do, causal=causal, scale=scale)
+
+    def measure(variant, causal, pairs, runs, *, impl="cupyflash", baseline=True, peak_fn=None, **extra):
+        """Rows of ``runs`` (per pass); ``pairs``: visible pairs over the batch and heads."""
         for pass_ in passes:
-            dense[causal, pass_] = _measure(rows, runs[pass_], impl="cupyflash", pass_=pass_, causal=causal,
-                                            flop=flops(B, H, N, d, causal, pass_), variant="dense", **case)
-    n_blocks = -(-N // MOD_BLOCK)
-    for density in MOD_DENSITIES:
-        mask = cp.asarray(random_block_mask(rng, H, n_blocks, n_blocks, density))
-        runs = _cupyflash_runs(q, k, v, do, scale=scale, block_mask=mask, block_size=MOD_BLOCK)
-        for pass_ in passes:
-            _measure(rows, runs[pass_], impl="cupyflash", pass_=pass_, causal=False,
-                     flop=flops(B, H, N, d, False, pass_), variant=f"block_sparse density={density:g}",
-                     baseline_ms=dense[False, pass_], **case)
-    variant = f"dropout p={MOD_DROPOUT:g}"
-    for causal in (False, True):
-        runs = _cupyflash_runs(q, k, v, do, causal=causal, scale=scale, dropout_p=MOD_DROPOUT, seed=0)
-        for pass_ in passes:
-            _measure(rows, runs[pass_], impl="cupyflash", pass_=pass_, causal=causal,
-                     flop=flops(B, H, N, d, causal, pass_), variant=variant,
-                     baseline_ms=dense[causal, pass_], **case)
-        for impl in ("torch-flash", "torch-efficient"):
+            ms = _measure(rows, runs[pass_], impl=impl, pass_=pass_, causal=causal, variant=variant,
+                          flop=pair_flops(pairs, 1, d, pass_), visible_pairs=pairs, peak_fn=peak_fn,
+                          baseline_ms=dense.get((causal, pass_)) if baseline else None, **case, **extra)
+            if variant == "dense" and impl == "cupyflash":
+                dense[causal, pass_] = ms
+
+    def cupyflash_variant(variant, causal, pairs, inputs=(q, k, v, do), **opts):
+        measure(variant, causal, pairs, _cupyflash_runs(*inputs, causal=causal, scale=scale, **opts))
+
+    def torch_variant(variant, causal, pairs, impls, *inputs, **sdpa_opts):
+        for impl in impls:
             if torch is None or impl not in peers:
                 continue
             backend = getattr(SDPBackend, TORCH_BACKENDS[impl])
-            sdpa = torch.nn.functional.scaled_dot_product_attention
+            measure(variant, causal, pairs, _torch_runs(torch, backend, *inputs, scale=scale, is_causal=causal,
+                                                        **sdpa_opts),
+                    impl=impl, baseline=False, peak_fn=lambda f: torch_peak(torch, f))
 
-            def fwd(backend=backend, causal=causal):
-                def run():
-                    with sdpa_kernel(backend):
-                        return sdpa(tq, tk, tv, is_causal=causal, scale=scale, dropout_p=MOD_DROPOUT)
-                return run
-
-            def bwd(backend=backend, causal=causal):
-                xs = [t.detach().requires_grad_() for t in (tq, tk, tv)]
-                with sdpa_kernel(backend):
-                    out = sdpa(*xs, is_causal=causal, scale=scale, dropout_p=MOD_DROPOUT)
-                return lambda: torch.autograd.grad(out, xs, tdo, retain_graph=True)
-
-            for pass_ in passes:
-                _measure(rows, {"fwd": fwd, "bwd": bwd}[pass_], impl=impl, pass_=pass_, causal=causal,
-                         flop=flops(B, H, N, d, causal, pass_), variant=variant,
-                         peak_fn=lambda f: torch_peak(torch, f), **case)
-    pairs = visible_pairs(N, N, causal=True, window=MOD_WINDOW)
-    runs = _cupyflash_runs(q, k, v, do, causal=True, scale=scale, window=MOD_WINDOW)
-    for pass_ in passes:
-        _measure(rows, runs[pass_], impl="cupyflash", pass_=pass_, causal=True,
-                 flop=B * pair_flops(pairs, H, d, pass_),
-                 variant=f"window left={MOD_WINDOW[0]} right={MOD_WINDOW[1]}",
-                 baseline_ms=dense[True, pass_], **case)
-
-
-def bench_varlen(dtype, d, passes, rows, *, seqs=VARLEN_SEQS, seed=0):
-    """``seqs`` sequences of random lengths summing to TOKENS, packed (varlen_attention)
-    and padded to the longest (dense with seqlens_k), causal and not."""
-    import cupy as cp
-
-    import cupyflash
-
-    H = HIDDEN // d
-    scale = 1.0 / math.sqrt(d)
-    lengths = varlen_lengths(np.random.default_rng(seed), seqs, TOKENS)
-    longest = int(lengths.max())
-    starts = np.concatenate([[0], np.cumsum(lengths)])
-    cu = cp.asarray(starts.astype(np.int32))
-    seqlens = cp.asarray(lengths.astype(np.int32))
-    (q, k, v, do), _ = make_inputs(dtype, (TOKENS, H, d), seqs * d + 11)
-    padded = []  # the same tokens, (seqs, longest, H, d) with zeros after each sequence
-    for x in (q, k, v, do):
-        y = cp.zeros((seqs, longest, H, d), dtype=x.dtype)
-        for s, n in enumerate(lengths):
-            y[s, :n] = x[starts[s]:starts[s + 1]]
-        padded.append(y)
-    case = dict(dtype=dtype, d=d, N=longest, B=seqs, H=H)
-    print(f"varlen lengths: {lengths.tolist()}", flush=True)
+    full = B * H * N * N
+    causal_pairs = B * H * visible_pairs(N, N, causal=True)
     for causal in (False, True):
-        flop = {p: sum(flops(1, H, int(n), d, causal, p) for n in lengths) for p in passes}
-        dense_runs = _cupyflash_runs(*padded, causal=causal, scale=scale, seqlens_k=seqlens, layout="bshd")
+        cupyflash_variant("dense", causal, causal_pairs if causal else full)
+    for left in MOD_WINDOWS:
+        window = (left, 0)
+        cupyflash_variant(f"window left={left} right=0", True,
+                          B * H * visible_pairs(N, N, causal=True, window=window), window=window)
 
-        def fwd(causal=causal):
-            return lambda: cupyflash.varlen_attention(q, k, v, cu, cu, longest, longest, causal=causal, scale=scale)
+    lengths = varlen_lengths(rng, VARLEN_SEQS, B * N)
+    cu = cp.asarray(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+    packed = [x.reshape(B, H, N, d).transpose(0, 2, 1, 3).reshape(B * N, H, d) for x in (q, k, v, do)]
+    longest = int(lengths.max())
 
-        def bwd(causal=causal):
-            _, ctx = cupyflash.varlen_attention_forward(q, k, v, cu, cu, longest, longest, causal=causal, scale=scale)
-            return lambda: cupyflash.attention_backward(do, ctx)
+    def varlen_runs():
+        import cupyflash
 
-        for pass_ in passes:
-            padded_ms = _measure(rows, dense_runs[pass_], impl="cupyflash", pass_=pass_, causal=causal,
-                                 flop=flop[pass_], variant=f"padded+seqlens_k {seqs} seqs", **case)
-            _measure(rows, {"fwd": fwd, "bwd": bwd}[pass_], impl="cupyflash", pass_=pass_, causal=causal,
-                     flop=flop[pass_], variant=f"varlen {seqs} seqs", baseline_ms=padded_ms, **case)
+        def fwd():
+            return lambda: cupyflash.varlen_attention(*packed[:3], cu, cu, longest, longest, causal=True, scale=scale)
+
+        def bwd():
+            _, ctx = cupyflash.varlen_attention_forward(*packed[:3], cu, cu, longest, longest, causal=True,
+                                                        scale=scale)
+            return lambda: cupyflash.attention_backward(packed[3], ctx)
+        return {"fwd": fwd, "bwd": bwd}
+
+    measure(f"varlen {VARLEN_SEQS} seqs", True, H * sum(int(n) * (int(n) + 1) // 2 for n in lengths),
+            varlen_runs(), seq_lengths=lengths.tolist())
+
+    seqlens = rng.integers(N // 2, N + 1, size=B).astype(np.int32)
+    cupyflash_variant("seqlens_k", False, H * N * int(seqlens.sum()), seqlens_k=cp.asarray(seqlens))
+
+    kv_heads = H // MOD_GQA
+    kg, vg = k[:, :kv_heads], v[:, :kv_heads]
+    cupyflash_variant(f"gqa {MOD_GQA}:1", False, full, inputs=(q, kg, vg, do))
+    if torch is not None:
+        torch_variant(f"gqa {MOD_GQA}:1", False, full, ("torch-cudnn",), tq, tk[:, :kv_heads], tv[:, :kv_heads],
+                      tdo, enable_gqa=True)
+
+    n_blocks = -(-N // MOD_BLOCK)
+    for density in MOD_DENSITIES:
+        mask = random_block_mask(rng, H, n_blocks, n_blocks, density)
+        kept = B * int(mask.sum()) * MOD_BLOCK * MOD_BLOCK
+        cupyflash_variant(f"block_sparse density={density:g}", False, kept, block_mask=cp.asarray(mask),
+                          block_size=MOD_BLOCK)
+
+    variant = f"dropout p={MOD_DROPOUT:g}"
+    cupyflash_variant(variant, False, full, dropout_p=MOD_DROPOUT, seed=0)
+    torch_variant(variant, False, full, ("torch-flash", "torch-efficient"), tq, tk, tv, tdo, dropout_p=MOD_DROPOUT)
+
+    cupyflash_variant(f"softcap {MOD_SOFTCAP:g}", False, full, softcap=MOD_SOFTCAP)
+    slopes = cp.asarray((2.0 ** (-8.0 * (np.arange(H) + 1) / H)).astype(np.float32))
+    cupyflash_variant("alibi", True, causal_pairs, alibi_slopes=slopes)
+
+    bias = cp.random.default_rng(N).standard_normal((N, N), dtype=cp.float32).astype(dtype)
+    cupyflash_variant("bias (Nq,Nk)", False, full, bias=bias)
+    if torch is not None:
+        tbias = torch.from_dlpack(bias)
+        torch_variant("bias (Nq,Nk)", False, full, ("torch-cudnn", "torch-efficient"), tq, tk, tv, tdo,
+                      attn_mask=tbias.expand(B, H, N, N))
+    del bias
 
 
 def run_mods(args):
@@ -453,7 +474,6 @@ def run_mods(args):
         for d in args.head_dims:
             for N in args.mods_seqlens:
                 bench_mods_case(dtype, d, N, args.passes, args.peers, rows)
-            bench_varlen(dtype, d, args.passes, rows)
     return rows
 
 
@@ -560,19 +580,32 @@ def summary(rows):
 
 
 def mods_summary(rows):
-    """The modifier rows (those with a variant) as a table, speedup against the dense baseline."""
-    print(f"\n{'pass':4} {'dtype':9} {'d':>3} {'c':>1} {'N':>6} {'impl':16} {'variant':28} "
-          f"{'ms':>9} {'TFLOP/s':>7} {'speedup':>7}")
+    """The modifier rows as a table: cupyflash's TFLOP/s per visible pair, its ratio to the
+    dense call with the same causal flag (per visible pair) and its wall time over the
+    dense call's, then each torch peer of the same variant and cupyflash's ratio to it."""
+    key = lambda r: (r["pass"], r["dtype"], r["d"], r["N"], r["causal"])
+    dense = {key(r): r for r in rows if r.get("variant") == "dense" and r["impl"] == "cupyflash"}
+    peers = {}
     for r in rows:
-        if not r.get("variant"):
+        if r["impl"] != "cupyflash" and r.get("variant"):
+            peers.setdefault((*key(r), r["variant"]), []).append(r)
+
+    def fmt(x, spec):
+        return format(x, spec) if x else "-".rjust(len(format(0.0, spec)))
+
+    print(f"\n{'pass':4} {'dtype':9} {'d':>3} {'c':>1} {'N':>6} {'variant':26} {'TFLOP/s':>7} {'/dense':>6} "
+          f"{'time/d':>6}  peers (TFLOP/s, cupyflash/peer)")
+    for r in rows:
+        if r["impl"] != "cupyflash" or not r.get("variant"):
             continue
-
-        def fmt(x, spec):
-            return format(x, spec) if x else "-".rjust(len(format(0.0, spec)))
-
-        print(f"{r['pass']:4} {r['dtype']:9} {r['d']:3d} {int(r['causal'])} {r['N']:6d} {r['impl']:16} "
-              f"{r['variant']:28} {fmt(r['ms'], '9.3f')} {fmt(r['tflops'], '7.1f')} "
-              f"{fmt(r.get('speedup_vs_dense'), '7.2f')}")
+        base = dense.get(key(r), {})
+        per_pair = r["tflops"] / base["tflops"] if r["tflops"] and base.get("tflops") else None
+        wall = r["ms"] / base["ms"] if r["ms"] and base.get("ms") else None
+        peer_text = "  ".join(f"{p['impl']} {fmt(p['tflops'], '.1f')} "
+                              f"{fmt(r['tflops'] / p['tflops'] if r['tflops'] and p['tflops'] else None, '.2f')}x"
+                              for p in peers.get((*key(r), r["variant"]), []))
+        print(f"{r['pass']:4} {r['dtype']:9} {r['d']:3d} {int(r['causal'])} {r['N']:6d} {r['variant']:26} "
+              f"{fmt(r['tflops'], '7.1f')} {fmt(per_pair, '6.2f')} {fmt(wall, '6.2f')}  {peer_text}")
 
 
 def write_plots(result, prefix):

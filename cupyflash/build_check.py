@@ -21,12 +21,12 @@ def build_all(archs=_cuda.BUILD_ARCHS, jobs: int = 2):
 
 
 def must_not_spill(variant: _cuda.Variant) -> bool:
-    """The fp16/bf16 kernels and the fp32/fp64 forward are tuned to live in registers; a
-    spill there is a bug. The fp32/fp64 tensor-core backward keeps dK and dV (or one of
-    them) of 16 keys per warp in registers and spills a few bytes from d = 128 (the
-    tile table in _cuda says which); it is reported, not refused."""
+    """The fp16/bf16 kernels and the families tuned to live in registers (the fp32/fp64
+    forward) must not spill; a spill there is a bug. The fp32/fp64 tensor-core backward
+    keeps dK and dV (or one of them) of 16 keys per warp in registers and spills a few
+    bytes from d = 128 (the tile table in _cuda says which); it is reported, not refused."""
     expr = variant.name_expression
-    return "half_t" in expr or "bfloat16_t" in expr or variant.source == "fwd_wide.cu"
+    return "half_t" in expr or "bfloat16_t" in expr or variant.family.spill_free
 
 
 def main(argv=None) -> int:

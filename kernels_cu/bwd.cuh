@@ -49,10 +49,21 @@ struct KeyBlockPairs {
 };
 
 
-// Kernel parameters of the bias gradient: an accumulator in the bias's compact shape
-// (cupyflash/_mods.py), strides 0 on the axes it broadcasts over so that atomics sum
-// them; null when no dbias is asked for.
-#define DBIAS_ARGS(Acc) Acc* __restrict__ dbias, i64 dbias_sb, i64 dbias_sh, i64 dbias_sq, i64 dbias_sk
+// The backward kernels' scalars and workspaces from the contract's AttnParams `p`
+// (params.cuh), under the names their bodies use, in the accumulation type Acc. dbias
+// is the bias gradient's accumulator in the bias's compact shape (cupyflash/_mods.py),
+// strides 0 on the axes it broadcasts over so that atomics sum them; null when no dbias
+// is asked for (and in every launch but the one that has dS). Each kernel uses some.
+#define BWD_SCALARS(p, Acc)                                                                          \
+    [[maybe_unused]] const int group = (p).group, nq = (p).nq, d = (p).d, dim_v = (p).dim_v;        \
+    [[maybe_unused]] const int nq_pad = (p).nq_pad, vec = (p).vec;                                   \
+    [[maybe_unused]] const Acc scale_log2 = Acc((p).scale_log2), scale = Acc((p).scale);             \
+    [[maybe_unused]] Acc* const dq_accum = static_cast<Acc*>((p).dq_accum);                          \
+    [[maybe_unused]] const Acc* const lse2 = static_cast<const Acc*>((p).lse2);                      \
+    [[maybe_unused]] const Acc* const delta = static_cast<const Acc*>((p).delta);                    \
+    [[maybe_unused]] Acc* const dbias = static_cast<Acc*>((p).dbias);                                \
+    [[maybe_unused]] const i64 dbias_sb = (p).dbias_sb, dbias_sh = (p).dbias_sh,                     \
+                               dbias_sq = (p).dbias_sq, dbias_sk = (p).dbias_sk
 
 // P of one recomputed score s = q_i . k_j of head h: exp2(score - lse2), 0 where hidden
 // (checked when `masked`). Under dropout a dropped score's P comes back negated: dV

@@ -11,12 +11,12 @@
 // One warp per query row; grid (nq_pad / PREP_WARPS, Hq, B).
 template <typename T>
 __global__ void __launch_bounds__(PREP_WARPS * 32)
-flash_bwd_prep(TENSOR_ARG(const T, o), TENSOR_ARG(const T, dout),
-               TENSOR_ARG(const typename Accum<T>::type, lse),
-               typename Accum<T>::type* __restrict__ lse2, typename Accum<T>::type* __restrict__ delta,
-               int nq, int dim_v, int nq_pad)
+flash_bwd_prep(const __grid_constant__ AttnParams p)
 {
     typedef typename Accum<T>::type Acc;
+    const int nq = p.nq, dim_v = p.dim_v, nq_pad = p.nq_pad;
+    Acc* const lse2 = static_cast<Acc*>(p.lse2);
+    Acc* const delta = static_cast<Acc*>(p.delta);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int row = blockIdx.x * PREP_WARPS + warp;
     const int h = blockIdx.y, b = blockIdx.z;
@@ -25,8 +25,7 @@ flash_bwd_prep(TENSOR_ARG(const T, o), TENSOR_ARG(const T, dout),
         if (lane == 0) { lse2[at] = Acc(INFINITY); delta[at] = Acc(0); }
         return;
     }
-    const Strided<const T> O = TENSOR(const T, o), dO = TENSOR(const T, dout);
-    const Strided<const Acc> L = TENSOR(const Acc, lse);
+    const Strided<const T> O = tensor<const T>(p.o), dO = tensor<const T>(p.dout);
     const T* o_row = O.at(b, h, row);
     const T* do_row = dO.at(b, h, row);
     Acc sum = 0;
@@ -34,7 +33,7 @@ flash_bwd_prep(TENSOR_ARG(const T, o), TENSOR_ARG(const T, dout),
     #pragma unroll
     for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
     if (lane == 0) {
-        const Acc l = *L.at(b, h, row);
+        const Acc l = static_cast<const Acc*>(p.lse)[((i64)b * gridDim.y + h) * nq + row];   // (B, Hq, nq)
         lse2[at] = l == Acc(-INFINITY) ? Acc(INFINITY) : l * Acc(LOG2E_D);
         delta[at] = sum;
     }
@@ -46,13 +45,14 @@ flash_bwd_prep(TENSOR_ARG(const T, o), TENSOR_ARG(const T, dout),
 // grid (ceil(nq * d / (256 * CONVERT_PER_THREAD)), Hq, B).
 template <typename T>
 __global__ void __launch_bounds__(256)
-flash_bwd_dq_convert(const typename Accum<T>::type* __restrict__ dq_accum, TENSOR_ARG(T, dq),
-                     int nq, int d, typename Accum<T>::type scale)
+flash_bwd_dq_convert(const __grid_constant__ AttnParams p)
 {
-    const int h = blockIdx.y, b = blockIdx.z;
-    const Strided<T> DQ = TENSOR(T, dq);
-    const i64 plane = (i64)nq * d;
-    const typename Accum<T>::type* src = dq_accum + ((i64)b * gridDim.y + h) * plane;
+    typedef typename Accum<T>::type Acc;
+    const int h = blockIdx.y, b = blockIdx.z, d = p.d;
+    const Acc scale = Acc(p.scale);
+    const Strided<T> DQ = tensor<T>(p.dq);
+    const i64 plane = (i64)p.nq * d;
+    const Acc* src = static_cast<const Acc*>(p.dq_accum) + ((i64)b * gridDim.y + h) * plane;
     #pragma unroll
     for (int i = 0; i < CONVERT_PER_THREAD; ++i) {
         const i64 e = ((i64)blockIdx.x * CONVERT_PER_THREAD + i) * blockDim.x + threadIdx.x;

@@ -31,6 +31,7 @@ struct BwdSimtTile {
     static constexpr int LDP = BLOCK + 1;
     // Four chunk buffers and two BLOCK x BLOCK tiles (cupyflash/_cuda.py mirrors the size).
     static constexpr int SMEM_ELEMS = 4 * BLOCK * LDC + 2 * BLOCK * LDP;
+    static constexpr int SMEM_BYTES = SMEM_ELEMS * sizeof(T);
     static_assert(D % CH == 0 && BLOCK % 16 == 0, "tile shape");
     static_assert(BWD_ROW_PAD % BLOCK == 0, "query tiles read the padded row workspaces whole");
 };
@@ -90,15 +91,13 @@ __device__ __forceinline__ void zero(T (&c)[R][R]) {
         for (int j = 0; j < R; ++j) c[i][j] = T(0);
 }
 
-template <typename T, int D, int BLOCK, int GRADS, int MODE>   // GRADS: GRAD_DV | GRAD_DK [| GRAD_DQ]
+template <typename T, int D, int BLOCK, int GRADS, int MODE, int SMEM_BYTES>   // GRADS: GRAD_DV | GRAD_DK [| GRAD_DQ]
 __global__ void __launch_bounds__(256)
-flash_bwd_dkdv_simt(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const T, v),
-                    TENSOR_ARG(const T, dout), TENSOR_ARG(T, dk), TENSOR_ARG(T, dv),
-                    T* __restrict__ dq_accum, const T* __restrict__ lse2, const T* __restrict__ delta,
-                    int group, int nq, int nk, int d, int dim_v, int nq_pad,
-                    T scale_log2, T scale, int causal, MODS_ARGS(T, T), DBIAS_ARGS(T))
+flash_bwd_dkdv_simt(const __grid_constant__ AttnParams p)
 {
     typedef BwdSimtTile<T, D, BLOCK> C;
+    static_assert(SMEM_BYTES == C::SMEM_BYTES, "the host's shared-memory size (cupyflash/_cuda.py)");
+    BWD_SCALARS(p, T);
     constexpr int R = C::R, CH = C::CH, CC = C::CC, DC = C::DC, LDC = C::LDC, LDP = C::LDP;
     constexpr bool DQ = GRADS & GRAD_DQ;
     static_assert((GRADS & (GRAD_DV | GRAD_DK)) == (GRAD_DV | GRAD_DK), "dK and dV together");
@@ -113,7 +112,7 @@ flash_bwd_dkdv_simt(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(c
     const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
     const int hk = blockIdx.y, b = blockIdx.z;
     const int hq = gridDim.y * group;
-    MODS_SETUP(T, T, MODE, b, hq, nq, nk, causal);
+    MODS_SETUP(T, T, MODE, p, b, hq);
     const auto& mask = mods.mask;
     const int k0 = blockIdx.x * BLOCK;
     const int k_rows = min(BLOCK, mask.nk - k0);
@@ -121,8 +120,8 @@ flash_bwd_dkdv_simt(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(c
     const KeyBlockPairs pairs(mask, hk, group, k0, BLOCK, BLOCK);
     T* dbias_b = MODE != MODE_DENSE && dbias != nullptr ? dbias + b * dbias_sb : nullptr;
 
-    const Strided<const T> Q = TENSOR(const T, q), K = TENSOR(const T, k), V = TENSOR(const T, v);
-    const Strided<const T> dO = TENSOR(const T, dout);
+    const Strided<const T> Q = tensor<const T>(p.q), K = tensor<const T>(p.k), V = tensor<const T>(p.v);
+    const Strided<const T> dO = tensor<const T>(p.dout);
     const T* k_blk = K.at(mods.tb, hk, mods.k_base + k0);
     const T* v_blk = V.at(mods.tb, hk, mods.k_base + k0);
 
@@ -208,7 +207,7 @@ flash_bwd_dkdv_simt(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(c
         }
     }
 
-    const Strided<T> dK = TENSOR(T, dk), dV = TENSOR(T, dv);
+    const Strided<T> dK = tensor<T>(p.dk), dV = tensor<T>(p.dv);
     #pragma unroll
     for (int i = 0; i < R; ++i) {
         const int r = ty + 16 * i;
@@ -224,14 +223,13 @@ flash_bwd_dkdv_simt(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(c
     }
 }
 
-template <typename T, int D, int BLOCK, int MODE>
+template <typename T, int D, int BLOCK, int MODE, int SMEM_BYTES>
 __global__ void __launch_bounds__(256)
-flash_bwd_dq_simt(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const T, v),
-                  TENSOR_ARG(const T, dout), TENSOR_ARG(T, dq), const T* __restrict__ lse2,
-                  const T* __restrict__ delta, int group, int nq, int nk, int d, int dim_v,
-                  int nq_pad, T scale_log2, T scale, int causal, MODS_ARGS(T, T))
+flash_bwd_dq_simt(const __grid_constant__ AttnParams p)
 {
     typedef BwdSimtTile<T, D, BLOCK> C;
+    static_assert(SMEM_BYTES == C::SMEM_BYTES, "the host's shared-memory size (cupyflash/_cuda.py)");
+    BWD_SCALARS(p, T);
     constexpr int R = C::R, CH = C::CH, CC = C::CC, DC = C::DC, LDC = C::LDC, LDP = C::LDP;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* sQc = reinterpret_cast<T*>(smem_raw);   // chunks of Q, K, dO, V
@@ -243,15 +241,15 @@ flash_bwd_dq_simt(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(con
     const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
     const int m_block = gridDim.x - 1 - blockIdx.x;   // heavy (late, causal) blocks first
     const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
-    MODS_SETUP(T, T, MODE, b, gridDim.y, nq, nk, causal);
+    MODS_SETUP(T, T, MODE, p, b, gridDim.y);
     const auto& mask = mods.mask;
     const int q0 = m_block * BLOCK;
     const int q_rows = min(BLOCK, mask.nq - q0);
     if (q_rows <= 0) return;   // varlen: the grid covers the longest sequence
     const int2 tiles = mask.key_tile_range(q0, q0 + q_rows, BLOCK);
 
-    const Strided<const T> Q = TENSOR(const T, q), K = TENSOR(const T, k), V = TENSOR(const T, v);
-    const Strided<const T> dO = TENSOR(const T, dout);
+    const Strided<const T> Q = tensor<const T>(p.q), K = tensor<const T>(p.k), V = tensor<const T>(p.v);
+    const Strided<const T> dO = tensor<const T>(p.dout);
     const T* q_blk = Q.at(mods.tb, h, mods.q_base + q0);
     const T* do_blk = dO.at(mods.tb, h, mods.q_base + q0);
 
@@ -313,7 +311,7 @@ flash_bwd_dq_simt(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(con
         }
     }
 
-    const Strided<T> dQ = TENSOR(T, dq);
+    const Strided<T> dQ = tensor<T>(p.dq);
     #pragma unroll
     for (int i = 0; i < R; ++i) {
         const int r = ty + 16 * i;

@@ -58,6 +58,7 @@ struct BwdKVTile {
     static constexpr int QDO_ELEMS = 4 * BLOCK_M * LD;      // Q and dO, two buffers each
     static constexpr int DS_ELEMS = DQ ? BLOCK_N * LDS : 0;
     static constexpr int ROW_FLOATS = (DK ? 4 : 2) * BLOCK_M;   // lse2 (and delta), two buffers each
+    static constexpr int SMEM_BYTES = (K_ELEMS + V_ELEMS + QDO_ELEMS + DS_ELEMS) * sizeof(T) + ROW_FLOATS * sizeof(float);
     static_assert(ROWS_PER_WARP % 16 == 0 && BLOCK_M % SLICE == 0 && D % DQ_COLS == 0, "tile shape");
     static_assert(GRADS != 0 && (!DQ || DK), "dQ comes with dK (both need dS)");
     static_assert(BWD_ROW_PAD % BLOCK_M == 0, "query tiles read the padded row workspaces whole");
@@ -65,16 +66,13 @@ struct BwdKVTile {
 
 // Minimum one CTA per SM: without it ptxas aims at more resident CTAs than shared memory
 // allows and spills (as in fwd_wide.cu).
-template <typename T, int D, int BLOCK_M, int BLOCK_N, int WARPS, int GRADS, int MODE>
+template <typename T, int D, int BLOCK_M, int BLOCK_N, int WARPS, int GRADS, int MODE, int SMEM_BYTES>
 __global__ void __launch_bounds__(WARPS * 32, 1)
-flash_bwd_dkdv_sm80(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const T, v),
-                    TENSOR_ARG(const T, dout), TENSOR_ARG(T, dk), TENSOR_ARG(T, dv),
-                    float* __restrict__ dq_accum, const float* __restrict__ lse2,
-                    const float* __restrict__ delta, int group, int nq, int nk, int d, int dim_v,
-                    int nq_pad, float scale_log2, float scale, int causal, int vec,
-                    MODS_ARGS(T, float), DBIAS_ARGS(float))
+flash_bwd_dkdv_sm80(const __grid_constant__ AttnParams p)
 {
     typedef BwdKVTile<T, D, BLOCK_M, BLOCK_N, WARPS, GRADS> C;
+    static_assert(SMEM_BYTES == C::SMEM_BYTES, "the host's shared-memory size (cupyflash/_cuda.py)");
+    BWD_SCALARS(p, float);
     constexpr int MT = C::MT, SNT = C::SNT, DT = C::DT;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* sK = reinterpret_cast<T*>(smem_raw);
@@ -89,7 +87,7 @@ flash_bwd_dkdv_sm80(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(c
     const int g = lane / 4, t = lane % 4;
     const int hk = blockIdx.y, b = blockIdx.z;
     const int hq = gridDim.y * group;
-    MODS_SETUP(T, float, MODE, b, hq, nq, nk, causal);
+    MODS_SETUP(T, float, MODE, p, b, hq);
     const auto& mask = mods.mask;
     const int k0 = blockIdx.x * BLOCK_N;
     const int k_rows = min(BLOCK_N, mask.nk - k0);
@@ -98,8 +96,8 @@ flash_bwd_dkdv_sm80(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(c
     const int n_iter = pairs.count();
     float* dbias_b = MODE != MODE_DENSE && dbias != nullptr ? dbias + b * dbias_sb : nullptr;
 
-    const Strided<const T> Q = TENSOR(const T, q), K = TENSOR(const T, k), V = TENSOR(const T, v);
-    const Strided<const T> dO = TENSOR(const T, dout);
+    const Strided<const T> Q = tensor<const T>(p.q), K = tensor<const T>(p.k), V = tensor<const T>(p.v);
+    const Strided<const T> dO = tensor<const T>(p.dout);
 
     load_tile<T, BLOCK_N, D, C::THREADS>(sK, K.at(mods.tb, hk, mods.k_base + k0), K.row, k_rows, d, vec);
     if constexpr (C::DK) load_tile<T, BLOCK_N, D, C::THREADS>(sV, V.at(mods.tb, hk, mods.k_base + k0), V.row, k_rows, dim_v, vec);
@@ -234,13 +232,13 @@ flash_bwd_dkdv_sm80(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(c
     cp_async_wait<0>();
     __syncthreads();
     if constexpr (C::DV) {
-        const Strided<T> dV = TENSOR(T, dv);
+        const Strided<T> dV = tensor<T>(p.dv);
         warp_store_c<T, D>(sK, warp_row0, acc_dv, 1.f);
         __syncthreads();
         store_tile<T, BLOCK_N, D, C::THREADS>(dV.at(mods.tb, hk, mods.k_base + k0), dV.row, sK, k_rows, dim_v, vec);
     }
     if constexpr (C::DK) {
-        const Strided<T> dK = TENSOR(T, dk);
+        const Strided<T> dK = tensor<T>(p.dk);
         if constexpr (C::DV) __syncthreads();
         warp_store_c<T, D>(sK, warp_row0, acc_dk, scale);
         __syncthreads();
@@ -261,20 +259,20 @@ struct BwdQTile {
     static constexpr int KSTEPS = D / 16;
     static constexpr int LD = SmemTile<T, D>::stride;
     // Shared memory: Q, dO, then K and V with two buffers each (cupyflash/_cuda.py mirrors it).
+    static constexpr int SMEM_BYTES = (2 * BLOCK_M + 4 * BLOCK_N) * LD * sizeof(T);
     static_assert(ROWS_PER_WARP % 16 == 0 && BLOCK_N % SLICE == 0 && SLICE % 16 == 0, "tile shape");
     static_assert(BWD_ROW_PAD % BLOCK_M == 0, "query blocks read the padded row workspaces whole");
 };
 
 // Minimum one CTA per SM: without it ptxas aims at more resident CTAs than shared memory
 // allows and spills (as in fwd_wide.cu).
-template <typename T, int D, int BLOCK_M, int BLOCK_N, int WARPS, int MODE>
+template <typename T, int D, int BLOCK_M, int BLOCK_N, int WARPS, int MODE, int SMEM_BYTES>
 __global__ void __launch_bounds__(WARPS * 32, 1)
-flash_bwd_dq_sm80(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const T, v),
-                  TENSOR_ARG(const T, dout), TENSOR_ARG(T, dq), const float* __restrict__ lse2,
-                  const float* __restrict__ delta, int group, int nq, int nk, int d, int dim_v,
-                  int nq_pad, float scale_log2, float scale, int causal, int vec, MODS_ARGS(T, float))
+flash_bwd_dq_sm80(const __grid_constant__ AttnParams p)
 {
     typedef BwdQTile<T, D, BLOCK_M, BLOCK_N, WARPS> C;
+    static_assert(SMEM_BYTES == C::SMEM_BYTES, "the host's shared-memory size (cupyflash/_cuda.py)");
+    BWD_SCALARS(p, float);
     constexpr int MT = C::MT, SNT = C::SNT, DT = C::DT;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* sQ = reinterpret_cast<T*>(smem_raw);
@@ -286,7 +284,7 @@ flash_bwd_dq_sm80(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(con
     const int g = lane / 4, t = lane % 4;
     const int m_block = gridDim.x - 1 - blockIdx.x;   // heavy (late, causal) blocks first
     const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
-    MODS_SETUP(T, float, MODE, b, gridDim.y, nq, nk, causal);
+    MODS_SETUP(T, float, MODE, p, b, gridDim.y);
     const auto& mask = mods.mask;
     const int q0 = m_block * BLOCK_M;
     const int q_rows = min(BLOCK_M, mask.nq - q0);
@@ -294,9 +292,9 @@ flash_bwd_dq_sm80(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(con
     const int2 tiles = mask.key_tile_range(q0, q0 + q_rows, BLOCK_N);
     const int key_rows = mask.stop();   // rows past it are never read (key padding)
 
-    const Strided<const T> Q = TENSOR(const T, q), K = TENSOR(const T, k), V = TENSOR(const T, v);
-    const Strided<const T> dO = TENSOR(const T, dout);
-    const Strided<T> dQ = TENSOR(T, dq);
+    const Strided<const T> Q = tensor<const T>(p.q), K = tensor<const T>(p.k), V = tensor<const T>(p.v);
+    const Strided<const T> dO = tensor<const T>(p.dout);
+    const Strided<T> dQ = tensor<T>(p.dq);
     const T* k_head = K.at(mods.tb, hk, mods.k_base);
     const T* v_head = V.at(mods.tb, hk, mods.k_base);
 

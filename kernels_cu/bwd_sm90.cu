@@ -46,6 +46,7 @@ struct Sm90BwdKVTile {
     static constexpr int KV_ELEMS = BLOCK_N * D, QO_ELEMS = BLOCK_M * D;
     static constexpr int DS_ELEMS = DQ ? BLOCK_N * BLOCK_M : 0;
     static constexpr int ALIGN = 1024;
+    static constexpr int SMEM_BYTES = (2 * KV_ELEMS + 4 * QO_ELEMS + DS_ELEMS) * sizeof(T) + 4 * BLOCK_M * sizeof(float) + ALIGN;
     static_assert((GRADS & (GRAD_DV | GRAD_DK)) == (GRAD_DV | GRAD_DK), "dV and dK in one pass");
     static_assert(D % 64 == 0 && D <= 128 && BLOCK_M % 64 == 0 && BLOCK_M <= 128, "tile shape");
     static_assert(DQ_N % 64 == 0 && D % DQ_N == 0 && (BLOCK_M / 64) * DQ_COLS == WARPGROUPS, "dQ pieces");
@@ -63,17 +64,14 @@ __device__ __forceinline__ void red_add2(float* p, float a, float b) {
 // give each thread the registers of dK, dV and the score tiles. The signature is
 // flash_bwd_dkdv_sm80's, so the host launches either the same way (BLOCK_M is its
 // query tile, the grid's first axis counts key blocks of BLOCK_N).
-template <typename T, int D, int BLOCK_M, int WARPGROUPS, int GRADS, int MODE>
+template <typename T, int D, int BLOCK_M, int WARPGROUPS, int GRADS, int MODE, int SMEM_BYTES>
 __global__ void __launch_bounds__(WARPGROUPS * 128, 1)
-flash_bwd_dkdv_sm90(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const T, v),
-                    TENSOR_ARG(const T, dout), TENSOR_ARG(T, dk), TENSOR_ARG(T, dv),
-                    float* __restrict__ dq_accum, const float* __restrict__ lse2,
-                    const float* __restrict__ delta, int group, int nq, int nk, int d, int dim_v,
-                    int nq_pad, float scale_log2, float scale, int causal, int vec,
-                    MODS_ARGS(T, float), DBIAS_ARGS(float))
+flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
 {
     static_assert(MODE == MODE_DENSE, "the options run in bwd_sm80.cu");
     typedef Sm90BwdKVTile<T, D, BLOCK_M, WARPGROUPS, GRADS> C;
+    static_assert(SMEM_BYTES == C::SMEM_BYTES, "the host's shared-memory size (cupyflash/_cuda.py)");
+    BWD_SCALARS(p, float);
     constexpr int BLOCK_N = C::BLOCK_N, QT = C::QT, DT = C::DT;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* sK = reinterpret_cast<T*>(smem_raw + (C::ALIGN - smem_addr(smem_raw) % C::ALIGN) % C::ALIGN);
@@ -90,7 +88,7 @@ flash_bwd_dkdv_sm90(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(c
     const int warp_row0 = warp * 16;        // this warp's keys in the block
     const int hk = blockIdx.y, b = blockIdx.z;
     const int hq = gridDim.y * group;
-    MODS_SETUP(T, float, MODE, b, hq, nq, nk, causal);
+    MODS_SETUP(T, float, MODE, p, b, hq);
     const auto& mask = mods.mask;
     const int k0 = blockIdx.x * BLOCK_N;
     const int k_rows = min(BLOCK_N, mask.nk - k0);
@@ -98,8 +96,8 @@ flash_bwd_dkdv_sm90(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(c
     const KeyBlockPairs pairs(mask, hk, group, k0, BLOCK_N, BLOCK_M);
     const int n_iter = pairs.count();
 
-    const Strided<const T> Q = TENSOR(const T, q), K = TENSOR(const T, k), V = TENSOR(const T, v);
-    const Strided<const T> dO = TENSOR(const T, dout);
+    const Strided<const T> Q = tensor<const T>(p.q), K = tensor<const T>(p.k), V = tensor<const T>(p.v);
+    const Strided<const T> dO = tensor<const T>(p.dout);
 
     load_tile_swizzled<T, BLOCK_N, D, C::THREADS>(sK, K.at(mods.tb, hk, mods.k_base + k0), K.row, k_rows, d, vec);
     load_tile_swizzled<T, BLOCK_N, D, C::THREADS>(sV, V.at(mods.tb, hk, mods.k_base + k0), V.row, k_rows, dim_v, vec);
@@ -233,7 +231,7 @@ flash_bwd_dkdv_sm90(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(c
     // Epilogue as in bwd_sm80.cu, each gradient staged with padded rows over K and V.
     cp_async_wait<0>();
     __syncthreads();
-    const Strided<T> dV = TENSOR(T, dv), dK = TENSOR(T, dk);
+    const Strided<T> dV = tensor<T>(p.dv), dK = tensor<T>(p.dk);
     warp_store_c<T, D>(sK, warp_row0, acc_dv, 1.f);
     __syncthreads();
     store_tile<T, BLOCK_N, D, C::THREADS>(dV.at(mods.tb, hk, mods.k_base + k0), dV.row, sK, k_rows, dim_v, vec);

@@ -50,6 +50,7 @@ struct WideBwdKVTile {
     static constexpr int QDO_ELEMS = 4 * BLOCK_M * LD;        // Q and dO, two buffers each
     static constexpr int DS_ELEMS = DQ ? BLOCK_M * LDS : 0;
     static constexpr int ROW_ELEMS = (DK ? 4 : 2) * BLOCK_M;  // lse2 (and delta), two buffers each
+    static constexpr int SMEM_BYTES = (K_ELEMS + V_ELEMS + QDO_ELEMS + DS_ELEMS + ROW_ELEMS) * sizeof(T);
     static_assert(BLOCK_N % (16 * WARPS) == 0 && BLOCK_M % SLICE == 0 && D % 32 == 0, "tile shape");
     static_assert(GRADS != 0 && (!DQ || DK), "dQ comes with dK (both need dS)");
     static_assert(BWD_ROW_PAD % BLOCK_M == 0, "query tiles read the padded row workspaces whole");
@@ -57,15 +58,13 @@ struct WideBwdKVTile {
 
 // Minimum one CTA per SM: without it ptxas aims at more resident CTAs than shared memory
 // allows and spills (as in fwd_wide.cu).
-template <typename T, int D, int BLOCK_M, int BLOCK_N, int WARPS, int SLICE, int GRADS, int MODE>
+template <typename T, int D, int BLOCK_M, int BLOCK_N, int WARPS, int SLICE, int GRADS, int MODE, int SMEM_BYTES>
 __global__ void __launch_bounds__(WARPS * 32, 1)
-flash_bwd_dkdv_wide(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const T, v),
-                    TENSOR_ARG(const T, dout), TENSOR_ARG(T, dk), TENSOR_ARG(T, dv),
-                    T* __restrict__ dq_accum, const T* __restrict__ lse2, const T* __restrict__ delta,
-                    int group, int nq, int nk, int d, int dim_v, int nq_pad,
-                    T scale_log2, T scale, int causal, int vec, MODS_ARGS(T, T), DBIAS_ARGS(T))
+flash_bwd_dkdv_wide(const __grid_constant__ AttnParams p)
 {
     typedef WideBwdKVTile<T, D, BLOCK_M, BLOCK_N, WARPS, SLICE, GRADS> C;
+    static_assert(SMEM_BYTES == C::SMEM_BYTES, "the host's shared-memory size (cupyflash/_cuda.py)");
+    BWD_SCALARS(p, T);
     constexpr int MT = C::MT, SNT = C::SNT, DT = C::DT, LD = C::LD;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* sK = reinterpret_cast<T*>(smem_raw);
@@ -80,7 +79,7 @@ flash_bwd_dkdv_wide(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(c
     const int g = lane / 4, t = lane % 4;
     const int hk = blockIdx.y, b = blockIdx.z;
     const int hq = gridDim.y * group;
-    MODS_SETUP(T, T, MODE, b, hq, nq, nk, causal);
+    MODS_SETUP(T, T, MODE, p, b, hq);
     const auto& mask = mods.mask;
     const int k0 = blockIdx.x * BLOCK_N;
     const int k_rows = min(BLOCK_N, mask.nk - k0);
@@ -89,8 +88,8 @@ flash_bwd_dkdv_wide(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(c
     const int n_iter = pairs.count();
     T* dbias_b = MODE != MODE_DENSE && dbias != nullptr ? dbias + b * dbias_sb : nullptr;
 
-    const Strided<const T> Q = TENSOR(const T, q), K = TENSOR(const T, k), V = TENSOR(const T, v);
-    const Strided<const T> dO = TENSOR(const T, dout);
+    const Strided<const T> Q = tensor<const T>(p.q), K = tensor<const T>(p.k), V = tensor<const T>(p.v);
+    const Strided<const T> dO = tensor<const T>(p.dout);
 
     load_tile<T, BLOCK_N, D, C::THREADS, LD>(sK, K.at(mods.tb, hk, mods.k_base + k0), K.row, k_rows, d, vec);
     if constexpr (C::DK) load_tile<T, BLOCK_N, D, C::THREADS, LD>(sV, V.at(mods.tb, hk, mods.k_base + k0), V.row, k_rows, dim_v, vec);
@@ -211,13 +210,13 @@ flash_bwd_dkdv_wide(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(c
             const int r = warp_row0 + mt * 16 + g + hh * 8;
             if (r >= k_rows) continue;
             if constexpr (C::DV) {
-                T* out = TENSOR(T, dv).at(mods.tb, hk, mods.k_base + k0 + r);
+                T* out = tensor<T>(p.dv).at(mods.tb, hk, mods.k_base + k0 + r);
                 #pragma unroll
                 for (int dp = 0; dp < DT / 2; ++dp)
                     store_o_row(out + dp * 16, acc_dv[mt][2 * dp], acc_dv[mt][2 * dp + 1], hh, dim_v - dp * 16, vec);
             }
             if constexpr (C::DK) {
-                T* out = TENSOR(T, dk).at(mods.tb, hk, mods.k_base + k0 + r);
+                T* out = tensor<T>(p.dk).at(mods.tb, hk, mods.k_base + k0 + r);
                 #pragma unroll
                 for (int dp = 0; dp < DT / 2; ++dp)
                     store_o_row(out + dp * 16, acc_dk[mt][2 * dp], acc_dk[mt][2 * dp + 1], hh, d - dp * 16, vec, scale);
@@ -236,18 +235,18 @@ struct WideBwdQTile {
     static constexpr int DT = D / 8;                  // n-tiles of dQ
     static constexpr int LD = PairRows<T, D>::stride;
     // Shared memory: Q, dO, then K and V with two buffers each (cupyflash/_cuda.py mirrors it).
+    static constexpr int SMEM_BYTES = (2 * BLOCK_M + 4 * BLOCK_N) * LD * sizeof(T);
     static_assert(BLOCK_M % (16 * WARPS) == 0 && BLOCK_N % SLICE == 0 && D % 32 == 0, "tile shape");
     static_assert(BWD_ROW_PAD % BLOCK_M == 0, "query blocks read the padded row workspaces whole");
 };
 
-template <typename T, int D, int BLOCK_M, int BLOCK_N, int WARPS, int SLICE, int MODE>
+template <typename T, int D, int BLOCK_M, int BLOCK_N, int WARPS, int SLICE, int MODE, int SMEM_BYTES>
 __global__ void __launch_bounds__(WARPS * 32, 1)
-flash_bwd_dq_wide(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const T, v),
-                  TENSOR_ARG(const T, dout), TENSOR_ARG(T, dq), const T* __restrict__ lse2,
-                  const T* __restrict__ delta, int group, int nq, int nk, int d, int dim_v,
-                  int nq_pad, T scale_log2, T scale, int causal, int vec, MODS_ARGS(T, T))
+flash_bwd_dq_wide(const __grid_constant__ AttnParams p)
 {
     typedef WideBwdQTile<T, D, BLOCK_M, BLOCK_N, WARPS, SLICE> C;
+    static_assert(SMEM_BYTES == C::SMEM_BYTES, "the host's shared-memory size (cupyflash/_cuda.py)");
+    BWD_SCALARS(p, T);
     constexpr int MT = C::MT, SNT = C::SNT, DT = C::DT, LD = C::LD;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* sQ = reinterpret_cast<T*>(smem_raw);
@@ -259,7 +258,7 @@ flash_bwd_dq_wide(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(con
     const int g = lane / 4;
     const int m_block = gridDim.x - 1 - blockIdx.x;   // heavy (late, causal) blocks first
     const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
-    MODS_SETUP(T, T, MODE, b, gridDim.y, nq, nk, causal);
+    MODS_SETUP(T, T, MODE, p, b, gridDim.y);
     const auto& mask = mods.mask;
     const int q0 = m_block * BLOCK_M;
     const int q_rows = min(BLOCK_M, mask.nq - q0);
@@ -267,8 +266,8 @@ flash_bwd_dq_wide(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(con
     const int2 tiles = mask.key_tile_range(q0, q0 + q_rows, BLOCK_N);
     const int key_rows = mask.stop();   // rows past it are never read (key padding)
 
-    const Strided<const T> Q = TENSOR(const T, q), K = TENSOR(const T, k), V = TENSOR(const T, v);
-    const Strided<const T> dO = TENSOR(const T, dout);
+    const Strided<const T> Q = tensor<const T>(p.q), K = tensor<const T>(p.k), V = tensor<const T>(p.v);
+    const Strided<const T> dO = tensor<const T>(p.dout);
     const T* k_head = K.at(mods.tb, hk, mods.k_base);
     const T* v_head = V.at(mods.tb, hk, mods.k_base);
 
@@ -337,7 +336,7 @@ flash_bwd_dq_wide(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(con
     }
     cp_async_wait<0>();   // with no key tile, the Q and dO copies may still be in flight
 
-    const Strided<T> dQ = TENSOR(T, dq);
+    const Strided<T> dQ = tensor<T>(p.dq);
     #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
         #pragma unroll

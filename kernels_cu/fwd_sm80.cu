@@ -30,19 +30,22 @@ struct FwdTile {
     // re-reads its own Q rows from shared memory for every K tile.
     static constexpr bool Q_IN_REGS = MT * D <= 128;
     static constexpr int SMEM_ELEMS = (BLOCK_M + 4 * BLOCK_N) * LD;
+    static constexpr int SMEM_BYTES = SMEM_ELEMS * sizeof(T);
     static_assert(ROWS_PER_WARP % 16 == 0 && D % 16 == 0 && BLOCK_N % 16 == 0, "tile shape");
 };
 
 // Minimum one CTA per SM: without it ptxas aims at more resident CTAs than shared memory
-// allows and spills (as in fwd_wide.cu).
-template <typename T, int D, int BLOCK_M, int BLOCK_N, int WARPS, int MODE>
+// allows and spills (as in fwd_wide.cu). SMEM_BYTES is the host's figure of the dynamic
+// shared memory (cupyflash/_cuda.py), checked against the tile's layout.
+template <typename T, int D, int BLOCK_M, int BLOCK_N, int WARPS, int MODE, int SMEM_BYTES>
 __global__ void __launch_bounds__(WARPS * 32, 1)
-flash_fwd_sm80(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const T, v),
-               TENSOR_ARG(T, o), float* __restrict__ lse,
-               int group, int nq, int nk, int d, int dv,
-               float scale_log2, int causal, int vec, MODS_ARGS(T, float))
+flash_fwd_sm80(const __grid_constant__ AttnParams p)
 {
     typedef FwdTile<T, D, BLOCK_M, BLOCK_N, WARPS> C;
+    static_assert(SMEM_BYTES == C::SMEM_BYTES, "the host's shared-memory size (cupyflash/_cuda.py)");
+    const int group = p.group, nq = p.nq, d = p.d, dv = p.dim_v, vec = p.vec;
+    const float scale_log2 = float(p.scale_log2);
+    float* lse = static_cast<float*>(p.lse);
     constexpr int MT = C::MT, NT = C::NT, DT = C::DT;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* sQ = reinterpret_cast<T*>(smem_raw);
@@ -54,7 +57,7 @@ flash_fwd_sm80(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const 
     // Heavy (late, causal) query blocks first so the tail of the grid is short.
     const int m_block = gridDim.x - 1 - blockIdx.x;
     const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
-    MODS_SETUP(T, float, MODE, b, gridDim.y, nq, nk, causal);
+    MODS_SETUP(T, float, MODE, p, b, gridDim.y);
     const auto& mask = mods.mask;
     const int q0 = m_block * BLOCK_M;
     const int q_rows = min(BLOCK_M, mask.nq - q0);
@@ -62,8 +65,8 @@ flash_fwd_sm80(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const 
     const int2 tiles = mask.key_tile_range(q0, q0 + q_rows, BLOCK_N);
     const int key_rows = mask.stop();   // rows past it are never read (key padding)
 
-    const Strided<const T> Q = TENSOR(const T, q), K = TENSOR(const T, k), V = TENSOR(const T, v);
-    const Strided<T> O = TENSOR(T, o);
+    const Strided<const T> Q = tensor<const T>(p.q), K = tensor<const T>(p.k), V = tensor<const T>(p.v);
+    const Strided<T> O = tensor<T>(p.o);
     const T* k_head = K.at(mods.tb, hk, mods.k_base);
     const T* v_head = V.at(mods.tb, hk, mods.k_base);
     auto load_k = [&](int j, int buf) {
@@ -138,8 +141,8 @@ flash_fwd_sm80(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const 
             hm.template scores_log2<false>(s, unused, q0 + warp_row0, k0, scale_log2, needs_mask);
             softmax.update(s, acc, 1.f);
             if (hm.dropout())
-                for_each_score<false>(s, q0 + warp_row0, k0, [&](float& p, int i, int jj, int, int, int) {
-                    if (!hm.keep(i, jj)) p = 0.f;
+                for_each_score<false>(s, q0 + warp_row0, k0, [&](float& x, int i, int jj, int, int, int) {
+                    if (!hm.keep(i, jj)) x = 0.f;
                 });
         }
 

@@ -16,12 +16,25 @@
 // Inside a consumer warpgroup S of the next key tile and P V of this one are issued back
 // to back, and the softmax of the next tile runs while P V accumulates.
 // Each warp holds one 16-row m-tile of S and O in the mma.sync fragment layout
-// (wgmma.cuh), so masks and the softmax are fwd_sm80's with MT = 1. Dense mode only
-// (plain and causal); the options and tensors TMA cannot describe (rows not 16-byte
-// aligned) run in fwd_sm80.cu.
+// (wgmma.cuh), so masks, the options and the softmax are fwd_sm80's with MT = 1.
+//
+// MODE_EXT serves every option (mods.cuh) in the same pipeline, as policies:
+//   - mask-only options (causal, window, seqlens_k, varlen, block mask) decide which key
+//     tiles the producer loads and the consumers visit (MaskInfo's range, and the block
+//     mask's next_key_tile, walked identically on both sides); only tiles that are not
+//     wholly visible run the element mask;
+//   - score terms (softcap, bias, ALiBi) run in registers between S and the softmax; the
+//     bias only in the MODE_EXT | MODE_BIAS instantiations (its reads need registers that
+//     the 128-key tiles spend on S and P);
+//   - dropout zeroes P after the row sums took it, 16 scores per Philox call.
+// Varlen reads (1, H, total, d) tensors at the sequence's row offset: rows past a
+// sequence's end belong to the next one (or are zero-filled past the tensor) and are
+// masked or never stored. Tensors TMA cannot describe (rows not 16-byte aligned) run in
+// fwd_sm80.cu.
 #include "elem.cuh"
 #include "copy.cuh"
 #include "mask.cuh"
+#include "mods.cuh"
 #include "softmax.cuh"
 #include "tensor.cuh"
 #include "tma.cuh"
@@ -47,6 +60,9 @@ struct Sm90FwdTile {
     // padded rows.
     static constexpr int ALIGN = 1024;
     static constexpr int TILE_BYTES = (Q_ELEMS + 2 * STAGES * KV_ELEMS) * sizeof(T);
+    // The dynamic shared memory the host must give: the tiles, the slack to align them,
+    // the barriers.
+    static constexpr int SMEM_BYTES = TILE_BYTES + ALIGN + (1 + 4 * STAGES) * sizeof(u64);
     // Register budgets after setmaxnreg: the producer keeps 24 a thread; the consumers
     // share the rest of the 64K register file (a multiple of 8, at most 240).
     static constexpr int PRODUCER_REGS = 24;
@@ -65,13 +81,13 @@ struct Sm90FwdBarriers {
     u64 k_empty[STAGES], v_empty[STAGES];
 };
 
-template <typename T, int D, int BLOCK_N, int CONSUMERS, int STAGES>
+template <typename T, int D, int BLOCK_N, int CONSUMERS, int STAGES, int MODE, int SMEM_BYTES>
 __global__ void __launch_bounds__(Sm90FwdTile<T, D, BLOCK_N, CONSUMERS, STAGES>::THREADS, 1)
-flash_fwd_sm90(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k_map,
-               const __grid_constant__ TmaMap v_map, TENSOR_ARG(T, o), float* __restrict__ lse,
-               int group, int nq, int nk, int dv, float scale_log2, int causal, int vec)
+flash_fwd_sm90(const __grid_constant__ AttnParams p)
 {
     typedef Sm90FwdTile<T, D, BLOCK_N, CONSUMERS, STAGES> C;
+    static_assert(SMEM_BYTES == C::SMEM_BYTES, "the host's shared-memory size (cupyflash/_cuda.py)");
+    static_assert(sizeof(Sm90FwdBarriers<STAGES>) == (1 + 4 * STAGES) * sizeof(u64), "barrier layout");
     constexpr int BLOCK_M = C::BLOCK_M, NT = C::NT, DT = C::DT;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* sQ = reinterpret_cast<T*>(smem_raw + (C::ALIGN - smem_addr(smem_raw) % C::ALIGN) % C::ALIGN);
@@ -82,14 +98,17 @@ flash_fwd_sm90(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     // Heavy (late, causal) query blocks first so the tail of the grid is short.
     const int m_block = gridDim.x - 1 - blockIdx.x;
-    const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
-    MaskInfo<false> mask;
-    mask.nq = nq;
-    mask.nk = nk;
-    mask.causal = causal;
+    const int h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
+    MODS_SETUP(T, float, MODE, p, b, gridDim.y);
+    const auto& mask = mods.mask;
     const int q0 = m_block * BLOCK_M;
-    const int q_rows = min(BLOCK_M, nq - q0);
-    const int2 tiles = mask.key_tile_range(q0, q0 + q_rows, BLOCK_N);   // dense: every tile in it
+    const int q_rows = min(BLOCK_M, mask.nq - q0);
+    if (q_rows <= 0) return;   // varlen: the grid covers the longest sequence
+    const int2 tiles = mask.key_tile_range(q0, q0 + q_rows, BLOCK_N);
+    // The key tiles visited, in order: every tile of the range, less those the block
+    // mask leaves out. Producer and consumers walk the same sequence.
+    auto next_tile = [&](int j) { return mask.next_key_tile(j, tiles.y, q0, q0 + q_rows, BLOCK_N, h); };
+    const int first_tile = next_tile(tiles.x);
 
     if (threadIdx.x == 0) {
         mbar_init(&bars.q_full, 1);
@@ -108,22 +127,24 @@ flash_fwd_sm90(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
     if (warp >= CONSUMERS * 4) {
         warpgroup_release_regs<C::PRODUCER_REGS>();
         if (threadIdx.x == C::CONSUMER_THREADS) {
-            auto load_panels = [&](T* dst, const TmaMap& map, u64* bar, int rows, int row0, int head) {
+            // Rows in the tensor maps' coordinates: under varlen the sequence's offset.
+            auto load_panels = [&](T* dst, const TmaMap& map, u64* bar, int rows, i64 row0, int head) {
                 #pragma unroll
-                for (int p = 0; p < D / C::PANEL; ++p)
-                    tma_load_4d(dst + p * rows * C::PANEL, map, bar, p * C::PANEL, row0, head, b);
+                for (int panel = 0; panel < D / C::PANEL; ++panel)
+                    tma_load_4d(dst + panel * rows * C::PANEL, map, bar, panel * C::PANEL, int(row0), head, mods.tb);
             };
             mbar_arrive_expect_tx(&bars.q_full, C::Q_BYTES);
-            load_panels(sQ, q_map, &bars.q_full, BLOCK_M, q0, h);
-            for (int j = tiles.x, t = 0; j < tiles.y; ++j, ++t) {
+            load_panels(sQ, p.q_map, &bars.q_full, BLOCK_M, mods.q_base + q0, h);
+            for (int j = first_tile, t = 0; j < tiles.y; j = next_tile(j + 1), ++t) {
                 const int s = t % STAGES;
                 const u32 parity = ((t / STAGES) & 1) ^ 1;   // the consumers' release of the round before
+                const i64 row0 = mods.k_base + (i64)j * BLOCK_N;
                 mbar_wait(&bars.k_empty[s], parity);
                 mbar_arrive_expect_tx(&bars.k_full[s], C::KV_BYTES);
-                load_panels(sK + s * C::KV_ELEMS, k_map, &bars.k_full[s], BLOCK_N, j * BLOCK_N, hk);
+                load_panels(sK + s * C::KV_ELEMS, p.k_map, &bars.k_full[s], BLOCK_N, row0, hk);
                 mbar_wait(&bars.v_empty[s], parity);
                 mbar_arrive_expect_tx(&bars.v_full[s], C::KV_BYTES);
-                load_panels(sV + s * C::KV_ELEMS, v_map, &bars.v_full[s], BLOCK_N, j * BLOCK_N, hk);
+                load_panels(sV + s * C::KV_ELEMS, p.v_map, &bars.v_full[s], BLOCK_N, row0, hk);
             }
         }
         return;
@@ -146,7 +167,7 @@ flash_fwd_sm90(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
     OnlineSoftmax<1> softmax;
     softmax.init();
     float s[1][NT][4];
-    u32 p[C::PSTEPS][4];   // P of the tile whose P V is next, as A fragments
+    u32 p_frag[C::PSTEPS][4];   // P of the tile whose P V is next, as A fragments
     float alpha[1][2];
 
     // S = Q K^T of the key tile in stage `st` (this warpgroup's 64 rows), one batch.
@@ -164,43 +185,60 @@ flash_fwd_sm90(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
         wgmma_fence();
         #pragma unroll
         for (int ks = 0; ks < C::PSTEPS; ++ks)
-            Wgmma<T, D>::template rs<true>(acc[0], p[ks], mnmajor_desc<T, BLOCK_N>(sV + st * C::KV_ELEMS, ks));
+            Wgmma<T, D>::template rs<true>(acc[0], p_frag[ks], mnmajor_desc<T, BLOCK_N>(sV + st * C::KV_ELEMS, ks));
         wgmma_commit();
     };
-    // The mask on the scores of key tile jt, folded into the softmax state: s becomes P.
-    // Returns whether acc must be rescaled by alpha before this tile's P V is added.
+    const float scale_log2 = float(p.scale_log2);
+    // The options' per-score state of this head (nothing in dense mode).
+    const auto head_mods = mods.at_head(h);
+    // The mask and the score terms on the scores of key tile jt, folded into the softmax
+    // state: s becomes P (dropped where dropout drops it: the row sums took it first, so
+    // the LSE is that of the undropped softmax). Returns whether acc must be rescaled by
+    // alpha before this tile's P V is added.
     auto softmax_tile = [&](int jt) {
         const int k0 = jt * BLOCK_N;
-        if (mask.tile_needs_mask(q0, q0 + q_rows, k0, k0 + BLOCK_N)) mask.apply(s, q0 + warp_row0, k0);
-        return softmax.fold(s, scale_log2, alpha);
+        const int r0 = q0 + warp_row0;
+        const bool masked = mask.tile_needs_mask(q0, q0 + q_rows, k0, k0 + BLOCK_N, h);
+        if constexpr (MODE == MODE_DENSE) {
+            if (masked) mask.apply(s, r0, k0);
+            return softmax.fold(s, scale_log2, alpha);
+        } else {
+            float no_dtanh[1][1][4];
+            head_mods.template scores_log2<false, (MODE & MODE_BIAS) != 0>(s, no_dtanh, r0, k0, scale_log2, masked);
+            const bool grew = softmax.fold(s, 1.f, alpha);
+            if (head_mods.dropout())
+                dropout_fragment(s[0], head_mods.seed, head_mods.stream, r0, k0, head_mods.threshold,
+                                 [](float& x, bool kept) { if (!kept) x = 0.f; });
+            return grew;
+        }
     };
-    // P into A fragments; p must not change while a P V that reads it is in flight.
+    // P into A fragments; p_frag must not change while a P V that reads it is in flight.
     auto round_p = [&]() {
         #pragma unroll
-        for (int ks = 0; ks < C::PSTEPS; ++ks) c_to_a_frag<T>(p[ks], s, 0, ks);
+        for (int ks = 0; ks < C::PSTEPS; ++ks) c_to_a_frag<T>(p_frag[ks], s, 0, ks);
     };
 
-    // Pipeline over the key tiles j = tiles.x + t: before the loop, S and P of the first
-    // tile; while there is a next tile, an iteration issues S of the next tile and P V of
-    // this one back to back, and runs the softmax of the next tile while the tensor cores
+    // Pipeline over the visited key tiles (the t-th in stage t % STAGES): before the loop,
+    // S and P of the first tile; while there is a next tile, an iteration issues S of the
+    // next tile and P V of this one back to back, and runs the softmax of the next tile while the tensor cores
     // still accumulate P V; acc is rescaled only once that product has landed. The last
     // P V follows the loop. A stage goes back to the producer as soon as the product that
     // reads it has landed. (The issue order is unconditional inside the loop: a wgmma
     // batch issued on one path only would leave register copies between the wgmmas and
     // their wait.)
     mbar_wait(&bars.q_full, 0);   // also when no key is visible: no copy may outlive the CTA
-    const int n_tiles = tiles.y - tiles.x;
+    const bool any_tile = first_tile < tiles.y;
     int t = 0;
-    if (n_tiles > 0) {
+    if (any_tile) {
         wait_full(bars.k_full, 0);
         issue_s(0);
         wgmma_wait<0>();
         reg_fence(s[0]);
         release(bars.k_empty, 0);
-        softmax_tile(tiles.x);   // acc is still 0: nothing to rescale
+        softmax_tile(first_tile);   // acc is still 0: nothing to rescale
         round_p();
     }
-    for (; t + 1 < n_tiles; ++t) {
+    for (int next = next_tile(first_tile + 1); next < tiles.y; next = next_tile(next + 1), ++t) {
         wait_full(bars.k_full, t + 1);
         wait_full(bars.v_full, t);
         issue_s((t + 1) % STAGES);
@@ -208,14 +246,14 @@ flash_fwd_sm90(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
         wgmma_wait<1>();   // S of the next tile (P V may still run)
         reg_fence(s[0]);
         release(bars.k_empty, t + 1);
-        const bool grew = softmax_tile(tiles.x + t + 1);
+        const bool grew = softmax_tile(next);
         wgmma_wait<0>();
         reg_fence(acc[0]);
         release(bars.v_empty, t);
         if (grew) softmax.rescale(acc, alpha);
         round_p();
     }
-    if (n_tiles > 0) {
+    if (any_tile) {
         wait_full(bars.v_full, t);
         issue_pv(t % STAGES);
         wgmma_wait<0>();
@@ -224,7 +262,7 @@ flash_fwd_sm90(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
     }
 
     float row_lse[1][2];
-    softmax.finalize(acc, row_lse);
+    softmax.finalize(acc, row_lse, mods.dropout() ? mods.drop_scale : 1.f);
 
     // Epilogue as in fwd_sm80.cu, the output staged with padded rows over Q and K once
     // every consumer warpgroup is past its last product (the producer has nothing in
@@ -234,9 +272,10 @@ flash_fwd_sm90(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
     #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
         const int r = warp_row0 + g + hh * 8;
-        if (t4 == 0 && r < q_rows) lse[((i64)b * gridDim.y + h) * nq + q0 + r] = row_lse[0][hh];
+        if (t4 == 0 && r < q_rows)
+            static_cast<float*>(p.lse)[((i64)mods.tb * gridDim.y + h) * p.nq + mods.q_base + q0 + r] = row_lse[0][hh];
     }
     named_barrier(C::EPILOGUE_BARRIER, C::CONSUMER_THREADS);
-    const Strided<T> O = TENSOR(T, o);
-    store_tile<T, BLOCK_M, D, C::CONSUMER_THREADS>(O.at(b, h, q0), O.row, sQ, q_rows, dv, vec);
+    const Strided<T> O = tensor<T>(p.o);
+    store_tile<T, BLOCK_M, D, C::CONSUMER_THREADS>(O.at(mods.tb, h, mods.q_base + q0), O.row, sQ, q_rows, p.dim_v, p.vec);
 }

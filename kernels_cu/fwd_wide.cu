@@ -42,20 +42,23 @@ struct WideFwdTile {
     // S, P and O; otherwise each warp re-reads its own Q rows for every sub-tile.
     static constexpr bool Q_IN_REGS = MT * D <= 64;
     static constexpr int SMEM_ELEMS = BLOCK_M * LDQ + 2 * BLOCK_N * LDQ + 2 * BLOCK_N * LDV;
+    static constexpr int SMEM_BYTES = SMEM_ELEMS * sizeof(T);
     static_assert(ROWS_PER_WARP % 16 == 0 && SUB_N % 8 == 0 && BLOCK_N % SUB_N == 0, "tile shape");
     static_assert(D % 32 == 0 && DV_TILE % 16 == 0 && D % DV_TILE == 0, "conflict-free shared strides");
 };
 
 // Minimum one CTA per SM: without it ptxas aims at a third resident 4-warp CTA (168
 // registers) and spills, though shared memory allows at most two for most tiles.
-template <typename T, int D, int DV_TILE, int BLOCK_M, int BLOCK_N, int SUB_N, int WARPS, int MODE>
+// SMEM_BYTES is the host's figure of the dynamic shared memory, checked against the tile.
+template <typename T, int D, int DV_TILE, int BLOCK_M, int BLOCK_N, int SUB_N, int WARPS, int MODE, int SMEM_BYTES>
 __global__ void __launch_bounds__(WARPS * 32, 1)
-flash_fwd_wide(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const T, v),
-               TENSOR_ARG(T, o), T* __restrict__ lse,
-               int group, int nq, int nk, int d, int dv,
-               T scale_log2, int causal, int vec, MODS_ARGS(T, T))
+flash_fwd_wide(const __grid_constant__ AttnParams p)
 {
     typedef WideFwdTile<T, D, DV_TILE, BLOCK_M, BLOCK_N, SUB_N, WARPS> C;
+    static_assert(SMEM_BYTES == C::SMEM_BYTES, "the host's shared-memory size (cupyflash/_cuda.py)");
+    const int group = p.group, nq = p.nq, d = p.d, dv = p.dim_v, vec = p.vec;
+    const T scale_log2 = T(p.scale_log2);
+    T* lse = static_cast<T*>(p.lse);
     constexpr int MT = C::MT, NT = C::NT, DT = C::DT, LDQ = C::LDQ, LDV = C::LDV;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* sQ = reinterpret_cast<T*>(smem_raw);
@@ -72,7 +75,7 @@ flash_fwd_wide(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const 
     if (c0 >= dv) return;        // dv < D may need fewer passes
     const int v_cols = dv - c0;  // its V and O columns that exist
     const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
-    MODS_SETUP(T, T, MODE, b, gridDim.y, nq, nk, causal);
+    MODS_SETUP(T, T, MODE, p, b, gridDim.y);
     const auto& mask = mods.mask;
     const int q0 = m_block * BLOCK_M;
     const int q_rows = min(BLOCK_M, mask.nq - q0);
@@ -81,8 +84,8 @@ flash_fwd_wide(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const 
     // Sub-tiles from this key on are hidden from every row of the block: skipped.
     const int key_stop = min(mask.stop(), mask.key_hi(q0 + q_rows - 1));
 
-    const Strided<const T> Q = TENSOR(const T, q), K = TENSOR(const T, k), V = TENSOR(const T, v);
-    const Strided<T> O = TENSOR(T, o);
+    const Strided<const T> Q = tensor<const T>(p.q), K = tensor<const T>(p.k), V = tensor<const T>(p.v);
+    const Strided<T> O = tensor<T>(p.o);
     const T* k_head = K.at(mods.tb, hk, mods.k_base);
     const T* v_head = V.at(mods.tb, hk, mods.k_base) + c0;
 
@@ -145,8 +148,8 @@ flash_fwd_wide(TENSOR_ARG(const T, q), TENSOR_ARG(const T, k), TENSOR_ARG(const 
                 hm.template scores_log2<false>(s, unused, q0 + warp_row0, k0, scale_log2, needs_mask);
                 softmax.update(s, acc, T(1));
                 if (hm.dropout())
-                    for_each_score<false>(s, q0 + warp_row0, k0, [&](T& p, int i, int jj, int, int, int) {
-                        if (!hm.keep(i, jj)) p = T(0);
+                    for_each_score<false>(s, q0 + warp_row0, k0, [&](T& x, int i, int jj, int, int, int) {
+                        if (!hm.keep(i, jj)) x = T(0);
                     });
             }
 

@@ -2,37 +2,28 @@
 // compact array shapes): sequence bounds (varlen, key padding), the mask of mask.cuh,
 // the score modifiers (softcap, bias, ALiBi) and dropout, resolved once per CTA.
 //
-// Every kernel takes the same MODS_ARGS and builds its Mods<T, MODE> with MODS_SETUP;
-// MODE selects how much of it is compiled:
+// Every kernel reads them from the ModsParams of its AttnParams (params.cuh) and builds
+// its Mods<T, MODE> with MODS_SETUP; MODE selects how much of it is compiled:
 //   MODE_DENSE    plain attention (causal only): the fast path; no option is read.
-//   MODE_EXT      every option, each switched on at run time by its argument.
+//   MODE_EXT      every option, each switched on at run time by its argument; in a
+//                 family that keeps the bias apart (fwd_sm90.cu), every option but the
+//                 bias, whose reads take registers its widest tiles do not have;
+//   MODE_EXT | MODE_BIAS   that family's kernel with the bias too (other tiles).
 #pragma once
 #include "elem.cuh"
 #include "mask.cuh"
+#include "params.cuh"
 #include "philox.cuh"
 
-enum { MODE_DENSE = 0, MODE_EXT = 1 };
+enum { MODE_DENSE = 0, MODE_EXT = 1, MODE_BIAS = 2 };
 
-// Kernel parameters of the options (host: cupyflash/_cuda.py _mods_args, same order).
-// Pointers are null where an option is off. Strides are in elements, 0 on broadcast axes.
-#define MODS_ARGS(T, Acc)                                                                 \
-    const int* __restrict__ cu_q, const int* __restrict__ cu_k,                           \
-    const int* __restrict__ seqlens_k, int win_left, int win_right,                       \
-    const unsigned char* __restrict__ bmask, i64 bmask_sb, i64 bmask_sh, i64 bmask_sq,    \
-    int block_q, int block_k,                                                             \
-    const T* __restrict__ bias, i64 bias_sb, i64 bias_sh, i64 bias_sq, i64 bias_sk,       \
-    const Acc* __restrict__ alibi, i64 alibi_sb, Acc softcap,                             \
-    u64 rng_seed, u64 rng_offset, u32 drop_threshold, Acc drop_scale
-// Declares `mods`, this CTA's Mods. The dense path keeps it in registers; the others
-// in shared memory, written once: there the options' ~30 words would otherwise sit in
-// registers for the whole main loop beside S, O and the fragments, and spill.
-#define MODS_SETUP(T, Acc, MODE, b, heads, nq, nk, causal)                                \
+// Declares `mods`, this CTA's Mods, from the contract's AttnParams `p` (params.cuh).
+// The dense path keeps it in registers; the others in shared memory, written once: there
+// the options' ~30 words would otherwise sit in registers for the whole main loop beside
+// S, O and the fragments, and spill.
+#define MODS_SETUP(T, Acc, MODE, p, b, heads)                                             \
     __shared__ Mods<T, Acc, MODE> mods_shared_;                                           \
-    const Mods<T, Acc, MODE> mods_local_ = Mods<T, Acc, MODE>::make(                      \
-        b, heads, nq, nk, causal, cu_q, cu_k, seqlens_k, win_left, win_right, bmask,   \
-        bmask_sb, bmask_sh, bmask_sq, block_q, block_k, bias, bias_sb, bias_sh, bias_sq,  \
-        bias_sk, alibi, alibi_sb, softcap, rng_seed, rng_offset, drop_threshold,          \
-        drop_scale);                                                                      \
+    const Mods<T, Acc, MODE> mods_local_ = Mods<T, Acc, MODE>::make(p, b, heads);         \
     if constexpr (MODE != MODE_DENSE) {                                                   \
         if (threadIdx.x == 0) mods_shared_ = mods_local_;                                 \
         __syncthreads();                                                                  \
@@ -61,8 +52,8 @@ struct HeadMods<T, Acc, true> {
     const T* bias;       // this head's bias rows, or null
     i64 bias_sq, bias_sk;
     Acc slope_log2;      // ALiBi slope times log2(e); 0: off
-    u64 seed, stream;    // Dropout: keep (row, key) iff its Philox word >= threshold;
-    u32 threshold;       // 0: off. Kept scores are scaled by 1 / (1 - p).
+    u64 seed, stream;    // Dropout: keep (row, key) iff its Philox draw >= threshold;
+    u32 threshold;       // 0: off. Kept scores are scaled by drop_scale.
     Acc drop_scale;
 
     __device__ __forceinline__ bool dropout() const { return threshold != 0; }
@@ -84,8 +75,9 @@ struct HeadMods<T, Acc, true> {
 
     // score_log2 over mma C fragments (for_each_score's layout), one pass per term that
     // is on: a uniform branch per term and tile instead of one per score. `dtanh` is
-    // written where it has the fragments' shape (the backward keeps it).
-    template <bool KEY_ROWS, int MT, int NT, int MT2, int NT2>
+    // written where it has the fragments' shape (the backward keeps it). WITH_BIAS =
+    // false leaves the bias term out of the code (a kernel that serves no bias).
+    template <bool KEY_ROWS, bool WITH_BIAS = true, int MT, int NT, int MT2, int NT2>
     __device__ __forceinline__ void scores_log2(Acc (&s)[MT][NT][4], Acc (&dtanh)[MT2][NT2][4], int r0, int c0,
                                                 Acc scale_log2, bool masked) const {
         constexpr bool KEEP_DTANH = MT2 == MT && NT2 == NT;
@@ -98,7 +90,7 @@ struct HeadMods<T, Acc, true> {
             });
         else if constexpr (KEEP_DTANH)
             for_each_score<KEY_ROWS>(s, r0, c0, [&](Acc&, int, int, int mt, int nt, int e) { dtanh[mt][nt][e] = Acc(1); });
-        if (bias != nullptr)
+        if (WITH_BIAS && bias != nullptr)
             for_each_score<KEY_ROWS>(s, r0, c0, [&](Acc& x, int i, int j, int, int, int) { x += biased(i, j); });
         if (slope_log2 != Acc(0))
             for_each_score<KEY_ROWS>(s, r0, c0, [&](Acc& x, int i, int j, int, int, int) { x -= alibi(i, j); });
@@ -137,49 +129,44 @@ struct Mods {
     i64 bias_sh, bias_sq, bias_sk;
     const Acc* alibi;    // this batch entry's slopes, one per query head; null: off
     Acc softcap;         // 0: off
-    // Dropout: keep (row, key) iff its Philox word >= threshold; scale 1 / (1 - p).
+    // Dropout: keep (row, key) iff its Philox draw >= threshold; scale drop_scale.
     u64 seed, stream0;   // stream0: the stream of head 0 of this batch entry
     u32 threshold;
     Acc drop_scale;
 
-    __device__ static Mods make(int b, int heads, int nq, int nk, int causal,
-                                const int* cu_q, const int* cu_k, const int* seqlens_k,
-                                int win_left, int win_right, const unsigned char* bmask,
-                                i64 bmask_sb, i64 bmask_sh, i64 bmask_sq, int block_q, int block_k,
-                                const T* bias, i64 bias_sb, i64 bias_sh, i64 bias_sq, i64 bias_sk,
-                                const Acc* alibi, i64 alibi_sb, Acc softcap, u64 rng_seed,
-                                u64 rng_offset, u32 drop_threshold, Acc drop_scale) {
+    __device__ static Mods make(const AttnParams& p, int b, int heads) {
         Mods m{};
         m.tb = b;
-        m.mask.nq = nq;
-        m.mask.nk = nk;
-        m.mask.causal = causal;
+        m.mask.nq = p.nq;
+        m.mask.nk = p.nk;
+        m.mask.causal = p.causal;
         if constexpr (EXT) {
-            if (cu_q != nullptr) {
+            const ModsParams& o = p.mods;
+            if (o.cu_q != nullptr) {
                 m.tb = 0;
-                m.q_base = cu_q[b];
-                m.k_base = cu_k[b];
-                m.mask.nq = cu_q[b + 1] - cu_q[b];
-                m.mask.nk = cu_k[b + 1] - cu_k[b];
+                m.q_base = o.cu_q[b];
+                m.k_base = o.cu_k[b];
+                m.mask.nq = o.cu_q[b + 1] - o.cu_q[b];
+                m.mask.nk = o.cu_k[b + 1] - o.cu_k[b];
             }
-            m.mask.key_stop = seqlens_k != nullptr ? min(seqlens_k[b], m.mask.nk) : m.mask.nk;
-            m.mask.left = win_left;
-            m.mask.right = win_right;
-            m.mask.blocks = bmask != nullptr ? bmask + b * bmask_sb : nullptr;
-            m.mask.blocks_head = bmask_sh;
-            m.mask.blocks_row = bmask_sq;
-            m.mask.block_q = block_q;
-            m.mask.block_k = block_k;
-            m.bias = bias != nullptr ? bias + b * bias_sb : nullptr;
-            m.bias_sh = bias_sh;
-            m.bias_sq = bias_sq;
-            m.bias_sk = bias_sk;
-            m.alibi = alibi != nullptr ? alibi + b * alibi_sb : nullptr;
-            m.softcap = softcap;
-            m.seed = rng_seed;
-            m.stream0 = dropout_stream(rng_offset, b, 0, heads);
-            m.threshold = drop_threshold;
-            m.drop_scale = drop_scale;
+            m.mask.key_stop = o.seqlens_k != nullptr ? min(o.seqlens_k[b], m.mask.nk) : m.mask.nk;
+            m.mask.left = o.win_left;
+            m.mask.right = o.win_right;
+            m.mask.blocks = o.bmask != nullptr ? o.bmask + b * o.bmask_sb : nullptr;
+            m.mask.blocks_head = o.bmask_sh;
+            m.mask.blocks_row = o.bmask_sq;
+            m.mask.block_q = o.block_q;
+            m.mask.block_k = o.block_k;
+            m.bias = o.bias != nullptr ? static_cast<const T*>(o.bias) + b * o.bias_sb : nullptr;
+            m.bias_sh = o.bias_sh;
+            m.bias_sq = o.bias_sq;
+            m.bias_sk = o.bias_sk;
+            m.alibi = o.alibi != nullptr ? static_cast<const Acc*>(o.alibi) + b * o.alibi_sb : nullptr;
+            m.softcap = Acc(o.softcap);
+            m.seed = o.rng_seed;
+            m.stream0 = dropout_stream(o.rng_offset, b, 0, heads);
+            m.threshold = o.drop_threshold;
+            m.drop_scale = Acc(o.drop_scale);
         }
         return m;
     }

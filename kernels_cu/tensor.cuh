@@ -1,9 +1,10 @@
-// Strided (batch, head, row, col) tensors as the kernels receive them. The last axis
+// Strided (batch, head, row, col) tensors as the kernels read them. The last axis
 // is contiguous (checked on the host); the other strides are in elements and 64-bit,
-// so B*H*N*d may pass 2^31. The host passes each tensor as four kernel arguments,
-// which TENSOR_ARG declares and TENSOR rebuilds.
+// so B*H*N*d may pass 2^31. Every tensor reaches a kernel as a TensorParams of the
+// contract (params.cuh); tensor<T>() gives its typed view.
 #pragma once
 #include "elem.cuh"
+#include "params.cuh"
 
 template <typename T>
 struct Strided {
@@ -14,5 +15,7 @@ struct Strided {
     }
 };
 
-#define TENSOR_ARG(T, name) T* __restrict__ name##_ptr, i64 name##_sb, i64 name##_sh, i64 name##_sn
-#define TENSOR(T, name) Strided<T>{name##_ptr, name##_sb, name##_sh, name##_sn}
+template <typename T>
+__device__ __forceinline__ Strided<T> tensor(const TensorParams& t) {
+    return {static_cast<T*>(const_cast<void*>(t.ptr)), t.batch, t.head, t.row};
+}

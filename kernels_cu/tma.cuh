@@ -18,8 +18,7 @@
 #pragma once
 #include "elem.cuh"
 #include "copy.cuh"
-
-struct __align__(64) TmaMap { u64 opaque[16]; };
+#include "params.cuh"   // TmaMap
 
 __device__ __forceinline__ void mbar_init(u64* bar, int arrivals) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(smem_addr(bar)), "r"(arrivals) : "memory");

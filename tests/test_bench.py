@@ -145,6 +145,10 @@ MOD_ROWS = [
                    variant="block_sparse density=0.25", speedup_vs_dense=4.0),
     bench.make_row("torch-flash", "fwd", "bfloat16", 128, True, 4096, 4, 16, None, None, 1e12,
                    variant="dropout p=0.1", speedup_vs_dense=None),
+    bench.make_row("cupyflash", "fwd", "bfloat16", 128, False, 4096, 4, 16, 2.0, 1, 1e12, variant="dropout p=0.1",
+                   speedup_vs_dense=2.0),
+    bench.make_row("torch-flash", "fwd", "bfloat16", 128, False, 4096, 4, 16, 4.0, 1, 1e12,
+                   variant="dropout p=0.1", speedup_vs_dense=None),
 ]
 
 
@@ -152,9 +156,11 @@ def test_mods_summary_and_grid_summary_keep_apart(capsys):
     bench.mods_summary(MOD_ROWS + RESULT["rows"])
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0].split()[:2] == ["pass", "dtype"]
-    assert len(lines) == 4
-    assert lines[2].split()[-3:] == ["1.000", "1000.0", "4.00"] and "block_sparse density=0.25" in lines[2]
-    assert lines[3].split()[-3:] == ["-", "-", "-"]
+    assert len(lines) == 4   # the header and cupyflash's three variant rows; peers ride along
+    assert "block_sparse density=0.25" in lines[2] and lines[2].split()[-3:] == ["1000.0", "4.00", "0.25"]
+    # dropout: 500 TFLOP/s, 2x the dense call's per pair, half its wall time; torch-flash
+    # at 250 in the same case (its causal row is another case).
+    assert lines[3].split()[-6:] == ["500.0", "2.00", "0.50", "torch-flash", "250.0", "2.00x"]
     bench.summary(MOD_ROWS + RESULT["rows"])   # the variant rows stay out of the grid's table
     assert len(capsys.readouterr().out.strip().splitlines()) == 4
 
@@ -177,4 +183,8 @@ def test_tiny_mods_on_gpu(tmp_path):
     assert rows and all(r["variant"] and r["ms"] for r in rows)
     sparse = [r for r in rows if r["variant"].startswith("block_sparse")]
     assert len(sparse) == len(bench.MOD_DENSITIES) and all(r["speedup_vs_dense"] for r in sparse)
-    assert {r["variant"] for r in rows} >= {"varlen 8 seqs", "padded+seqlens_k 8 seqs", "dense"}
+    assert {r["variant"] for r in rows} == {
+        "dense", "window left=256 right=0", "window left=2048 right=0", "varlen 8 seqs", "seqlens_k", "gqa 8:1",
+        "block_sparse density=1", "block_sparse density=0.5", "block_sparse density=0.25",
+        "block_sparse density=0.125", "dropout p=0.1", "softcap 30", "alibi", "bias (Nq,Nk)"}
+    assert all(r["visible_pairs"] > 0 for r in rows)

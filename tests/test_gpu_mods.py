@@ -577,3 +577,58 @@ def test_deterministic_backward_with_modifiers_is_bitwise_reproducible(rng, dtyp
     for name, first, *others in zip(GRAD_NAMES, *runs):
         for other in others:
             assert np.array_equal(first.view(np.uint8), other.view(np.uint8)), f"{name} differs between runs"
+
+
+# --------------------------------------------------------------------------- Hopper path
+
+# Every option family (and a few combinations) at the sizes where tiles are partial: one
+# row, 17, 129, 1000 and 4097 (queries and keys differ in some), on fwd_sm90.cu.
+HOPPER_SIZES = ((1, 17), (17, 17), (129, 1000), (1000, 129), (1000, 1000), (4097, 4097))
+HOPPER_OPTIONS = (
+    ("window", False, lambda r, b, h, nq, nk, t: dict(window=(300, 40))),
+    ("causal+window", True, lambda r, b, h, nq, nk, t: dict(window=(256, 0))),
+    ("seqlens_k", False, lambda r, b, h, nq, nk, t: dict(seqlens_k=_seqlens(r, b, nk))),
+    ("block_mask", False, lambda r, b, h, nq, nk, t: dict(block_mask=_block_mask(r, (b, h), nq, nk, 128),
+                                                          block_size=128)),
+    ("block_mask-64x32+causal", True,
+     lambda r, b, h, nq, nk, t: dict(block_mask=_block_mask(r, (1, h), nq, nk, (64, 32)), block_size=(64, 32))),
+    ("dropout", False, lambda r, b, h, nq, nk, t: dict(dropout_p=0.1, seed=77)),
+    ("softcap", False, lambda r, b, h, nq, nk, t: dict(softcap=30.0)),
+    ("alibi+causal", True, lambda r, b, h, nq, nk, t: dict(alibi_slopes=_slopes((h,)))),
+    ("bias-2d", False, lambda r, b, h, nq, nk, t: dict(bias=_bias(r, (nq, nk), t))),
+    ("everything", True, lambda r, b, h, nq, nk, t: dict(
+        window=(500, 3), seqlens_k=_seqlens(r, b, nk), softcap=20.0, alibi_slopes=_slopes((h,)),
+        bias=_bias(r, (1, h, 1, nk), t), dropout_p=0.25, seed=3)),
+)
+
+
+def _hopper_params():
+    for i, (name, causal, build) in enumerate(HOPPER_OPTIONS):
+        for j, (nq, nk) in enumerate(HOPPER_SIZES):
+            dtype = ("bfloat16", "float16")[(i + j) % 2]
+            d = (64, 128, 72)[(i + 2 * j) % 3]
+            layout = LAYOUTS[(i + j // 2) % 2]
+            yield pytest.param(dtype, d, nq, nk, layout, causal, build, id=f"{name}-{dtype}-d{d}-{nq}x{nk}-{layout}")
+
+
+@pytest.mark.parametrize("dtype,d,nq,nk,layout,causal,build", list(_hopper_params()))
+def test_hopper_forward_with_options(rng, dtype, d, nq, nk, layout, causal, build):
+    """The options as policies of the Hopper forward (fwd_sm90.cu, MODE_EXT and MODE_BIAS
+    instantiations) against the float64 reference, forward only (the backward runs the
+    mma.sync kernels, which the tests above cover); the call must take the Hopper kernel."""
+    if DRY_RUN:
+        pytest.skip("pins a GPU kernel")
+    import cupy as cp
+    from cupyflash import _cuda
+    if _cuda._device_info(cp.cuda.Device().id)[0] != "sm_90a":
+        pytest.skip("not a Hopper GPU")
+    batch = 2 if nq * nk <= 10**6 else 1
+    host = _qkv(rng, dtype, d, nq, nk, 2, layout, batch=batch, kv_heads=1)
+    opts = build(rng, batch, 2, nq, nk, dtype)
+    mods = dict(opts)
+    mode = _cuda.MODE_EXT | (_cuda.MODE_BIAS if "bias" in mods else 0)
+    variant = _cuda._choose(_cuda.forward_variants(dtype, _cuda.padded_head_dim(d, d), mode), cp.cuda.Device().id)
+    assert variant.family is _cuda.FWD_SM90, variant.name_expression
+    opts.update(causal=causal, layout=layout)
+    got, ref = _run_both(cupyflash.attention_forward, host, opts, backward=False)
+    _check(got, ref, dtype)

@@ -1,0 +1,62 @@
+// The one contract between the host and every kernel: each kernel takes a single
+// AttnParams by value as a __grid_constant__ parameter (it lives in the parameter space;
+// a TMA copy reads its tensor maps from there).
+//
+// cupyflash/_params.py mirrors this layout field by field, and tests/test_params.py
+// compiles static_asserts generated from that mirror (offset and size of every field)
+// with NVRTC, so the two sides cannot drift apart without the CPU tier failing.
+// Fields a kernel does not use are zero (null pointers for options that are off).
+#pragma once
+#include "elem.cuh"
+
+// A CUtensorMap: 128 opaque bytes that the driver encodes (cupyflash/_tma.py).
+struct __align__(64) TmaMap { u64 opaque[16]; };
+
+// A (batch, head, row, col) tensor: its base and the element strides of the first three
+// axes (64-bit, so B*H*N*d may pass 2^31); the last axis is contiguous.
+struct TensorParams {
+    const void* ptr;
+    i64 batch, head, row;
+};
+
+// The options beyond causal (mods.cuh reads them; cupyflash/_mods.py has the semantics).
+// Pointers are null where an option is off; strides are in elements, 0 on the axes an
+// option array broadcasts over.
+struct ModsParams {
+    const int* cu_q;                    // varlen: (S + 1,) sequence starts of q and k
+    const int* cu_k;
+    const int* seqlens_k;               // key padding: (B,) keys per batch entry
+    const unsigned char* bmask;         // block mask (Bm, Hm, Nq / block_q, Nk / block_k)
+    i64 bmask_sb, bmask_sh, bmask_sq;
+    const void* bias;                   // additive bias (Bb, Hb, Nqb, Nkb), input dtype
+    i64 bias_sb, bias_sh, bias_sq, bias_sk;
+    const void* alibi;                  // ALiBi slopes (Ba, Hq), accumulation dtype
+    i64 alibi_sb;
+    u64 rng_seed, rng_offset;           // dropout's Philox key and first stream
+    double softcap;                     // 0: off
+    double drop_scale;                  // 1 / (1 - p) of the drawn keep probability
+    int win_left, win_right;            // window sides, -1 unbounded
+    int block_q, block_k;               // the block mask's block size
+    u32 drop_threshold;                 // philox.cuh: 0 = no dropout, else the byte threshold
+};
+
+struct AttnParams {
+    TmaMap q_map, k_map, v_map;         // the Hopper forward's tensor maps (fwd_sm90.cu)
+    TensorParams q, k, v, o;            // (B, H, N, d) views; o is written by the forward
+    TensorParams dout, dq, dk, dv;      // the backward's gradient views
+    void* lse;                          // (B, Hq, Nq) log-sum-exp, accumulation dtype
+    void* lse2;                         // the backward's padded row workspaces (bwd.cuh)
+    void* delta;
+    void* dq_accum;                     // non-deterministic dQ accumulator, or null
+    void* dbias;                        // dbias accumulator (compact bias shape), or null
+    i64 dbias_sb, dbias_sh, dbias_sq, dbias_sk;
+    double scale;                       // softmax scale
+    double scale_log2;                  // scale * log2(e), > 0 (the host clamps it)
+    int group;                          // query heads per kv head
+    int nq, nk;                         // rows of q and k (the longest sequence under varlen)
+    int d, dim_v;                       // head dims of q/k and of v
+    int nq_pad;                         // rows of the backward's workspaces per head
+    int causal;
+    int vec;                            // every row 16-byte aligned: wide copies
+    ModsParams mods;
+};
