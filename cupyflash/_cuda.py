@@ -55,7 +55,7 @@ FWD_SM80_TILES = {
 # warpgroup ping-pong gained 7-16% at d = 128 but drew a racecheck report it did not
 # explain, and was taken out (bench/NOTES.md, session 6; the code is in b26d7f8).
 FWD_SM90_TILES = {
-    64: ((128, 3, 2),),
+    64: ((64, 3, 4),),
     128: ((128, 2, 3),),
     192: ((64, 2, 2),),
     256: ((64, 2, 2),),
@@ -66,7 +66,7 @@ FWD_SM90_TILES = {
 # (MODE_EXT | MODE_BIAS), 64-key tiles: its reads spill the 128-key tiles (build check);
 # d = 256 with a bias spills even at 64 keys and runs in fwd_sm80.cu.
 FWD_SM90_EXT_TILES = {
-    64: ((128, 2, 3),),
+    64: ((64, 3, 4),),
     128: ((128, 2, 3),),
     192: ((64, 2, 2),),
     256: ((64, 2, 2),),
@@ -233,12 +233,12 @@ def _wide_forward(dtype_name: str, D: int, tile, mode: int) -> Variant:
 
 def forward_variants(dtype_name: str, D: int, mode: int = MODE_DENSE) -> list[Variant]:
     """Every forward instantiation that may serve (dtype, D, mode), in order of preference."""
-    hopper = _FWD_SM90_TABLES[mode].get(D, ())
-    mode = _one_ext_mode(mode)   # the other families: one kernel for every option
     if dtype_name in HALF_DTYPES:
+        hopper = [_sm90_forward(dtype_name, D, tile, mode) for tile in _FWD_SM90_TABLES[mode].get(D, ())]
+        mode = _one_ext_mode(mode)   # the other families: one kernel for every option
         tiles = (FWD_SM80_EXT_TILES if mode else FWD_SM80_TILES)[D]
-        return ([_sm90_forward(dtype_name, D, tile, mode) for tile in hopper]
-                + [_sm80_forward(dtype_name, D, tile, mode) for tile in tiles])
+        return hopper + [_sm80_forward(dtype_name, D, tile, mode) for tile in tiles]
+    mode = _one_ext_mode(mode)
     tiles = (FWD_WIDE_EXT_TILES if mode else FWD_WIDE_TILES)[dtype_name][D]
     return [_wide_forward(dtype_name, D, tile, mode) for tile in tiles]
 

@@ -238,7 +238,8 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
         softmax_tile(first_tile);   // acc is still 0: nothing to rescale
         round_p();
     }
-    for (int next = next_tile(first_tile + 1); next < tiles.y; next = next_tile(next + 1), ++t) {
+    // One step: P V of the t-th visited tile and S of the next, tile `next`.
+    auto step = [&](int t, int next) {
         wait_full(bars.k_full, t + 1);
         wait_full(bars.v_full, t);
         issue_s((t + 1) % STAGES);
@@ -252,6 +253,13 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
         release(bars.v_empty, t);
         if (grew) softmax.rescale(acc, alpha);
         round_p();
+    };
+    // The dense path visits every tile of the range: one induction variable (a second
+    // one costs the d = 64 tile a spill).
+    if constexpr (MODE == MODE_DENSE) {
+        for (; first_tile + t + 1 < tiles.y; ++t) step(t, first_tile + t + 1);
+    } else {
+        for (int next = next_tile(first_tile + 1); next < tiles.y; next = next_tile(next + 1), ++t) step(t, next);
     }
     if (any_tile) {
         wait_full(bars.v_full, t);

@@ -134,7 +134,7 @@ struct Mods {
     u32 threshold;
     Acc drop_scale;
 
-    __device__ static Mods make(const AttnParams& p, int b, int heads) {
+    __device__ __forceinline__ static Mods make(const AttnParams& p, int b, int heads) {
         Mods m{};
         m.tb = b;
         m.mask.nq = p.nq;
