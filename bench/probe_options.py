@@ -4,6 +4,7 @@ a long matrix product, so the host's time before the launch is hidden). Kernel w
 
     python bench/probe_options.py [d ...]            # bf16, N = 16384, B*N = 16384, H*d = 2048
     python bench/probe_options.py --tiles 128        # the option tiles of FWD_SM90_EXT/BIAS_TILES' candidates
+    python bench/probe_options.py --once "window 256" 128   # one option a few times, for ncu
 """
 
 from __future__ import annotations
@@ -119,9 +120,27 @@ def tiles(d, dtype="bfloat16"):
         table[kind][d] = saved
 
 
+def once(name, d, dtype="bfloat16", repeat=3):
+    """Run one option's forward a few times (for ncu) and print the cubin that serves it."""
+    from cupyflash import _nvrtc
+    H = bench.HIDDEN // d
+    q, k, v = (cp.random.standard_normal((1, H, N, d), dtype=cp.float32).astype(dtype) for _ in range(3))
+    opts = options(d, H)[name]
+    opts = {k_: (x.astype(dtype) if k_ == "bias" else x) for k_, x in opts.items()}
+    for _ in range(repeat):
+        cupyflash.attention(q, k, v, **opts)
+    cp.cuda.Device().synchronize()
+    mode = (_cuda.MODE_EXT | (_cuda.MODE_BIAS if "bias" in opts else 0)) if set(opts) - {"causal"} else 0
+    variant = _cuda._choose(_cuda.forward_variants(dtype, _cuda.padded_head_dim(d, d), mode), 0)
+    print(variant.name_expression, _nvrtc.compile_kernel(variant.source, variant.name_expression,
+                                                         _cuda._device_info(0)[0]).binary_path)
+
+
 if __name__ == "__main__":
     args = sys.argv[1:]
-    if args and args[0] == "--tiles":
+    if args and args[0] == "--once":
+        once(args[1], int(args[2]))
+    elif args and args[0] == "--tiles":
         for d in map(int, args[1:] or ["64", "128"]):
             tiles(d)
     else:

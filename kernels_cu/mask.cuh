@@ -31,7 +31,32 @@ __device__ __forceinline__ void for_each_score(Acc (&s)[MT][NT][4], int r0, int 
             }
 }
 
+// The queries a thread holds in for_each_score's layout, as slots: 2 per m-tile (its two
+// fragment rows), or with KEY_ROWS 2 per n-tile (its two fragment columns). Per-query
+// work (a band, a row pointer) is done once per slot rather than once per score.
+template <bool KEY_ROWS, int MT, int NT>
+struct QuerySlots {
+    static constexpr int COUNT = KEY_ROWS ? 2 * NT : 2 * MT;
+    // The slot of element e of n-tile nt of m-tile mt.
+    __device__ __forceinline__ static int of(int mt, int nt, int e) {
+        return KEY_ROWS ? 2 * nt + e % 2 : 2 * mt + e / 2;
+    }
+    // The query of slot q, for fragments whose rows start at r0 and columns at c0.
+    __device__ __forceinline__ static int query(int q, int r0, int c0) {
+        const int lane = threadIdx.x % 32;
+        return KEY_ROWS ? c0 + (q / 2) * 8 + 2 * (lane % 4) + q % 2 : r0 + (q / 2) * 16 + lane / 4 + 8 * (q % 2);
+    }
+};
+
 #define NO_LIMIT 0x3fffffff   // an unbounded window side, beyond any index
+
+// An unsigned integer of at least N bits (N <= 64).
+template <int N> struct BitsFor { typedef u64 type; };
+template <> struct BitsFor<32> { typedef u32 type; };
+template <> struct BitsFor<16> { typedef u32 type; };
+template <> struct BitsFor<8> { typedef u32 type; };
+template <> struct BitsFor<4> { typedef u32 type; };
+template <> struct BitsFor<2> { typedef u32 type; };
 
 template <bool EXT>
 struct MaskInfo {
@@ -58,9 +83,11 @@ struct MaskInfo {
         const int r = right_extent();
         return r == NO_LIMIT ? stop() : min(stop(), i + off() + r + 1);
     }
-    // Block-sparse and head-dependent: the functions below take the query head h.
+    // Block-sparse and head-dependent: the functions below take the query head h. Rows
+    // and keys past the sequence are left to the band (they have no mask entry).
     __device__ __forceinline__ bool block_visible(int i, int j, int h) const {
-        return !EXT || blocks == nullptr || blocks[h * blocks_head + (i / block_q) * blocks_row + j / block_k] != 0;
+        return !EXT || blocks == nullptr || i >= nq || j >= nk ||
+               blocks[h * blocks_head + (i / block_q) * blocks_row + j / block_k] != 0;
     }
     __device__ __forceinline__ bool visible(int i, int j, int h = 0) const {
         if constexpr (!EXT) return j < nk && (!causal || j <= i + off());   // the diagonal tiles' test
@@ -126,11 +153,54 @@ struct MaskInfo {
     }
 
     // Hide (-inf) what a row of head h may not see in scores held as mma C fragments
-    // (for_each_score's layout; KEY_ROWS for the backward's key-major products).
+    // (for_each_score's layout; KEY_ROWS for the backward's key-major products). With
+    // the options, the per-query quantities (its band of keys, its row of the block
+    // mask) are worked out once per query the thread holds and the key's block once per
+    // key: per score that leaves two compares (and a byte of the block mask where there
+    // is one), not visible()'s divisions and branches, which made the masked tiles slow
+    // and the code too large for the instruction cache.
     template <bool KEY_ROWS = false, int MT, int NT, typename Acc>
     __device__ __forceinline__ void apply(Acc (&s)[MT][NT][4], int r0, int c0, int h = 0) const {
-        for_each_score<KEY_ROWS>(s, r0, c0, [&](Acc& x, int i, int j, int, int, int) {
-            if (!visible(i, j, h)) x = Acc(-INFINITY);
-        });
+        if constexpr (!EXT) {
+            for_each_score<KEY_ROWS>(s, r0, c0, [&](Acc& x, int i, int j, int, int, int) {
+                if (!visible(i, j)) x = Acc(-INFINITY);
+            });
+        } else {
+            typedef QuerySlots<KEY_ROWS, MT, NT> Slots;
+            int lo[Slots::COUNT], hi[Slots::COUNT];
+            #pragma unroll
+            for (int q = 0; q < Slots::COUNT; ++q) {
+                const int i = Slots::query(q, r0, c0);
+                lo[q] = i < nq ? max(key_lo(i), 0) : 0;
+                hi[q] = i < nq ? key_hi(i) : 0;
+            }
+            for_each_score<KEY_ROWS>(s, r0, c0, [&](Acc& x, int, int j, int mt, int nt, int e) {
+                const int q = Slots::of(mt, nt, e);
+                if (j < lo[q] || j >= hi[q]) x = Acc(-INFINITY);
+            });
+            // The block mask, on tiles with a partial block pattern: per fragment row a
+            // bit per fragment column, gathered in a loop that is not unrolled (unrolled,
+            // its loads and divisions would take registers and code the main loop needs).
+            if (blocks == nullptr) return;
+            typedef typename BitsFor<2 * NT>::type Bits;
+            const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+            #pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+                #pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const int fr = r0 + mt * 16 + g + 8 * half;
+                    Bits bits = 0;
+                    #pragma unroll 1
+                    for (int c = 0; c < 2 * NT; ++c) {
+                        const int fc = c0 + (c / 2) * 8 + 2 * t + c % 2;
+                        bits |= Bits(block_visible(KEY_ROWS ? fc : fr, KEY_ROWS ? fr : fc, h)) << c;
+                    }
+                    #pragma unroll
+                    for (int nt = 0; nt < NT; ++nt)
+                        #pragma unroll
+                        for (int odd = 0; odd < 2; ++odd)
+                            if (!((bits >> (2 * nt + odd)) & 1)) s[mt][nt][2 * half + odd] = Acc(-INFINITY);
+                }
+        }
     }
 };

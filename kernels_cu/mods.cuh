@@ -49,6 +49,7 @@ struct HeadMods<T, Acc, true> {
     const MaskInfo<true>* mask;
     int h, off;
     Acc softcap;         // 0: off
+    Acc softcap_in;      // ln 2 / softcap: a log2-unit score times it is the tanh's argument
     const T* bias;       // this head's bias rows, or null
     i64 bias_sq, bias_sk;
     Acc slope_log2;      // ALiBi slope times log2(e); 0: off
@@ -90,8 +91,22 @@ struct HeadMods<T, Acc, true> {
             });
         else if constexpr (KEEP_DTANH)
             for_each_score<KEY_ROWS>(s, r0, c0, [&](Acc&, int, int, int mt, int nt, int e) { dtanh[mt][nt][e] = Acc(1); });
-        if (WITH_BIAS && bias != nullptr)
-            for_each_score<KEY_ROWS>(s, r0, c0, [&](Acc& x, int i, int j, int, int, int) { x += biased(i, j); });
+        if (WITH_BIAS && bias != nullptr) {
+            // One row pointer per query the thread holds (null past the sequence: a
+            // tile's padding has no bias), so that a score costs a load and an add.
+            typedef QuerySlots<KEY_ROWS, MT, NT> Slots;
+            const T* rows[Slots::COUNT];
+            #pragma unroll
+            for (int q = 0; q < Slots::COUNT; ++q) {
+                const int i = Slots::query(q, r0, c0);
+                rows[q] = i < mask->nq ? bias + i * bias_sq : nullptr;
+            }
+            const int nk = mask->nk;
+            for_each_score<KEY_ROWS>(s, r0, c0, [&](Acc& x, int, int j, int mt, int nt, int e) {
+                const T* row = rows[Slots::of(mt, nt, e)];
+                if (row != nullptr && j < nk) x += to_acc(row[j * bias_sk]) * Acc(LOG2E_D);
+            });
+        }
         if (slope_log2 != Acc(0))
             for_each_score<KEY_ROWS>(s, r0, c0, [&](Acc& x, int i, int j, int, int, int) { x -= alibi(i, j); });
         if (masked) mask->template apply<KEY_ROWS>(s, r0, c0, h);
@@ -100,7 +115,7 @@ struct HeadMods<T, Acc, true> {
     // softcap * tanh(scale s / softcap) of a log2-unit score x = scale s log2 e, in log2
     // units (the division by log2 e and the multiplication by it cancel around the tanh).
     __device__ __forceinline__ Acc capped(Acc x, Acc& dtanh) const {
-        const Acc th = tanh_acc<T>(x * Acc(LN2_D) / softcap);
+        const Acc th = tanh_acc<T>(x * softcap_in);
         dtanh = Acc(1) - th * th;
         return softcap * Acc(LOG2E_D) * th;
     }
@@ -181,6 +196,7 @@ struct Mods {
             m.h = h;
             m.off = mask.off();
             m.softcap = softcap;
+            m.softcap_in = softcap > Acc(0) ? Acc(LN2_D) / softcap : Acc(0);
             m.bias = bias != nullptr ? bias + h * bias_sh : nullptr;
             m.bias_sq = bias_sq;
             m.bias_sk = bias_sk;
