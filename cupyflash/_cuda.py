@@ -215,8 +215,9 @@ def _sm90_forward(dtype_name: str, D: int, tile, mode: int) -> Variant:
     block_n, consumers, stages = tile
     block_m = 64 * consumers
     # fwd_sm90.cu Sm90FwdTile: Q, then K and V STAGES times each, swizzled, 1024 bytes to
-    # align them; then Sm90FwdBarriers (1 + 4 STAGES mbarriers of 8 bytes).
-    smem = (block_m + 2 * stages * block_n) * D * 2 + 1024 + 8 * (1 + 4 * stages)
+    # align them; then Sm90FwdBarriers (1 + 4 STAGES mbarriers of 8 bytes, then the
+    # schedule's STAGES ints, padded to 8 bytes).
+    smem = (block_m + 2 * stages * block_n) * D * 2 + 1024 + 8 * (1 + 4 * stages) + -(-4 * stages // 8) * 8
     expr = f"flash_fwd_sm90<{_CPP_TYPE[dtype_name]}, {D}, {block_n}, {consumers}, {stages}, {mode}, {smem}>"
     return Variant(FWD_SM90, expr, (consumers + 1) * 128, block_m, smem, mode=mode, tile=tuple(tile))
 

@@ -41,6 +41,19 @@
 #include "warp_mm.cuh"
 #include "wgmma.cuh"
 
+// Barriers of the pipeline, after the tiles in shared memory, and the schedule: with
+// the options the producer alone walks the key tiles (the mask's range, the block mask)
+// and writes each stage's tile before its "full" arrival (release; the consumers' wait
+// acquires): 2 tile + 1 where it needs the element mask, END after the last.
+template <int STAGES>
+struct Sm90FwdBarriers {
+    static constexpr int END = -1;
+    u64 q_full;
+    u64 k_full[STAGES], v_full[STAGES];
+    u64 k_empty[STAGES], v_empty[STAGES];
+    int tile[STAGES];
+};
+
 template <typename T, int D, int BLOCK_N, int CONSUMERS, int STAGES>
 struct Sm90FwdTile {
     // Named barrier of the consumers alone (0 is __syncthreads').
@@ -62,7 +75,7 @@ struct Sm90FwdTile {
     static constexpr int TILE_BYTES = (Q_ELEMS + 2 * STAGES * KV_ELEMS) * sizeof(T);
     // The dynamic shared memory the host must give: the tiles, the slack to align them,
     // the barriers.
-    static constexpr int SMEM_BYTES = TILE_BYTES + ALIGN + (1 + 4 * STAGES) * sizeof(u64);
+    static constexpr int SMEM_BYTES = TILE_BYTES + ALIGN + sizeof(Sm90FwdBarriers<STAGES>);
     // Register budgets after setmaxnreg: the producer keeps 24 a thread; the consumers
     // share the rest of the 64K register file (a multiple of 8, at most 240).
     static constexpr int PRODUCER_REGS = 24;
@@ -73,21 +86,12 @@ struct Sm90FwdTile {
     static_assert(Q_ELEMS + 2 * STAGES * KV_ELEMS >= BLOCK_M * SmemTile<T, D>::stride, "epilogue staging");
 };
 
-// Barriers of the pipeline, after the tiles in shared memory.
-template <int STAGES>
-struct Sm90FwdBarriers {
-    u64 q_full;
-    u64 k_full[STAGES], v_full[STAGES];
-    u64 k_empty[STAGES], v_empty[STAGES];
-};
-
 template <typename T, int D, int BLOCK_N, int CONSUMERS, int STAGES, int MODE, int SMEM_BYTES>
 __global__ void __launch_bounds__(Sm90FwdTile<T, D, BLOCK_N, CONSUMERS, STAGES>::THREADS, 1)
 flash_fwd_sm90(const __grid_constant__ AttnParams p)
 {
     typedef Sm90FwdTile<T, D, BLOCK_N, CONSUMERS, STAGES> C;
     static_assert(SMEM_BYTES == C::SMEM_BYTES, "the host's shared-memory size (cupyflash/_cuda.py)");
-    static_assert(sizeof(Sm90FwdBarriers<STAGES>) == (1 + 4 * STAGES) * sizeof(u64), "barrier layout");
     constexpr int BLOCK_M = C::BLOCK_M, NT = C::NT, DT = C::DT;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* sQ = reinterpret_cast<T*>(smem_raw + (C::ALIGN - smem_addr(smem_raw) % C::ALIGN) % C::ALIGN);
@@ -106,9 +110,8 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
     if (q_rows <= 0) return;   // varlen: the grid covers the longest sequence
     const int2 tiles = mask.key_tile_range(q0, q0 + q_rows, BLOCK_N);
     // The key tiles visited, in order: every tile of the range, less those the block
-    // mask leaves out. Producer and consumers walk the same sequence.
+    // mask leaves out (the dense path visits the whole range).
     auto next_tile = [&](int j) { return mask.next_key_tile(j, tiles.y, q0, q0 + q_rows, BLOCK_N, h); };
-    const int first_tile = next_tile(tiles.x);
 
     if (threadIdx.x == 0) {
         mbar_init(&bars.q_full, 1);
@@ -135,11 +138,20 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
             };
             mbar_arrive_expect_tx(&bars.q_full, C::Q_BYTES);
             load_panels(sQ, p.q_map, &bars.q_full, BLOCK_M, mods.q_base + q0, h);
-            for (int j = first_tile, t = 0; j < tiles.y; j = next_tile(j + 1), ++t) {
+            for (int j = next_tile(tiles.x), t = 0;; j = next_tile(j + 1), ++t) {
                 const int s = t % STAGES;
                 const u32 parity = ((t / STAGES) & 1) ^ 1;   // the consumers' release of the round before
                 const i64 row0 = mods.k_base + (i64)j * BLOCK_N;
+                if (MODE == MODE_DENSE && j >= tiles.y) break;
                 mbar_wait(&bars.k_empty[s], parity);
+                if constexpr (MODE != MODE_DENSE) {
+                    if (j >= tiles.y) {   // the end mark: a plain arrival completes the phase
+                        bars.tile[s] = bars.END;
+                        mbar_arrive(&bars.k_full[s]);
+                        break;
+                    }
+                    bars.tile[s] = 2 * j + mask.tile_needs_mask(q0, q0 + q_rows, j * BLOCK_N, (j + 1) * BLOCK_N, h);
+                }
                 mbar_arrive_expect_tx(&bars.k_full[s], C::KV_BYTES);
                 load_panels(sK + s * C::KV_ELEMS, p.k_map, &bars.k_full[s], BLOCK_N, row0, hk);
                 mbar_wait(&bars.v_empty[s], parity);
@@ -191,26 +203,47 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
     const float scale_log2 = float(p.scale_log2);
     // The options' per-score state of this head (nothing in dense mode).
     const auto head_mods = mods.at_head(h);
-    // The mask and the score terms on the scores of key tile jt, folded into the softmax
-    // state: s becomes P (dropped where dropout drops it: the row sums took it first, so
-    // the LSE is that of the undropped softmax). Returns whether acc must be rescaled by
-    // alpha before this tile's P V is added.
-    auto softmax_tile = [&](int jt) {
+    // Dropout's keep bits of key tile jt's scores (bit 4 nt + e), drawn while its S is
+    // being computed (they depend on indices alone), and their use on P.
+    auto keep_bits = [&](int jt) {
+        if constexpr (MODE != MODE_DENSE)
+            if (head_mods.dropout())
+                return dropout_keep_bits<NT>(head_mods.seed, head_mods.stream, q0 + warp_row0, jt * BLOCK_N,
+                                             head_mods.threshold);
+        return ~0ull;
+    };
+    auto drop = [&](u64 keep) {
+        #pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+            #pragma unroll
+            for (int e = 0; e < 4; ++e)
+                if (!((keep >> (4 * nt + e)) & 1)) s[0][nt][e] = 0.f;
+    };
+    // The mask and the score terms on the scores of key tile jt (masked: not wholly
+    // visible), folded into the softmax state: s becomes P (dropped where `keep` says:
+    // the row sums took it first, so the LSE is that of the undropped softmax). Returns
+    // whether acc must be rescaled by alpha before this tile's P V is added. Without a
+    // score term the scale stays folded into the softmax's exp2, as in dense mode.
+    auto softmax_tile = [&](int jt, bool masked, u64 keep) {
         const int k0 = jt * BLOCK_N;
         const int r0 = q0 + warp_row0;
-        const bool masked = mask.tile_needs_mask(q0, q0 + q_rows, k0, k0 + BLOCK_N, h);
-        if constexpr (MODE == MODE_DENSE) {
-            if (masked) mask.apply(s, r0, k0);
-            return softmax.fold(s, scale_log2, alpha);
+        bool grew;
+        if constexpr (MODE != MODE_DENSE) {
+            if (head_mods.score_terms()) {
+                float no_dtanh[1][1][4];
+                head_mods.template scores_log2<false, (MODE & MODE_BIAS) != 0>(s, no_dtanh, r0, k0, scale_log2,
+                                                                                masked);
+                grew = softmax.fold(s, 1.f, alpha);
+            } else {
+                if (masked) mask.apply(s, r0, k0, h);
+                grew = softmax.fold(s, scale_log2, alpha);
+            }
+            if (head_mods.dropout()) drop(keep);
         } else {
-            float no_dtanh[1][1][4];
-            head_mods.template scores_log2<false, (MODE & MODE_BIAS) != 0>(s, no_dtanh, r0, k0, scale_log2, masked);
-            const bool grew = softmax.fold(s, 1.f, alpha);
-            if (head_mods.dropout())
-                dropout_fragment(s[0], head_mods.seed, head_mods.stream, r0, k0, head_mods.threshold,
-                                 [](float& x, bool kept) { if (!kept) x = 0.f; });
-            return grew;
+            if (masked) mask.apply(s, r0, k0, h);
+            grew = softmax.fold(s, scale_log2, alpha);
         }
+        return grew;
     };
     // P into A fragments; p_frag must not change while a P V that reads it is in flight.
     auto round_p = [&]() {
@@ -220,48 +253,56 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
 
     // Pipeline over the visited key tiles (the t-th in stage t % STAGES): before the loop,
     // S and P of the first tile; while there is a next tile, an iteration issues S of the
-    // next tile and P V of this one back to back, and runs the softmax of the next tile while the tensor cores
-    // still accumulate P V; acc is rescaled only once that product has landed. The last
-    // P V follows the loop. A stage goes back to the producer as soon as the product that
-    // reads it has landed. (The issue order is unconditional inside the loop: a wgmma
-    // batch issued on one path only would leave register copies between the wgmmas and
-    // their wait.)
+    // next tile and P V of this one back to back, and runs the softmax of the next tile
+    // while the tensor cores still accumulate P V; acc is rescaled only once that product
+    // has landed. The last P V follows the loop. A stage goes back to the producer as soon
+    // as the product that reads it has landed. (The issue order is unconditional inside
+    // the loop: a wgmma batch issued on one path only would leave register copies between
+    // the wgmmas and their wait.)
     mbar_wait(&bars.q_full, 0);   // also when no key is visible: no copy may outlive the CTA
-    const bool any_tile = first_tile < tiles.y;
-    int t = 0;
-    if (any_tile) {
+    // The t-th visited tile: its index and whether it needs the element mask. The dense
+    // path visits the range in order (one induction variable: a second costs the d = 64
+    // tile a spill); with the options the producer's schedule says (END: no more).
+    auto visited = [&](int t, int& jt, bool& masked) {
+        if constexpr (MODE == MODE_DENSE) {
+            jt = tiles.x + t;
+            masked = jt < tiles.y && mask.tile_needs_mask(q0, q0 + q_rows, jt * BLOCK_N, (jt + 1) * BLOCK_N);
+            return jt < tiles.y;
+        } else {
+            wait_full(bars.k_full, t);
+            const int code = bars.tile[t % STAGES];
+            jt = code >> 1;
+            masked = code & 1;
+            return code != bars.END;
+        }
+    };
+    int t = 0, jt;
+    bool masked;
+    if (visited(0, jt, masked)) {
         wait_full(bars.k_full, 0);
         issue_s(0);
+        const u64 keep = keep_bits(jt);
         wgmma_wait<0>();
         reg_fence(s[0]);
         release(bars.k_empty, 0);
-        softmax_tile(first_tile);   // acc is still 0: nothing to rescale
+        softmax_tile(jt, masked, keep);   // acc is still 0: nothing to rescale
         round_p();
-    }
-    // One step: P V of the t-th visited tile and S of the next, tile `next`.
-    auto step = [&](int t, int next) {
-        wait_full(bars.k_full, t + 1);
-        wait_full(bars.v_full, t);
-        issue_s((t + 1) % STAGES);
-        issue_pv(t % STAGES);
-        wgmma_wait<1>();   // S of the next tile (P V may still run)
-        reg_fence(s[0]);
-        release(bars.k_empty, t + 1);
-        const bool grew = softmax_tile(next);
-        wgmma_wait<0>();
-        reg_fence(acc[0]);
-        release(bars.v_empty, t);
-        if (grew) softmax.rescale(acc, alpha);
-        round_p();
-    };
-    // The dense path visits every tile of the range: one induction variable (a second
-    // one costs the d = 64 tile a spill).
-    if constexpr (MODE == MODE_DENSE) {
-        for (; first_tile + t + 1 < tiles.y; ++t) step(t, first_tile + t + 1);
-    } else {
-        for (int next = next_tile(first_tile + 1); next < tiles.y; next = next_tile(next + 1), ++t) step(t, next);
-    }
-    if (any_tile) {
+        for (; visited(t + 1, jt, masked); ++t) {
+            wait_full(bars.k_full, t + 1);
+            wait_full(bars.v_full, t);
+            issue_s((t + 1) % STAGES);
+            issue_pv(t % STAGES);
+            const u64 keep = keep_bits(jt);
+            wgmma_wait<1>();   // S of the next tile (P V may still run)
+            reg_fence(s[0]);
+            release(bars.k_empty, t + 1);
+            const bool grew = softmax_tile(jt, masked, keep);
+            wgmma_wait<0>();
+            reg_fence(acc[0]);
+            release(bars.v_empty, t);
+            if (grew) softmax.rescale(acc, alpha);
+            round_p();
+        }
         wait_full(bars.v_full, t);
         issue_pv(t % STAGES);
         wgmma_wait<0>();

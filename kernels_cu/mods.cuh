@@ -58,6 +58,10 @@ struct HeadMods<T, Acc, true> {
     Acc drop_scale;
 
     __device__ __forceinline__ bool dropout() const { return threshold != 0; }
+    // Whether a term changes the scores (else a kernel may fold the scale into its exp2).
+    __device__ __forceinline__ bool score_terms() const {
+        return softcap > Acc(0) || bias != nullptr || slope_log2 != Acc(0);
+    }
     __device__ __forceinline__ bool keep(int i, int j) const {
         return !dropout() || dropout_keep(seed, stream, i, j, threshold);
     }

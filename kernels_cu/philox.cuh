@@ -70,15 +70,17 @@ __device__ __forceinline__ bool dropout_keep(u64 seed, u64 stream, u64 row, u64 
     return dropout_byte(dropout_words(seed, stream, x, y), b) >= threshold;
 }
 
-// The dropout of one 16-row m-tile of scores held as mma C fragments [NT][4] (for_each_score's
-// layout) whose rows start at r0 (a multiple of 16) and columns at c0 (a multiple of 32):
-// f(x, kept) for each score, one Philox call per 4 n-tiles.
-template <int NT, typename Acc, typename F>
-__device__ __forceinline__ void dropout_fragment(Acc (&s)[NT][4], u64 seed, u64 stream, int r0, int c0,
-                                                 u32 threshold, F&& f) {
-    static_assert(NT % 4 == 0, "whole 32-column blocks");
+// The keep bits of one 16-row m-tile of scores held as mma C fragments [NT][4]
+// (for_each_score's layout) whose rows start at r0 (a multiple of 16) and columns at c0
+// (a multiple of 32): bit 4 nt + e for element e of n-tile nt, one Philox call per 4
+// n-tiles. They depend on indices alone, so a kernel draws them while the tensor cores
+// compute the scores.
+template <int NT>
+__device__ __forceinline__ u64 dropout_keep_bits(u64 seed, u64 stream, int r0, int c0, u32 threshold) {
+    static_assert(NT % 4 == 0 && 4 * NT <= 64, "whole 32-column blocks, at most 64 scores");
     const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const u32 y = static_cast<u32>((r0 >> 4) * 8 + g);
+    u64 bits = 0;
     #pragma unroll
     for (int blk = 0; blk < NT / 4; ++blk) {
         const uint4 w = dropout_words(seed, stream, static_cast<u32>(((c0 >> 5) + blk) * 4 + t), y);
@@ -86,6 +88,8 @@ __device__ __forceinline__ void dropout_fragment(Acc (&s)[NT][4], u64 seed, u64 
         for (int nt = 0; nt < 4; ++nt)
             #pragma unroll
             for (int e = 0; e < 4; ++e)
-                f(s[blk * 4 + nt][e], dropout_byte(w, (e / 2) * 8 + nt * 2 + (e % 2)) >= threshold);
+                if (dropout_byte(w, (e / 2) * 8 + nt * 2 + (e % 2)) >= threshold)
+                    bits |= 1ull << (4 * (blk * 4 + nt) + e);
     }
+    return bits;
 }
