@@ -61,12 +61,14 @@ FWD_SM90_TILES = {
     256: ((64, 2, 2),),
 }
 # The same kernel with the options as policies of the same pipeline. MODE_EXT (every option
-# but the bias, switched on at run time): the options' per-head state and dropout's draws
-# take registers beside S and O, so d = 64 runs 2 consumers (3 spill). With the bias
-# (MODE_EXT | MODE_BIAS), 64-key tiles: its reads spill the 128-key tiles (build check);
-# d = 256 with a bias spills even at 64 keys and runs in fwd_sm80.cu.
+# but the bias, switched on at run time): d = 64 takes 128-row query tiles (two consumers),
+# so that 128-row mask blocks cover whole tiles: with the dense tile's 192 rows, half the
+# tiles of a block mask need the element mask (H100, bf16, N = 16k, block_mask density 1/2:
+# 26 ms against the dense call's 4.8). With the bias (MODE_EXT | MODE_BIAS), 64-key tiles:
+# the bias's registers spill the 128-key tiles (build check); d = 256 with a bias spills
+# even at 64 keys and runs in fwd_sm80.cu.
 FWD_SM90_EXT_TILES = {
-    64: ((64, 3, 4),),
+    64: ((128, 2, 3),),
     128: ((128, 2, 3),),
     192: ((64, 2, 2),),
     256: ((64, 2, 2),),
@@ -178,6 +180,7 @@ class Variant:
     column_passes: int = 1   # CTAs per query block, each computing some output columns
     mode: int = MODE_DENSE
     tile: tuple = ()         # the tile-table entry it was made from
+    heads_first: bool = False   # grid (heads, query blocks, batch) instead of (query blocks, heads, batch)
 
     @property
     def source(self) -> str:
@@ -219,7 +222,9 @@ def _sm90_forward(dtype_name: str, D: int, tile, mode: int) -> Variant:
     # schedule's STAGES ints, padded to 8 bytes).
     smem = (block_m + 2 * stages * block_n) * D * 2 + 1024 + 8 * (1 + 4 * stages) + -(-4 * stages // 8) * 8
     expr = f"flash_fwd_sm90<{_CPP_TYPE[dtype_name]}, {D}, {block_n}, {consumers}, {stages}, {mode}, {smem}>"
-    return Variant(FWD_SM90, expr, (consumers + 1) * 128, block_m, smem, mode=mode, tile=tuple(tile))
+    # With a bias the heads of a query block run side by side and share its bias rows in L2.
+    return Variant(FWD_SM90, expr, (consumers + 1) * 128, block_m, smem, mode=mode, tile=tuple(tile),
+                   heads_first=bool(mode & MODE_BIAS))
 
 
 def _wide_forward(dtype_name: str, D: int, tile, mode: int) -> Variant:
@@ -506,8 +511,8 @@ def attention_forward(q, k, v, o, lse, *, scale: float, causal: bool, mods=_mods
         else:
             params.set(q_map=maps[0], k_map=maps[1], v_map=maps[2])
     batch, rows, _ = _grid_extents(q, k, mods)
-    _launch(variant, device_id, (math.ceil(rows / variant.block_m) * variant.column_passes, q.shape[1], batch),
-            params)
+    blocks, heads = math.ceil(rows / variant.block_m) * variant.column_passes, q.shape[1]
+    _launch(variant, device_id, (heads, blocks, batch) if variant.heads_first else (blocks, heads, batch), params)
 
 
 def _sm90_tensor_maps(variant: Variant, q, k, v):

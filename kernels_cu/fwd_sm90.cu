@@ -101,9 +101,14 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     // Heavy (late, causal) query blocks first so the tail of the grid is short.
-    const int m_block = gridDim.x - 1 - blockIdx.x;
-    const int h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
-    MODS_SETUP(T, float, MODE, p, b, gridDim.y);
+    // With a bias the grid is (heads, query blocks, batch): the heads of one query block
+    // run together and read the same bias rows (a bias broadcast over heads is read from
+    // HBM once, not once per head). Otherwise (query blocks, heads, batch).
+    constexpr bool HEADS_FIRST = (MODE & MODE_BIAS) != 0;
+    const int heads = HEADS_FIRST ? gridDim.x : gridDim.y;
+    const int m_block = HEADS_FIRST ? gridDim.y - 1 - blockIdx.y : gridDim.x - 1 - blockIdx.x;
+    const int h = HEADS_FIRST ? blockIdx.x : blockIdx.y, b = blockIdx.z, hk = h / p.group;
+    MODS_SETUP(T, float, MODE, p, b, heads);
     const auto& mask = mods.mask;
     const int q0 = m_block * BLOCK_M;
     const int q_rows = min(BLOCK_M, mask.nq - q0);
@@ -219,20 +224,59 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
             for (int e = 0; e < 4; ++e)
                 if (!((keep >> (4 * nt + e)) & 1)) s[0][nt][e] = 0.f;
     };
+    // The bias of key tile jt's scores (MODE_BIAS), loaded while its S is being computed:
+    // pairs of neighbouring keys as one 32-bit load where the rows allow (keys contiguous,
+    // rows 4-byte aligned), zeros past the sequence. Added after the other score terms
+    // (scores_log2 leaves it out): the sum is the same, the loads are off the critical path.
+    typedef u32 BiasPairs[NT][2];
+    auto load_bias = [&](int jt, BiasPairs& pairs) {
+        if constexpr ((MODE & MODE_BIAS) != 0) {
+            const int k0 = jt * BLOCK_N + 2 * t4;
+            const bool wide = head_mods.bias_sk == 1 && head_mods.bias_sq % 2 == 0 &&
+                              reinterpret_cast<u64>(head_mods.bias) % 4 == 0;
+            #pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int i = q0 + warp_row0 + g + 8 * half;
+                const T* row = head_mods.bias + (i64)min(i, mask.nq - 1) * head_mods.bias_sq;
+                #pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    const int j = k0 + nt * 8;
+                    u32 v = 0;
+                    if (i < mask.nq && j + 1 < mask.nk && wide) {
+                        v = *reinterpret_cast<const u32*>(row + j);
+                    } else if (i < mask.nq && j < mask.nk) {
+                        v = row[j * head_mods.bias_sk].bits;
+                        if (j + 1 < mask.nk) v |= u32(row[(j + 1) * head_mods.bias_sk].bits) << 16;
+                    }
+                    pairs[nt][half] = v;
+                }
+            }
+        }
+    };
+    auto add_bias = [&](const BiasPairs& pairs) {
+        #pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                T x;
+                x.bits = u16(pairs[nt][e / 2] >> (16 * (e % 2)));
+                s[0][nt][e] += to_acc(x) * float(LOG2E_D);
+            }
+    };
     // The mask and the score terms on the scores of key tile jt (masked: not wholly
     // visible), folded into the softmax state: s becomes P (dropped where `keep` says:
     // the row sums took it first, so the LSE is that of the undropped softmax). Returns
     // whether acc must be rescaled by alpha before this tile's P V is added. Without a
     // score term the scale stays folded into the softmax's exp2, as in dense mode.
-    auto softmax_tile = [&](int jt, bool masked, u64 keep) {
+    auto softmax_tile = [&](int jt, bool masked, u64 keep, const BiasPairs& bias) {
         const int k0 = jt * BLOCK_N;
         const int r0 = q0 + warp_row0;
         bool grew;
         if constexpr (MODE != MODE_DENSE) {
             if (head_mods.score_terms()) {
                 float no_dtanh[1][1][4];
-                head_mods.template scores_log2<false, (MODE & MODE_BIAS) != 0>(s, no_dtanh, r0, k0, scale_log2,
-                                                                                masked);
+                head_mods.template scores_log2<false, false>(s, no_dtanh, r0, k0, scale_log2, masked);
+                if constexpr ((MODE & MODE_BIAS) != 0) add_bias(bias);
                 grew = softmax.fold(s, 1.f, alpha);
             } else {
                 if (masked) mask.apply(s, r0, k0, h);
@@ -282,10 +326,12 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
         wait_full(bars.k_full, 0);
         issue_s(0);
         const u64 keep = keep_bits(jt);
+        BiasPairs bias;
+        load_bias(jt, bias);
         wgmma_wait<0>();
         reg_fence(s[0]);
         release(bars.k_empty, 0);
-        softmax_tile(jt, masked, keep);   // acc is still 0: nothing to rescale
+        softmax_tile(jt, masked, keep, bias);   // acc is still 0: nothing to rescale
         round_p();
         for (; visited(t + 1, jt, masked); ++t) {
             wait_full(bars.k_full, t + 1);
@@ -293,10 +339,12 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
             issue_s((t + 1) % STAGES);
             issue_pv(t % STAGES);
             const u64 keep = keep_bits(jt);
+            BiasPairs bias;
+            load_bias(jt, bias);
             wgmma_wait<1>();   // S of the next tile (P V may still run)
             reg_fence(s[0]);
             release(bars.k_empty, t + 1);
-            const bool grew = softmax_tile(jt, masked, keep);
+            const bool grew = softmax_tile(jt, masked, keep, bias);
             wgmma_wait<0>();
             reg_fence(acc[0]);
             release(bars.v_empty, t);
@@ -322,7 +370,7 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
     for (int hh = 0; hh < 2; ++hh) {
         const int r = warp_row0 + g + hh * 8;
         if (t4 == 0 && r < q_rows)
-            static_cast<float*>(p.lse)[((i64)mods.tb * gridDim.y + h) * p.nq + mods.q_base + q0 + r] = row_lse[0][hh];
+            static_cast<float*>(p.lse)[((i64)mods.tb * heads + h) * p.nq + mods.q_base + q0 + r] = row_lse[0][hh];
     }
     named_barrier(C::EPILOGUE_BARRIER, C::CONSUMER_THREADS);
     const Strided<T> O = tensor<T>(p.o);
