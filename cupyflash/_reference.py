@@ -107,6 +107,7 @@ class _Rules:
         group = hq // hk
         self.heads = range(kv_head * group, (kv_head + 1) * group)
         self.span_rules = dict(causal=causal, window=mods.window, key_stop=piece.key_stop)
+        self._plain_span = not mods.windowed and piece.key_stop is None
         self.scale_log2 = dtype.type(scale * _LOG2E)
         self.block_mask = self._select(mods.block_mask)
         self.bias = self._select(mods.bias)
@@ -162,7 +163,7 @@ class _Rules:
         if additive is not None:
             s += additive * dtype.type(_LOG2E)
         seen = None
-        if tile_needs_mask(*rows, *cols, self.nq, self.nk, **self.span_rules):
+        if self._needs_mask(rows, cols):
             seen = visible(np.arange(*rows)[:, None], np.arange(*cols)[None, :], self.nq,
                            self.nk, **self.span_rules)
         if self.block_mask is not None:
@@ -172,6 +173,17 @@ class _Rules:
         if seen is not None:
             np.copyto(s, -np.inf, where=~seen)
         return capped_grad
+
+    def _needs_mask(self, rows, cols) -> bool:
+        """`tile_needs_mask`, answered without its general arithmetic (a tenth of a
+        millisecond, a third of a tile's work) for plain and causal spans."""
+        if not self._plain_span:
+            return tile_needs_mask(*rows, *cols, self.nq, self.nk, **self.span_rules)
+        if not self.span_rules["causal"]:
+            return False   # tiles end at nk: every key of one is visible to every row
+        # Each row sees a prefix at least as long as the row above's: the tile is whole
+        # when its first row sees its last key.
+        return cols[1] - 1 > rows[0] + (self.nk - self.nq)
 
     def _additive(self, rows, cols):
         """Bias plus ALiBi of one tile in natural units, or None without either."""
