@@ -46,23 +46,33 @@ def _busy_seconds():
     return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
-def time_call(fn, *, min_time=1.0, min_repeats=3, max_repeats=20):
+def _sample(fn):
+    """(seconds, foreign cores) of one call of ``fn``; other processes' load is measured
+    only for calls of at least 50 ms, the counters' resolution allowing."""
+    busy0, cpu0, t0 = _busy_seconds(), time.process_time(), time.perf_counter()
+    fn()
+    wall = time.perf_counter() - t0
+    foreign = 0.0
+    if busy0 is not None and wall >= 0.05:
+        foreign = max(0.0, (_busy_seconds() - busy0 - (time.process_time() - cpu0)) / wall)
+    return wall, foreign
+
+
+def time_call(fn, *, min_time=1.0, min_repeats=3, max_repeats=20, long_call=10.0):
     """(median seconds per call, foreign cores) of ``fn`` after one warm-up call.
 
     Repeats until ``min_time`` seconds and ``min_repeats`` kept samples; a sample is kept
-    when the rest of the machine used at most `MAX_FOREIGN` cores during it (measured
-    only for samples of at least 50 ms, the counters' resolution allowing). Gives up
-    after ``max_repeats`` samples and keeps them all.
+    when the rest of the machine used at most `MAX_FOREIGN` cores during it. Gives up
+    after ``max_repeats`` samples and keeps them all. A warm-up call of ``long_call``
+    seconds or more that no other process disturbed is the one sample: such calls have
+    nothing left to warm up, and repeating them would take minutes.
     """
-    fn()
+    wall, foreign = _sample(fn)
+    if wall >= long_call and foreign <= MAX_FOREIGN:
+        return wall, foreign
     kept, everything, start = [], [], time.perf_counter()
     while len(everything) < max_repeats:
-        busy0, cpu0, t0 = _busy_seconds(), time.process_time(), time.perf_counter()
-        fn()
-        wall = time.perf_counter() - t0
-        foreign = 0.0
-        if busy0 is not None and wall >= 0.05:
-            foreign = max(0.0, (_busy_seconds() - busy0 - (time.process_time() - cpu0)) / wall)
+        wall, foreign = _sample(fn)
         everything.append((wall, foreign))
         if foreign <= MAX_FOREIGN:
             kept.append((wall, foreign))
@@ -77,7 +87,7 @@ def matmul_rate(n=4096):
     """fp32 GFLOP/s of NumPy's matrix product of two n x n matrices (all BLAS threads)."""
     rng = np.random.default_rng(0)
     a, b = (rng.standard_normal((n, n), dtype=np.float32) for _ in range(2))
-    seconds, _ = time_call(lambda: a @ b)
+    seconds, _ = time_call(lambda: a @ b, min_time=0.5, max_repeats=5)
     return 2 * n ** 3 / seconds / 1e9
 
 
