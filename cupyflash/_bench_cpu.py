@@ -271,51 +271,53 @@ def run(args):
     rng = np.random.default_rng(0)
     dtype = np.dtype(args.cpu_dtype)
     B, H, d = 1, args.cpu_heads, args.cpu_head_dim
+    scale = 1 / math.sqrt(d)
+    cases = [(causal, N, [rng.standard_normal((B, H, N, d), dtype=np.float32).astype(dtype)
+                          for _ in range(4)])
+             for causal in (False, True) for N in args.cpu_seqlens]
     every = cupyflash._cpu_threads.num_threads()
+    makers = {"cupyflash": (cupyflash_runs, every), "cupyflash-1t": (cupyflash_runs, 1),
+              "naive-numpy": (None, None), "jax": (jax_runs, None), "torch": (torch_runs, None)}
+    # One implementation after the other, JAX and torch last: their thread pools keep
+    # spinning for a while after a call, which would slow whatever runs next.
+    impls = ["cupyflash", "cupyflash-1t"] + peers
     with busy_process(args.load):
-        for causal in (False, True):
-            for N in args.cpu_seqlens:
-                q, k, v, do = (rng.standard_normal((B, H, N, d), dtype=np.float32).astype(dtype)
-                               for _ in range(4))
-                scale = 1 / math.sqrt(d)
+        for impl in impls:
+            make, n_threads = makers[impl]
+            for causal, N, (q, k, v, do) in cases:
+                if impl == "cupyflash-1t" and (every == 1 or N > args.cpu_one_thread_max_n):
+                    continue
                 flop = 4 * B * H * N * N * d / (2 if causal else 1)
-                square = N * N * dtype.itemsize
-                room = _available_bytes()
-                impls = {"cupyflash": (cupyflash_runs, every),
-                         "cupyflash-1t": (cupyflash_runs, 1)}
-                impls.update({p: ({"naive-numpy": None, "jax": jax_runs, "torch": torch_runs}[p],
-                                  None) for p in peers})
-                for impl, (make, n_threads) in impls.items():
-                    if impl == "cupyflash-1t" and (every == 1 or N > args.cpu_one_thread_max_n):
+                if make is None:
+                    runs = (lambda: naive_forward(q, k, v, scale, causal),
+                            lambda: naive_forward_backward(q, k, v, do, scale, causal))
+                else:
+                    runs = make(q, k, v, do, scale, causal)
+                for pass_, fn, factor in (("fwd", runs[0], 1.0), ("fwd+bwd", runs[1], 3.5)):
+                    if pass_ not in args.cpu_passes:
                         continue
-                    if make is None:
-                        runs = (lambda: naive_forward(q, k, v, scale, causal),
-                                lambda: naive_forward_backward(q, k, v, do, scale, causal))
+                    row = {"impl": impl, "pass": pass_, "dtype": dtype.name, "d": d,
+                           "causal": causal, "N": N, "B": B, "H": H, "threads": n_threads,
+                           "loaded": args.load, "seconds": None, "gflops": None,
+                           "foreign_cores": None, "skipped": None}
+                    # The peers hold whole N x N matrices: H of them (JAX, torch: all
+                    # heads at once), one (naive: per head); two in the forward, four
+                    # with the backward.
+                    need = (N * N * dtype.itemsize * (1 if impl == "naive-numpy" else H)
+                            * (4 if factor > 1 else 2))
+                    room = _available_bytes()
+                    if not impl.startswith("cupyflash") and room and need > room / 2:
+                        row["skipped"] = f"needs ~{need / 2**30:.0f} GiB of N x N matrices"
                     else:
-                        runs = make(q, k, v, do, scale, causal)
-                    for pass_, fn, factor in (("fwd", runs[0], 1.0), ("fwd+bwd", runs[1], 3.5)):
-                        if pass_ not in args.cpu_passes:
-                            continue
-                        row = dict(impl=impl, pass_=pass_, dtype=dtype.name, d=d, causal=causal,
-                                   N=N, B=B, H=H, threads=n_threads, loaded=args.load,
-                                   seconds=None, gflops=None, foreign_cores=None, skipped=None)
-                        # The peers hold whole N x N matrices: H of them (JAX, torch: all
-                        # heads at once), one (naive: per head); two in the forward, four
-                        # with the backward.
-                        need = square * (1 if impl == "naive-numpy" else H) * (4 if factor > 1 else 2)
-                        if not impl.startswith("cupyflash") and room and need > room / 2:
-                            row["skipped"] = f"needs ~{need / 2**30:.0f} GiB of N x N matrices"
-                        else:
-                            try:
-                                with threads(n_threads):
-                                    s, foreign = time_call(fn, min_time=args.cpu_min_time)
-                                row.update(seconds=s, gflops=factor * flop / s / 1e9,
-                                           foreign_cores=foreign)
-                            except Exception as exc:  # a peer running out of memory, say
-                                row["skipped"] = f"{type(exc).__name__}: {exc}"[:200]
-                        row["pass"] = row.pop("pass_")
-                        rows.append(row)
-                        _print_row(row)
+                        try:
+                            with threads(n_threads):
+                                s, foreign = time_call(fn, min_time=args.cpu_min_time)
+                            row.update(seconds=s, gflops=factor * flop / s / 1e9,
+                                       foreign_cores=foreign)
+                        except Exception as exc:  # a peer running out of memory, say
+                            row["skipped"] = f"{type(exc).__name__}: {exc}"[:200]
+                    rows.append(row)
+                    _print_row(row)
     return rows, rate
 
 
