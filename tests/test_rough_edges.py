@@ -119,14 +119,14 @@ def test_example_help_shows_every_default(script):
         assert "default" in chunk, (script, chunk)
 
 
-def test_tests_build_kernels_outside_the_home_cache():
+def test_tests_keep_kernels_outside_the_home_cache():
     if os.environ.get("CUPYFLASH_CACHE_DIR") != str(ROOT / ".pytest_cache" / "cupyflash-kernels"):
         pytest.skip("CUPYFLASH_CACHE_DIR was set by the user: the tests use it")
     assert _nvrtc.cache_dir() == ROOT / ".pytest_cache" / "cupyflash-kernels"
     assert Path.home() / ".cupy" not in _nvrtc.cache_dir().parents
 
 
-def test_kernel_build_reports_progress(monkeypatch):
+def test_kernel_compilation_reports_progress(monkeypatch):
     monkeypatch.setattr(_nvrtc, "compile_kernel", lambda source, name, arch: (source, name, arch))
     lines = []
     jobs = [("f.cu", f"kernel<{i}>", "sm_80") for i in range(25)]
