@@ -1,11 +1,12 @@
 """``python -m cupyflash info``: versions, GPU and kernel cache, in one place for bug reports."""
 
+import argparse
 import platform
 import sys
 
 import numpy as np
 
-from . import __version__, _cuda, _nvrtc
+from . import __version__, _cpu_threads, _cuda, _nvrtc
 
 
 def info() -> str:
@@ -30,17 +31,25 @@ def info() -> str:
             lines.append(f"GPU {i}: {name}, compute capability {props['major']}.{props['minor']}, "
                          f"kernels built for {target}, {smem // 1024} KiB shared memory per block")
     else:
-        lines.append("no GPU: the NumPy backend serves every call")
+        from ._gpu_status import why_not_usable
+        lines.append(f"no GPU: the NumPy backend serves every call ({why_not_usable()})")
+    lines.append(f"NumPy backend threads: {_cpu_threads.num_threads()} "
+                 f"(${_cpu_threads.ENV_THREADS} to change)")
     lines.append(f"kernel sources: {_nvrtc.KERNEL_DIR}")
     lines.append(f"kernel cache: {_nvrtc.cache_dir()}")
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv != ["info"]:
-        print("usage: python -m cupyflash info", file=sys.stderr)
-        return 2
+    parser = argparse.ArgumentParser(
+        prog="python -m cupyflash",
+        description="cupyflash's command line. Related: python -m cupyflash.bench (the "
+                    "benchmark; --cpu for the NumPy backend), python -m cupyflash.build_check "
+                    "(NVRTC build of every kernel, no GPU needed).")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="command")
+    commands.add_parser("info", help="versions, the GPU (or why there is none) and the kernel "
+                                     "cache, for bug reports")
+    parser.parse_args(sys.argv[1:] if argv is None else argv)
     print(info())
     return 0
 

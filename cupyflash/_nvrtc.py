@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import re
+import time
 from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent
@@ -152,19 +153,31 @@ def _compile_one(job):
     return compile_kernel(*job)
 
 
-def compile_many(jobs, workers: int | None = None) -> list[Compiled]:
+def compile_many(jobs, workers: int | None = None, *, progress=None) -> list[Compiled]:
     """``compile_kernel(source_file, name_expression, arch)`` for each job, in parallel
     processes (NVRTC holds the interpreter lock, so threads would run one at a time).
-    Spawned, not forked: the caller may hold a CUDA context, which a fork must not copy."""
+    Spawned, not forked: the caller may hold a CUDA context, which a fork must not copy.
+
+    ``progress``, if given, is called with a line of text as every tenth of the jobs
+    finishes: a cold build of every kernel takes minutes, cached ones load at once."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     jobs = list(jobs)
     workers = min(len(jobs), workers or os.cpu_count() or 1)
+    start, step = time.perf_counter(), max(1, len(jobs) // 10)
+
+    def report(results):
+        for done, result in enumerate(results, 1):
+            if progress is not None and (done % step == 0 or done == len(jobs)):
+                progress(f"NVRTC: {done}/{len(jobs)} kernel instantiations built or loaded from "
+                         f"{cache_dir()} ({time.perf_counter() - start:.0f} s, {workers} processes)")
+            yield result
+
     if workers <= 1:
-        return [compile_kernel(*job) for job in jobs]
+        return list(report(compile_kernel(*job) for job in jobs))
     with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return list(pool.map(_compile_one, jobs))
+        return list(report(pool.map(_compile_one, jobs)))
 
 
 def target_for(compute_capability: str) -> str:

@@ -110,6 +110,9 @@ def _check_optional_array(value, name):
     return value
 
 
+_MAX_WINDOW = 2**31 - 1
+
+
 def _check_window(window):
     if window is None:
         return None
@@ -118,6 +121,11 @@ def _check_window(window):
     left, right = (_check_int(w, "window") for w in window)
     if left < -1 or right < -1:
         raise ValueError(f"window sides must be >= 0, or -1 for unbounded, got {(left, right)}")
+    if max(left, right) > _MAX_WINDOW:
+        # The kernels take the sides as int32; a side as long as the sequence already
+        # sees all of it, so no valid call needs more.
+        raise ValueError(f"window sides must be at most 2**31 - 1 (-1 for unbounded), "
+                         f"got {(left, right)}")
     return left, right
 
 

@@ -729,7 +729,11 @@ def varlen_attention_vjp(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
 
 
 def precompile(*, dtypes=None, head_dims=None, device=None, workers=None, options=False):
-    from . import _cuda
+    from . import _cuda, _gpu_status
+    why_not = _gpu_status.why_not_usable()
+    if why_not is not None:
+        raise RuntimeError(f"precompile builds kernels for a GPU of this machine, but {why_not}; "
+                           "python -m cupyflash.build_check compiles them without one")
     return _cuda.precompile(dtypes=dtypes, head_dims=head_dims, device=device, workers=workers,
                             options=options)
 

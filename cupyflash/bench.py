@@ -12,6 +12,8 @@ made during one call, inputs excluded.
     python -m cupyflash.bench --seqlens 4096 16384 --head-dims 128 --dtypes bfloat16
     python -m cupyflash.bench --plot-only results.json      # plots from saved results, no GPU
     python -m cupyflash.bench --mods --out mods.json        # the modifier rows instead of the grid
+    python -m cupyflash.bench --cpu --out cpu.json          # the NumPy backend beside CPU peers
+                                                            # (also what runs without a usable GPU)
 
 The JSON holds ``gpu``, ``date``, ``commit``, ``versions``, ``compile`` and ``rows`` (one
 per implementation, pass and case: impl, pass, dtype, d, causal, N, B, H, ms, tflops,
@@ -651,10 +653,17 @@ def parse_args(argv=None):
     p.add_argument("--plot", action="store_true", help="also write PNG plots beside --out")
     p.add_argument("--plot-only", type=Path, nargs="+", metavar="JSON",
                    help="plot saved results (PNGs beside each file) and measure nothing")
+    from . import _bench_cpu
+    _bench_cpu.add_arguments(p)
     args = p.parse_args(argv)
     if args.plot and not args.out:
         p.error("--plot writes the plots beside the results: give --out too")
     return args
+
+
+def _gpu_usable():
+    from . import _cuda   # importing _cuda never imports CuPy
+    return _cuda.gpu_available()
 
 
 def main(argv=None):
@@ -662,6 +671,12 @@ def main(argv=None):
     if args.plot_only:
         written = [write_plots(json.loads(path.read_text()), path.with_suffix("")) for path in args.plot_only]
         return 0 if all(written) else 1
+
+    if args.cpu or not _gpu_usable():
+        if not args.cpu:
+            print("no usable CUDA GPU here: running the CPU benchmark (--cpu) instead", file=sys.stderr)
+        from . import _bench_cpu
+        return _bench_cpu.main(args, commit=args.commit or checkout_commit())
 
     rows = run_mods(args) if args.mods else run_grid(args)
     result = {

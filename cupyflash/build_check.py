@@ -13,10 +13,12 @@ import sys
 from . import _cuda, _nvrtc
 
 
-def build_all(archs=_cuda.BUILD_ARCHS, jobs: int = 2):
-    """Compile all instantiations for ``archs``; returns [(variant, Compiled)]."""
+def build_all(archs=_cuda.BUILD_ARCHS, jobs: int = 2, *, progress=None):
+    """Compile all instantiations for ``archs``; returns [(variant, Compiled)].
+    ``progress`` gets a line of text as the build advances (see `_nvrtc.compile_many`)."""
     work = [(v, arch) for arch in archs for v in _cuda.all_variants() if v.builds_for(arch)]
-    compiled = _nvrtc.compile_many([(v.source, v.name_expression, arch) for v, arch in work], jobs)
+    compiled = _nvrtc.compile_many([(v.source, v.name_expression, arch) for v, arch in work], jobs,
+                                   progress=progress)
     return [(v, c) for (v, _), c in zip(work, compiled)]
 
 
@@ -37,7 +39,7 @@ def main(argv=None) -> int:
     archs = tuple(args.arch or _cuda.BUILD_ARCHS)
     print(f"NVRTC {'.'.join(map(str, _nvrtc.nvrtc_version()))}, kernels from {_nvrtc.KERNEL_DIR}")
     try:
-        built = build_all(archs, args.jobs)
+        built = build_all(archs, args.jobs, progress=lambda line: print(line, file=sys.stderr, flush=True))
     except _nvrtc.KernelBuildError as error:
         print(error, file=sys.stderr)
         return 1

@@ -155,13 +155,15 @@ def run_large(rng, xp, dtype, queries, samples, bandwidth, check_rows):
 
 def parse_args(argv, on_gpu):
     queries, samples = GPU_LARGE if on_gpu else CPU_LARGE
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--queries", type=int, default=queries, help="query points of the large problem")
-    p.add_argument("--samples", type=int, default=samples, help="sample points of the large problem")
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                epilog="Defaults are this machine's (GPU or NumPy backend).")
+    p.add_argument("--queries", type=int, default=queries, help="query points of the large problem (default: %(default)s)")
+    p.add_argument("--samples", type=int, default=samples, help="sample points of the large problem (default: %(default)s)")
     p.add_argument("--bandwidth", type=float, help="kernel width h (default: from the sample count)")
-    p.add_argument("--dtype", default="float64", choices=sorted(TOLERANCE))
-    p.add_argument("--check-rows", type=int, default=64, help="large-problem rows checked directly")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float64", choices=sorted(TOLERANCE),
+                   help="dtype of the attention inputs (default: %(default)s)")
+    p.add_argument("--check-rows", type=int, default=64, help="large-problem rows checked directly (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
     return p.parse_args(argv)
 
 

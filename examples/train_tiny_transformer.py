@@ -246,20 +246,27 @@ def plot_losses(losses, path, title):
 
 def parse_args(argv, on_gpu):
     defaults = GPU_DEFAULTS if on_gpu else CPU_DEFAULTS
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=defaults["steps"])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                epilog="Defaults are this machine's (GPU or NumPy backend).")
+    p.add_argument("--steps", type=int, default=defaults["steps"],
+                   help="training steps (default: %(default)s)")
     p.add_argument("--seq-len", type=int, default=defaults["seq_len"],
-                   help="N: half stores key-value pairs, half asks for them")
-    p.add_argument("--vocab", type=int, default=defaults["vocab"], help="key and value tokens (>= N/2)")
-    p.add_argument("--d-model", type=int, default=defaults["d_model"])
-    p.add_argument("--heads", type=int, default=defaults["heads"])
-    p.add_argument("--batch", type=int, default=defaults["batch"])
-    p.add_argument("--lr", type=float, default=3e-3)
+                   help="N: half stores key-value pairs, half asks for them (default: %(default)s)")
+    p.add_argument("--vocab", type=int, default=defaults["vocab"], help="key and value tokens, >= N/2 (default: %(default)s)")
+    p.add_argument("--d-model", type=int, default=defaults["d_model"],
+                   help="model width (default: %(default)s)")
+    p.add_argument("--heads", type=int, default=defaults["heads"],
+                   help="attention heads (default: %(default)s)")
+    p.add_argument("--batch", type=int, default=defaults["batch"],
+                   help="sequences per step (default: %(default)s)")
+    p.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate (default: %(default)s)")
     p.add_argument("--dtype", default=defaults["dtype"],
                    choices=["float16", "bfloat16", "float32", "float64"],
-                   help="dtype of the attention inputs (parameters stay float32, or float64)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--log-every", type=int, default=50)
+                   help="dtype of the attention inputs; parameters stay float32, or float64 "
+                        "(default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
+    p.add_argument("--log-every", type=int, default=50,
+                   help="steps between printed losses (default: %(default)s)")
     p.add_argument("--plot", type=Path, metavar="PATH", help="save the loss curve as a PNG")
     return p.parse_args(argv)
 

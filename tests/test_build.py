@@ -17,10 +17,17 @@ except Exception as exc:  # pragma: no cover - depends on the machine
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
+def built(request):
     if _NVRTC:
         pytest.skip(_NVRTC)
-    return build_check.build_all(jobs=os.cpu_count() or 1)
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+
+    def progress(line):
+        # Past pytest's capture: a cold build runs for minutes and should say so.
+        with capture.global_and_fixture_disabled():
+            print(f"\n{line}", file=sys.stderr, flush=True)
+
+    return build_check.build_all(jobs=os.cpu_count() or 1, progress=progress)
 
 
 def test_every_instantiation_builds_for_both_archs(built):

@@ -71,11 +71,16 @@ def test_every_variant_names_a_kernel_template_of_its_source():
 @pytest.mark.parametrize("arch, source", [("sm_90a", "fwd_sm90.cu"), ("sm_80", "fwd_sm80.cu"),
                                           ("sm_89", "fwd_sm80.cu")])
 def test_hopper_forward_only_where_it_builds(monkeypatch, arch, source):
-    # _choose skips a kernel built for another target (fwd_sm90.cu is sm_90a-only wgmma),
-    # and the option kernels never take it.
+    # _choose skips a kernel built for another target (fwd_sm90.cu is sm_90a-only wgmma).
+    # The options run the same family: on Hopper its instantiation carries the call's
+    # policies (MODE_BIAS too), elsewhere fwd_sm80.cu's one option kernel serves them all.
     monkeypatch.setattr(_cuda, "_device_info", lambda device_id: (arch, HOPPER_SMEM))
     assert _cuda._choose(_cuda.forward_variants("bfloat16", 128), 0).source == source
-    assert _cuda._choose(_cuda.forward_variants("bfloat16", 128, _cuda.MODE_EXT), 0).source == "fwd_sm80.cu"
+    for mode in (_cuda.MODE_EXT, _cuda.MODE_EXT | _cuda.MODE_BIAS):
+        chosen = _cuda._choose(_cuda.forward_variants("bfloat16", 128, mode), 0)
+        assert chosen.source == source
+        assert chosen.mode == (mode if source == "fwd_sm90.cu" else _cuda.MODE_EXT)
+        assert f", {chosen.mode}, {chosen.smem_bytes}>" in chosen.name_expression
     assert all(v.builds_for(arch) for v in (_cuda._choose(_cuda.forward_variants("float16", D), 0)
                                            for D in _cuda.HEAD_DIMS))
 

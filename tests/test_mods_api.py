@@ -15,7 +15,7 @@ from oracle import naive_attention, naive_attention_grads
 from test_mods_reference import assert_grad_close, keep_mask
 from test_reference import assert_close
 
-TOL = {np.float64: 1e-12, np.float32: 1e-5}
+TOL = {np.float64: 1e-12, np.float32: 1e-5}  # tests/TOLERANCES.md
 DTYPES = pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["fp64", "fp32"])
 
 

@@ -21,7 +21,7 @@ from cupyflash._reference import attention_backward, attention_forward
 from oracle import naive_attention, naive_attention_grads, naive_visible
 from test_reference import Case, assert_close, make_inputs
 
-TOL = {np.float64: 1e-12, np.float32: 1e-5}
+TOL = {np.float64: 1e-12, np.float32: 1e-5}  # tests/TOLERANCES.md
 DTYPES = pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["fp64", "fp32"])
 
 # ------------------------------------------------------------------------------ masks

@@ -18,7 +18,7 @@ from cupyflash import _masks
 from cupyflash._reference import attention_backward, attention_forward
 from oracle import naive_attention, naive_attention_grads
 
-TOL = {np.float64: 1e-12, np.float32: 1e-5}
+TOL = {np.float64: 1e-12, np.float32: 1e-5}  # tests/TOLERANCES.md
 DTYPES = pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["fp64", "fp32"])
 
 
@@ -267,9 +267,10 @@ def test_inputs_not_modified(rng):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_memory_stays_linear(causal, rng):
-    # An Nq x Nk float32 matrix would take 16 MiB here; the blockwise passes need tiles
-    # of 64 KiB and O(N d) vectors. NumPy reports its buffers to tracemalloc.
-    n, d = 2048, 16
+    # An Nq x Nk float32 matrix would take 256 MiB here; the blockwise passes need a few
+    # tiles of 256 KiB per thread (sized for a core's cache, so independent of N) and
+    # O(N d) vectors. NumPy reports its buffers to tracemalloc.
+    n, d = 8192, 16
     q, k, v, do = (rng.standard_normal((1, 1, n, d), dtype=np.float32) for _ in range(4))
     quadratic = n * n * 4
     tracemalloc.start()
