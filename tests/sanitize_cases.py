@@ -21,12 +21,15 @@ import ml_dtypes  # noqa: E402
 import cupyflash  # noqa: E402
 
 SHAPES = ((1, 1, 32), (17, 33, 72), (33, 47, 64), (129, 65, 128), (65, 129, 256))
-# The options' kernels (MODE_EXT): every option at once, on the odd shapes, and varlen.
-def _options(nq, nk, rng):
+# The options' kernels: every option at once, on the odd shapes, and varlen; once without
+# the bias too (on Hopper the bias is a policy of its own: MODE_EXT and MODE_EXT | MODE_BIAS).
+def _options(nq, nk, rng, bias=True):
     blocks = rng.random((4, -(-nq // 16), -(-nk // 16))) < 0.7
-    return dict(window=(40, 7), dropout_p=0.2, seed=5, block_mask=blocks, block_size=16,
-                bias=cp.asarray(rng.standard_normal((4, nq, nk)).astype(np.float32)),
-                alibi_slopes=cp.asarray(rng.random(4).astype(np.float32)), softcap=5.0)
+    options = dict(window=(40, 7), dropout_p=0.2, seed=5, block_mask=blocks, block_size=16,
+                   alibi_slopes=cp.asarray(rng.random(4).astype(np.float32)), softcap=5.0)
+    if bias:
+        options["bias"] = cp.asarray(rng.standard_normal((4, nq, nk)).astype(np.float32))
+    return options
 
 
 def main():
@@ -35,11 +38,12 @@ def main():
     dtypes = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "float64": np.float64}
     for dtype in [dtypes[name] for name in sys.argv[1:]] or dtypes.values():
         for nq, nk, d in SHAPES:
-            for causal, options, deterministic in ((False, False, False), (True, False, False),
-                                                   (True, False, True), (True, True, False)):
+            for causal, options, deterministic in ((False, None, False), (True, None, False),
+                                                   (True, None, True), (True, "all", False),
+                                                   (False, "no bias", False)):
                 q = cp.asarray(rng.standard_normal((1, 4, nq, d)).astype(dtype))
                 k, v = (cp.asarray(rng.standard_normal((1, 2, nk, d)).astype(dtype)) for _ in range(2))
-                extra = _options(nq, nk, rng) if options else {}
+                extra = _options(nq, nk, rng, bias=options == "all") if options else {}
                 if "bias" in extra:
                     extra["bias"] = extra["bias"].astype(dtype)
                 # Where a launch fails, the sanitizer log shows which case was running.
@@ -50,14 +54,17 @@ def main():
                 grads = vjp(cp.asarray(rng.standard_normal(o.shape).astype(dtype)))
                 for x in (o, *grads):
                     bad += bool(cp.isnan(x.astype(np.float32)).any())
-        # varlen: sequences of 5, 0 and 37 queries over 9, 3 and 40 keys.
+        # varlen: sequences of 5, 0 and 37 queries over 9, 3 and 40 keys (d = 64: the
+        # Hopper kernel reads them by TMA at the sequences' row offsets; d = 72: fwd_sm80).
         cu_q, cu_k = cp.asarray([0, 5, 5, 42], np.int32), cp.asarray([0, 9, 12, 52], np.int32)
-        q = cp.asarray(rng.standard_normal((42, 4, 72)).astype(dtype))
-        k, v = (cp.asarray(rng.standard_normal((52, 2, 72)).astype(dtype)) for _ in range(2))
-        o, vjp = cupyflash.varlen_attention_vjp(q, k, v, cu_q, cu_k, 37, 40, causal=True,
-                                                dropout_p=0.1, seed=3, backend="cuda")
-        for x in (o, *vjp(cp.asarray(rng.standard_normal(o.shape).astype(dtype)))):
-            bad += bool(cp.isnan(x.astype(np.float32)).any())
+        for d in (72, 64):
+            q = cp.asarray(rng.standard_normal((42, 4, d)).astype(dtype))
+            k, v = (cp.asarray(rng.standard_normal((52, 2, d)).astype(dtype)) for _ in range(2))
+            print(f"case {np.dtype(dtype).name} varlen d={d}", flush=True)
+            o, vjp = cupyflash.varlen_attention_vjp(q, k, v, cu_q, cu_k, 37, 40, causal=True,
+                                                    dropout_p=0.1, seed=3, backend="cuda")
+            for x in (o, *vjp(cp.asarray(rng.standard_normal(o.shape).astype(dtype)))):
+                bad += bool(cp.isnan(x.astype(np.float32)).any())
     cp.cuda.runtime.deviceSynchronize()
     print(f"sanitize cases done, {bad} outputs with NaN")
     return 1 if bad else 0
