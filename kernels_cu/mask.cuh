@@ -37,6 +37,10 @@ __device__ __forceinline__ void for_each_score(Acc (&s)[MT][NT][4], int r0, int 
 template <bool KEY_ROWS, int MT, int NT>
 struct QuerySlots {
     static constexpr int COUNT = KEY_ROWS ? 2 * NT : 2 * MT;
+    // Whether per-query values are worth registers: for a thread's one m-tile (the Hopper
+    // forward); with more queries they would take registers the kernels do not have
+    // (build check), and the values are worked out per score instead.
+    static constexpr bool CACHED = COUNT <= 2;
     // The slot of element e of n-tile nt of m-tile mt.
     __device__ __forceinline__ static int of(int mt, int nt, int e) {
         return KEY_ROWS ? 2 * nt + e % 2 : 2 * mt + e / 2;
@@ -167,17 +171,24 @@ struct MaskInfo {
             });
         } else {
             typedef QuerySlots<KEY_ROWS, MT, NT> Slots;
-            int lo[Slots::COUNT], hi[Slots::COUNT];
-            #pragma unroll
-            for (int q = 0; q < Slots::COUNT; ++q) {
-                const int i = Slots::query(q, r0, c0);
-                lo[q] = i < nq ? max(key_lo(i), 0) : 0;
-                hi[q] = i < nq ? key_hi(i) : 0;
+            auto band_lo = [&](int i) { return i < nq ? max(key_lo(i), 0) : 0; };
+            auto band_hi = [&](int i) { return i < nq ? key_hi(i) : 0; };
+            if constexpr (Slots::CACHED) {
+                int lo[Slots::COUNT], hi[Slots::COUNT];
+                #pragma unroll
+                for (int q = 0; q < Slots::COUNT; ++q) {
+                    lo[q] = band_lo(Slots::query(q, r0, c0));
+                    hi[q] = band_hi(Slots::query(q, r0, c0));
+                }
+                for_each_score<KEY_ROWS>(s, r0, c0, [&](Acc& x, int, int j, int mt, int nt, int e) {
+                    const int q = Slots::of(mt, nt, e);
+                    if (j < lo[q] || j >= hi[q]) x = Acc(-INFINITY);
+                });
+            } else {
+                for_each_score<KEY_ROWS>(s, r0, c0, [&](Acc& x, int i, int j, int, int, int) {
+                    if (j < band_lo(i) || j >= band_hi(i)) x = Acc(-INFINITY);
+                });
             }
-            for_each_score<KEY_ROWS>(s, r0, c0, [&](Acc& x, int, int j, int mt, int nt, int e) {
-                const int q = Slots::of(mt, nt, e);
-                if (j < lo[q] || j >= hi[q]) x = Acc(-INFINITY);
-            });
             // The block mask, on tiles with a partial block pattern: per fragment row a
             // bit per fragment column, gathered in a loop that is not unrolled (unrolled,
             // its loads and divisions would take registers and code the main loop needs).

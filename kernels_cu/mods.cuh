@@ -96,20 +96,24 @@ struct HeadMods<T, Acc, true> {
         else if constexpr (KEEP_DTANH)
             for_each_score<KEY_ROWS>(s, r0, c0, [&](Acc&, int, int, int mt, int nt, int e) { dtanh[mt][nt][e] = Acc(1); });
         if (WITH_BIAS && bias != nullptr) {
-            // One row pointer per query the thread holds (null past the sequence: a
-            // tile's padding has no bias), so that a score costs a load and an add.
+            // One row pointer per query the thread holds where they fit (null past the
+            // sequence: a tile's padding has no bias), so that a score costs a load and an add.
             typedef QuerySlots<KEY_ROWS, MT, NT> Slots;
-            const T* rows[Slots::COUNT];
-            #pragma unroll
-            for (int q = 0; q < Slots::COUNT; ++q) {
-                const int i = Slots::query(q, r0, c0);
-                rows[q] = i < mask->nq ? bias + i * bias_sq : nullptr;
+            if constexpr (Slots::CACHED) {
+                const T* rows[Slots::COUNT];
+                #pragma unroll
+                for (int q = 0; q < Slots::COUNT; ++q) {
+                    const int i = Slots::query(q, r0, c0);
+                    rows[q] = i < mask->nq ? bias + i * bias_sq : nullptr;
+                }
+                const int nk = mask->nk;
+                for_each_score<KEY_ROWS>(s, r0, c0, [&](Acc& x, int, int j, int mt, int nt, int e) {
+                    const T* row = rows[Slots::of(mt, nt, e)];
+                    if (row != nullptr && j < nk) x += to_acc(row[j * bias_sk]) * Acc(LOG2E_D);
+                });
+            } else {
+                for_each_score<KEY_ROWS>(s, r0, c0, [&](Acc& x, int i, int j, int, int, int) { x += biased(i, j); });
             }
-            const int nk = mask->nk;
-            for_each_score<KEY_ROWS>(s, r0, c0, [&](Acc& x, int, int j, int mt, int nt, int e) {
-                const T* row = rows[Slots::of(mt, nt, e)];
-                if (row != nullptr && j < nk) x += to_acc(row[j * bias_sk]) * Acc(LOG2E_D);
-            });
         }
         if (slope_log2 != Acc(0))
             for_each_score<KEY_ROWS>(s, r0, c0, [&](Acc& x, int i, int j, int, int, int) { x -= alibi(i, j); });

@@ -205,7 +205,7 @@ def test_strided_inputs_without_alignment(rng, dtype):
     and do start half a buffer row into theirs, so their rows are not, and the kernels
     take the element-wise copy path instead of 16-byte copies."""
     import cupy as cp
-    from cupyflash import _cuda
+    from cupyflash import _arrays, _cuda
     width = 72 + 8 // np.dtype(dtype).itemsize
     base = cp.asarray(rng.standard_normal((1, 3, 2 * 257, width)).astype(dtype))
     q, k = base[:, :, ::2, :72], base[:, :, 1::2, :72]

@@ -102,7 +102,7 @@ def test_strided_inputs_without_alignment(rng):
     of 16), but k starts 152 bytes into the buffer, so its rows are not 16-byte aligned and
     the kernels must take the element-wise copy path instead of 16-byte copies."""
     import cupy as cp
-    from cupyflash import _cuda
+    from cupyflash import _arrays, _cuda
     base = cp.asarray(rng.standard_normal((1, 3, 2 * 257, 76)).astype(np.float16))
     q = base[:, :, ::2, :72]
     k = base[:, :, 1::2, :72]
