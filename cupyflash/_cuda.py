@@ -55,7 +55,7 @@ FWD_SM80_TILES = {
 # warpgroup ping-pong gained 7-16% at d = 128 but drew a racecheck report it did not
 # explain, and was taken out (bench/NOTES.md, session 6; the code is in b26d7f8).
 FWD_SM90_TILES = {
-    64: ((64, 3, 4),),
+    64: ((128, 3, 2),),
     128: ((128, 2, 3),),
     192: ((64, 2, 2),),
     256: ((64, 2, 2),),
@@ -154,9 +154,10 @@ class Family:
     arch: str | None = None      # the one NVRTC target it builds and runs on; None: every one
     tensor_maps: bool = False    # reads q, k, v through TMA tensor maps (the host encodes them)
     spill_free: bool = True      # tuned to live in registers for every dtype (the build check refuses spills)
+    shared_mods: bool = False    # keeps the option state in static shared memory in dense mode too
 
 
-FWD_SM90 = Family("fwd_sm90.cu", arch="sm_90a", tensor_maps=True)
+FWD_SM90 = Family("fwd_sm90.cu", arch="sm_90a", tensor_maps=True, shared_mods=True)
 FWD_SM80 = Family("fwd_sm80.cu")
 FWD_WIDE = Family("fwd_wide.cu")
 BWD_SM90 = Family("bwd_sm90.cu", arch="sm_90a")
@@ -191,7 +192,7 @@ class Variant:
 
     @property
     def total_smem(self) -> int:
-        return self.smem_bytes + (MODS_STATIC_SMEM if self.mode else 0)
+        return self.smem_bytes + (MODS_STATIC_SMEM if self.mode or self.family.shared_mods else 0)
 
 
 def padded_head_dim(d: int, dv: int) -> int:

@@ -44,7 +44,10 @@
 // Barriers of the pipeline, after the tiles in shared memory, and the schedule: with
 // the options the producer alone walks the key tiles (the mask's range, the block mask)
 // and writes each stage's tile before its "full" arrival (release; the consumers' wait
-// acquires): 2 tile + 1 where it needs the element mask, END after the last.
+// acquires): 2 tile + 1 where it needs the element mask, END after the last. The word
+// is written and read with atomics: the barriers order them, and compute-sanitizer's
+// racecheck, which does not follow mbarrier ordering, then sees no plain write racing
+// the plain reads of a stage's previous round.
 template <int STAGES>
 struct Sm90FwdBarriers {
     static constexpr int END = -1;
@@ -108,7 +111,7 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
     const int heads = HEADS_FIRST ? gridDim.x : gridDim.y;
     const int m_block = HEADS_FIRST ? gridDim.y - 1 - blockIdx.y : gridDim.x - 1 - blockIdx.x;
     const int h = HEADS_FIRST ? blockIdx.x : blockIdx.y, b = blockIdx.z, hk = h / p.group;
-    MODS_SETUP(T, float, MODE, p, b, heads);
+    MODS_SETUP_IN(T, float, MODE, p, b, heads, true);
     const auto& mask = mods.mask;
     const int q0 = m_block * BLOCK_M;
     const int q_rows = min(BLOCK_M, mask.nq - q0);
@@ -151,11 +154,12 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
                 mbar_wait(&bars.k_empty[s], parity);
                 if constexpr (MODE != MODE_DENSE) {
                     if (j >= tiles.y) {   // the end mark: a plain arrival completes the phase
-                        bars.tile[s] = bars.END;
+                        atomicExch(&bars.tile[s], bars.END);
                         mbar_arrive(&bars.k_full[s]);
                         break;
                     }
-                    bars.tile[s] = 2 * j + mask.tile_needs_mask(q0, q0 + q_rows, j * BLOCK_N, (j + 1) * BLOCK_N, h);
+                    atomicExch(&bars.tile[s], 2 * j + mask.tile_needs_mask(q0, q0 + q_rows, j * BLOCK_N,
+                                                                           (j + 1) * BLOCK_N, h));
                 }
                 mbar_arrive_expect_tx(&bars.k_full[s], C::KV_BYTES);
                 load_panels(sK + s * C::KV_ELEMS, p.k_map, &bars.k_full[s], BLOCK_N, row0, hk);
@@ -314,7 +318,9 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
             return jt < tiles.y;
         } else {
             wait_full(bars.k_full, t);
-            const int code = bars.tile[t % STAGES];
+            int code = 0;
+            if (lane == 0) code = atomicAdd(&bars.tile[t % STAGES], 0);
+            code = __shfl_sync(0xffffffffu, code, 0);
             jt = code >> 1;
             masked = code & 1;
             return code != bars.END;
