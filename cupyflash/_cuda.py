@@ -88,7 +88,7 @@ FWD_SM80_EXT_TILES = {
     96: ((128, 32, 4),),
     128: ((128, 32, 4), (64, 32, 4)),
     192: ((64, 16, 4), (32, 16, 2)),
-    256: ((64, 32, 4), (32, 32, 2)),
+    256: ((64, 32, 4), (32, 16, 2)),
 }
 # fp32 (3xTF32) and fp64 (DMMA) tensor-core forward tiles per head dim, (BLOCK_M, BLOCK_N,
 # SUB_N, WARPS, DV_TILE), in order of preference as above: fwd_wide.cu computes SUB_N keys
@@ -107,22 +107,26 @@ FWD_WIDE_TILES = {
         96: ((64, 32, 32, 4, 96),),
         128: ((128, 64, 32, 8, 128), (64, 32, 32, 4, 128), (64, 16, 16, 4, 128)),
         # Six or three warps: 192 threads move whole 48-chunk rows (copy.cuh's fast path).
-        192: ((96, 32, 16, 6, 192), (96, 16, 16, 6, 192), (48, 16, 16, 3, 192)),
+        # 16-key tiles: with 32 the registers spill since the kernels read one parameter
+        # struct (build check, NVRTC 12.9 and 13).
+        192: ((96, 16, 16, 6, 192), (48, 16, 16, 3, 192)),
         256: ((128, 16, 16, 8, 256), (64, 16, 16, 4, 256), (32, 16, 16, 2, 128)),
     },
     "float64": {
         32: ((64, 64, 32, 4, 32),),
         64: ((64, 32, 32, 4, 64), (32, 32, 16, 2, 64)),
         96: ((64, 16, 16, 4, 96), (48, 16, 16, 3, 96)),
-        128: ((128, 16, 16, 8, 128), (64, 16, 8, 4, 128), (32, 8, 8, 2, 128)),
+        # The 2- and 1-warp fallbacks split the output columns further than before the
+        # kernels read one parameter struct: with it, their former tiles spilled.
+        128: ((128, 16, 16, 8, 128), (64, 16, 8, 4, 128), (32, 8, 8, 2, 64)),
         192: ((64, 16, 8, 4, 96), (32, 8, 8, 2, 96)),
-        256: ((64, 8, 8, 4, 128), (32, 8, 8, 2, 128), (16, 8, 8, 1, 64)),
+        256: ((64, 8, 8, 4, 128), (32, 8, 8, 2, 128), (16, 8, 8, 1, 32)),
     },
 }
 # MODE_EXT kernels where the dense tile spills with the options' registers (build check).
 FWD_WIDE_EXT_TILES = {
     "float32": {**FWD_WIDE_TILES["float32"],
-                192: ((96, 16, 16, 6, 192), (48, 16, 16, 3, 192)),
+                192: ((96, 16, 16, 6, 96), (48, 16, 16, 3, 96)),
                 256: ((64, 16, 16, 4, 128), (32, 16, 16, 2, 128))},
     "float64": {**FWD_WIDE_TILES["float64"],
                 64: ((64, 32, 16, 4, 64), (32, 32, 16, 2, 64)),
@@ -544,7 +548,9 @@ BWD_SM80_KV_TILES = {
     64: ((64, 128, 4),),
     96: ((64, 64, 4),),
     128: ((64, 128, 8), (32, 64, 4)),
-    192: ((32, 128, 8), (32, 64, 4), (32, 32, 2)),
+    # The 2-warp fallbacks take 16 queries: with 32 they spill since the kernels read one
+    # parameter struct (build check).
+    192: ((32, 128, 8), (32, 64, 4), (16, 32, 2)),
     256: ((32, 128, 8), (32, 64, 4), (16, 32, 2)),
 }
 # Deterministic dQ kernel, (BLOCK_M, BLOCK_N, WARPS): query block, key tile, warps (16 rows
@@ -565,7 +571,7 @@ BWD_SM80_Q_TILES = {
 BWD_SM80_EXT_KV_TILES = {**BWD_SM80_KV_TILES, 64: ((32, 128, 4),), 128: ((32, 128, 8), (32, 64, 4)),
                          192: ((32, 128, 8), (32, 64, 4), (16, 32, 2))}
 BWD_SM80_EXT_Q_TILES = {**BWD_SM80_Q_TILES, 64: ((64, 64, 4),),
-                        192: ((128, 64, 8), (64, 32, 4), (32, 32, 2))}
+                        192: ((128, 64, 8), (64, 32, 4), (32, 16, 2))}
 # Hopper dK/dV kernel (bwd_sm90.cu, wgmma; sm_90a only, dense mode), (BLOCK_M, WARPGROUPS):
 # query tile, warpgroups of 64 keys each. Ahead of the sm80 tiles above where it builds;
 # other head dims, GPUs and the options use those.
