@@ -64,9 +64,9 @@ FWD_SM90_TILES = {
 # but the bias, switched on at run time): d = 64 takes 128-row query tiles (two consumers),
 # so that 128-row mask blocks cover whole tiles: with the dense tile's 192 rows, half the
 # tiles of a block mask need the element mask (H100, bf16, N = 16k, block_mask density 1/2:
-# 26 ms against the dense call's 4.8). With the bias (MODE_EXT | MODE_BIAS), 64-key tiles:
-# the bias's registers spill the 128-key tiles (build check); d = 256 with a bias spills
-# even at 64 keys and runs in fwd_sm80.cu.
+# 26 ms against the dense call's 4.8). With the bias (MODE_EXT | MODE_BIAS), the prefetched
+# bias takes registers: 64-key tiles from d = 128 (128 keys spill there, build check); d =
+# 256 with a bias spills even at 64 keys and runs in fwd_sm80.cu.
 FWD_SM90_EXT_TILES = {
     64: ((128, 2, 3),),
     128: ((128, 2, 3),),
@@ -74,7 +74,7 @@ FWD_SM90_EXT_TILES = {
     256: ((64, 2, 2),),
 }
 FWD_SM90_BIAS_TILES = {
-    64: ((64, 2, 4),),
+    64: ((128, 2, 3),),
     128: ((64, 2, 4),),
     192: ((64, 2, 2),),
 }
