@@ -126,20 +126,25 @@ def busy_process(enabled):
 # --------------------------------------------------------------------------- implementations
 
 
+def _naive_probabilities(q, k, scale, hidden):
+    """softmax(scale q k^T) of one head with the whole score matrix, ``hidden`` masked."""
+    s = q @ k.T
+    s *= scale
+    if hidden is not None:
+        s[hidden] = -np.inf
+    s -= s.max(axis=-1, keepdims=True)
+    np.exp(s, out=s)
+    s /= s.sum(axis=-1, keepdims=True)
+    return s
+
+
 def naive_forward(q, k, v, scale, causal):
     """softmax(scale q k^T) v with the whole score matrix, one head at a time."""
     o = np.empty_like(q)
     n = q.shape[-2]
     hidden = np.triu(np.ones((n, n), bool), 1) if causal else None
     for idx in np.ndindex(q.shape[:-2]):
-        s = q[idx] @ k[idx].T
-        s *= scale
-        if hidden is not None:
-            s[hidden] = -np.inf
-        s -= s.max(axis=-1, keepdims=True)
-        np.exp(s, out=s)
-        s /= s.sum(axis=-1, keepdims=True)
-        o[idx] = s @ v[idx]
+        o[idx] = _naive_probabilities(q[idx], k[idx], scale, hidden) @ v[idx]
     return o
 
 
@@ -149,13 +154,7 @@ def naive_forward_backward(q, k, v, do, scale, causal):
     n = q.shape[-2]
     hidden = np.triu(np.ones((n, n), bool), 1) if causal else None
     for idx in np.ndindex(q.shape[:-2]):
-        s = q[idx] @ k[idx].T
-        s *= scale
-        if hidden is not None:
-            s[hidden] = -np.inf
-        s -= s.max(axis=-1, keepdims=True)
-        p = np.exp(s, out=s)
-        p /= p.sum(axis=-1, keepdims=True)
+        p = _naive_probabilities(q[idx], k[idx], scale, hidden)
         o = p @ v[idx]
         grads[2][idx] = p.T @ do[idx]
         dp = do[idx] @ v[idx].T
