@@ -507,15 +507,17 @@ def attention_forward(q, k, v, o, lse, *, scale: float, causal: bool, mods=_mods
     device_id = q.device.id
     variants = forward_variants(q.dtype.name, padded_head_dim(d, dv), kernel_mode(mods))
     variant = _choose(variants, device_id)
+    batch, rows, _ = _grid_extents(q, k, mods)
     params = _problem_params(q, k, v, scale=scale, causal=causal, mods=mods)
     params.tensor("o", o).set(lse=lse.data.ptr, vec=int(_arrays.rows_16b_aligned(q, k, v, o)))
-    if variant.family.tensor_maps:
-        maps = _sm90_tensor_maps(variant, q, k, v)
-        if maps is None:   # inputs the copy engine cannot read: the next kernel in line
-            variant = _choose([c for c in variants if not c.family.tensor_maps], device_id)
-        else:
-            params.set(q_map=maps[0], k_map=maps[1], v_map=maps[2])
-    batch, rows, _ = _grid_extents(q, k, mods)
+    maps = _sm90_tensor_maps(variant, q, k, v) if variant.family.tensor_maps else None
+    # The next kernel in line where the copy engine cannot read the inputs, or where a
+    # heads-first grid would have more query blocks than grid y takes.
+    if variant.family.tensor_maps and (maps is None or (variant.heads_first and
+                                                        math.ceil(rows / variant.block_m) > MAX_GRID_YZ)):
+        variant = _choose([c for c in variants if not c.family.tensor_maps], device_id)
+    elif maps is not None:
+        params.set(q_map=maps[0], k_map=maps[1], v_map=maps[2])
     blocks, heads = math.ceil(rows / variant.block_m) * variant.column_passes, q.shape[1]
     _launch(variant, device_id, (heads, blocks, batch) if variant.heads_first else (blocks, heads, batch), params)
 

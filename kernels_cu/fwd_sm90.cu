@@ -20,13 +20,16 @@
 //
 // MODE_EXT serves every option (mods.cuh) in the same pipeline, as policies:
 //   - mask-only options (causal, window, seqlens_k, varlen, block mask) decide which key
-//     tiles the producer loads and the consumers visit (MaskInfo's range, and the block
-//     mask's next_key_tile, walked identically on both sides); only tiles that are not
-//     wholly visible run the element mask;
-//   - score terms (softcap, bias, ALiBi) run in registers between S and the softmax; the
-//     bias only in the MODE_EXT | MODE_BIAS instantiations (its reads need registers that
-//     the 128-key tiles spend on S and P);
-//   - dropout zeroes P after the row sums took it, 16 scores per Philox call.
+//     tiles are visited: the producer walks them (MaskInfo's range, the block mask's
+//     next_key_tile) and hands each stage's tile to the consumers with a flag for the
+//     tiles that are not wholly visible, which alone run the element mask;
+//   - score terms (softcap, ALiBi) run in registers between S and the softmax; without
+//     one the scale stays folded into the exp2, as in dense mode;
+//   - the bias, in the MODE_EXT | MODE_BIAS instantiations only (it needs registers the
+//     128-key tiles spend on S and P at d = 128), is loaded while S is on the tensor
+//     cores, with the heads of a query block side by side in the grid;
+//   - dropout zeroes P after the row sums took it; its keep bits (16 scores per Philox
+//     call) are drawn while S is on the tensor cores.
 // Varlen reads (1, H, total, d) tensors at the sequence's row offset: rows past a
 // sequence's end belong to the next one (or are zero-filled past the tensor) and are
 // masked or never stored. Tensors TMA cannot describe (rows not 16-byte aligned) run in
