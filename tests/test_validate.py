@@ -319,6 +319,9 @@ def test_choice_not_a_string(rng, option, value):
     ("dropout_p", 1.0, ValueError, r"dropout_p must be in \[0, 1\)"),
     ("dropout_p", -0.1, ValueError, r"dropout_p must be in \[0, 1\)"),
     ("dropout_p", float("nan"), ValueError, "dropout_p must be finite"),
+    # Dropout is drawn at 8-bit resolution: a p that rounds to no or to all dropout.
+    ("dropout_p", 1e-3, ValueError, "dropout_p must be 0 or in \\[1/512, 1 - 1/512\\)"),
+    ("dropout_p", 0.999, ValueError, "dropout_p must be 0 or .* at 8-bit resolution"),
     ("seed", 1.5, TypeError, "seed must be an integer"),
     ("seed", True, TypeError, "seed must be an integer"),
     ("seed", -1, ValueError, r"seed must be in \[0, 2\*\*64\)"),
