@@ -4,7 +4,7 @@ and in the combinations models use, forward (o, LSE) and backward (dq, dk, dv, d
 
 Every case runs ``backend="cuda"`` on fresh random inputs and compares it with
 ``backend="numpy"`` run in float64 on the same rounded inputs (the float64 reference of
-DESIGN.md §5; ``cupyflash/_mods.py`` states the semantics both follow), by the relative
+tests/TOLERANCES.md; ``cupyflash/_mods.py`` states the semantics both follow), by the relative
 error norm ‖out − ref‖/‖ref‖ with the usual tolerances. Rows that see no key must come
 back as exact zeros (o and dq) with LSE ``-inf``; nothing may be NaN.
 
