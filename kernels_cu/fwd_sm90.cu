@@ -314,10 +314,13 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
     // The t-th visited tile: its index and whether it needs the element mask. The dense
     // path visits the range in order (one induction variable: a second costs the d = 64
     // tile a spill); with the options the producer's schedule says (END: no more).
+    // Dense: the tiles from the one holding the block's first hidden key on need the
+    // mask (tile_needs_mask's test, worked out once: no shared-memory reads per tile).
+    const int dense_masked_from = mask.key_hi(q0) / BLOCK_N;
     auto visited = [&](int t, int& jt, bool& masked) {
         if constexpr (MODE == MODE_DENSE) {
             jt = tiles.x + t;
-            masked = jt < tiles.y && mask.tile_needs_mask(q0, q0 + q_rows, jt * BLOCK_N, (jt + 1) * BLOCK_N);
+            masked = jt >= dense_masked_from;
             return jt < tiles.y;
         } else {
             wait_full(bars.k_full, t);
