@@ -139,10 +139,8 @@ class Params:
             m[name] = value
         return self
 
-    def __getitem__(self, name):
-        return self._buf[name]
-
     @property
     def arg(self):
-        """The kernel argument: the struct's bytes as one NumPy void scalar."""
-        return self._buf.view(_RAW)[()]
+        """The kernel argument: a copy of the struct's bytes as one NumPy void scalar (a
+        copy, so that filling the struct for the next launch cannot touch this one's)."""
+        return self._buf.copy().view(_RAW)[()]
