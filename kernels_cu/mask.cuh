@@ -54,13 +54,9 @@ struct QuerySlots {
 
 #define NO_LIMIT 0x3fffffff   // an unbounded window side, beyond any index
 
-// An unsigned integer of at least N bits (N <= 64).
-template <int N> struct BitsFor { typedef u64 type; };
-template <> struct BitsFor<32> { typedef u32 type; };
-template <> struct BitsFor<16> { typedef u32 type; };
-template <> struct BitsFor<8> { typedef u32 type; };
-template <> struct BitsFor<4> { typedef u32 type; };
-template <> struct BitsFor<2> { typedef u32 type; };
+// A bit set of a thread's fragment columns: 32 bits where they fit, else 64.
+template <bool FITS_32> struct ColumnBits { typedef u64 type; };
+template <> struct ColumnBits<true> { typedef u32 type; };
 
 template <bool EXT>
 struct MaskInfo {
@@ -158,11 +154,10 @@ struct MaskInfo {
 
     // Hide (-inf) what a row of head h may not see in scores held as mma C fragments
     // (for_each_score's layout; KEY_ROWS for the backward's key-major products). With
-    // the options, the per-query quantities (its band of keys, its row of the block
-    // mask) are worked out once per query the thread holds and the key's block once per
-    // key: per score that leaves two compares (and a byte of the block mask where there
-    // is one), not visible()'s divisions and branches, which made the masked tiles slow
-    // and the code too large for the instruction cache.
+    // the options, the band of keys is worked out per query (once per query the thread
+    // holds where it has registers for it), so a score costs two compares, and a partial
+    // block mask is gathered into bits: not visible()'s divisions and branches per score,
+    // which made the masked tiles slow and the code too large for the instruction cache.
     template <bool KEY_ROWS = false, int MT, int NT, typename Acc>
     __device__ __forceinline__ void apply(Acc (&s)[MT][NT][4], int r0, int c0, int h = 0) const {
         if constexpr (!EXT) {
@@ -193,7 +188,8 @@ struct MaskInfo {
             // bit per fragment column, gathered in a loop that is not unrolled (unrolled,
             // its loads and divisions would take registers and code the main loop needs).
             if (blocks == nullptr) return;
-            typedef typename BitsFor<2 * NT>::type Bits;
+            static_assert(2 * NT <= 64, "a bit per fragment column");
+            typedef typename ColumnBits<(2 * NT <= 32)>::type Bits;
             const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
             #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
