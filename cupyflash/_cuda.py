@@ -452,21 +452,19 @@ def _fill_mods(params: _params.Params, mods) -> None:
     """The contract's ModsParams from ``mods`` (`cupyflash._mods`; arrays on the device)."""
     block_q, block_k = mods.block_size
     dropout = mods.dropout_p > 0
+    # The block mask's rows are contiguous: three strides.
+    bmask_strides = dict(zip(("bmask_sb", "bmask_sh", "bmask_sq"), _params.element_strides(mods.block_mask, 3)))
+    bias_strides = dict(zip(("bias_sb", "bias_sh", "bias_sq", "bias_sk"), _params.element_strides(mods.bias, 4)))
     params.mods(
         cu_q=_params.address(mods.cu_seqlens_q), cu_k=_params.address(mods.cu_seqlens_k),
         seqlens_k=_params.address(mods.seqlens_k),
         win_left=mods.window[0], win_right=mods.window[1],
-        bmask=_params.address(mods.block_mask), block_q=block_q, block_k=block_k,
-        bias=_params.address(mods.bias), alibi=_params.address(mods.alibi_slopes),
+        bmask=_params.address(mods.block_mask), block_q=block_q, block_k=block_k, **bmask_strides,
+        bias=_params.address(mods.bias), **bias_strides, alibi=_params.address(mods.alibi_slopes),
         alibi_sb=_params.element_strides(mods.alibi_slopes, 1)[0], softcap=mods.softcap,
         rng_seed=mods.seed, rng_offset=mods.rng_offset,
         drop_threshold=_philox.dropout_threshold(mods.dropout_p) if dropout else 0,
         drop_scale=_philox.dropout_scale(mods.dropout_p) if dropout else 1.0)
-    # The block mask's rows are contiguous: three strides.
-    sb, sh, sq = _params.element_strides(mods.block_mask, 3)
-    params.mods(bmask_sb=sb, bmask_sh=sh, bmask_sq=sq)
-    sb, sh, sq, sk = _params.element_strides(mods.bias, 4)
-    params.mods(bias_sb=sb, bias_sh=sh, bias_sq=sq, bias_sk=sk)
 
 
 def _problem_params(q, k, v, *, scale: float, causal: bool, mods) -> _params.Params:
@@ -570,8 +568,7 @@ BWD_SM80_Q_TILES = {
 # (build check, NVRTC 12.9 and 13; the softcap derivative is kept beside the scores): one
 # m-tile per warp for dQ at d = 64, 32-query tiles for dK/dV at d = 64 and 128, smaller
 # fallbacks at 192.
-BWD_SM80_EXT_KV_TILES = {**BWD_SM80_KV_TILES, 64: ((32, 128, 4),), 128: ((32, 128, 8), (32, 64, 4)),
-                         192: ((32, 128, 8), (32, 64, 4), (16, 32, 2))}
+BWD_SM80_EXT_KV_TILES = {**BWD_SM80_KV_TILES, 64: ((32, 128, 4),), 128: ((32, 128, 8), (32, 64, 4))}
 BWD_SM80_EXT_Q_TILES = {**BWD_SM80_Q_TILES, 64: ((64, 64, 4),),
                         192: ((128, 64, 8), (64, 32, 4), (32, 16, 2))}
 # Hopper dK/dV kernel (bwd_sm90.cu, wgmma; sm_90a only, dense mode), (BLOCK_M, WARPGROUPS):
@@ -812,19 +809,19 @@ def attention_backward(do, q, k, v, o, lse, dq, dk, dv, *, scale, causal, determ
 
     lse2 = cupy.empty((B, Hq, nq_pad), acc)
     delta = cupy.empty((B, Hq, nq_pad), acc)
+    lse = cupy.ascontiguousarray(lse)   # the pre-pass reads it as (B, Hq, Nq) rows
     params = _problem_params(q, k, v, scale=scale, causal=causal, mods=mods)
     params.tensor("o", o).tensor("dout", do).tensor("dq", dq).tensor("dk", dk).tensor("dv", dv).set(
-        lse=cupy.ascontiguousarray(lse).data.ptr, lse2=lse2.data.ptr, delta=delta.data.ptr, nq_pad=nq_pad,
-        vec=int(_arrays.rows_16b_aligned(q, k, v, do, dq, dk, dv)))
+        lse=lse.data.ptr, lse2=lse2.data.ptr, delta=delta.data.ptr, nq_pad=nq_pad,
+        vec=int(_arrays.rows_16b_aligned(q, k, v, do, dq, dk, dv)),
+        **dict(zip(("dbias_sb", "dbias_sh", "dbias_sq", "dbias_sk"), _params.element_strides(dbias, 4))))
     _launch(plan.prep, device_id, (nq_pad // _PREP_WARPS, Hq, B), params)
 
     dq_accum = None if deterministic else cupy.zeros((B, Hq, Nq, d), acc)
-    dbias_strides = _params.element_strides(dbias, 4)
     for grads, candidates in plan.kv:
         # Null where the launch adds nothing into dq (or dbias: only the dK launch has dS).
         params.set(dq_accum=_params.address(dq_accum if grads & GRAD_DQ else None),
                    dbias=_params.address(dbias if grads & GRAD_DK else None))
-        params.set(**dict(zip(("dbias_sb", "dbias_sh", "dbias_sq", "dbias_sk"), dbias_strides)))
         variant = _choose(candidates, device_id)
         _launch(variant, device_id, (math.ceil(keys / variant.block_m), Hk, batch), params)
 

@@ -45,7 +45,7 @@ import operator
 import numpy as np
 
 from . import _validate
-from ._validate import _check_int, _check_int_in, _check_real
+from ._validate import _check_int, _check_int_in
 
 # Random123's philox4x32 multipliers and Weyl key increments (golden ratio, sqrt(3) - 1).
 PHILOX_M4x32 = (0xD2511F53, 0xCD9E8D57)
@@ -121,14 +121,7 @@ def dropout_threshold(p) -> int:
     """The byte a score's draw must reach to be kept: ``round(p * 256)`` (mirror: the
     ``threshold`` of the device functions, which the host computes with this function).
     0 for p = 0 (no dropout); a p > 0 must round to 1 .. 255."""
-    p = _check_real(p, "p")
-    if not 0.0 <= p < 1.0:
-        raise ValueError(f"p must be in [0, 1), got {p!r}")
-    threshold = round(p * DRAW_LEVELS)
-    if p > 0 and not 1 <= threshold < DRAW_LEVELS:
-        raise ValueError(f"p must be 0 or in [1/512, 1 - 1/512): dropout is drawn at 8-bit resolution "
-                         f"(p is rounded to a multiple of 1/256), got {p!r}")
-    return threshold
+    return round(_validate.check_dropout_p(p, "p") * DRAW_LEVELS)
 
 
 def dropout_scale(p) -> float:

@@ -139,6 +139,18 @@ def _check_block_size(block_size):
     return pair
 
 
+def check_dropout_p(p, name: str) -> float:
+    """A dropout probability: 0, or one that rounds to 1 .. 255 of the draw's 256 levels
+    (cupyflash/_philox.py draws it at 8-bit resolution)."""
+    p = _check_real(p, name)
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"{name} must be in [0, 1), got {p!r}")
+    if p > 0 and not 1 <= round(p * DROPOUT_LEVELS) < DROPOUT_LEVELS:
+        raise ValueError(f"{name} must be 0 or in [1/512, 1 - 1/512): dropout is drawn at 8-bit "
+                         f"resolution (rounded to a multiple of 1/256), got {p!r}")
+    return p
+
+
 def check_options(*, causal, scale, window, dropout_p, seed, block_mask, bias, alibi_slopes,
                   softcap, layout, deterministic, backend, block_size=128, seqlens_k=None):
     """The keyword options, type- and range-checked (scale without its default yet); the
@@ -147,12 +159,7 @@ def check_options(*, causal, scale, window, dropout_p, seed, block_mask, bias, a
         scale = _check_real(scale, "scale")
         if scale < 0:
             raise ValueError(f"scale must be non-negative, got {scale!r}")
-    dropout_p = _check_real(dropout_p, "dropout_p")
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
-    if dropout_p > 0 and not 1 <= round(dropout_p * DROPOUT_LEVELS) < DROPOUT_LEVELS:
-        raise ValueError(f"dropout_p must be 0 or in [1/512, 1 - 1/512): dropout is drawn at 8-bit "
-                         f"resolution (rounded to a multiple of 1/256), got {dropout_p!r}")
+    dropout_p = check_dropout_p(dropout_p, "dropout_p")
     if seed is not None:
         seed = _check_int_in(seed, "seed", 0, 2**64, hi_text="2**64")
     softcap = _check_real(softcap, "softcap")
