@@ -1,6 +1,7 @@
 """Where an option's forward time goes on the GPU: the API call back to back (as the
 benchmark times it), the host's Python time per call, and the kernel alone (timed behind
-a long matrix product, so the host's time before the launch is hidden). Kernel work:
+a long matrix product, so the host's time before the launch is hidden), with persistent
+Hopper forward CTAs and with one CTA per work tile. Kernel work:
 
     python bench/probe_options.py [d ...]            # bf16, N = 16384, B*N = 16384, H*d = 2048
     python bench/probe_options.py --tiles 128        # the option tiles of FWD_SM90_EXT/BIAS_TILES' candidates
@@ -36,20 +37,38 @@ TILE_CANDIDATES = {
 def options(d, H):
     rng = np.random.default_rng(0)
     blocks = -(-N // 128)
+    lengths = bench.varlen_lengths(rng, bench.VARLEN_SEQS, N)
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     return {
         "dense": dict(),
         "dense causal": dict(causal=True),
         "window 256": dict(causal=True, window=(256, 0)),
         "window 2048": dict(causal=True, window=(2048, 0)),
-        "seqlens_k": dict(seqlens_k=cp.asarray(np.array([N * 3 // 4], np.int32))),
+        # Index arrays on the host: on the device the API reads them back (a synchronisation).
+        "seqlens_k": dict(seqlens_k=np.array([N * 3 // 4], np.int32)),
+        "seqlens_k (cupy)": dict(seqlens_k=cp.asarray(np.array([N * 3 // 4], np.int32))),
+        "varlen 8 seqs": dict(varlen=(cu, int(lengths.max()))),
+        "varlen (cupy cu)": dict(varlen=(cp.asarray(cu), int(lengths.max()))),
         "block density 1": dict(block_mask=cp.ones((1, H, blocks, blocks), bool), block_size=128),
         "block density 0.5": dict(block_mask=cp.asarray(bench.random_block_mask(rng, H, blocks, blocks, 0.5)),
                                   block_size=128),
+        "block density 0.125": dict(block_mask=cp.asarray(bench.random_block_mask(rng, H, blocks, blocks, 0.125)),
+                                    block_size=128),
         "dropout": dict(dropout_p=0.1, seed=0),
         "softcap": dict(softcap=30.0),
         "alibi causal": dict(causal=True, alibi_slopes=cp.asarray((2.0 ** -np.arange(1, H + 1)).astype(np.float32))),
         "bias": dict(bias=cp.random.standard_normal((N, N), dtype=cp.float32).astype(cp.float16)),
     }
+
+
+def call(q, k, v, opts, dtype):
+    """A function that runs the forward of one option (packed sequences for varlen)."""
+    opts = {k_: (x.astype(dtype) if k_ == "bias" else x) for k_, x in opts.items()}
+    if "varlen" in opts:
+        cu, longest = opts.pop("varlen")
+        packed = [x[0].transpose(1, 0, 2) for x in (q, k, v)]   # (total, H, d) views
+        return lambda: cupyflash.varlen_attention(*packed, cu, cu, longest, longest, causal=True)
+    return lambda: cupyflash.attention(q, k, v, **opts)
 
 
 def kernel_ms(run, reps=5):
@@ -79,21 +98,25 @@ def host_us(run, reps=20):
 
 
 def probe(d, dtype="bfloat16"):
+    """API, kernel (persistent Hopper forward and one CTA per work tile) and host times."""
     H = bench.HIDDEN // d
     q, k, v = (cp.random.standard_normal((1, H, N, d), dtype=cp.float32).astype(dtype) for _ in range(3))
-    print(f"\nbf16 d={d} N={N} H={H}: {'option':18} {'api ms':>8} {'kernel ms':>9} {'host us':>8}", flush=True)
+    print(f"\nbf16 d={d} N={N} H={H}: {'option':20} {'api ms':>8} {'kernel ms':>9} {'1 CTA/tile':>10} "
+          f"{'host us':>8}", flush=True)
     for name, opts in options(d, H).items():
-        opts = {k_: (x.astype(dtype) if k_ == "bias" else x) for k_, x in opts.items()}
-
-        def run():
-            return cupyflash.attention(q, k, v, **opts)
-
+        run = call(q, k, v, opts, dtype)
         try:
             run()
             api = bench.time_ms(run)
-            print(f"  {name:18} {api:8.3f} {kernel_ms(run):9.3f} {host_us(run):8.1f}", flush=True)
+            persistent = kernel_ms(run)
+            _cuda.PERSISTENT_FORWARD = False
+            try:
+                per_tile = kernel_ms(run)
+            finally:
+                _cuda.PERSISTENT_FORWARD = True
+            print(f"  {name:20} {api:8.3f} {persistent:9.3f} {per_tile:10.3f} {host_us(run):8.1f}", flush=True)
         except Exception as exc:
-            print(f"  {name:18} {type(exc).__name__}: {str(exc)[:150]}", flush=True)
+            print(f"  {name:20} {type(exc).__name__}: {str(exc)[:150]}", flush=True)
 
 
 def tiles(d, dtype="bfloat16"):
@@ -126,9 +149,9 @@ def once(name, d, dtype="bfloat16", repeat=3):
     H = bench.HIDDEN // d
     q, k, v = (cp.random.standard_normal((1, H, N, d), dtype=cp.float32).astype(dtype) for _ in range(3))
     opts = options(d, H)[name]
-    opts = {k_: (x.astype(dtype) if k_ == "bias" else x) for k_, x in opts.items()}
+    run = call(q, k, v, opts, dtype)
     for _ in range(repeat):
-        cupyflash.attention(q, k, v, **opts)
+        run()
     cp.cuda.Device().synchronize()
     mode = (_cuda.MODE_EXT | (_cuda.MODE_BIAS if "bias" in opts else 0)) if set(opts) - {"causal"} else 0
     variant = _cuda._choose(_cuda.forward_variants(dtype, _cuda.padded_head_dim(d, d), mode), 0)

@@ -65,13 +65,14 @@ FWD_SM90_TILES = {
 # so that 128-row mask blocks cover whole tiles: with the dense tile's 192 rows, half the
 # tiles of a block mask need the element mask (H100, bf16, N = 16k, block_mask density 1/2:
 # 26 ms against the dense call's 4.8). With the bias (MODE_EXT | MODE_BIAS), the prefetched
-# bias takes registers: 64-key tiles from d = 128 (128 keys spill there, build check); d =
-# 256 with a bias spills even at 64 keys and runs in fwd_sm80.cu.
+# bias takes registers: 64-key tiles from d = 128 (128 keys spill there, build check). d =
+# 256 with options runs in fwd_sm80.cu: its consumers need all of 240 registers, and the
+# option kernels' producer keeps 56 (it walks the schedule and the work tiles), which
+# leaves them 224 (84 bytes of spills); with a bias it spilled even before.
 FWD_SM90_EXT_TILES = {
     64: ((128, 2, 3),),
     128: ((128, 2, 3),),
     192: ((64, 2, 2),),
-    256: ((64, 2, 2),),
 }
 FWD_SM90_BIAS_TILES = {
     64: ((128, 2, 3),),
@@ -158,10 +159,13 @@ class Family:
     arch: str | None = None      # the one NVRTC target it builds and runs on; None: every one
     tensor_maps: bool = False    # reads q, k, v through TMA tensor maps (the host encodes them)
     spill_free: bool = True      # tuned to live in registers for every dtype (the build check refuses spills)
-    shared_mods: bool = False    # keeps the option state in static shared memory in dense mode too
+    # Static shared memory of its kernels in every mode (the build check holds ptxas' figure
+    # to it); 0: only the MODE_EXT kernels', MODS_STATIC_SMEM.
+    static_smem: int = 0
 
 
-FWD_SM90 = Family("fwd_sm90.cu", arch="sm_90a", tensor_maps=True, shared_mods=True)
+# fwd_sm90.cu keeps two copies of the option state in static shared memory, in dense mode too.
+FWD_SM90 = Family("fwd_sm90.cu", arch="sm_90a", tensor_maps=True, static_smem=2 * MODS_STATIC_SMEM)
 FWD_SM80 = Family("fwd_sm80.cu")
 FWD_WIDE = Family("fwd_wide.cu")
 BWD_SM90 = Family("bwd_sm90.cu", arch="sm_90a")
@@ -185,7 +189,6 @@ class Variant:
     column_passes: int = 1   # CTAs per query block, each computing some output columns
     mode: int = MODE_DENSE
     tile: tuple = ()         # the tile-table entry it was made from
-    heads_first: bool = False   # grid (heads, query blocks, batch) instead of (query blocks, heads, batch)
 
     @property
     def source(self) -> str:
@@ -196,7 +199,12 @@ class Variant:
 
     @property
     def total_smem(self) -> int:
-        return self.smem_bytes + (MODS_STATIC_SMEM if self.mode or self.family.shared_mods else 0)
+        return self.smem_bytes + self.static_smem
+
+    @property
+    def static_smem(self) -> int:
+        """The static shared memory reserved for it (an upper bound; the build check)."""
+        return self.family.static_smem or (MODS_STATIC_SMEM if self.mode else 0)
 
 
 def padded_head_dim(d: int, dv: int) -> int:
@@ -223,13 +231,11 @@ def _sm90_forward(dtype_name: str, D: int, tile, mode: int) -> Variant:
     block_n, consumers, stages = tile
     block_m = 64 * consumers
     # fwd_sm90.cu Sm90FwdTile: Q, then K and V STAGES times each, swizzled, 1024 bytes to
-    # align them; then Sm90FwdBarriers (1 + 4 STAGES mbarriers of 8 bytes, then the
-    # schedule's STAGES ints, padded to 8 bytes).
-    smem = (block_m + 2 * stages * block_n) * D * 2 + 1024 + 8 * (1 + 4 * stages) + -(-4 * stages // 8) * 8
+    # align them; then Sm90FwdBarriers (2 + 4 STAGES mbarriers of 8 bytes, then the
+    # schedule's STAGES + 1 ints, padded to 8 bytes).
+    smem = (block_m + 2 * stages * block_n) * D * 2 + 1024 + 8 * (2 + 4 * stages) + -(-4 * (stages + 1) // 8) * 8
     expr = f"flash_fwd_sm90<{_CPP_TYPE[dtype_name]}, {D}, {block_n}, {consumers}, {stages}, {mode}, {smem}>"
-    # With a bias the heads of a query block run side by side and share its bias rows in L2.
-    return Variant(FWD_SM90, expr, (consumers + 1) * 128, block_m, smem, mode=mode, tile=tuple(tile),
-                   heads_first=bool(mode & MODE_BIAS))
+    return Variant(FWD_SM90, expr, (consumers + 1) * 128, block_m, smem, mode=mode, tile=tuple(tile))
 
 
 def _wide_forward(dtype_name: str, D: int, tile, mode: int) -> Variant:
@@ -509,15 +515,46 @@ def attention_forward(q, k, v, o, lse, *, scale: float, causal: bool, mods=_mods
     params = _problem_params(q, k, v, scale=scale, causal=causal, mods=mods)
     params.tensor("o", o).set(lse=lse.data.ptr, vec=int(_arrays.rows_16b_aligned(q, k, v, o)))
     maps = _sm90_tensor_maps(variant, q, k, v) if variant.family.tensor_maps else None
-    # The next kernel in line where the copy engine cannot read the inputs, or where a
-    # heads-first grid would have more query blocks than grid y takes.
-    if variant.family.tensor_maps and (maps is None or (variant.heads_first and
-                                                        math.ceil(rows / variant.block_m) > MAX_GRID_YZ)):
+    blocks, heads = math.ceil(rows / variant.block_m), q.shape[1]
+    # The next kernel in line where the copy engine cannot read the inputs, or where the
+    # work tiles would not fit the Hopper forward's work numbers.
+    if variant.family.tensor_maps and (maps is None or blocks * heads * batch > MAX_WORK_TILES):
         variant = _choose([c for c in variants if not c.family.tensor_maps], device_id)
-    elif maps is not None:
+    if variant.family.tensor_maps:
         params.set(q_map=maps[0], k_map=maps[1], v_map=maps[2])
-    blocks, heads = math.ceil(rows / variant.block_m) * variant.column_passes, q.shape[1]
-    _launch(variant, device_id, (heads, blocks, batch) if variant.heads_first else (blocks, heads, batch), params)
+        _launch(variant, device_id, _work_grid(params, blocks, heads, batch, device_id), params)
+        return
+    _launch(variant, device_id, (math.ceil(rows / variant.block_m) * variant.column_passes, heads, batch), params)
+
+
+# The Hopper forward numbers its work tiles (query block, head, batch entry) in an int,
+# with a flag bit beside (fwd_sm90.cu's work word).
+MAX_WORK_TILES = 2**30 - 1
+# Whether the Hopper forward runs persistent CTAs (one per SM, taking work tiles from a
+# counter: the next tile's loads overlap the current one's epilogue) instead of one CTA
+# per work tile.
+PERSISTENT_FORWARD = True
+
+
+def _work_grid(params: _params.Params, blocks: int, heads: int, batch: int, device_id: int) -> tuple:
+    """The Hopper forward's grid over blocks x heads x batch work tiles (params.cuh):
+    persistent CTAs with a zeroed work counter, or one CTA per tile."""
+    import cupy
+
+    tiles = blocks * heads * batch
+    params.set(grid_m=blocks, grid_heads=heads, grid_batch=batch)
+    if not PERSISTENT_FORWARD:
+        return (tiles,)
+    counter = cupy.zeros(1, cupy.int32)   # freed to the pool, reused only after the launch (same stream)
+    params.set(work_counter=counter.data.ptr)
+    return (min(tiles, _sm_count(device_id)),)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_id: int) -> int:
+    import cupy
+
+    return int(cupy.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"])
 
 
 def _sm90_tensor_maps(variant: Variant, q, k, v):

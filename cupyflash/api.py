@@ -66,6 +66,8 @@ softcap : float, default 0.0
 seqlens_k : array of int, optional
     Key padding: batch entry ``b`` sees only its first ``seqlens_k[b]`` keys (values in
     [0, Nk], shape = q's batch dims). The causal and window alignment still use Nk.
+    Host or GPU; the values are checked on the host, so a GPU array is copied back (a
+    synchronisation per call: keep it in NumPy where calls should queue).
 layout : {"bhsd", "bshd"}, default "bhsd"
     "bhsd": arrays are ``(..., H, N, d)`` with any leading (batch) dims; the axis before
     N is the head axis and a 2-D ``(N, d)`` array is one head. "bshd": arrays are
@@ -629,7 +631,8 @@ v : array, shape (total_k, Hk, dv)
     Keys and values packed likewise; dtypes, GQA and strides as for `attention`.
 cu_seqlens_q, cu_seqlens_k : 1-D integer array, shape (S + 1,)
     Cumulative sequence lengths: start at 0, non-decreasing, end at total_q / total_k.
-    NumPy or CuPy; read on the host (a small copy, which for a CuPy array synchronises).
+    NumPy or CuPy; read on the host (a small copy, which for a CuPy array synchronises:
+    pass NumPy arrays where calls should queue on the GPU without waiting).
 max_seqlen_q, max_seqlen_k : int
     At least the longest query / key sequence (they size the GPU grid).
 causal, scale, window, dropout_p, seed, alibi_slopes, softcap, deterministic, backend

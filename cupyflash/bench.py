@@ -416,7 +416,9 @@ def bench_mods_case(dtype, d, N, passes, peers, rows):
                           B * H * visible_pairs(N, N, causal=True, window=window), window=window)
 
     lengths = varlen_lengths(rng, VARLEN_SEQS, B * N)
-    cu = cp.asarray(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+    # Index arrays stay on the host, as the API's docs advise: from the device the API reads
+    # them back before the launch, a synchronisation per call.
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     packed = [x.reshape(B, H, N, d).transpose(0, 2, 1, 3).reshape(B * N, H, d) for x in (q, k, v, do)]
     longest = int(lengths.max())
 
@@ -436,7 +438,7 @@ def bench_mods_case(dtype, d, N, passes, peers, rows):
             varlen_runs(), seq_lengths=lengths.tolist())
 
     seqlens = rng.integers(N // 2, N + 1, size=B).astype(np.int32)
-    cupyflash_variant("seqlens_k", False, H * N * int(seqlens.sum()), seqlens_k=cp.asarray(seqlens))
+    cupyflash_variant("seqlens_k", False, H * N * int(seqlens.sum()), seqlens_k=seqlens)
 
     kv_heads = H // MOD_GQA
     kg, vg = k[:, :kv_heads], v[:, :kv_heads]

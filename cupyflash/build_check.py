@@ -44,14 +44,28 @@ def main(argv=None) -> int:
         print(error, file=sys.stderr)
         return 1
     failures = 0
-    print(f"{'arch':7} {'regs':>4} {'spill st/ld':>11} {'stack':>5} {'dyn smem':>8}  instantiation")
+    print(f"{'arch':7} {'regs':>4} {'spill st/ld':>11} {'stack':>5} {'dyn smem':>8} {'static':>6}  instantiation")
     for v, c in built:
-        bad = must_not_spill(v) and (c.spill_stores or c.spill_loads)
-        failures += bool(bad)
+        problems = problems_of(v, c)
+        failures += bool(problems)
         print(f"{c.arch:7} {c.registers:4d} {c.spill_stores:5d}/{c.spill_loads:<5d} {c.stack_frame:5d} "
-              f"{v.smem_bytes:8d}  {v.name_expression}{'  <-- SPILLS' if bad else ''}")
-    print(f"{len(built)} instantiations built, {failures} with spills where none are allowed")
+              f"{v.smem_bytes:8d} {c.static_smem:6d}  {v.name_expression}"
+              + "".join(f"  <-- {p}" for p in problems))
+    print(f"{len(built)} instantiations built, {failures} with spills where none are allowed "
+          "or more static shared memory than the host reserves")
     return 1 if failures else 0
+
+
+def problems_of(variant: _cuda.Variant, compiled) -> list[str]:
+    """What is wrong with a compiled instantiation: spills where none are allowed, and
+    static shared memory beyond what the host adds to the launch's figure (it would
+    launch with more shared memory than the host checked fits)."""
+    problems = []
+    if must_not_spill(variant) and (compiled.spill_stores or compiled.spill_loads):
+        problems.append("SPILLS")
+    if compiled.static_smem > variant.static_smem:
+        problems.append(f"STATIC SMEM > {variant.static_smem}")
+    return problems
 
 
 if __name__ == "__main__":

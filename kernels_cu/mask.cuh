@@ -130,11 +130,18 @@ struct MaskInfo {
         const int first = lo / block_m;
         return make_int2(first, hi <= lo ? first : (hi + block_m - 1) / block_m);
     }
-    // The first key tile at or after j (before `stop`) that the block mask leaves on.
-    __device__ __forceinline__ int next_key_tile(int j, int stop, int q0, int q1, int block_n, int h = 0) const {
+    // The first key tile at or after j (before `stop`) that the block mask leaves on;
+    // `state` gets its block_state (1 without a block mask).
+    __device__ __forceinline__ int next_key_tile(int j, int stop, int q0, int q1, int block_n, int h,
+                                                 int& state) const {
+        state = 1;
         if (EXT && blocks != nullptr)
-            while (j < stop && block_state(q0, q1, j * block_n, (j + 1) * block_n, h) == 0) ++j;
+            while (j < stop && (state = block_state(q0, q1, j * block_n, (j + 1) * block_n, h)) == 0) ++j;
         return j;
+    }
+    __device__ __forceinline__ int next_key_tile(int j, int stop, int q0, int q1, int block_n, int h = 0) const {
+        int state;
+        return next_key_tile(j, stop, q0, q1, block_n, h, state);
     }
     __device__ __forceinline__ int next_query_tile(int m, int stop, int k0, int k1, int block_m, int h = 0) const {
         if (EXT && blocks != nullptr)
@@ -147,9 +154,12 @@ struct MaskInfo {
     // the backward's padded row workspaces belong to the next sequence under varlen),
     // or holds a partial block-mask pattern. All other tiles skip the predicate.
     __device__ __forceinline__ bool tile_needs_mask(int q0, int q1, int k0, int k1, int h = 0) const {
+        return band_needs_mask(q0, q1, k0, k1) || (EXT && block_state(q0, q1, k0, k1, h) != 1);
+    }
+    // The same test without the block mask (for a walker that has its block_state).
+    __device__ __forceinline__ bool band_needs_mask(int q0, int q1, int k0, int k1) const {
         if (k1 > stop() || k1 > key_hi(q0)) return true;
-        if (!EXT) return false;
-        return q1 > nq || k0 < key_lo(min(q1, nq) - 1) || block_state(q0, q1, k0, k1, h) != 1;
+        return EXT && (q1 > nq || k0 < key_lo(min(q1, nq) - 1));
     }
 
     // Hide (-inf) what a row of head h may not see in scores held as mma C fragments

@@ -160,40 +160,54 @@ struct Mods {
     Acc drop_scale;
 
     __device__ __forceinline__ static Mods make(const AttnParams& p, int b, int heads) {
-        Mods m{};
-        m.tb = b;
-        m.mask.nq = p.nq;
-        m.mask.nk = p.nk;
-        m.mask.causal = p.causal;
+        Mods m;
+        m.set_bounds(p, b);
+        m.set_terms(p, b, heads);
+        return m;
+    }
+    // The state of batch entry b in two parts, each written field by field where it
+    // lives (a whole Mods built in registers and then copied to shared memory holds ~40
+    // registers at once): where its rows are and which keys they see (all that a loader
+    // needs), then the score terms and dropout.
+    __device__ __forceinline__ void set_bounds(const AttnParams& p, int b) {
+        tb = b;
+        q_base = k_base = 0;
+        mask.nq = p.nq;
+        mask.nk = p.nk;
+        mask.causal = p.causal;
         if constexpr (EXT) {
             const ModsParams& o = p.mods;
             if (o.cu_q != nullptr) {
-                m.tb = 0;
-                m.q_base = o.cu_q[b];
-                m.k_base = o.cu_k[b];
-                m.mask.nq = o.cu_q[b + 1] - o.cu_q[b];
-                m.mask.nk = o.cu_k[b + 1] - o.cu_k[b];
+                tb = 0;
+                q_base = o.cu_q[b];
+                k_base = o.cu_k[b];
+                mask.nq = o.cu_q[b + 1] - o.cu_q[b];
+                mask.nk = o.cu_k[b + 1] - o.cu_k[b];
             }
-            m.mask.key_stop = o.seqlens_k != nullptr ? min(o.seqlens_k[b], m.mask.nk) : m.mask.nk;
-            m.mask.left = o.win_left;
-            m.mask.right = o.win_right;
-            m.mask.blocks = o.bmask != nullptr ? o.bmask + b * o.bmask_sb : nullptr;
-            m.mask.blocks_head = o.bmask_sh;
-            m.mask.blocks_row = o.bmask_sq;
-            m.mask.block_q = o.block_q;
-            m.mask.block_k = o.block_k;
-            m.bias = o.bias != nullptr ? static_cast<const T*>(o.bias) + b * o.bias_sb : nullptr;
-            m.bias_sh = o.bias_sh;
-            m.bias_sq = o.bias_sq;
-            m.bias_sk = o.bias_sk;
-            m.alibi = o.alibi != nullptr ? static_cast<const Acc*>(o.alibi) + b * o.alibi_sb : nullptr;
-            m.softcap = Acc(o.softcap);
-            m.seed = o.rng_seed;
-            m.stream0 = dropout_stream(o.rng_offset, b, 0, heads);
-            m.threshold = o.drop_threshold;
-            m.drop_scale = Acc(o.drop_scale);
+            mask.key_stop = o.seqlens_k != nullptr ? min(o.seqlens_k[b], mask.nk) : mask.nk;
+            mask.left = o.win_left;
+            mask.right = o.win_right;
+            mask.blocks = o.bmask != nullptr ? o.bmask + b * o.bmask_sb : nullptr;
+            mask.blocks_head = o.bmask_sh;
+            mask.blocks_row = o.bmask_sq;
+            mask.block_q = o.block_q;
+            mask.block_k = o.block_k;
         }
-        return m;
+    }
+    __device__ __forceinline__ void set_terms(const AttnParams& p, int b, int heads) {
+        if constexpr (EXT) {
+            const ModsParams& o = p.mods;
+            bias = o.bias != nullptr ? static_cast<const T*>(o.bias) + b * o.bias_sb : nullptr;
+            bias_sh = o.bias_sh;
+            bias_sq = o.bias_sq;
+            bias_sk = o.bias_sk;
+            alibi = o.alibi != nullptr ? static_cast<const Acc*>(o.alibi) + b * o.alibi_sb : nullptr;
+            softcap = Acc(o.softcap);
+            seed = o.rng_seed;
+            stream0 = dropout_stream(o.rng_offset, b, 0, heads);
+            threshold = o.drop_threshold;
+            drop_scale = Acc(o.drop_scale);
+        }
     }
 
     __device__ __forceinline__ bool dropout() const { return EXT && threshold != 0; }

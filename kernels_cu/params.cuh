@@ -50,6 +50,7 @@ struct AttnParams {
     void* dq_accum;                     // non-deterministic dQ accumulator, or null
     void* dbias;                        // dbias accumulator (compact bias shape), or null
     i64 dbias_sb, dbias_sh, dbias_sq, dbias_sk;
+    int* work_counter;                  // the Hopper forward's tile scheduler (below), or null
     double scale;                       // softmax scale
     double scale_log2;                  // scale * log2(e), > 0 (the host clamps it)
     int group;                          // query heads per kv head
@@ -58,5 +59,11 @@ struct AttnParams {
     int nq_pad;                         // rows of the backward's workspaces per head
     int causal;
     int vec;                            // every row 16-byte aligned: wide copies
+    // The Hopper forward's work tiles, (query block, head, batch entry), numbered in the
+    // order fwd_sm90.cu decodes: CTA i starts at tile i and, with a (zeroed) work_counter,
+    // takes tile gridDim.x + atomicAdd(work_counter, 1) next (persistent CTAs); without
+    // one, tile i + gridDim.x.
+    int grid_m, grid_heads, grid_batch;
     ModsParams mods;
 };
+

@@ -44,6 +44,14 @@ def test_tensor_core_kernels_do_not_spill(built):
     assert not spilled
 
 
+def test_static_shared_memory_is_within_the_hosts_reservation(built):
+    # The host adds Variant.static_smem to a kernel's dynamic figure when it checks the
+    # device's limit; a kernel with more would launch with more than was checked.
+    over = [(v.name_expression, c.arch, c.static_smem, v.static_smem)
+            for v, c in built if c.static_smem > v.static_smem]
+    assert not over
+
+
 def test_ptxas_report_is_parsed():
     log = ("ptxas info    : Function properties for k\nptxas         .     8 bytes stack frame, "
            "4 bytes spill stores, 12 bytes spill loads\nptxas info    : Used 96 registers, used 1 barriers")

@@ -608,18 +608,23 @@ def _hopper_params():
             dtype = ("bfloat16", "float16")[(i + j) % 2]
             d = (64, 128, 104)[(i + 2 * j) % 3]   # 104: the d = 128 kernel, TMA zero-filling columns
             layout = LAYOUTS[(i + j // 2) % 2]
-            yield pytest.param(dtype, d, nq, nk, layout, causal, build, id=f"{name}-{dtype}-d{d}-{nq}x{nk}-{layout}")
+            # A third of the cases with one CTA per work tile instead of persistent CTAs.
+            persistent = (i + j) % 3 != 0
+            yield pytest.param(dtype, d, nq, nk, layout, causal, build, persistent,
+                               id=f"{name}-{dtype}-d{d}-{nq}x{nk}-{layout}{'' if persistent else '-per-tile'}")
 
 
-@pytest.mark.parametrize("dtype,d,nq,nk,layout,causal,build", list(_hopper_params()))
-def test_hopper_forward_with_options(rng, dtype, d, nq, nk, layout, causal, build):
+@pytest.mark.parametrize("dtype,d,nq,nk,layout,causal,build,persistent", list(_hopper_params()))
+def test_hopper_forward_with_options(rng, monkeypatch, dtype, d, nq, nk, layout, causal, build, persistent):
     """The options as policies of the Hopper forward (fwd_sm90.cu, MODE_EXT and MODE_BIAS
     instantiations) against the float64 reference, forward only (the backward runs the
-    mma.sync kernels, which the tests above cover); the call must take the Hopper kernel."""
+    mma.sync kernels, which the tests above cover); the call must take the Hopper kernel,
+    with persistent CTAs or one CTA per work tile."""
     if DRY_RUN:
         pytest.skip("pins a GPU kernel")
     import cupy as cp
     from cupyflash import _cuda
+    monkeypatch.setattr(_cuda, "PERSISTENT_FORWARD", persistent)
     if _cuda._device_info(cp.cuda.Device().id)[0] != "sm_90a":
         pytest.skip("not a Hopper GPU")
     batch = 2 if nq * nk <= 10**6 else 1
