@@ -8,7 +8,7 @@
 //       S = Q K^T (both operands by descriptor from shared memory), the mask and the
 //       online softmax in registers, O += P V (P from registers, V read N-major); O and
 //       the LSE go to global memory straight from the registers;
-//   producer (the last warpgroup; one thread works): loads each work tile's Q and
+//   producer (the last warpgroup; one warp works): loads each work tile's Q and
 //       streams the K and V tiles through STAGES shared-memory stages with TMA copies,
 //       each stage guarded by a "full" mbarrier (the copy has landed) and an "empty" one
 //       (every consumer warp has finished reading it). Q's buffer has the same pair: the
@@ -160,10 +160,12 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
     // For each work tile: Q (once the consumers have issued the previous tile's last
     // S), then the key tiles through the stages. With a work counter the CTA is
     // persistent and the next work tile's loads overlap this one's last products and
-    // its epilogue.
+    // its epilogue. The producer warpgroup's first warp runs it: lane 0 issues the copies
+    // and the barrier and schedule operations, the 32 lanes walk a block mask together.
     if (warp >= CONSUMERS * 4) {
         warpgroup_release_regs<C::PRODUCER_REGS>();
-        if (threadIdx.x == C::CONSUMER_THREADS) {
+        if (warp == CONSUMERS * 4) {
+            const bool leader = lane == 0;
             const ModsT& mods = producer_mods;
             // Rows in the tensor maps' coordinates: under varlen the sequence's offset.
             auto load_panels = [&](T* dst, const TmaMap& map, u64* bar, int rows, i64 row0, int head) {
@@ -172,7 +174,10 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
                     tma_load_4d(dst + panel * rows * C::PANEL, map, bar, panel * C::PANEL, int(row0), head, mods.tb);
             };
             auto next_work = [&](int w) {
-                return p.work_counter != nullptr ? int(gridDim.x) + atomicAdd(p.work_counter, 1) : w + int(gridDim.x);
+                if (p.work_counter == nullptr) return w + int(gridDim.x);
+                int next = 0;
+                if (leader) next = int(gridDim.x) + atomicAdd(p.work_counter, 1);
+                return __shfl_sync(0xffffffffu, next, 0);
             };
             int t = 0;   // key tiles loaded so far, over every work tile: stage t % STAGES
             for (int w = blockIdx.x, k = 0;; w = next_work(w), ++k) {
@@ -183,48 +188,82 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
                 int q0 = 0, q_rows = 0;
                 for (; w < work_tiles; w = next_work(w)) {
                     work = Sm90Work::decode<HEADS_FIRST>(w, p);
-                    producer_mods.set_bounds(p, work.b);
+                    __syncwarp();   // every lane is past its reads of the previous state
+                    if (leader) producer_mods.set_bounds(p, work.b);
+                    __syncwarp();
                     q0 = work.m_block * BLOCK_M;
                     q_rows = min(BLOCK_M, mods.mask.nq - q0);
                     if (q_rows > 0) break;
                 }
                 if (w >= work_tiles) {   // a plain arrival completes the phase
-                    atomicExch(&bars.work, bars.END);
-                    mbar_arrive(&bars.q_full);
+                    if (leader) {
+                        atomicExch(&bars.work, bars.END);
+                        mbar_arrive(&bars.q_full);
+                    }
                     break;
                 }
                 const int h = work.h, hk = h / p.group;
                 const int2 tiles = mods.mask.key_tile_range(q0, q0 + q_rows, BLOCK_N);
                 // The key tiles visited, in order: every tile of the range, less those the
                 // block mask leaves out (the dense path visits the whole range); `state`:
-                // the tile's block_state (2: the block mask covers it partly).
+                // the tile's block_state (2: the block mask covers it partly). A block
+                // mask is read 32 tiles at a time, a tile per lane, so that a sparse mask
+                // costs one round of loads per 32 tiles rather than one per tile skipped.
+                int window = -32;      // first tile of the window the lanes have read (none yet)
+                int lane_state = 0;    // block_state of tile window + lane
+                u32 window_hits = 0;   // the window's tiles the block mask leaves on
                 auto next_tile = [&](int j, int& state) {
-                    return mods.mask.next_key_tile(j, tiles.y, q0, q0 + q_rows, BLOCK_N, h, state);
+                    state = 1;
+                    if (MODE == MODE_DENSE || mods.mask.blocks == nullptr) return j;
+                    for (; j < tiles.y; j = window + 32) {
+                        if (j < window || j >= window + 32) {
+                            window = j;
+                            const int mine = j + lane;
+                            lane_state = mine < tiles.y ? mods.mask.block_state(q0, q0 + q_rows, mine * BLOCK_N,
+                                                                                (mine + 1) * BLOCK_N, h) : 0;
+                            window_hits = __ballot_sync(0xffffffffu, lane_state != 0);
+                        }
+                        const u32 ahead = window_hits >> (j - window);
+                        if (ahead != 0) {
+                            const int found = j + __ffs(ahead) - 1;
+                            state = __shfl_sync(0xffffffffu, lane_state, found - window);
+                            return found;
+                        }
+                    }
+                    return tiles.y;
                 };
                 int state;
                 int j = next_tile(tiles.x, state);
-                // The work word: 2 w, + 1 when no key tile is visited.
-                atomicExch(&bars.work, 2 * w + (j >= tiles.y));
-                mbar_arrive_expect_tx(&bars.q_full, C::Q_BYTES);
-                load_panels(sQ, p.q_map, &bars.q_full, BLOCK_M, mods.q_base + q0, h);
+                if (leader) {
+                    // The work word: 2 w, + 1 when no key tile is visited.
+                    atomicExch(&bars.work, 2 * w + (j >= tiles.y));
+                    mbar_arrive_expect_tx(&bars.q_full, C::Q_BYTES);
+                    load_panels(sQ, p.q_map, &bars.q_full, BLOCK_M, mods.q_base + q0, h);
+                }
                 for (; j < tiles.y; ++t) {
                     const int s = t % STAGES;
                     const u32 parity = ((t / STAGES) & 1) ^ 1;   // the consumers' release of the round before
                     mbar_wait(&bars.k_empty[s], parity);
                     int next_state;
                     const int next = next_tile(j + 1, next_state);
-                    if constexpr (MODE != MODE_DENSE) {
-                        // The schedule word: 4 j, + 2 on the last tile, + 1 where it needs
-                        // the element mask.
-                        const bool masked = state == 2 || mods.mask.band_needs_mask(q0, q0 + q_rows, j * BLOCK_N,
-                                                                                    (j + 1) * BLOCK_N);
-                        atomicExch(&bars.tile[s], 4 * j + 2 * (next >= tiles.y) + masked);
+                    if (leader) {
+                        if constexpr (MODE != MODE_DENSE) {
+                            // The schedule word: 4 j, + 2 on the last tile, + 1 where it needs
+                            // the element mask.
+                            const bool masked = state == 2 || mods.mask.band_needs_mask(q0, q0 + q_rows, j * BLOCK_N,
+                                                                                        (j + 1) * BLOCK_N);
+                            atomicExch(&bars.tile[s], 4 * j + 2 * (next >= tiles.y) + masked);
+                        }
+                        mbar_arrive_expect_tx(&bars.k_full[s], C::KV_BYTES);
+                        load_panels(sK + s * C::KV_ELEMS, p.k_map, &bars.k_full[s], BLOCK_N,
+                                    mods.k_base + (i64)j * BLOCK_N, hk);
                     }
-                    mbar_arrive_expect_tx(&bars.k_full[s], C::KV_BYTES);
-                    load_panels(sK + s * C::KV_ELEMS, p.k_map, &bars.k_full[s], BLOCK_N, mods.k_base + (i64)j * BLOCK_N, hk);
                     mbar_wait(&bars.v_empty[s], parity);
-                    mbar_arrive_expect_tx(&bars.v_full[s], C::KV_BYTES);
-                    load_panels(sV + s * C::KV_ELEMS, p.v_map, &bars.v_full[s], BLOCK_N, mods.k_base + (i64)j * BLOCK_N, hk);
+                    if (leader) {
+                        mbar_arrive_expect_tx(&bars.v_full[s], C::KV_BYTES);
+                        load_panels(sV + s * C::KV_ELEMS, p.v_map, &bars.v_full[s], BLOCK_N,
+                                    mods.k_base + (i64)j * BLOCK_N, hk);
+                    }
                     j = next;
                     state = next_state;
                 }
