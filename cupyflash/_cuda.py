@@ -64,9 +64,10 @@ FWD_SM90_TILES = {
 # but the bias, switched on at run time): d = 64 takes 128-row query tiles (two consumers),
 # so that 128-row mask blocks cover whole tiles: with the dense tile's 192 rows, half the
 # tiles of a block mask need the element mask (H100, bf16, N = 16k, block_mask density 1/2:
-# 26 ms against the dense call's 4.8). With the bias (MODE_EXT | MODE_BIAS), the prefetched
-# bias takes registers: 64-key tiles from d = 128 (128 keys spill there, build check). d =
-# 256 with options runs in fwd_sm80.cu: its consumers need all of 240 registers, and the
+# 26 ms against the dense call's 4.8). With the bias (MODE_EXT | MODE_BIAS) a bias tile
+# shares each stage (by TMA where the bias has whole rows) and its pairs take registers:
+# 64-key tiles from d = 128 (128 keys spill there, build check). d = 256 with options runs
+# in fwd_sm80.cu: its consumers need all of 240 registers, and the
 # option kernels' producer keeps 56 (it walks the schedule and the work tiles), which
 # leaves them 224 (84 bytes of spills); with a bias it spilled even before.
 FWD_SM90_EXT_TILES = {
@@ -230,10 +231,12 @@ def _sm80_forward(dtype_name: str, D: int, tile, mode: int) -> Variant:
 def _sm90_forward(dtype_name: str, D: int, tile, mode: int) -> Variant:
     block_n, consumers, stages = tile
     block_m = 64 * consumers
-    # fwd_sm90.cu Sm90FwdTile: Q, then K and V STAGES times each, swizzled, 1024 bytes to
-    # align them; then Sm90FwdBarriers (2 + 4 STAGES mbarriers of 8 bytes, then the
-    # schedule's STAGES + 1 ints, padded to 8 bytes).
-    smem = (block_m + 2 * stages * block_n) * D * 2 + 1024 + 8 * (2 + 4 * stages) + -(-4 * (stages + 1) // 8) * 8
+    # fwd_sm90.cu Sm90FwdTile: Q, then K and V STAGES times each, swizzled, and with the
+    # bias a (block_m, block_n) bias tile per stage; 1024 bytes to align them; then
+    # Sm90FwdBarriers (2 + 6 STAGES mbarriers of 8 bytes, then the schedule's STAGES + 1
+    # ints, padded to 8 bytes).
+    bias = stages * block_m * block_n if mode & MODE_BIAS else 0
+    smem = ((block_m + 2 * stages * block_n) * D + bias) * 2 + 1024 + 8 * (2 + 6 * stages) + -(-4 * (stages + 1) // 8) * 8
     expr = f"flash_fwd_sm90<{_CPP_TYPE[dtype_name]}, {D}, {block_n}, {consumers}, {stages}, {mode}, {smem}>"
     return Variant(FWD_SM90, expr, (consumers + 1) * 128, block_m, smem, mode=mode, tile=tuple(tile))
 
@@ -522,6 +525,9 @@ def attention_forward(q, k, v, o, lse, *, scale: float, causal: bool, mods=_mods
         variant = _choose([c for c in variants if not c.family.tensor_maps], device_id)
     if variant.family.tensor_maps:
         params.set(q_map=maps[0], k_map=maps[1], v_map=maps[2])
+        bias_map = _sm90_bias_map(variant, mods.bias, q.shape[2], k.shape[2])
+        if bias_map is not None:
+            params.set(bias_map=bias_map).mods(bias_tma=1)
         _launch(variant, device_id, _work_grid(params, blocks, heads, batch, device_id), params)
         return
     _launch(variant, device_id, (math.ceil(rows / variant.block_m) * variant.column_passes, heads, batch), params)
@@ -555,6 +561,15 @@ def _sm_count(device_id: int) -> int:
     import cupy
 
     return int(cupy.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"])
+
+
+def _sm90_bias_map(variant: Variant, bias, nq: int, nk: int):
+    """The tensor map through which fwd_sm90.cu loads bias tiles beside K and V: for a
+    bias with whole rows (not broadcast over queries or keys) that TMA can describe;
+    else None, and each thread loads its scores' bias itself."""
+    if bias is None or not variant.mode & MODE_BIAS or tuple(bias.shape[2:]) != (nq, nk):
+        return None
+    return _tma.tensor_map(bias, variant.block_m)
 
 
 def _sm90_tensor_maps(variant: Variant, q, k, v):

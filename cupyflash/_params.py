@@ -52,10 +52,10 @@ MODS = _struct([
     ("rng_seed", "u64"), ("rng_offset", "u64"),
     ("softcap", "f64"), ("drop_scale", "f64"),
     ("win_left", "i32"), ("win_right", "i32"), ("block_q", "i32"), ("block_k", "i32"),
-    ("drop_threshold", "u32"),
+    ("drop_threshold", "u32"), ("bias_tma", "i32"),
 ])
 ATTN = _struct([
-    ("q_map", TMA_MAP), ("k_map", TMA_MAP), ("v_map", TMA_MAP),
+    ("q_map", TMA_MAP), ("k_map", TMA_MAP), ("v_map", TMA_MAP), ("bias_map", TMA_MAP),
     ("q", TENSOR), ("k", TENSOR), ("v", TENSOR), ("o", TENSOR),
     ("dout", TENSOR), ("dq", TENSOR), ("dk", TENSOR), ("dv", TENSOR),
     ("lse", "ptr"), ("lse2", "ptr"), ("delta", "ptr"), ("dq_accum", "ptr"),

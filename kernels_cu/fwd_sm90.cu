@@ -29,9 +29,9 @@
 //     tiles that are not wholly visible, which alone run the element mask;
 //   - score terms (softcap, ALiBi) run in registers between S and the softmax; without
 //     one the scale stays folded into the exp2, as in dense mode;
-//   - the bias, in the MODE_EXT | MODE_BIAS instantiations only (it needs registers the
-//     128-key tiles spend on S and P at d = 128), is loaded while S is on the tensor
-//     cores, with the heads of a query block side by side in the work order;
+//   - the bias, in the MODE_EXT | MODE_BIAS instantiations only, streams through the
+//     stages beside K and V by TMA where it has whole rows (else each thread loads its
+//     scores' bias), with the heads of a query block side by side in the work order;
 //   - dropout zeroes P after the row sums took it; its keep bits (16 scores per Philox
 //     call) are drawn while S is on the tensor cores.
 // Varlen reads (1, H, total, d) tensors at the sequence's row offset: rows past a
@@ -61,6 +61,7 @@ struct Sm90FwdBarriers {
     u64 q_full, q_empty;
     u64 k_full[STAGES], v_full[STAGES];
     u64 k_empty[STAGES], v_empty[STAGES];
+    u64 bias_full[STAGES], bias_empty[STAGES];   // MODE_BIAS with the bias by TMA
     int tile[STAGES];
     int work;   // the work tile whose Q is in flight (END: none left)
 };
@@ -101,12 +102,15 @@ struct Sm90FwdTile {
     static constexpr int KSTEPS = D / 16;           // k-steps of Q K^T
     static constexpr int PSTEPS = BLOCK_N / 16;     // k-steps of P V
     static constexpr int Q_ELEMS = BLOCK_M * D, KV_ELEMS = BLOCK_N * D;
+    // MODE_BIAS: a bias tile per stage (BLOCK_M rows, BLOCK_N / 64 panels of 64 keys).
+    static constexpr int BIAS_ELEMS = (MODE & MODE_BIAS) != 0 ? BLOCK_M * BLOCK_N : 0;
     static constexpr int PANEL = 64;                // columns per TMA box (128 bytes, the swizzle span)
     static constexpr u32 Q_BYTES = Q_ELEMS * sizeof(T), KV_BYTES = KV_ELEMS * sizeof(T);
-    // Shared memory (cupyflash/_cuda.py mirrors it): Q, K x STAGES, V x STAGES, each
-    // 1024-byte aligned; then the mbarriers and the schedule.
+    static constexpr u32 BIAS_BYTES = BIAS_ELEMS * sizeof(T);
+    // Shared memory (cupyflash/_cuda.py mirrors it): Q, K x STAGES, V x STAGES, bias x
+    // STAGES (MODE_BIAS), each 1024-byte aligned; then the mbarriers and the schedule.
     static constexpr int ALIGN = 1024;
-    static constexpr int TILE_BYTES = (Q_ELEMS + 2 * STAGES * KV_ELEMS) * sizeof(T);
+    static constexpr int TILE_BYTES = (Q_ELEMS + 2 * STAGES * KV_ELEMS + STAGES * BIAS_ELEMS) * sizeof(T);
     // The dynamic shared memory the host must give: the tiles, the slack to align them,
     // the barriers.
     static constexpr int SMEM_BYTES = TILE_BYTES + ALIGN + sizeof(Sm90FwdBarriers<STAGES>);
@@ -133,6 +137,7 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
     T* sQ = reinterpret_cast<T*>(smem_raw + (C::ALIGN - smem_addr(smem_raw) % C::ALIGN) % C::ALIGN);
     T* sK = sQ + C::Q_ELEMS;                  // STAGES buffers
     T* sV = sK + STAGES * C::KV_ELEMS;        // STAGES buffers
+    T* sBias = sV + STAGES * C::KV_ELEMS;     // STAGES buffers (MODE_BIAS)
     auto& bars = *reinterpret_cast<Sm90FwdBarriers<STAGES>*>(reinterpret_cast<unsigned char*>(sQ) + C::TILE_BYTES);
     // The option state of the current work tile (mods.cuh), one copy for the producer
     // thread and one for the consumers, each written and read by its own side (the
@@ -141,6 +146,9 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
     __shared__ ModsT producer_mods, consumer_mods;
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    // MODE_BIAS: the bias tiles come by TMA beside K and V where the bias has whole rows
+    // (a tensor map describes it), else each thread loads its scores' bias (bias_tile).
+    const bool bias_in_smem = (MODE & MODE_BIAS) != 0 && p.mods.bias_tma;
     const int work_tiles = p.grid_m * p.grid_heads * p.grid_batch;
     if (threadIdx.x == 0) {
         mbar_init(&bars.q_full, 1);
@@ -151,6 +159,8 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
             mbar_init(&bars.v_full[s], 1);
             mbar_init(&bars.k_empty[s], CONSUMERS * 4);
             mbar_init(&bars.v_empty[s], CONSUMERS * 4);
+            mbar_init(&bars.bias_full[s], 1);
+            mbar_init(&bars.bias_empty[s], CONSUMERS * 4);
         }
         mbar_init_fence();
     }
@@ -258,6 +268,18 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
                         load_panels(sK + s * C::KV_ELEMS, p.k_map, &bars.k_full[s], BLOCK_N,
                                     mods.k_base + (i64)j * BLOCK_N, hk);
                     }
+                    if (bias_in_smem) {
+                        mbar_wait(&bars.bias_empty[s], parity);
+                        if (leader) {
+                            // Axes the bias broadcasts over (stride 0) are read at 0.
+                            mbar_arrive_expect_tx(&bars.bias_full[s], C::BIAS_BYTES);
+                            #pragma unroll
+                            for (int panel = 0; panel < BLOCK_N / C::PANEL; ++panel)
+                                tma_load_4d(sBias + s * C::BIAS_ELEMS + panel * BLOCK_M * C::PANEL, p.bias_map,
+                                            &bars.bias_full[s], j * BLOCK_N + panel * C::PANEL, q0,
+                                            p.mods.bias_sh != 0 ? h : 0, p.mods.bias_sb != 0 ? work.b : 0);
+                        }
+                    }
                     mbar_wait(&bars.v_empty[s], parity);
                     if (leader) {
                         mbar_arrive_expect_tx(&bars.v_full[s], C::KV_BYTES);
@@ -358,13 +380,34 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
                 for (int e = 0; e < 4; ++e)
                     if (!((keep >> (4 * nt + e)) & 1)) s[0][nt][e] = 0.f;
         };
-        // The bias of key tile jt's scores (MODE_BIAS), loaded while its S is being computed:
-        // pairs of neighbouring keys as one 32-bit load where the rows allow (keys contiguous,
-        // rows 4-byte aligned), zeros past the sequence. Added after the other score terms
-        // (scores_log2 leaves it out): the sum is the same, the loads are off the critical path.
+        // The bias of the t-th key tile (index jt; MODE_BIAS) as pairs of neighbouring keys
+        // in the fragments' layout, once its S has landed; added after the other score terms
+        // (scores_log2 leaves it out: the sum is the same). From the tile's stage where TMA
+        // brought it (128-byte swizzle: the 16-byte chunk c of row r at chunk c ^ (r % 8))
+        // by ldmatrix: matrix m of an x4 is rows 8 (m % 2) .. of the warp's 16 and n-tile
+        // nt + m / 2, so each lane receives exactly its pairs. Else from global memory, a
+        // pair as one 32-bit load where the rows allow (keys contiguous, rows 4-byte
+        // aligned), zeros past the sequence.
         typedef u32 BiasPairs[NT][2];
-        auto load_bias = [&](int jt, BiasPairs& pairs) {
+        auto bias_tile = [&](int t, int jt, BiasPairs& pairs) {
             if constexpr ((MODE & MODE_BIAS) != 0) {
+                if (bias_in_smem) {
+                    wait_full(bars.bias_full, t);
+                    const T* stage = sBias + (t % STAGES) * C::BIAS_ELEMS;
+                    const int m = lane / 8, row = warp_row0 + (m % 2) * 8 + lane % 8;
+                    #pragma unroll
+                    for (int nt = 0; nt < NT; nt += 2) {
+                        const int chunk = nt + m / 2;   // 8 keys
+                        u32 r[4];
+                        ldmatrix_x4(r, stage + (chunk / 8) * (BLOCK_M * C::PANEL) + row * C::PANEL +
+                                           ((chunk % 8) ^ (row % 8)) * 8);
+                        pairs[nt][0] = r[0];
+                        pairs[nt][1] = r[1];
+                        pairs[nt + 1][0] = r[2];
+                        pairs[nt + 1][1] = r[3];
+                    }
+                    return;
+                }
                 const int k0 = jt * BLOCK_N + 2 * t4;
                 const bool wide = head_mods.bias_sk == 1 && head_mods.bias_sq % 2 == 0 &&
                                   reinterpret_cast<u64>(head_mods.bias) % 4 == 0;
@@ -386,6 +429,10 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
                     }
                 }
             }
+        };
+        // The stage goes back once the pairs were used (the loads have completed).
+        auto release_bias_tile = [&](int t) {
+            if (bias_in_smem) release(bars.bias_empty, t);
         };
         auto add_bias = [&](const BiasPairs& pairs) {
             #pragma unroll
@@ -467,12 +514,13 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
             wait_full(bars.k_full, t);
             issue_s(t);
             const u64 keep = keep_bits(jt);
-            BiasPairs bias;
-            load_bias(jt, bias);
             wgmma_wait<0>();
             reg_fence(s[0]);
             release(bars.k_empty, t);
+            BiasPairs bias;
+            bias_tile(t, jt, bias);
             softmax_tile(jt, masked, keep, bias);   // acc is still 0: nothing to rescale
+            release_bias_tile(t);
             round_p();
             for (; !last; ++t) {
                 visited(t + 1, jt, masked, last);
@@ -481,12 +529,13 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
                 issue_s(t + 1);
                 issue_pv(t);
                 const u64 keep = keep_bits(jt);
-                BiasPairs bias;
-                load_bias(jt, bias);
                 wgmma_wait<1>();   // S of the next tile (P V may still run)
                 reg_fence(s[0]);
                 release(bars.k_empty, t + 1);
+                BiasPairs bias;
+                bias_tile(t + 1, jt, bias);
                 const bool grew = softmax_tile(jt, masked, keep, bias);
+                release_bias_tile(t + 1);
                 wgmma_wait<0>();
                 reg_fence(acc[0]);
                 release(bars.v_empty, t);

@@ -38,10 +38,12 @@ struct ModsParams {
     int win_left, win_right;            // window sides, -1 unbounded
     int block_q, block_k;               // the block mask's block size
     u32 drop_threshold;                 // philox.cuh: 0 = no dropout, else the byte threshold
+    int bias_tma;                       // 1: AttnParams::bias_map describes the bias (whole rows)
 };
 
 struct AttnParams {
     TmaMap q_map, k_map, v_map;         // the Hopper forward's tensor maps (fwd_sm90.cu)
+    TmaMap bias_map;                    // and its bias's, where mods.bias_tma
     TensorParams q, k, v, o;            // (B, H, N, d) views; o is written by the forward
     TensorParams dout, dq, dk, dv;      // the backward's gradient views
     void* lse;                          // (B, Hq, Nq) log-sum-exp, accumulation dtype
