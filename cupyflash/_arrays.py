@@ -136,6 +136,25 @@ def move(x, kind, device):
         return cp.asarray(x)
 
 
+def device_copy_of_index(x, device):
+    """A GPU copy of a small host int32 index array (cu_seqlens, seqlens_k), shared by
+    every call with the same contents: the kernels only read it. The copy is queued on
+    the stream current at the first call; a later call on any stream waits for it."""
+    copy, ready = _index_copies(np.ascontiguousarray(x, np.int32).tobytes(), int(device))
+    cupy_module().cuda.get_current_stream().wait_event(ready)
+    return copy
+
+
+@functools.lru_cache(maxsize=64)
+def _index_copies(data: bytes, device: int):
+    cp = cupy_module()
+    with cp.cuda.Device(device):
+        copy = cp.asarray(np.frombuffer(data, np.int32))
+        ready = cp.cuda.Event(disable_timing=True)
+        ready.record()
+    return copy, ready
+
+
 def read_only(x):
     """A read-only view of a host array (a context must not be a way to write the inputs);
     GPU arrays have no such flag and come back as they are."""

@@ -327,7 +327,13 @@ def _resolve_modifiers(options, problem, varlen=None):
         mask = _compact(arrays["block_mask"], lead, 3)
         blocks = (-(-problem.q_len // options.block_size[0]), -(-problem.k_len // options.block_size[1]))
         xp = _arrays.namespace(_arrays.kind_of(mask))
-        fields["block_mask"] = (xp.broadcast_to(mask, (*mask.shape[:2], *blocks)) != 0).astype(xp.uint8)
+        mask = xp.broadcast_to(mask, (*mask.shape[:2], *blocks))
+        # The kernels read a byte per block, nonzero: on: a bool mask with contiguous rows
+        # is that already (no copy, no kernel launched per call).
+        if mask.dtype == bool and mask.strides[-1] == 1:
+            fields["block_mask"] = mask.view(xp.uint8)
+        else:
+            fields["block_mask"] = (mask != 0).astype(xp.uint8)
     if "alibi_slopes" in arrays:
         slopes = _compact(arrays["alibi_slopes"], lead, 1)
         xp = _arrays.namespace(_arrays.kind_of(slopes))
@@ -346,8 +352,16 @@ def _resolve_modifiers(options, problem, varlen=None):
 _MOD_ARRAYS = ("block_mask", "bias", "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k", "seqlens_k")
 
 
+_INDEX_ARRAYS = ("cu_seqlens_q", "cu_seqlens_k", "seqlens_k")
+
+
 def _move_modifiers(mods, kind, device):
-    moved = {name: _arrays.move(getattr(mods, name), kind, device)
+    # Host index arrays (a few int32s) go to the GPU through a cache of their contents:
+    # a call that repeats them (or passes the same cu_seqlens for q and k) uploads nothing.
+    moved = {name: (_arrays.device_copy_of_index(getattr(mods, name), device)
+                    if name in _INDEX_ARRAYS and kind == _arrays.DEVICE
+                    and _arrays.kind_of(getattr(mods, name)) == _arrays.HOST
+                    else _arrays.move(getattr(mods, name), kind, device))
              for name in _MOD_ARRAYS if getattr(mods, name) is not None}
     return dataclasses.replace(mods, **moved) if moved else mods   # mods are immutable
 
