@@ -637,3 +637,37 @@ def test_hopper_forward_with_options(rng, monkeypatch, dtype, d, nq, nk, layout,
     opts.update(causal=causal, layout=layout)
     got, ref = _run_both(cupyflash.attention_forward, host, opts, backward=False)
     _check(got, ref, dtype)
+
+
+def test_hopper_bias_tiles_by_tma_where_the_rows_allow():
+    """The Hopper forward loads bias tiles by TMA only for a bias with whole rows whose
+    rows TMA can describe; other biases take the per-thread loads (both are checked
+    against the reference in test_hopper_forward_with_options)."""
+    if DRY_RUN:
+        pytest.skip("needs the GPU")
+    import cupy as cp
+    from cupyflash import _cuda
+    variant = next(v for v in _cuda.forward_variants("bfloat16", 128, _cuda.MODE_EXT | _cuda.MODE_BIAS)
+                   if v.family is _cuda.FWD_SM90)
+    full = cp.zeros((1, 1, 100, 1000), cp.float16).astype("bfloat16")
+    assert _cuda._sm90_bias_map(variant, full, 100, 1000) is not None
+    odd = cp.zeros((1, 1, 100, 999), cp.float16).astype("bfloat16")
+    assert _cuda._sm90_bias_map(variant, odd, 100, 999) is None                  # rows not 16-byte aligned
+    assert _cuda._sm90_bias_map(variant, full[:, :, :1], 100, 1000) is None       # broadcast over queries
+    dense = next(v for v in _cuda.forward_variants("bfloat16", 128) if v.family is _cuda.FWD_SM90)
+    assert _cuda._sm90_bias_map(dense, full, 100, 1000) is None                  # a kernel without the bias
+
+
+def test_index_arrays_are_uploaded_once_per_contents():
+    """Host cu_seqlens / seqlens_k go to the GPU through a cache of their contents: equal
+    contents share one read-only device copy, other contents get their own."""
+    if DRY_RUN:
+        pytest.skip("needs the GPU")
+    import cupy as cp
+    from cupyflash import _arrays
+    device = cp.cuda.Device().id
+    a = _arrays.device_copy_of_index(np.array([0, 5, 9], np.int32), device)
+    b = _arrays.device_copy_of_index(np.array([0, 5, 9], np.int32), device)
+    c = _arrays.device_copy_of_index(np.array([0, 5, 10], np.int32), device)
+    assert a is b and c is not a
+    assert cp.asnumpy(c).tolist() == [0, 5, 10] and c.dtype == np.int32
