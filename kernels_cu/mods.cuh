@@ -118,18 +118,22 @@ struct HeadMods<T, Acc, true> {
             }
         }
         if (slope_log2 != Acc(0)) {
-            // The distance i + off - j is the thread's one at its first score (converted
-            // once) plus a compile-time offset: no int-to-float conversion per score (they
-            // run at a quarter of the FMA rate, and cost ALiBi a third of the Hopper forward
-            // at d = 64).
-            const int lane = threadIdx.x % 32;
-            const int first_i = KEY_ROWS ? c0 + 2 * (lane % 4) : r0 + lane / 4;
-            const int first_j = KEY_ROWS ? r0 + lane / 4 : c0 + 2 * (lane % 4);
-            const Acc base = Acc(first_i + off - first_j);
-            for_each_score<KEY_ROWS>(s, r0, c0, [&](Acc& x, int i, int j, int, int, int) {
-                const Acc dist = base + Acc((i - first_i) - (j - first_j));
-                x -= slope_log2 * (dist < Acc(0) ? -dist : dist);
-            });
+            // Where the thread's fragments have registers to spare (QuerySlots::CACHED, the
+            // Hopper forward's one m-tile), the distance i + off - j is its first one,
+            // converted once, plus a compile-time offset: int-to-float conversions run at a
+            // quarter of the FMA rate. (Elsewhere the one register it takes spills the
+            // backward's dQ tile, build check.)
+            if constexpr (QuerySlots<KEY_ROWS, MT, NT>::CACHED) {
+                const int lane = threadIdx.x % 32;
+                const int first_i = KEY_ROWS ? c0 + 2 * (lane % 4) : r0 + lane / 4;
+                const int first_j = KEY_ROWS ? r0 + lane / 4 : c0 + 2 * (lane % 4);
+                const Acc first = Acc(first_i + off - first_j);
+                for_each_score<KEY_ROWS>(s, r0, c0, [&](Acc& x, int i, int j, int, int, int) {
+                    x -= slope_log2 * fabs(first + Acc((i - first_i) - (j - first_j)));
+                });
+            } else {
+                for_each_score<KEY_ROWS>(s, r0, c0, [&](Acc& x, int i, int j, int, int, int) { x -= alibi(i, j); });
+            }
         }
         if (masked) mask->template apply<KEY_ROWS>(s, r0, c0, h);
     }
