@@ -71,10 +71,7 @@ FWD_SM90_TILES = {
 # option kernels' producer keeps 56 (it walks the schedule and the work tiles), which
 # leaves them 224 (84 bytes of spills); with a bias it spilled even before.
 FWD_SM90_EXT_TILES = {
-    # d = 64: 192-row tiles where no block mask splits them (H100, bf16, N = 16k, kernel
-    # ms, (64, 3, 3) against (128, 2, 3): window 2048 0.802/0.816, dropout 9.87/10.92,
-    # softcap 7.30/7.68), else 128 rows (forward_variants_for).
-    64: ((64, 3, 3), (128, 2, 3)),
+    64: ((128, 2, 3),),
     128: ((128, 2, 3),),
     192: ((64, 2, 2),),
 }
@@ -266,17 +263,6 @@ def forward_variants(dtype_name: str, D: int, mode: int = MODE_DENSE) -> list[Va
     return [_wide_forward(dtype_name, D, tile, mode) for tile in tiles]
 
 
-def forward_variants_for(dtype_name: str, D: int, mods) -> list[Variant]:
-    """forward_variants of the call's mode, less the Hopper tiles whose query rows a
-    block of its block mask would split (every tile of a block mask that does would need
-    the element mask: tiles of 192 rows and blocks of 128)."""
-    variants = forward_variants(dtype_name, D, kernel_mode(mods))
-    if mods.block_mask is None:
-        return variants
-    block_q = mods.block_size[0]
-    return [v for v in variants if v.family is not FWD_SM90 or v.block_m % block_q == 0 or block_q % v.block_m == 0]
-
-
 def all_variants() -> list[Variant]:
     """Every instantiation the package can launch (what the build check compiles)."""
     unique = {}   # the backward's per-dtype kernels serve every head dim
@@ -430,10 +416,7 @@ def precompile(*, dtypes=None, head_dims=None, device=None, workers=None, option
         for D in dims:
             chosen = []
             for mode in modes:
-                variants = forward_variants(name, D, mode)
-                chosen.append(_choose(variants, device_id))
-                # and the Hopper tiles a block mask may select (forward_variants_for)
-                chosen += [v for v in variants[1:] if v.family is FWD_SM90 and v.builds_for(arch)]
+                chosen.append(_choose(forward_variants(name, D, mode), device_id))
                 for deterministic in (False, True):
                     plan = device_backward_plan(name, D, deterministic, mode, device_id)
                     chosen += [plan.prep, *([plan.convert] if plan.convert else [])]
@@ -529,7 +512,7 @@ def attention_forward(q, k, v, o, lse, *, scale: float, causal: bool, mods=_mods
         return
     d, dv = q.shape[3], v.shape[3]
     device_id = q.device.id
-    variants = forward_variants_for(q.dtype.name, padded_head_dim(d, dv), mods)
+    variants = forward_variants(q.dtype.name, padded_head_dim(d, dv), kernel_mode(mods))
     variant = _choose(variants, device_id)
     batch, rows, _ = _grid_extents(q, k, mods)
     params = _problem_params(q, k, v, scale=scale, causal=causal, mods=mods)

@@ -2,10 +2,9 @@
 
 import re
 
-import numpy as np
 import pytest
 
-from cupyflash import _cuda, _mods, _nvrtc
+from cupyflash import _cuda, _nvrtc
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 HOPPER_SMEM = 227 * 1024   # opt-in shared memory per block on H100/H200
@@ -118,14 +117,3 @@ def test_wide_backward_runs_on_the_tensor_cores_where_it_fits(dtype):
                 plan = _cuda.backward_plan(dtype, D, deterministic, mode)
                 sources = {v.source for _, c in plan.kv for v in c} | {v.source for v in plan.dq or ()}
                 assert sources == {"bwd_wide.cu" if wide else "bwd_simt.cu"}, (D, deterministic, mode)
-
-
-@pytest.mark.parametrize("block_size, rows", [(None, 192), ((128, 128), 128), ((64, 32), 192), ((16, 16), 192)])
-def test_hopper_option_tile_keeps_mask_blocks_whole(monkeypatch, block_size, rows):
-    # d = 64 with options takes 192-row tiles unless a block mask's row blocks would split
-    # them (then every tile would need the element mask): 128 rows for 128-row blocks.
-    monkeypatch.setattr(_cuda, "_device_info", lambda device_id: ("sm_90a", HOPPER_SMEM))
-    mods = (_mods.Modifiers(softcap=30.0) if block_size is None else
-            _mods.Modifiers(block_mask=np.ones((1, 1, 4, 4), bool), block_size=block_size))
-    chosen = _cuda._choose(_cuda.forward_variants_for("bfloat16", 64, mods), 0)
-    assert chosen.family is _cuda.FWD_SM90 and chosen.block_m == rows
