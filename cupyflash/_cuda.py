@@ -67,9 +67,9 @@ FWD_SM90_TILES = {
 # 26 ms against the dense call's 4.8). With the bias (MODE_EXT | MODE_BIAS) a bias tile
 # shares each stage (by TMA where the bias has whole rows) and its pairs take registers:
 # 64-key tiles from d = 128 (128 keys spill there, build check). d = 256 with options runs
-# in fwd_sm80.cu: its consumers need all of 240 registers, and the
-# option kernels' producer keeps 56 (it walks the schedule and the work tiles), which
-# leaves them 224 (84 bytes of spills); with a bias it spilled even before.
+# in fwd_sm80.cu: its consumers need all of 240 registers, but the option kernels'
+# producer keeps 56 (it walks the schedule and the work tiles), which leaves them 224 (84
+# bytes of spills); with a bias it spilled even before.
 FWD_SM90_EXT_TILES = {
     64: ((128, 2, 3),),
     128: ((128, 2, 3),),

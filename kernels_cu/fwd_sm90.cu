@@ -51,10 +51,12 @@
 // Barriers of the pipeline, after the tiles in shared memory, and the schedule: with
 // the options the producer alone walks the key tiles (the mask's range, the block mask)
 // and writes each stage's tile before its "full" arrival (release; the consumers' wait
-// acquires): 2 tile + 1 where it needs the element mask, END after the last. The word
-// is written and read with atomics: the barriers order them, and compute-sanitizer's
-// racecheck, which does not follow mbarrier ordering, then sees no plain write racing
-// the plain reads of a stage's previous round.
+// acquires): 4 tile, + 2 on the work tile's last, + 1 where it needs the element mask.
+// Beside Q's "full" arrival it writes the work word: 2 w, + 1 when the work tile visits
+// no key tile, or END when no work is left. The words are written and read with atomics:
+// the barriers order them, and compute-sanitizer's racecheck, which does not follow
+// mbarrier ordering, then sees no plain write racing the plain reads of a stage's
+// previous round.
 template <int STAGES>
 struct Sm90FwdBarriers {
     static constexpr int END = -1;
