@@ -71,7 +71,11 @@ FWD_SM90_TILES = {
 # producer keeps 56 (it walks the schedule and the work tiles), which leaves them 224 (84
 # bytes of spills); with a bias it spilled even before.
 FWD_SM90_EXT_TILES = {
-    64: ((128, 2, 3),),
+    # d = 64: 192-row tiles for calls without a causal or window band and whose block mask
+    # (if any) does not split them, else 128 rows (forward_variants_for). H100, N = 16k,
+    # --mods (bench/NOTES.md, session 8): 192 rows gained dropout 9-10%, softcap 3-5%,
+    # and lost ALiBi (causal) 7-9%: more of a band's diagonal falls into masked tiles.
+    64: ((64, 3, 3), (128, 2, 3)),
     128: ((128, 2, 3),),
     192: ((64, 2, 2),),
 }
@@ -263,6 +267,24 @@ def forward_variants(dtype_name: str, D: int, mode: int = MODE_DENSE) -> list[Va
     return [_wide_forward(dtype_name, D, tile, mode) for tile in tiles]
 
 
+def forward_variants_for(dtype_name: str, D: int, mods, *, causal: bool) -> list[Variant]:
+    """forward_variants of the call's mode, less the Hopper option tiles that do not
+    suit it: 192-row tiles (three consumers) under a causal or window band, and tiles
+    whose query rows a block of the block mask would split (every tile would then need
+    the element mask: 192 rows and blocks of 128)."""
+    variants = forward_variants(dtype_name, D, kernel_mode(mods))
+
+    def suits(v: Variant) -> bool:
+        if v.family is not FWD_SM90 or v.mode == MODE_DENSE:
+            return True
+        if (causal or mods.windowed) and v.block_m > 128:
+            return False
+        block_q = mods.block_size[0]
+        return mods.block_mask is None or v.block_m % block_q == 0 or block_q % v.block_m == 0
+
+    return [v for v in variants if suits(v)]
+
+
 def all_variants() -> list[Variant]:
     """Every instantiation the package can launch (what the build check compiles)."""
     unique = {}   # the backward's per-dtype kernels serve every head dim
@@ -416,7 +438,10 @@ def precompile(*, dtypes=None, head_dims=None, device=None, workers=None, option
         for D in dims:
             chosen = []
             for mode in modes:
-                chosen.append(_choose(forward_variants(name, D, mode), device_id))
+                variants = forward_variants(name, D, mode)
+                chosen.append(_choose(variants, device_id))
+                # and the Hopper tiles a block mask may select (forward_variants_for)
+                chosen += [v for v in variants[1:] if v.family is FWD_SM90 and v.builds_for(arch)]
                 for deterministic in (False, True):
                     plan = device_backward_plan(name, D, deterministic, mode, device_id)
                     chosen += [plan.prep, *([plan.convert] if plan.convert else [])]
@@ -512,7 +537,7 @@ def attention_forward(q, k, v, o, lse, *, scale: float, causal: bool, mods=_mods
         return
     d, dv = q.shape[3], v.shape[3]
     device_id = q.device.id
-    variants = forward_variants(q.dtype.name, padded_head_dim(d, dv), kernel_mode(mods))
+    variants = forward_variants_for(q.dtype.name, padded_head_dim(d, dv), mods, causal=causal)
     variant = _choose(variants, device_id)
     batch, rows, _ = _grid_extents(q, k, mods)
     params = _problem_params(q, k, v, scale=scale, causal=causal, mods=mods)

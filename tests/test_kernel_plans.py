@@ -2,9 +2,10 @@
 
 import re
 
+import numpy as np
 import pytest
 
-from cupyflash import _cuda, _nvrtc
+from cupyflash import _cuda, _mods, _nvrtc
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 HOPPER_SMEM = 227 * 1024   # opt-in shared memory per block on H100/H200
@@ -117,3 +118,18 @@ def test_wide_backward_runs_on_the_tensor_cores_where_it_fits(dtype):
                 plan = _cuda.backward_plan(dtype, D, deterministic, mode)
                 sources = {v.source for _, c in plan.kv for v in c} | {v.source for v in plan.dq or ()}
                 assert sources == {"bwd_wide.cu" if wide else "bwd_simt.cu"}, (D, deterministic, mode)
+
+
+@pytest.mark.parametrize("block_size, causal, window, rows", [
+    (None, False, None, 192), (None, True, None, 128), (None, False, (256, 0), 128),
+    ((128, 128), False, None, 128), ((64, 32), False, None, 192), ((16, 16), False, None, 192)])
+def test_hopper_option_tile_at_d64(monkeypatch, block_size, causal, window, rows):
+    # d = 64 with options takes 192-row tiles, but 128 rows under a causal or window band
+    # (more of its diagonal would need the element mask) or where a block mask's row
+    # blocks would split them (every tile would).
+    monkeypatch.setattr(_cuda, "_device_info", lambda device_id: ("sm_90a", HOPPER_SMEM))
+    mods = _mods.Modifiers(softcap=30.0, window=window or (-1, -1))
+    if block_size is not None:
+        mods = _mods.Modifiers(block_mask=np.ones((1, 1, 4, 4), bool), block_size=block_size)
+    chosen = _cuda._choose(_cuda.forward_variants_for("bfloat16", 64, mods, causal=causal), 0)
+    assert chosen.family is _cuda.FWD_SM90 and chosen.block_m == rows
