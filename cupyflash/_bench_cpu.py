@@ -31,7 +31,6 @@ import time
 
 import numpy as np
 
-THREADS_ENV = "CUPYFLASH_NUM_THREADS"
 MAX_FOREIGN = 0.1   # cores other processes may use during a kept sample
 
 
@@ -94,18 +93,20 @@ def matmul_rate(n=4096):
 @contextlib.contextmanager
 def threads(n):
     """cupyflash's NumPy backend on ``n`` threads (None: its default) inside the block."""
-    old = os.environ.get(THREADS_ENV)
+    from ._cpu_threads import ENV_THREADS
+
+    old = os.environ.get(ENV_THREADS)
     if n is None:
-        os.environ.pop(THREADS_ENV, None)
+        os.environ.pop(ENV_THREADS, None)
     else:
-        os.environ[THREADS_ENV] = str(n)
+        os.environ[ENV_THREADS] = str(n)
     try:
         yield
     finally:
         if old is None:
-            os.environ.pop(THREADS_ENV, None)
+            os.environ.pop(ENV_THREADS, None)
         else:
-            os.environ[THREADS_ENV] = old
+            os.environ[ENV_THREADS] = old
 
 
 @contextlib.contextmanager
@@ -165,6 +166,11 @@ def naive_forward_backward(q, k, v, do, scale, causal):
     return grads
 
 
+def naive_runs(q, k, v, do, scale, causal):
+    return (lambda: naive_forward(q, k, v, scale, causal),
+            lambda: naive_forward_backward(q, k, v, do, scale, causal))
+
+
 def cupyflash_runs(q, k, v, do, scale, causal):
     import cupyflash
 
@@ -221,15 +227,21 @@ def _importable(name):
     return True
 
 
-def _available_bytes():
+def _proc_field(path, key):
+    """The text after ``key:`` on its line of a /proc file, or None (not there, not Linux)."""
     try:
-        with open("/proc/meminfo") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                if line.startswith(key):
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
     return None
+
+
+def _available_bytes():
+    value = _proc_field("/proc/meminfo", "MemAvailable")
+    return None if value is None else int(value.split()[0]) * 1024
 
 
 def versions():
@@ -247,15 +259,8 @@ def versions():
 
 
 def cpu_name():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
     import platform
-    return platform.processor() or platform.machine()
+    return _proc_field("/proc/cpuinfo", "model name") or platform.processor() or platform.machine()
 
 
 def run(args):
@@ -276,7 +281,7 @@ def run(args):
              for causal in (False, True) for N in args.cpu_seqlens]
     every = cupyflash._cpu_threads.num_threads()
     makers = {"cupyflash": (cupyflash_runs, every), "cupyflash-1t": (cupyflash_runs, 1),
-              "naive-numpy": (None, None), "jax": (jax_runs, None), "torch": (torch_runs, None)}
+              "naive-numpy": (naive_runs, None), "jax": (jax_runs, None), "torch": (torch_runs, None)}
     # One implementation after the other, JAX and torch last: their thread pools keep
     # spinning for a while after a call, which would slow whatever runs next.
     impls = ["cupyflash", "cupyflash-1t"] + peers
@@ -287,11 +292,7 @@ def run(args):
                 if impl == "cupyflash-1t" and (every == 1 or N > args.cpu_one_thread_max_n):
                     continue
                 flop = 4 * B * H * N * N * d / (2 if causal else 1)
-                if make is None:
-                    runs = (lambda: naive_forward(q, k, v, scale, causal),
-                            lambda: naive_forward_backward(q, k, v, do, scale, causal))
-                else:
-                    runs = make(q, k, v, do, scale, causal)
+                runs = make(q, k, v, do, scale, causal)
                 for pass_, fn, factor in (("fwd", runs[0], 1.0), ("fwd+bwd", runs[1], 3.5)):
                     if pass_ not in args.cpu_passes:
                         continue

@@ -61,10 +61,10 @@ FWD_SM90_TILES = {
     256: ((64, 2, 2),),
 }
 # The same kernel with the options as policies of the same pipeline. MODE_EXT (every option
-# but the bias, switched on at run time): d = 64 takes 128-row query tiles (two consumers),
-# so that 128-row mask blocks cover whole tiles: with the dense tile's 192 rows, half the
-# tiles of a block mask need the element mask (H100, bf16, N = 16k, block_mask density 1/2:
-# 26 ms against the dense call's 4.8). With the bias (MODE_EXT | MODE_BIAS) a bias tile
+# but the bias, switched on at run time): at d = 64 the dense tile's 192 rows only where no
+# band or 128-row mask block would make many tiles partial (with 128-row blocks half the
+# tiles of a block mask needed the element mask: H100, bf16, N = 16k, density 1/2, 26 ms
+# against the dense call's 4.8), else 128 rows (two consumers). With the bias (MODE_EXT | MODE_BIAS) a bias tile
 # shares each stage (by TMA where the bias has whole rows) and its pairs take registers:
 # 64-key tiles from d = 128 (128 keys spill there, build check). d = 256 with options runs
 # in fwd_sm80.cu: its consumers need all of 240 registers, but the option kernels'
@@ -315,14 +315,10 @@ def _one_ext_mode(mode: int) -> int:
 @functools.lru_cache(maxsize=None)
 def gpu_available() -> bool:
     """CuPy importable, NVRTC loadable and at least one CUDA device present (asked once
-    per process: the answer does not change while it runs)."""
-    try:
-        import cupy
+    per process: the answer does not change while it runs; `_gpu_status` says why not)."""
+    from ._gpu_status import why_not_usable
 
-        _nvrtc.nvrtc_version()
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        return False
+    return why_not_usable() is None
 
 
 def unsupported_reason(dtype, d: int, dv: int, *, heads: int = 1, device=None,

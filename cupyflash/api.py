@@ -222,6 +222,7 @@ class _Forward:
     saved: tuple
     mods: _mods.Modifiers
     seed: int | None
+    cu_seqlens: tuple | None = None   # varlen: the checked host copies (q, k)
 
 
 def _gpu_backend():
@@ -390,7 +391,8 @@ def _forward(q, k, v, options, varlen=None):
                                                       mods=mods)
     o_out, lse_out = (_arrays.move(x, problem.kind, problem.device) for x in (o, lse))
     return _Forward(q=q, k=k, v=v, o=o_out, lse=lse_out, scale=scale, backend=backend,
-                    problem=problem, saved=saved, mods=mods, seed=seed)
+                    problem=problem, saved=saved, mods=mods, seed=seed,
+                    cu_seqlens=None if varlen is None else varlen[:2])
 
 
 def _context(run, options, *, layout, user_arrays=None, varlen=None):
@@ -408,8 +410,10 @@ def _context(run, options, *, layout, user_arrays=None, varlen=None):
         rng_offset=mods.rng_offset, block_mask=options.block_mask,
         block_size=options.block_size, bias=options.bias, alibi_slopes=options.alibi_slopes,
         softcap=options.softcap, seqlens_k=options.seqlens_k,
-        cu_seqlens_q=None if varlen is None else _arrays.move(mods.cu_seqlens_q, _arrays.HOST, None),
-        cu_seqlens_k=None if varlen is None else _arrays.move(mods.cu_seqlens_k, _arrays.HOST, None),
+        # The host copies the checks made (mods holds the GPU's: reading those back would
+        # wait for the GPU).
+        cu_seqlens_q=None if varlen is None else run.cu_seqlens[0],
+        cu_seqlens_k=None if varlen is None else run.cu_seqlens[1],
         max_seqlen_q=mods.max_seqlen_q if varlen else None,
         max_seqlen_k=mods.max_seqlen_k if varlen else None,
         _saved=run.saved, _modifiers=mods,

@@ -95,7 +95,7 @@ struct Sm90Work {
 template <typename T, int D, int BLOCK_N, int CONSUMERS, int STAGES, int MODE>
 struct Sm90FwdTile {
     // Named barrier of the consumers alone (0 is __syncthreads').
-    static constexpr int EPILOGUE_BARRIER = 1;
+    static constexpr int CONSUMER_BARRIER = 1;
     static constexpr int CONSUMER_THREADS = CONSUMERS * 128;
     static constexpr int THREADS = CONSUMER_THREADS + 128;   // + the producer warpgroup
     static constexpr int BLOCK_M = CONSUMERS * 64;
@@ -326,12 +326,12 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
         const Sm90Work work = Sm90Work::decode<HEADS_FIRST>(work_word >> 1, p);
         const int h = work.h;
         // Every consumer thread is past the previous work tile (its reads of the state).
-        named_barrier(C::EPILOGUE_BARRIER, C::CONSUMER_THREADS);
+        named_barrier(C::CONSUMER_BARRIER, C::CONSUMER_THREADS);
         if (threadIdx.x == 0) {
             consumer_mods.set_bounds(p, work.b);
             consumer_mods.set_terms(p, work.b, p.grid_heads);
         }
-        named_barrier(C::EPILOGUE_BARRIER, C::CONSUMER_THREADS);
+        named_barrier(C::CONSUMER_BARRIER, C::CONSUMER_THREADS);
         const auto& mask = mods.mask;
         const int q0 = work.m_block * BLOCK_M;
         const int q_rows = min(BLOCK_M, mask.nq - q0);

@@ -130,18 +130,11 @@ struct MaskInfo {
         const int first = lo / block_m;
         return make_int2(first, hi <= lo ? first : (hi + block_m - 1) / block_m);
     }
-    // The first key tile at or after j (before `stop`) that the block mask leaves on;
-    // `state` gets its block_state (1 without a block mask).
-    __device__ __forceinline__ int next_key_tile(int j, int stop, int q0, int q1, int block_n, int h,
-                                                 int& state) const {
-        state = 1;
-        if (EXT && blocks != nullptr)
-            while (j < stop && (state = block_state(q0, q1, j * block_n, (j + 1) * block_n, h)) == 0) ++j;
-        return j;
-    }
+    // The first key tile at or after j (before `stop`) that the block mask leaves on.
     __device__ __forceinline__ int next_key_tile(int j, int stop, int q0, int q1, int block_n, int h = 0) const {
-        int state;
-        return next_key_tile(j, stop, q0, q1, block_n, h, state);
+        if (EXT && blocks != nullptr)
+            while (j < stop && block_state(q0, q1, j * block_n, (j + 1) * block_n, h) == 0) ++j;
+        return j;
     }
     __device__ __forceinline__ int next_query_tile(int m, int stop, int k0, int k1, int block_m, int h = 0) const {
         if (EXT && blocks != nullptr)

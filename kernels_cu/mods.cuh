@@ -20,17 +20,17 @@ enum { MODE_DENSE = 0, MODE_EXT = 1, MODE_BIAS = 2 };
 // Declares `mods`, this CTA's Mods, from the contract's AttnParams `p` (params.cuh).
 // The dense path keeps it in registers; the others in shared memory, written once: there
 // the options' ~30 words would otherwise sit in registers for the whole main loop beside
-// S, O and the fragments, and spill. MODS_SETUP_IN chooses: fwd_sm90.cu keeps even the
-// dense state in shared memory (its 3-consumer tiles spill 8 bytes with it in registers).
-#define MODS_SETUP_IN(T, Acc, MODE, p, b, heads, IN_SHARED)                               \
+// S, O and the fragments, and spill. (fwd_sm90.cu, whose persistent CTAs change batch
+// entry between work tiles, keeps its own copies and fills them with set_bounds and
+// set_terms.)
+#define MODS_SETUP(T, Acc, MODE, p, b, heads)                                              \
     __shared__ Mods<T, Acc, MODE> mods_shared_;                                           \
     const Mods<T, Acc, MODE> mods_local_ = Mods<T, Acc, MODE>::make(p, b, heads);         \
-    if constexpr (IN_SHARED) {                                                            \
+    if constexpr (MODE != MODE_DENSE) {                                                   \
         if (threadIdx.x == 0) mods_shared_ = mods_local_;                                 \
         __syncthreads();                                                                  \
     }                                                                                     \
-    const Mods<T, Acc, MODE>& mods = IN_SHARED ? mods_shared_ : mods_local_
-#define MODS_SETUP(T, Acc, MODE, p, b, heads) MODS_SETUP_IN(T, Acc, MODE, p, b, heads, MODE != MODE_DENSE)
+    const Mods<T, Acc, MODE>& mods = MODE != MODE_DENSE ? mods_shared_ : mods_local_
 
 // tanh at the accuracy of the accumulation: the SFU's for 16-bit inputs (its ~2^-11
 // relative error is below their rounding), the libdevice one for fp32 and fp64.
