@@ -478,37 +478,52 @@ def _in_batch_slices(launch, arrays, mods, **options) -> bool:
     return True
 
 
-def _fill_mods(params: _params.Params, mods) -> None:
-    """The contract's ModsParams from ``mods`` (`cupyflash._mods`; arrays on the device)."""
+def _mods_scalars(params: _params.Params, mods) -> None:
+    """The contract's ModsParams fields that hold for every call of a signature: the
+    options' scalars and the strides of their arrays (`cupyflash._mods`)."""
     block_q, block_k = mods.block_size
     dropout = mods.dropout_p > 0
     # The block mask's rows are contiguous: three strides.
     bmask_strides = dict(zip(("bmask_sb", "bmask_sh", "bmask_sq"), _params.element_strides(mods.block_mask, 3)))
     bias_strides = dict(zip(("bias_sb", "bias_sh", "bias_sq", "bias_sk"), _params.element_strides(mods.bias, 4)))
     params.mods(
-        cu_q=_params.address(mods.cu_seqlens_q), cu_k=_params.address(mods.cu_seqlens_k),
-        seqlens_k=_params.address(mods.seqlens_k),
-        win_left=mods.window[0], win_right=mods.window[1],
-        bmask=_params.address(mods.block_mask), block_q=block_q, block_k=block_k, **bmask_strides,
-        bias=_params.address(mods.bias), **bias_strides, alibi=_params.address(mods.alibi_slopes),
-        alibi_sb=_params.element_strides(mods.alibi_slopes, 1)[0], softcap=mods.softcap,
-        rng_seed=mods.seed, rng_offset=mods.rng_offset,
-        drop_threshold=_philox.dropout_threshold(mods.dropout_p) if dropout else 0,
+        win_left=mods.window[0], win_right=mods.window[1], block_q=block_q, block_k=block_k,
+        **bmask_strides, **bias_strides, alibi_sb=_params.element_strides(mods.alibi_slopes, 1)[0],
+        softcap=mods.softcap, drop_threshold=_philox.dropout_threshold(mods.dropout_p) if dropout else 0,
         drop_scale=_philox.dropout_scale(mods.dropout_p) if dropout else 1.0)
 
 
-def _problem_params(q, k, v, *, scale: float, causal: bool, mods) -> _params.Params:
-    """The AttnParams every kernel of a call shares: q, k, v, the sizes, the scale and
-    the options."""
+def _mods_addresses(params: _params.Params, mods) -> None:
+    """The ModsParams fields of one call: its option arrays' addresses (on the device)
+    and its Philox streams."""
+    params.mods(
+        cu_q=_params.address(mods.cu_seqlens_q), cu_k=_params.address(mods.cu_seqlens_k),
+        seqlens_k=_params.address(mods.seqlens_k), bmask=_params.address(mods.block_mask),
+        bias=_params.address(mods.bias), alibi=_params.address(mods.alibi_slopes),
+        rng_seed=mods.seed, rng_offset=mods.rng_offset)
+
+
+def _problem_scalars(q, k, v, *, scale: float, causal: bool, mods) -> _params.Params:
+    """The AttnParams fields every kernel of a call shares, less the addresses: sizes,
+    scale, causal and the options' scalars."""
     Hq, Hk = q.shape[1], k.shape[1]
     # The kernels fold the scale into their exp2 (exp2(s * scale_log2 - max)) and need it
     # positive so that masked -inf scores stay -inf. The smallest normal float gives
     # exactly scale 0's result: every exp2 argument rounds to 0.
     scale_log2 = max(scale * math.log2(math.e), float(np.finfo(np.float32).tiny))
-    params = _params.Params().tensor("q", q).tensor("k", k).tensor("v", v).set(
+    params = _params.Params().set(
         group=Hq // Hk, nq=q.shape[2], nk=k.shape[2], d=q.shape[3], dim_v=v.shape[3],
         scale=scale, scale_log2=scale_log2, causal=int(bool(causal)))
-    _fill_mods(params, mods)
+    _mods_scalars(params, mods)
+    return params
+
+
+def _problem_params(q, k, v, *, scale: float, causal: bool, mods) -> _params.Params:
+    """The AttnParams every kernel of a call shares: q, k, v, the sizes, the scale and
+    the options."""
+    params = _problem_scalars(q, k, v, scale=scale, causal=causal, mods=mods)
+    params.tensor("q", q).tensor("k", k).tensor("v", v)
+    _mods_addresses(params, mods)
     return params
 
 
@@ -518,6 +533,63 @@ def _grid_extents(q, k, mods) -> tuple[int, int, int]:
     if mods.varlen:
         return len(mods.cu_seqlens_q) - 1, mods.max_seqlen_q, mods.max_seqlen_k
     return q.shape[0], q.shape[2], k.shape[2]
+
+
+@dataclasses.dataclass(frozen=True)
+class _ForwardPlan:
+    """What a forward call's signature (`_forward_signature`) decides, once: the kernel,
+    its grid and the contract's fields less the addresses. A call copies ``params`` and
+    adds its own addresses, tensor maps and work counter (`attention_forward`)."""
+
+    variant: Variant
+    grid: tuple
+    params: _params.Params
+    map_specs: tuple | None = None   # q, k, v tensor maps (`_tma.map_spec`) of fwd_sm90.cu
+    bias_spec: tuple | None = None   # the bias's, where its tiles stream by TMA
+    persistent: bool = False         # a zeroed work counter per launch
+
+
+# Python's work per forward call (~0.3 ms on an H100's host: validation, the choice of
+# kernel, ~60 contract fields) is as long as the kernel of a small call, and the GPU waits
+# for it. Calls of one signature share a plan; the cache forgets everything when full.
+_FORWARD_PLANS: dict = {}
+_MAX_FORWARD_PLANS = 256
+_MOD_ARRAY_FIELDS = ("block_mask", "bias", "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k", "seqlens_k")
+
+
+def _forward_signature(q, k, v, o, *, scale: float, causal: bool, mods) -> tuple:
+    """Every input of `_plan_forward`'s decisions: the device, dtype, options' scalars
+    and each array's layout (shape, strides, dtype and base alignment, which decides
+    16-byte copies and tensor maps), but no address, seed or Philox offset."""
+    arrays = (q, k, v, o, *(getattr(mods, name) for name in _MOD_ARRAY_FIELDS))
+    layouts = tuple(None if x is None else (x.shape, x.strides, x.dtype, x.data.ptr % 16) for x in arrays)
+    return (q.device.id, scale, causal, layouts, mods.window, mods.softcap, mods.dropout_p,
+            mods.block_size, mods.max_seqlen_q, mods.max_seqlen_k, PERSISTENT_FORWARD)
+
+
+def _plan_forward(q, k, v, o, *, scale: float, causal: bool, mods) -> _ForwardPlan:
+    d, dv = q.shape[3], v.shape[3]
+    device_id = q.device.id
+    variants = forward_variants_for(q.dtype.name, padded_head_dim(d, dv), mods, causal=causal)
+    variant = _choose(variants, device_id)
+    batch, rows, _ = _grid_extents(q, k, mods)
+    heads = q.shape[1]
+    params = _problem_scalars(q, k, v, scale=scale, causal=causal, mods=mods)
+    params.set(vec=int(_arrays.rows_16b_aligned(q, k, v, o)))
+    specs = _sm90_map_specs(variant, q, k, v) if variant.family.tensor_maps else None
+    blocks = math.ceil(rows / variant.block_m)
+    # The next kernel in line where the copy engine cannot read the inputs, or where the
+    # work tiles would not fit the Hopper forward's work numbers.
+    if variant.family.tensor_maps and (specs is None or blocks * heads * batch > MAX_WORK_TILES):
+        variant = _choose([c for c in variants if not c.family.tensor_maps], device_id)
+    if not variant.family.tensor_maps:
+        grid = (math.ceil(rows / variant.block_m) * variant.column_passes, heads, batch)
+        return _ForwardPlan(variant, grid, params)
+    bias_spec = _sm90_bias_spec(variant, mods.bias, q.shape[2], k.shape[2])
+    if bias_spec is not None:
+        params.mods(bias_tma=1)
+    grid = _work_grid(params, blocks, heads, batch, device_id)
+    return _ForwardPlan(variant, grid, params, specs, bias_spec, PERSISTENT_FORWARD)
 
 
 def attention_forward(q, k, v, o, lse, *, scale: float, causal: bool, mods=_mods.NONE) -> None:
@@ -531,27 +603,36 @@ def attention_forward(q, k, v, o, lse, *, scale: float, causal: bool, mods=_mods
         raise ValueError("lse must be a C-contiguous (B, Hq, Nq) array")
     if _in_batch_slices(attention_forward, (q, k, v, o, lse), mods, scale=scale, causal=causal):
         return
-    d, dv = q.shape[3], v.shape[3]
-    device_id = q.device.id
-    variants = forward_variants_for(q.dtype.name, padded_head_dim(d, dv), mods, causal=causal)
-    variant = _choose(variants, device_id)
-    batch, rows, _ = _grid_extents(q, k, mods)
-    params = _problem_params(q, k, v, scale=scale, causal=causal, mods=mods)
-    params.tensor("o", o).set(lse=lse.data.ptr, vec=int(_arrays.rows_16b_aligned(q, k, v, o)))
-    maps = _sm90_tensor_maps(variant, q, k, v) if variant.family.tensor_maps else None
-    blocks, heads = math.ceil(rows / variant.block_m), q.shape[1]
-    # The next kernel in line where the copy engine cannot read the inputs, or where the
-    # work tiles would not fit the Hopper forward's work numbers.
-    if variant.family.tensor_maps and (maps is None or blocks * heads * batch > MAX_WORK_TILES):
-        variant = _choose([c for c in variants if not c.family.tensor_maps], device_id)
-    if variant.family.tensor_maps:
-        params.set(q_map=maps[0], k_map=maps[1], v_map=maps[2])
-        bias_map = _sm90_bias_map(variant, mods.bias, q.shape[2], k.shape[2])
-        if bias_map is not None:
-            params.set(bias_map=bias_map).mods(bias_tma=1)
-        _launch(variant, device_id, _work_grid(params, blocks, heads, batch, device_id), params)
-        return
-    _launch(variant, device_id, (math.ceil(rows / variant.block_m) * variant.column_passes, heads, batch), params)
+    signature = _forward_signature(q, k, v, o, scale=scale, causal=causal, mods=mods)
+    plan = _FORWARD_PLANS.get(signature)
+    if plan is None:
+        if len(_FORWARD_PLANS) >= _MAX_FORWARD_PLANS:
+            _FORWARD_PLANS.clear()
+        plan = _FORWARD_PLANS[signature] = _plan_forward(q, k, v, o, scale=scale, causal=causal, mods=mods)
+    params = plan.params.copy()
+    params.tensor("q", q).tensor("k", k).tensor("v", v).tensor("o", o).set(lse=lse.data.ptr)
+    if mods.active:
+        _mods_addresses(params, mods)
+    if plan.map_specs is not None:
+        params.set(**_tensor_maps(plan, q, k, v, mods.bias))
+    if plan.persistent:
+        import cupy
+
+        counter = cupy.zeros(1, cupy.int32)   # freed to the pool, reused only after the launch (same stream)
+        params.set(work_counter=counter.data.ptr)
+    _launch(plan.variant, q.device.id, plan.grid, params)
+
+
+def _tensor_maps(plan: _ForwardPlan, q, k, v, bias) -> dict:
+    """The tensor-map fields of one call of ``plan`` (encoded per address, and cached)."""
+    maps = {name: _tma.encode(x.data.ptr, spec) for name, x, spec in zip(("q_map", "k_map", "v_map"), (q, k, v), plan.map_specs)}
+    if plan.bias_spec is not None:
+        maps["bias_map"] = _tma.encode(bias.data.ptr, plan.bias_spec)
+    if any(m is None for m in maps.values()):
+        # The plan's own call encoded the same layouts; only a driver that changed its
+        # mind gets here.
+        raise RuntimeError("the driver refused a tensor map of a layout it took before")
+    return maps
 
 
 # The Hopper forward numbers its work tiles (query block, head, batch entry) in an int,
@@ -565,16 +646,10 @@ PERSISTENT_FORWARD = True
 
 def _work_grid(params: _params.Params, blocks: int, heads: int, batch: int, device_id: int) -> tuple:
     """The Hopper forward's grid over blocks x heads x batch work tiles (params.cuh):
-    persistent CTAs with a zeroed work counter, or one CTA per tile."""
-    import cupy
-
+    persistent CTAs (each launch then needs a zeroed work counter), or one CTA per tile."""
     tiles = blocks * heads * batch
     params.set(grid_m=blocks, grid_heads=heads, grid_batch=batch)
-    if not PERSISTENT_FORWARD:
-        return (tiles,)
-    counter = cupy.zeros(1, cupy.int32)   # freed to the pool, reused only after the launch (same stream)
-    params.set(work_counter=counter.data.ptr)
-    return (min(tiles, _sm_count(device_id)),)
+    return (min(tiles, _sm_count(device_id)),) if PERSISTENT_FORWARD else (tiles,)
 
 
 @functools.lru_cache(maxsize=None)
@@ -584,21 +659,24 @@ def _sm_count(device_id: int) -> int:
     return int(cupy.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"])
 
 
-def _sm90_bias_map(variant: Variant, bias, nq: int, nk: int):
-    """The tensor map through which fwd_sm90.cu loads bias tiles beside K and V: for a
-    bias with whole rows (not broadcast over queries or keys) that TMA can describe;
-    else None, and each thread loads its scores' bias itself."""
+def _sm90_bias_spec(variant: Variant, bias, nq: int, nk: int):
+    """The tensor-map spec through which fwd_sm90.cu loads bias tiles beside K and V:
+    for a bias with whole rows (not broadcast over queries or keys) that TMA can
+    describe; else None, and each thread loads its scores' bias itself."""
     if bias is None or not variant.mode & MODE_BIAS or tuple(bias.shape[2:]) != (nq, nk):
         return None
-    return _tma.tensor_map(bias, variant.block_m)
+    spec = _tma.map_spec(bias, variant.block_m)
+    return None if spec is None or _tma.encode(bias.data.ptr, spec) is None else spec
 
 
-def _sm90_tensor_maps(variant: Variant, q, k, v):
-    """fwd_sm90.cu's tensor maps of q, k and v (boxes of the query tile's and the key
-    tile's rows), or None where one of them cannot be made."""
+def _sm90_map_specs(variant: Variant, q, k, v):
+    """fwd_sm90.cu's tensor-map specs of q, k and v (boxes of the query tile's and the key
+    tile's rows), or None where a map of one of them cannot be made."""
     block_n = variant.tile[0]
-    maps = (_tma.tensor_map(q, variant.block_m), _tma.tensor_map(k, block_n), _tma.tensor_map(v, block_n))
-    return None if any(m is None for m in maps) else maps
+    specs = (_tma.map_spec(q, variant.block_m), _tma.map_spec(k, block_n), _tma.map_spec(v, block_n))
+    if any(s is None for s in specs) or any(_tma.encode(x.data.ptr, s) is None for x, s in zip((q, k, v), specs)):
+        return None
+    return specs
 
 
 # --------------------------------------------------------------------------- backward

@@ -62,10 +62,23 @@ def tensor_map(x, box_rows: int):
     swizzle span of columns, with the 128-byte swizzle (kernels_cu/wgmma.cuh Swizzle128's
     panels), as a NumPy void scalar to pass as a kernel argument; None where the driver
     refuses it (or `describable` says no)."""
+    spec = map_spec(x, box_rows)
+    return None if spec is None else encode(x.data.ptr, spec)
+
+
+def map_spec(x, box_rows: int):
+    """What a tensor map of ``x`` depends on besides its address (dtype, shape, strides,
+    box), or None where `describable` says no: the same spec serves any view of the same
+    layout whose base is 16-byte aligned (a launch plan keeps it, `encode` makes the map)."""
     if not describable(x) or box_rows > MAX_BOX:
         return None
-    return _encode(x.data.ptr, x.dtype.name, tuple(x.shape), tuple(x.strides), box_rows,
-                   SWIZZLE_BYTES // x.dtype.itemsize)
+    return x.dtype.name, tuple(x.shape), tuple(x.strides), box_rows, SWIZZLE_BYTES // x.dtype.itemsize
+
+
+def encode(ptr: int, spec):
+    """The tensor map of the view at device address ``ptr`` with `map_spec` ``spec``;
+    None where the driver refuses it."""
+    return _encode(ptr, *spec)
 
 
 # A map is a function of these arguments alone, and encoding one through ctypes costs tens

@@ -149,4 +149,36 @@ def test_hopper_forward_reads_through_tensor_maps(rng, layout):
     views = [_arrays.bhsd_view(x, layout) for x in (q, k, v)]
     variant = _cuda._choose(_cuda.forward_variants("bfloat16", 128), cp.cuda.Device().id)
     assert variant.source == "fwd_sm90.cu"
-    assert _cuda._sm90_tensor_maps(variant, *views) is not None
+    assert _cuda._sm90_map_specs(variant, *views) is not None
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_calls_of_one_signature_share_a_plan_not_their_addresses(rng, dtype):
+    """Calls whose arrays have one layout reuse one launch plan (`_cuda._FORWARD_PLANS`)
+    but each reads its own inputs and writes its own outputs; a view of the same shape and
+    strides whose rows are not 16-byte aligned gets a plan of its own (no 16-byte copies,
+    no tensor maps) and is still right; with dropout and no seed, each call of a plan
+    draws fresh streams."""
+    import cupy as cp
+    from cupyflash import _cuda
+
+    def check(q, k, v, **options):
+        o = cupyflash.attention(q, k, v, backend="cuda", **options)
+        ref = cupyflash.attention(*(cp.asnumpy(x).astype(np.float64) for x in (q, k, v)),
+                                  backend="numpy", **options)
+        assert rel_err(cp.asnumpy(o).astype(np.float64), ref) < TOLERANCE[dtype]
+        return o
+
+    _cuda._FORWARD_PLANS.clear()
+    for _ in range(3):
+        _, (q, k, v) = make_inputs(rng, dtype, 64, 200, 333, 2, "bhsd")
+        check(q, k, v, causal=True)
+    assert len(_cuda._FORWARD_PLANS) == 1
+    base = cp.asarray(rng.standard_normal((2, 4, 200 * 64 + 8)).astype(np.float32)).astype(dtype)
+    aligned, unaligned = (base[:, :, s:s + 200 * 64].reshape(2, 4, 200, 64) for s in (0, 1))
+    _, (q, k, v) = make_inputs(rng, dtype, 64, 200, 200, 1, "bhsd")
+    check(aligned, k, v, causal=True)
+    check(unaligned, k, v, causal=True)
+    assert len(_cuda._FORWARD_PLANS) == 3
+    first, second = (cupyflash.attention(q, k, v, dropout_p=0.5, backend="cuda") for _ in range(2))
+    assert not cp.array_equal(first, second)

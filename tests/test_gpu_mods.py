@@ -650,12 +650,12 @@ def test_hopper_bias_tiles_by_tma_where_the_rows_allow():
     variant = next(v for v in _cuda.forward_variants("bfloat16", 128, _cuda.MODE_EXT | _cuda.MODE_BIAS)
                    if v.family is _cuda.FWD_SM90)
     full = cp.zeros((1, 1, 100, 1000), cp.float16).astype("bfloat16")
-    assert _cuda._sm90_bias_map(variant, full, 100, 1000) is not None
+    assert _cuda._sm90_bias_spec(variant, full, 100, 1000) is not None
     odd = cp.zeros((1, 1, 100, 999), cp.float16).astype("bfloat16")
-    assert _cuda._sm90_bias_map(variant, odd, 100, 999) is None                  # rows not 16-byte aligned
-    assert _cuda._sm90_bias_map(variant, full[:, :, :1], 100, 1000) is None       # broadcast over queries
+    assert _cuda._sm90_bias_spec(variant, odd, 100, 999) is None                  # rows not 16-byte aligned
+    assert _cuda._sm90_bias_spec(variant, full[:, :, :1], 100, 1000) is None       # broadcast over queries
     dense = next(v for v in _cuda.forward_variants("bfloat16", 128) if v.family is _cuda.FWD_SM90)
-    assert _cuda._sm90_bias_map(dense, full, 100, 1000) is None                  # a kernel without the bias
+    assert _cuda._sm90_bias_spec(dense, full, 100, 1000) is None                  # a kernel without the bias
 
 
 def test_index_arrays_are_uploaded_once_per_contents():
