@@ -173,7 +173,7 @@ class Family:
 FWD_SM90 = Family("fwd_sm90.cu", arch="sm_90a", tensor_maps=True, static_smem=2 * MODS_STATIC_SMEM)
 FWD_SM80 = Family("fwd_sm80.cu")
 FWD_WIDE = Family("fwd_wide.cu")
-BWD_SM90 = Family("bwd_sm90.cu", arch="sm_90a")
+BWD_SM90 = Family("bwd_sm90.cu", arch="sm_90a", tensor_maps=True)
 BWD_SM80 = Family("bwd_sm80.cu")
 # The fp32/fp64 backward keeps dK and dV of 16 keys per warp at 255 registers and spills a
 # few bytes from d = 128 (the tile tables say where): reported, not refused.
@@ -818,14 +818,18 @@ def _sm80_dkdv(dtype_name: str, D: int, tile, grads: int, mode: int) -> Variant:
 
 
 def _sm90_dkdv(dtype_name: str, D: int, tile, grads: int, mode: int) -> Variant:
-    block_m, warpgroups = tile
-    block_n = 64 * warpgroups
+    block_m, consumers = tile
+    block_n = 64 * consumers
     dq = bool(grads & GRAD_DQ)
-    # bwd_sm90.cu Sm90BwdKVTile: K, V, Q and dO twice, dS^T (with dQ), swizzled; lse2 and
-    # delta twice; 1024 bytes to align the tiles.
-    smem = (2 * block_n * D + 4 * block_m * D + dq * block_n * block_m) * 2 + 4 * block_m * 4 + 1024
-    expr = f"flash_bwd_dkdv_sm90<{_CPP_TYPE[dtype_name]}, {D}, {block_m}, {warpgroups}, {grads}, {mode}, {smem}>"
-    return Variant(BWD_SM90, expr, warpgroups * 128, block_n, smem, mode=mode)
+    stages = 2
+    # bwd_sm90.cu Sm90BwdKVTile: K, V, Q and dO per stage, dS^T twice (with dQ), swizzled;
+    # the staged fp32 dQ tile with rows of D + 8 (with dQ); lse2 and delta per stage; 1024
+    # bytes to align the tiles; Sm90BwdBarriers (3 + 2 STAGES mbarriers of 8 bytes).
+    smem = ((2 * block_n * D + 2 * stages * block_m * D + 2 * dq * block_n * block_m) * 2
+            + (dq * block_m * (D + 8) + 2 * stages * block_m) * 4 + 1024 + 8 * (3 + 2 * stages))
+    expr = f"flash_bwd_dkdv_sm90<{_CPP_TYPE[dtype_name]}, {D}, {block_m}, {consumers}, {grads}, {mode}, {smem}>"
+    # + the producer warpgroup
+    return Variant(BWD_SM90, expr, (consumers + 1) * 128, block_n, smem, mode=mode, tile=tuple(tile))
 
 
 def _sm80_dq(dtype_name: str, D: int, tile, mode: int) -> Variant:
@@ -974,6 +978,12 @@ def attention_backward(do, q, k, v, o, lse, dq, dk, dv, *, scale, causal, determ
         params.set(dq_accum=_params.address(dq_accum if grads & GRAD_DQ else None),
                    dbias=_params.address(dbias if grads & GRAD_DK else None))
         variant = _choose(candidates, device_id)
+        if variant.family.tensor_maps:
+            maps = _sm90_backward_maps(variant, grads, q, k, v, do)
+            if maps is None:   # the next kernel in line
+                variant = _choose([c for c in candidates if not c.family.tensor_maps], device_id)
+            else:
+                params.set(**maps)
         _launch(variant, device_id, (math.ceil(keys / variant.block_m), Hk, batch), params)
 
     if plan.dq is not None:
@@ -982,6 +992,18 @@ def attention_backward(do, q, k, v, o, lse, dq, dk, dv, *, scale, causal, determ
     else:
         params.set(dq_accum=_params.address(dq_accum))
         _launch(plan.convert, device_id, (math.ceil(Nq * d / _CONVERT_ELEMS), Hq, B), params)
+
+
+def _sm90_backward_maps(variant: Variant, grads: int, q, k, v, do) -> dict | None:
+    """bwd_sm90.cu's tensor maps of q and dO (boxes of its query tile's rows) and of k and
+    v (its key block's), or None where one cannot be made or where dQ's rows cannot go
+    to the workspace as bulk reductions (16-byte rows: d a multiple of 4)."""
+    if grads & GRAD_DQ and q.shape[3] % 4:
+        return None
+    block_m, block_n = variant.tile[0], variant.block_m
+    maps = {name: _tma.tensor_map(x, rows) for name, x, rows in
+            (("q_map", q, block_m), ("dout_map", do, block_m), ("k_map", k, block_n), ("v_map", v, block_n))}
+    return None if any(m is None for m in maps.values()) else maps
 
 
 def _launch(variant: Variant, device_id: int, grid: tuple, params: _params.Params) -> None:

@@ -55,7 +55,7 @@ MODS = _struct([
     ("drop_threshold", "u32"), ("bias_tma", "i32"),
 ])
 ATTN = _struct([
-    ("q_map", TMA_MAP), ("k_map", TMA_MAP), ("v_map", TMA_MAP), ("bias_map", TMA_MAP),
+    ("q_map", TMA_MAP), ("k_map", TMA_MAP), ("v_map", TMA_MAP), ("bias_map", TMA_MAP), ("dout_map", TMA_MAP),
     ("q", TENSOR), ("k", TENSOR), ("v", TENSOR), ("o", TENSOR),
     ("dout", TENSOR), ("dq", TENSOR), ("dk", TENSOR), ("dv", TENSOR),
     ("lse", "ptr"), ("lse2", "ptr"), ("delta", "ptr"), ("dq_accum", "ptr"),

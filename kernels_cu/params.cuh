@@ -42,8 +42,9 @@ struct ModsParams {
 };
 
 struct AttnParams {
-    TmaMap q_map, k_map, v_map;         // the Hopper forward's tensor maps (fwd_sm90.cu)
-    TmaMap bias_map;                    // and its bias's, where mods.bias_tma
+    TmaMap q_map, k_map, v_map;         // the Hopper kernels' tensor maps (fwd_sm90.cu, bwd_sm90.cu)
+    TmaMap bias_map;                    // the forward's bias, where mods.bias_tma
+    TmaMap dout_map;                    // the backward's dO
     TensorParams q, k, v, o;            // (B, H, N, d) views; o is written by the forward
     TensorParams dout, dq, dk, dv;      // the backward's gradient views
     void* lse;                          // (B, Hq, Nq) log-sum-exp, accumulation dtype

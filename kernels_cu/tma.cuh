@@ -75,3 +75,23 @@ template <int REGS> __device__ __forceinline__ void warpgroup_claim_regs() {
 __device__ __forceinline__ void named_barrier(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
 }
+
+// Bulk reductions from shared to global memory (sm_90): one thread adds `bytes` (a
+// multiple of 16; both addresses 16-byte aligned) of floats at `src` into `dst`, in L2,
+// without the SM waiting. The copy engine reads the source asynchronously: the writers
+// of `src` make their writes visible to it first (fence_async_smem, then a barrier), and
+// the issuing thread waits for the reads (bulk_wait_read) before `src` is written again.
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, const float* src, u32 bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+                 :: "l"(dst), "r"(smem_addr(src)), "r"(bytes) : "memory");
+}
+// Closes this thread's bulk operations issued so far into one group.
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// Until at most N of this thread's groups still read their shared-memory sources.
+template <int N> __device__ __forceinline__ void bulk_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;\n" :: "n"(N) : "memory");
+}
+// Until at most N of this thread's groups are incomplete (their writes performed).
+template <int N> __device__ __forceinline__ void bulk_wait() {
+    asm volatile("cp.async.bulk.wait_group %0;\n" :: "n"(N) : "memory");
+}

@@ -1,0 +1,77 @@
+"""A/B of the dense forward (or backward): this checkout's cupyflash against another
+version's, in one process on the same inputs, beside torch SDPA's cuDNN and flash
+backends (kernel work: a change must not slow the dense call beyond run-to-run noise).
+
+    python bench/ab_versions.py OLD [--backward] [--head-dims 64 128]
+        # OLD: a directory with that version's cupyflash/ and kernels_cu/
+        # (git archive <commit> cupyflash kernels_cu | tar -x -C OLD)
+
+Each case is timed A, B, A, B (back-to-back calls, bench.time_ms), so the spread between the
+two readings of one version shows the noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import cupyflash  # noqa: E402
+from cupyflash import bench  # noqa: E402
+
+
+def load_version(root: Path, name: str = "cupyflash_old"):
+    """The cupyflash package under ``root`` imported as ``name`` (its kernels from root/kernels_cu)."""
+    spec = importlib.util.spec_from_file_location(name, root / "cupyflash" / "__init__.py",
+                                                  submodule_search_locations=[str(root / "cupyflash")])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _runs(module, q, k, v, do, causal, backward):
+    """The call to time: the forward, or the backward of one forward pass."""
+    if not backward:
+        return lambda: module.attention(q, k, v, causal=causal)
+    _, ctx = module.attention_forward(q, k, v, causal=causal)
+    return lambda: module.attention_backward(do, ctx)
+
+
+def main(argv):
+    p = argparse.ArgumentParser()
+    p.add_argument("old", type=Path)
+    p.add_argument("--backward", action="store_true")
+    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--seqlens", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
+    a = p.parse_args(argv)
+    old = load_version(a.old.resolve())
+    pass_ = "bwd" if a.backward else "fwd"
+    torch, SDPBackend, sdpa_kernel = bench._torch()
+    print(f"{pass_}: {'d':>3} {'c':>1} {'N':>6} {'new':>7} {'old':>7} {'new':>7} {'old':>7} {'cudnn':>7} {'flash':>7}  "
+          f"new/old new/cudnn old/cudnn (TFLOP/s)")
+    for d in a.head_dims:
+        for causal in (False, True):
+            for N in a.seqlens:
+                H, B = bench.HIDDEN // d, bench.TOKENS // N
+                (q, k, v, do), (tq, tk, tv, tdo) = bench.make_inputs("bfloat16", (B, H, N, d), N + d)
+                flop = bench.flops(B, H, N, d, causal, pass_)
+                tf = lambda run: flop / bench.time_ms(run) / 1e9   # noqa: E731
+                runs = {"new": _runs(cupyflash, q, k, v, do, causal, a.backward),
+                        "old": _runs(old, q, k, v, do, causal, a.backward)}
+                readings = [(name, tf(runs[name])) for name in ("new", "old", "new", "old")]
+                peers = [tf(bench._torch_runs(torch, getattr(SDPBackend, backend), tq, tk, tv, tdo,
+                                              is_causal=causal)[pass_]())
+                         for backend in ("CUDNN_ATTENTION", "FLASH_ATTENTION")]
+                new = max(r for n, r in readings if n == "new")
+                old_best = max(r for n, r in readings if n == "old")
+                print(f"{pass_}: {d:3d} {int(causal)} {N:6d} " + " ".join(f"{r:7.1f}" for _, r in readings) +
+                      f" {peers[0]:7.1f} {peers[1]:7.1f}  {new / old_best:7.3f} {new / peers[0]:9.3f} "
+                      f"{old_best / peers[0]:9.3f}", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

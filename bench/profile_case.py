@@ -1,0 +1,48 @@
+"""Run one forward (or backward) case a few times, for ncu, and print the cubin that serves it.
+
+    python bench/profile_case.py --dtype bfloat16 --head-dim 128 --seqlen 16384 [--causal] [--backward]
+
+With ``--backward`` the forward runs once and the backward ``--repeat`` times; profile
+its key-block kernel with ``ncu -k regex:flash_bwd_dkdv``, the forward's with
+``-k regex:flash_fwd``.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import cupy as cp  # noqa: E402
+
+import cupyflash  # noqa: E402
+from cupyflash import _cuda, _nvrtc  # noqa: E402
+
+p = argparse.ArgumentParser()
+p.add_argument("--dtype", default="bfloat16")
+p.add_argument("--head-dim", type=int, default=128)
+p.add_argument("--seqlen", type=int, default=16384)
+p.add_argument("--causal", action="store_true")
+p.add_argument("--backward", action="store_true")
+p.add_argument("--repeat", type=int, default=5)
+a = p.parse_args()
+H, B = 2048 // a.head_dim, 16384 // a.seqlen
+q, k, v, do = (cp.random.standard_normal((B, H, a.seqlen, a.head_dim), dtype=cp.float32).astype(a.dtype)
+               for _ in range(4))
+D = _cuda.padded_head_dim(a.head_dim, a.head_dim)
+if a.backward:
+    plan = _cuda.device_backward_plan(q.dtype.name, D, False, _cuda.MODE_DENSE, 0)
+    variant = _cuda._choose(plan.kv[0][1], 0)
+else:
+    variant = _cuda._choose(_cuda.forward_variants(q.dtype.name, D), 0)
+compiled = _nvrtc.compile_kernel(variant.source, variant.name_expression, _cuda._device_info(0)[0])
+print(f"{variant.name_expression}: regs={compiled.registers}")
+print(compiled.binary_path)
+if a.backward:
+    _, ctx = cupyflash.attention_forward(q, k, v, causal=a.causal)
+for _ in range(a.repeat):
+    if a.backward:
+        cupyflash.attention_backward(do, ctx)
+    else:
+        cupyflash.attention(q, k, v, causal=a.causal)
+cp.cuda.Device().synchronize()
