@@ -194,6 +194,7 @@ class Variant:
     column_passes: int = 1   # CTAs per query block, each computing some output columns
     mode: int = MODE_DENSE
     tile: tuple = ()         # the tile-table entry it was made from
+    dq_ld: int = 0           # a key-block kernel's row stride of the dQ workspace; 0: the head dim
 
     @property
     def source(self) -> str:
@@ -828,8 +829,9 @@ def _sm90_dkdv(dtype_name: str, D: int, tile, grads: int, mode: int) -> Variant:
     smem = ((2 * block_n * D + 2 * stages * block_m * D + 2 * dq * block_n * block_m) * 2
             + (dq * block_m * (D + 8) + 2 * stages * block_m) * 4 + 1024 + 8 * (3 + 2 * stages))
     expr = f"flash_bwd_dkdv_sm90<{_CPP_TYPE[dtype_name]}, {D}, {block_m}, {consumers}, {grads}, {mode}, {smem}>"
-    # + the producer warpgroup
-    return Variant(BWD_SM90, expr, (consumers + 1) * 128, block_n, smem, mode=mode, tile=tuple(tile))
+    # + the producer warpgroup; the dQ workspace's rows padded as the staged tile's (DQ_LD)
+    return Variant(BWD_SM90, expr, (consumers + 1) * 128, block_n, smem, mode=mode, tile=tuple(tile),
+                   dq_ld=(D + 8) if dq else 0)
 
 
 def _sm80_dq(dtype_name: str, D: int, tile, mode: int) -> Variant:
@@ -944,7 +946,8 @@ def attention_backward(do, q, k, v, o, lse, dq, dk, dv, *, scale, causal, determ
     add dS into it with atomics (summing its broadcast axes). Workspaces, allocated from
     CuPy's pool on the current stream: lse2 and delta, 2 * B * Hq * ceil(Nq / 128) * 128
     floats (doubles for fp64); with ``deterministic=False`` also the dq accumulator,
-    B * Hq * Nq * d floats (doubles). ``deterministic=True`` computes dq without atomics,
+    B * Hq * Nq * d floats (doubles; rows padded to D + 8 for bwd_sm90.cu, which adds
+    whole tiles). ``deterministic=True`` computes dq without atomics,
     bitwise reproducibly (dbias too when the bias broadcasts over no axis).
     """
     import cupy
@@ -972,18 +975,23 @@ def attention_backward(do, q, k, v, o, lse, dq, dk, dv, *, scale, causal, determ
         **dict(zip(("dbias_sb", "dbias_sh", "dbias_sq", "dbias_sk"), _params.element_strides(dbias, 4))))
     _launch(plan.prep, device_id, (nq_pad // _PREP_WARPS, Hq, B), params)
 
-    dq_accum = None if deterministic else cupy.zeros((B, Hq, Nq, d), acc)
+    # Each key-block launch's kernel (the Hopper one where its tensor maps can be made),
+    # then the dQ workspace, whose rows the kernel that adds into it may pad.
+    launches = []
     for grads, candidates in plan.kv:
+        variant, maps = _choose(candidates, device_id), {}
+        if variant.family.tensor_maps:
+            maps = _sm90_backward_maps(variant, q, k, v, do)
+            if maps is None:   # the next kernel in line
+                variant, maps = _choose([c for c in candidates if not c.family.tensor_maps], device_id), {}
+        launches.append((grads, variant, maps))
+    dq_ld = next((v.dq_ld for grads, v, _ in launches if grads & GRAD_DQ and v.dq_ld), d)
+    dq_accum = None if deterministic else cupy.zeros((B, Hq, Nq, dq_ld), acc)
+    params.set(dq_ld=dq_ld)
+    for grads, variant, maps in launches:
         # Null where the launch adds nothing into dq (or dbias: only the dK launch has dS).
         params.set(dq_accum=_params.address(dq_accum if grads & GRAD_DQ else None),
-                   dbias=_params.address(dbias if grads & GRAD_DK else None))
-        variant = _choose(candidates, device_id)
-        if variant.family.tensor_maps:
-            maps = _sm90_backward_maps(variant, grads, q, k, v, do)
-            if maps is None:   # the next kernel in line
-                variant = _choose([c for c in candidates if not c.family.tensor_maps], device_id)
-            else:
-                params.set(**maps)
+                   dbias=_params.address(dbias if grads & GRAD_DK else None), **maps)
         _launch(variant, device_id, (math.ceil(keys / variant.block_m), Hk, batch), params)
 
     if plan.dq is not None:
@@ -994,12 +1002,9 @@ def attention_backward(do, q, k, v, o, lse, dq, dk, dv, *, scale, causal, determ
         _launch(plan.convert, device_id, (math.ceil(Nq * d / _CONVERT_ELEMS), Hq, B), params)
 
 
-def _sm90_backward_maps(variant: Variant, grads: int, q, k, v, do) -> dict | None:
+def _sm90_backward_maps(variant: Variant, q, k, v, do) -> dict | None:
     """bwd_sm90.cu's tensor maps of q and dO (boxes of its query tile's rows) and of k and
-    v (its key block's), or None where one cannot be made or where dQ's rows cannot go
-    to the workspace as bulk reductions (16-byte rows: d a multiple of 4)."""
-    if grads & GRAD_DQ and q.shape[3] % 4:
-        return None
+    v (its key block's), or None where one cannot be made."""
     block_m, block_n = variant.tile[0], variant.block_m
     maps = {name: _tma.tensor_map(x, rows) for name, x, rows in
             (("q_map", q, block_m), ("dout_map", do, block_m), ("k_map", k, block_n), ("v_map", v, block_n))}

@@ -56,7 +56,7 @@ struct KeyBlockPairs {
 // is asked for (and in every launch but the one that has dS). Each kernel uses some.
 #define BWD_SCALARS(p, Acc)                                                                          \
     [[maybe_unused]] const int group = (p).group, nq = (p).nq, d = (p).d, dim_v = (p).dim_v;        \
-    [[maybe_unused]] const int nq_pad = (p).nq_pad, vec = (p).vec;                                   \
+    [[maybe_unused]] const int nq_pad = (p).nq_pad, vec = (p).vec, dq_ld = (p).dq_ld;                \
     [[maybe_unused]] const Acc scale_log2 = Acc((p).scale_log2), scale = Acc((p).scale);             \
     [[maybe_unused]] Acc* const dq_accum = static_cast<Acc*>((p).dq_accum);                          \
     [[maybe_unused]] const Acc* const lse2 = static_cast<const Acc*>((p).lse2);                      \

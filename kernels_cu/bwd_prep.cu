@@ -41,8 +41,8 @@ flash_bwd_prep(const __grid_constant__ AttnParams p)
 
 #define CONVERT_PER_THREAD 4
 
-// dq (B, Hq, nq, d) from the contiguous accumulator of the same shape;
-// grid (ceil(nq * d / (256 * CONVERT_PER_THREAD)), Hq, B).
+// dq (B, Hq, nq, d) from the accumulator (B, Hq, nq, dq_ld), contiguous, whose rows may
+// be padded past d (bwd_sm90.cu's); grid (ceil(nq * d / (256 * CONVERT_PER_THREAD)), Hq, B).
 template <typename T>
 __global__ void __launch_bounds__(256)
 flash_bwd_dq_convert(const __grid_constant__ AttnParams p)
@@ -52,10 +52,10 @@ flash_bwd_dq_convert(const __grid_constant__ AttnParams p)
     const Acc scale = Acc(p.scale);
     const Strided<T> DQ = tensor<T>(p.dq);
     const i64 plane = (i64)p.nq * d;
-    const Acc* src = static_cast<const Acc*>(p.dq_accum) + ((i64)b * gridDim.y + h) * plane;
+    const Acc* src = static_cast<const Acc*>(p.dq_accum) + ((i64)b * gridDim.y + h) * p.nq * (i64)p.dq_ld;
     #pragma unroll
     for (int i = 0; i < CONVERT_PER_THREAD; ++i) {
         const i64 e = ((i64)blockIdx.x * CONVERT_PER_THREAD + i) * blockDim.x + threadIdx.x;
-        if (e < plane) DQ.at(b, h, e / d)[e % d] = from_acc<T>(src[e] * scale);
+        if (e < plane) DQ.at(b, h, e / d)[e % d] = from_acc<T>(src[e / d * p.dq_ld + e % d] * scale);
     }
 }

@@ -195,13 +195,13 @@ flash_bwd_dkdv_simt(const __grid_constant__ AttnParams p)
                     #pragma unroll
                     for (int cc = 0; cc < CC; ++cc) dq[i][cc] = T(0);
                 simt_mm_AB<T, true, R, CC, CC, BLOCK, LDP, LDC>(dq, 0, sdS, sKc);
-                T* dq_tile = dq_accum + (((i64)mods.tb * hq + h) * nq + mods.q_base + q0) * d;
+                T* dq_tile = dq_accum + (((i64)mods.tb * hq + h) * nq + mods.q_base + q0) * dq_ld;
                 #pragma unroll
                 for (int i = 0; i < R; ++i)
                     #pragma unroll
                     for (int cc = 0; cc < CC; ++cc) {
                         const int row = ty + 16 * i, col = c0 + tx + 16 * cc;
-                        if (row < q_rows && col < d) atomicAdd(dq_tile + (i64)row * d + col, dq[i][cc]);
+                        if (row < q_rows && col < d) atomicAdd(dq_tile + (i64)row * dq_ld + col, dq[i][cc]);
                     }
             }
         }

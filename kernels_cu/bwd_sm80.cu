@@ -193,7 +193,7 @@ flash_bwd_dkdv_sm80(const __grid_constant__ AttnParams p)
             // ... then dQ = dS K over all BLOCK_N keys, the warps taking (query m-tile,
             // DQ_COLS columns) jobs: each job is a complete sum, added once per element.
             constexpr int JOBS = C::QSTEPS * (D / C::DQ_COLS);
-            float* dq_head = dq_accum + (((i64)mods.tb * hq + h) * nq + mods.q_base) * (i64)d;
+            float* dq_head = dq_accum + (((i64)mods.tb * hq + h) * nq + mods.q_base) * (i64)dq_ld;
             for (int job = warp; job < JOBS; job += WARPS) {
                 const int mq = job % C::QSTEPS, col0 = (job / C::QSTEPS) * C::DQ_COLS;
                 if (col0 >= d) continue;   // padding columns: dQ is 0 there
@@ -218,8 +218,8 @@ flash_bwd_dkdv_sm80(const __grid_constant__ AttnParams p)
                     #pragma unroll
                     for (int nt = 0; nt < C::DQ_COLS / 8; ++nt) {
                         const int col = col0 + nt * 8 + 2 * t;
-                        if (col < d) atomicAdd(dq_head + (i64)row * d + col, acc[0][nt][2 * hh]);
-                        if (col + 1 < d) atomicAdd(dq_head + (i64)row * d + col + 1, acc[0][nt][2 * hh + 1]);
+                        if (col < d) atomicAdd(dq_head + (i64)row * dq_ld + col, acc[0][nt][2 * hh]);
+                        if (col + 1 < d) atomicAdd(dq_head + (i64)row * dq_ld + col + 1, acc[0][nt][2 * hh + 1]);
                     }
                 }
             }

@@ -22,7 +22,8 @@
 //     query tile's Q and dO (TMA) and lse2 and delta rows (plain loads) through STAGES
 //     stages, each guarded by a "full" mbarrier and an "empty" one (every consumer warp
 //     has finished reading it); its second warp adds each staged dQ tile into the dQ
-//     workspace with one bulk reduction per row (cp.reduce.async.bulk) and hands the
+//     workspace with one bulk reduction (cp.reduce.async.bulk; the workspace's rows are
+//     padded like the staging tile's, so a tile is one contiguous range) and hands the
 //     staging buffer back once the copy engine has read it.
 // So the consumers issue no loads and no atomics: the mainloop is their products and
 // the softmax's gradient. The deterministic mode runs bwd_sm80.cu's dQ kernel instead.
@@ -68,6 +69,8 @@ struct Sm90BwdKVTile {
     static constexpr int DQ_COLS = D / DQ_N;
     // The staged dQ tile's rows, in floats: 8 past D, so that a warp's two-float writes
     // (8 rows x 4 column pairs) fall into distinct banks; a multiple of 4 (16-byte rows).
+    // The dQ workspace's rows have the same stride (the host pads them: dq_ld), so that a
+    // tile goes there in one bulk reduction.
     static constexpr int DQ_LD = D + 8;
     // Shared memory (cupyflash/_cuda.py mirrors it), from a 1024-byte aligned base: K, V,
     // Q x STAGES, dO x STAGES, dS^T x 2 (with dQ), each a multiple of 1024 bytes; the
@@ -180,20 +183,22 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                 }
             }
         } else if (role == 1 && C::DQ) {
-            // The dQ tile's rows (those in the sequence) into the workspace, a bulk
-            // reduction each, spread over the lanes.
+            // The dQ tile's rows (those in the sequence) into the workspace, whose rows
+            // the host pads as the staging tile's (dq_ld = DQ_LD): one bulk reduction.
+            if (dq_ld != C::DQ_LD) __trap();   // a host that drifted from this layout
             int step = 0;
             for (int it = first(); it < n_iter; it = after(it), ++step) {
                 mbar_wait(&bars.dq_full, step & 1);
-                const int h = pairs.head(it), q0 = pairs.q0(it);
-                const int rows = min(BLOCK_M, mask.nq - q0);
-                float* dq_tile = dq_accum + (((i64)mods.tb * hq + h) * nq + mods.q_base + q0) * (i64)d;
-                for (int r = lane; r < rows; r += 32)
-                    bulk_reduce_add_f32(dq_tile + (i64)r * d, sdQ + r * C::DQ_LD, u32(d) * sizeof(float));
-                bulk_commit();
-                bulk_wait_read<0>();
+                if (lane == 0) {
+                    const int h = pairs.head(it), q0 = pairs.q0(it);
+                    const int rows = min(BLOCK_M, mask.nq - q0);
+                    float* dq_tile = dq_accum + (((i64)mods.tb * hq + h) * nq + mods.q_base + q0) * (i64)C::DQ_LD;
+                    bulk_reduce_add_f32(dq_tile, sdQ, u32(rows * C::DQ_LD) * sizeof(float));
+                    bulk_commit();
+                    bulk_wait_read<0>();
+                    mbar_arrive(&bars.dq_empty);
+                }
                 __syncwarp();
-                if (lane == 0) mbar_arrive(&bars.dq_empty);
             }
             bulk_wait<0>();
         }

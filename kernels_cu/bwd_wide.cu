@@ -177,7 +177,7 @@ flash_bwd_dkdv_wide(const __grid_constant__ AttnParams p)
             // dQ = dS K over all BLOCK_N keys, the warps taking (query m-tile, 16 columns)
             // jobs: each job is a complete sum, added once per element.
             constexpr int JOBS = (BLOCK_M / 16) * (D / 16);
-            T* dq_head = dq_accum + (((i64)mods.tb * hq + h) * nq + mods.q_base) * (i64)d;
+            T* dq_head = dq_accum + (((i64)mods.tb * hq + h) * nq + mods.q_base) * (i64)dq_ld;
             for (int job = warp; job < JOBS; job += WARPS) {
                 const int mq = job % (BLOCK_M / 16), col0 = (job / (BLOCK_M / 16)) * 16;
                 if (col0 >= d) continue;   // padding columns: dQ is 0 there
@@ -194,7 +194,7 @@ flash_bwd_dkdv_wide(const __grid_constant__ AttnParams p)
                     paired_row(x, part[0][0], part[0][1], hh, T(1));
                     #pragma unroll
                     for (int i = 0; i < 4; ++i)
-                        if (col0 + 4 * t + i < d) atomicAdd(dq_head + (i64)row * d + col0 + 4 * t + i, x[i]);
+                        if (col0 + 4 * t + i < d) atomicAdd(dq_head + (i64)row * dq_ld + col0 + 4 * t + i, x[i]);
                 }
             }
         }

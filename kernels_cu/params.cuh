@@ -50,7 +50,7 @@ struct AttnParams {
     void* lse;                          // (B, Hq, Nq) log-sum-exp, accumulation dtype
     void* lse2;                         // the backward's padded row workspaces (bwd.cuh)
     void* delta;
-    void* dq_accum;                     // non-deterministic dQ accumulator, or null
+    void* dq_accum;                     // non-deterministic dQ accumulator (B, Hq, nq, dq_ld), or null
     void* dbias;                        // dbias accumulator (compact bias shape), or null
     i64 dbias_sb, dbias_sh, dbias_sq, dbias_sk;
     int* work_counter;                  // the Hopper forward's tile scheduler (below), or null
@@ -60,6 +60,7 @@ struct AttnParams {
     int nq, nk;                         // rows of q and k (the longest sequence under varlen)
     int d, dim_v;                       // head dims of q/k and of v
     int nq_pad;                         // rows of the backward's workspaces per head
+    int dq_ld;                          // row stride of dq_accum (d, or a Hopper kernel's padded rows)
     int causal;
     int vec;                            // every row 16-byte aligned: wide copies
     // The Hopper forward's work tiles, (query block, head, batch entry), numbered in the
