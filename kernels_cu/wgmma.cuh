@@ -87,6 +87,12 @@ __device__ __forceinline__ u64 wgmma_desc(const void* start, u32 leading_bytes, 
          | 1ull << 62;
 }
 
+// The operand descriptors below are the tile's descriptor plus the operand's byte offset
+// in it (>> 4, into the start-address field: tiles are 16-byte aligned and the shared
+// window is below 2^18 bytes, so the field cannot carry). Written so, the tile's
+// descriptor is computed once and each k-step's is one add of a constant, where the
+// address arithmetic inside wgmma_desc cost ~12 instructions per wgmma.
+
 // K-major operand (rows of the tile along m or n, k contiguous: Q and K for S = Q K^T):
 // k-step ks of 16 elements starts at panel ks / 4, byte 32 (ks % 4) of its rows; the
 // 8-row groups are 1024 bytes apart (stride offset); the leading offset is unused.
@@ -94,8 +100,8 @@ template <typename T, int ROWS>
 __device__ __forceinline__ u64 kmajor_desc(const T* tile, int row0, int ks) {
     typedef Swizzle128<T, ROWS> L;
     constexpr int KS_PER_PANEL = L::PANEL_COLS / 16;
-    return wgmma_desc(tile + (ks / KS_PER_PANEL) * L::PANEL_ELEMS + row0 * L::PANEL_COLS + (ks % KS_PER_PANEL) * 16,
-                      16, 1024);
+    const u32 offset = ((ks / KS_PER_PANEL) * L::PANEL_ELEMS + row0 * L::PANEL_COLS + (ks % KS_PER_PANEL) * 16) * sizeof(T);
+    return wgmma_desc(tile, 16, 1024) + (offset >> 4);
 }
 
 // MN-major operand (k along the tile's rows, m or n contiguous: V for O = P V, k = keys;
@@ -105,8 +111,8 @@ __device__ __forceinline__ u64 kmajor_desc(const T* tile, int row0, int ks) {
 template <typename T, int ROWS>
 __device__ __forceinline__ u64 mnmajor_desc(const T* tile, int ks, int col0 = 0) {
     typedef Swizzle128<T, ROWS> L;
-    return wgmma_desc(tile + (col0 / L::PANEL_COLS) * L::PANEL_ELEMS + ks * 16 * L::PANEL_COLS,
-                      L::PANEL_ELEMS * sizeof(T), 1024);
+    const u32 offset = ((col0 / L::PANEL_COLS) * L::PANEL_ELEMS + ks * 16 * L::PANEL_COLS) * sizeof(T);
+    return wgmma_desc(tile, L::PANEL_ELEMS * sizeof(T), 1024) + (offset >> 4);
 }
 
 // ---------------------------------------------------------------- ordering
