@@ -824,10 +824,11 @@ def _sm90_dkdv(dtype_name: str, D: int, tile, grads: int, mode: int) -> Variant:
     dq = bool(grads & GRAD_DQ)
     stages = 2
     # bwd_sm90.cu Sm90BwdKVTile: K, V, Q and dO per stage, dS^T twice (with dQ), swizzled;
-    # the staged fp32 dQ tile with rows of D + 8 (with dQ); lse2 and delta per stage; 1024
-    # bytes to align the tiles; Sm90BwdBarriers (3 + 2 STAGES mbarriers of 8 bytes).
+    # the staged fp32 dQ tile with rows of D + 8 (with dQ); a tile's lse2 and delta rows
+    # twice; 1024 bytes to align the tiles; Sm90BwdBarriers (3 + 2 STAGES mbarriers of 8
+    # bytes).
     smem = ((2 * block_n * D + 2 * stages * block_m * D + 2 * dq * block_n * block_m) * 2
-            + (dq * block_m * (D + 8) + 2 * stages * block_m) * 4 + 1024 + 8 * (3 + 2 * stages))
+            + (dq * block_m * (D + 8) + 4 * block_m) * 4 + 1024 + 8 * (3 + 2 * stages))
     expr = f"flash_bwd_dkdv_sm90<{_CPP_TYPE[dtype_name]}, {D}, {block_m}, {consumers}, {grads}, {mode}, {smem}>"
     # + the producer warpgroup; the dQ workspace's rows padded as the staged tile's (DQ_LD)
     return Variant(BWD_SM90, expr, (consumers + 1) * 128, block_n, smem, mode=mode, tile=tuple(tile),

@@ -19,14 +19,15 @@
 //   64 x DQ_N piece per warpgroup (A: dS^T read MN-major, i.e. transposed; B: K,
 //   MN-major), and stage it in fp32 in shared memory;
 //   producer (the last warpgroup): its first warp loads K and V once and streams each
-//     query tile's Q and dO (TMA) and lse2 and delta rows (plain loads) through STAGES
-//     stages, each guarded by a "full" mbarrier and an "empty" one (every consumer warp
-//     has finished reading it); its second warp adds each staged dQ tile into the dQ
+//     query tile's Q and dO (TMA) through STAGES stages, each guarded by a "full"
+//     mbarrier and an "empty" one (every consumer warp has finished reading it); its second warp adds each staged dQ tile into the dQ
 //     workspace with one bulk reduction (cp.reduce.async.bulk; the workspace's rows are
 //     padded like the staging tile's, so a tile is one contiguous range) and hands the
 //     staging buffer back once the copy engine has read it.
-// So the consumers issue no loads and no atomics: the mainloop is their products and
-// the softmax's gradient. The deterministic mode runs bwd_sm80.cu's dQ kernel instead.
+// So the consumers issue no atomics and one load per tile (a word of the next tile's
+// lse2 or delta rows, staged in shared memory before the tile's consumer barrier, which
+// orders it for every reader): the mainloop is their products and the softmax's
+// gradient. The deterministic mode runs bwd_sm80.cu's dQ kernel instead.
 // All operand tiles use the 128-byte-swizzled layout (wgmma.cuh Swizzle128): TMA's
 // boxes of 64 columns land as its panels.
 #include "elem.cuh"
@@ -42,7 +43,7 @@
 template <int STAGES>
 struct Sm90BwdBarriers {
     u64 kv_full;                        // K and V, loaded once
-    u64 full[STAGES], empty[STAGES];    // a query tile's Q, dO, lse2 and delta
+    u64 full[STAGES], empty[STAGES];    // a query tile's Q and dO
     u64 dq_full, dq_empty;              // the staged dQ tile: written / read by the copy engine
 };
 
@@ -74,7 +75,8 @@ struct Sm90BwdKVTile {
     static constexpr int DQ_LD = D + 8;
     // Shared memory (cupyflash/_cuda.py mirrors it), from a 1024-byte aligned base: K, V,
     // Q x STAGES, dO x STAGES, dS^T x 2 (with dQ), each a multiple of 1024 bytes; the
-    // staged dQ tile (fp32, with dQ); lse2 x STAGES, delta x STAGES; the barriers.
+    // staged dQ tile (fp32, with dQ); a tile's lse2 and delta rows, two buffers; the
+    // barriers.
     static constexpr int KV_ELEMS = BLOCK_N * D, QO_ELEMS = BLOCK_M * D;
     static constexpr int DS_ELEMS = DQ ? BLOCK_N * BLOCK_M : 0;
     static constexpr int DQ_FLOATS = DQ ? BLOCK_M * DQ_LD : 0;
@@ -82,7 +84,7 @@ struct Sm90BwdKVTile {
     static constexpr u32 QO_BYTES = 2 * QO_ELEMS * sizeof(T);   // Q and dO of a stage
     static constexpr int ALIGN = 1024;
     static constexpr int TILE_BYTES = (2 * KV_ELEMS + 2 * STAGES * QO_ELEMS + 2 * DS_ELEMS) * sizeof(T) +
-                                      (DQ_FLOATS + 2 * STAGES * BLOCK_M) * sizeof(float);
+                                      (DQ_FLOATS + 2 * 2 * BLOCK_M) * sizeof(float);
     static constexpr int SMEM_BYTES = TILE_BYTES + ALIGN + sizeof(Sm90BwdBarriers<STAGES>);
     // Register budgets after setmaxnreg: the producer keeps 24 a thread, the consumers
     // share the rest of the 64K register file (a multiple of 8, at most 240).
@@ -93,6 +95,7 @@ struct Sm90BwdKVTile {
     static_assert(D % PANEL == 0 && D <= 128 && BLOCK_M % 64 == 0 && BLOCK_M <= 128, "tile shape");
     static_assert(DQ_N % 64 == 0 && D % DQ_N == 0 && (BLOCK_M / 64) * DQ_COLS == CONSUMERS, "dQ pieces");
     static_assert(BWD_ROW_PAD % BLOCK_M == 0, "query tiles read the padded row workspaces whole");
+    static_assert(2 * BLOCK_M <= CONSUMER_THREADS, "a consumer thread fetches one word of a tile's rows");
     static_assert(2 * KV_ELEMS >= BLOCK_N * SmemTile<T, D>::stride, "epilogue staging");
 };
 
@@ -116,8 +119,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
     T* sdO = sQ + STAGES * C::QO_ELEMS;       // STAGES buffers
     T* sdS = sdO + STAGES * C::QO_ELEMS;      // two buffers (with dQ)
     float* sdQ = reinterpret_cast<float*>(sdS + 2 * C::DS_ELEMS);
-    float* sLse = sdQ + C::DQ_FLOATS;         // STAGES buffers
-    float* sDelta = sLse + STAGES * BLOCK_M;  // STAGES buffers
+    float* sRows = sdQ + C::DQ_FLOATS;        // two buffers of lse2 then delta, BLOCK_M each
     auto& bars = *reinterpret_cast<Sm90BwdBarriers<STAGES>*>(reinterpret_cast<unsigned char*>(sK) + C::TILE_BYTES);
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -168,14 +170,6 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                 const int s = step % STAGES;
                 mbar_wait(&bars.empty[s], ((step / STAGES) & 1) ^ 1);   // the consumers' release of the round before
                 const int h = pairs.head(it), q0 = pairs.q0(it);
-                // The row workspaces (padded: a tile reads its rows whole), by the warp;
-                // its writes are ordered before lane 0's arrival by __syncwarp.
-                const i64 at = row_workspace_offset(mods.tb, h, hq, nq_pad) + mods.q_base + q0;
-                for (int r = lane; r < BLOCK_M; r += 32) {
-                    sLse[s * BLOCK_M + r] = lse2[at + r];
-                    sDelta[s * BLOCK_M + r] = delta[at + r];
-                }
-                __syncwarp();
                 if (lane == 0) {
                     mbar_arrive_expect_tx(&bars.full[s], C::QO_BYTES);
                     load_panels(sQ + s * C::QO_ELEMS, p.q_map, &bars.full[s], BLOCK_M, mods.q_base + q0, h);
@@ -222,14 +216,31 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
     // This warpgroup's piece of the dQ tile (C::DQ_N columns of 64 query rows).
     const int dq_row0 = (wg / C::DQ_COLS) * 64, dq_col0 = (wg % C::DQ_COLS) * C::DQ_N;
 
+    // The rows of the row workspaces (padded: read whole) that tile `it` reads, one word
+    // per thread: lse2 from thread 0, delta from BLOCK_M.
+    const bool fetches_row = threadIdx.x < 2 * BLOCK_M;
+    auto fetch_rows = [&](int it) {
+        const float* ws = threadIdx.x < BLOCK_M ? lse2 : delta;
+        return fetches_row ? ws[row_workspace_offset(mods.tb, pairs.head(it), hq, nq_pad) + mods.q_base + pairs.q0(it) +
+                                threadIdx.x % BLOCK_M]
+                           : 0.f;
+    };
+    auto stage_rows = [&](int buf, float word) {
+        if (fetches_row) sRows[buf * 2 * BLOCK_M + threadIdx.x] = word;
+    };
+    if (first() < n_iter) stage_rows(0, fetch_rows(first()));
+    named_barrier(C::CONSUMER_BARRIER, C::CONSUMER_THREADS);
+
     int step = 0;
-    for (int it = first(); it < n_iter; it = after(it), ++step) {
+    for (int it = first(); it < n_iter; ++step) {
         const int h = pairs.head(it), q0 = pairs.q0(it);
+        const int next = after(it);
+        const float next_rows = next < n_iter ? fetch_rows(next) : 0.f;   // staged below, read next tile
         const int s_ = step % STAGES;
         const T* sQb = sQ + s_ * C::QO_ELEMS;
         const T* sdOb = sdO + s_ * C::QO_ELEMS;
-        const float* sLseb = sLse + s_ * BLOCK_M;
-        const float* sDeltab = sDelta + s_ * BLOCK_M;
+        const float* sLseb = sRows + (step % 2) * 2 * BLOCK_M;
+        const float* sDeltab = sLseb + BLOCK_M;
         mbar_wait(&bars.full[s_], (step / STAGES) & 1);
 
         // Per 64-query sub-tile: S^T and dP^T as two batches (P^T is computed while dP^T
@@ -295,6 +306,10 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
             }
         }
 
+        // The next tile's rows into the other buffer: its last readers (the tile before
+        // this one) passed the barrier below since; the barrier orders the words for
+        // their readers.
+        stage_rows((step + 1) % 2, next_rows);
         if constexpr (C::DQ) {
             fence_async_smem();
             named_barrier(C::CONSUMER_BARRIER, C::CONSUMER_THREADS);
@@ -323,11 +338,13 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
             fence_async_smem();
             release(&bars.dq_full);
         } else {
+            named_barrier(C::CONSUMER_BARRIER, C::CONSUMER_THREADS);
             wgmma_wait<0>();
             release(&bars.empty[s_]);
         }
         reg_fence(acc_dv[0]);
         reg_fence(acc_dk[0]);
+        it = next;
     }
 
     // Epilogue as in bwd_sm80.cu, each gradient staged with padded rows over K and V once
