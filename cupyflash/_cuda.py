@@ -569,6 +569,8 @@ def _forward_signature(q, k, v, o, *, scale: float, causal: bool, mods) -> tuple
 
 
 def _plan_forward(q, k, v, o, *, scale: float, causal: bool, mods) -> _ForwardPlan:
+    """The plan of this call's signature: the first forward variant that fits the device
+    and can read the arrays, its grid and its scalar fields."""
     d, dv = q.shape[3], v.shape[3]
     device_id = q.device.id
     variants = forward_variants_for(q.dtype.name, padded_head_dim(d, dv), mods, causal=causal)
