@@ -20,10 +20,11 @@
 //   MN-major), and stage it in fp32 in shared memory;
 //   producer (the last warpgroup): its first warp loads K and V once and streams each
 //     query tile's Q and dO (TMA) through STAGES stages, each guarded by a "full"
-//     mbarrier and an "empty" one (every consumer warp has finished reading it); its second warp adds each staged dQ tile into the dQ
-//     workspace with one bulk reduction (cp.reduce.async.bulk; the workspace's rows are
-//     padded like the staging tile's, so a tile is one contiguous range) and hands the
-//     staging buffer back once the copy engine has read it.
+//     mbarrier and an "empty" one (every consumer warp has finished reading it); its
+//     second warp adds each staged dQ tile into the dQ workspace with one bulk reduction
+//     (cp.reduce.async.bulk; the workspace's rows are padded like the staging tile's, so
+//     a tile is one contiguous range) and hands the staging buffer back once the copy
+//     engine has read it.
 // So the consumers issue no atomics and one load per tile (a word of the next tile's
 // lse2 or delta rows, staged in shared memory before the tile's consumer barrier, which
 // orders it for every reader): the mainloop is their products and the softmax's
