@@ -47,24 +47,29 @@ __all__ = ["attention_forward", "attention_backward", "tile_sizes"]
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
-# A tile of scores of 256 KiB: with the few tiles a task keeps beside it, the working set
-# of one thread stays in its core's L2 (1-2 MiB on current x86 server cores), and at
-# 64K scores a tile, the Python around each step of a tile costs a few percent.
-_TILE_BYTES = 256 * 1024
-_BLOCK_K = 256
+# Tiles of scores, (bytes, key columns), for calls without and with a causal or window
+# band. About a core's L2 on current x86 server cores (1-2 MiB) with the Q, K and V rows
+# a task keeps beside it; larger tiles mean fewer NumPy calls around each step and
+# larger products. On a 2-core AMD EPYC (1 MiB L2 a core; bench/NOTES.md, session 9)
+# 1 MiB tiles of 512 columns ran the dense forward 14-20% faster at N = 1024-4096 than
+# 256 KiB tiles of 256 columns (1024 columns were slower), but a band's calls 10-16%
+# slower: more of the diagonal falls into masked tiles, and fewer tasks share the cores.
+_TILES = {False: (1024 * 1024, 512), True: (256 * 1024, 256)}
 # The backward splits a (batch entry, kv head)'s key blocks into sets until there are
 # this many tasks per thread: enough to even out uneven tasks, few extra dQ buffers.
 _TASKS_PER_THREAD = 2
 
 
-def tile_sizes(dtype, group: int) -> tuple[int, int]:
-    """(query rows, key columns) of a tile for ``group`` query heads per kv head.
+def tile_sizes(dtype, group: int, banded: bool = False) -> tuple[int, int]:
+    """(query rows, key columns) of a tile for ``group`` query heads per kv head, for a
+    call with a causal or window band or without (`_TILES`).
 
-    Key tiles are 256 columns; query blocks take as many rows as fit `_TILE_BYTES` of
-    scores for the whole group, a multiple of 16 and at least 16.
+    Query blocks take as many rows as fit the tile's bytes of scores for the whole group,
+    a multiple of 16 and at least 16.
     """
-    rows = _TILE_BYTES // (np.dtype(dtype).itemsize * _BLOCK_K * group)
-    return max(16, rows // 16 * 16), _BLOCK_K
+    budget, cols = _TILES[banded]
+    rows = budget // (np.dtype(dtype).itemsize * cols * group)
+    return max(16, rows // 16 * 16), cols
 
 
 @dataclass(frozen=True)
@@ -126,7 +131,8 @@ class _Rules:
         # A tile is one block of the block-sparse mask, so a tile is skipped or kept whole.
         if self.block_mask is not None:
             return self.mods.block_size
-        default = tile_sizes(self.dtype, len(self.heads))
+        banded = self.span_rules["causal"] or self.mods.windowed
+        default = tile_sizes(self.dtype, len(self.heads), banded)
         return block_q or default[0], block_k or default[1]
 
     def key_tiles(self, q_start: int, q_stop: int, block_k: int, q_tile: int):
@@ -411,6 +417,8 @@ def attention_backward(do: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarr
     tasks, dq_parts = [], []
     for piece, g, rules, (bq, bk) in units:
         rows_in = [_rows_of(x, piece, rules) for x in (q, do, lse_log2, delta, dq)]
+        # q with the scale (and log2 e) folded in, once per unit: every key tile reads it.
+        rows_in[0] = rows_in[0] * rules.scale_log2
         keys_in = [_keys_of(x, piece, g) for x in (k, v, dk, dv)]
         n_key_tiles = -(-keys_in[0].shape[0] // bk)
         unit_sets = min(sets, n_key_tiles) or 1
@@ -447,8 +455,8 @@ def _backward_keys(q, do, lse_log2, delta, dq, k, v, dk, dv, rules: _Rules, key_
                    block_q: int, block_k: int, dbias) -> None:
     """The FlashAttention-2 backward of the key tiles ``key_tiles`` of one kv head.
 
-    ``q``, ``do``, ``lse_log2``, ``delta`` are the ``(G, nq, ...)`` rows of the kv head's
-    query heads; ``dq`` ``(G, nq, d)`` receives this task's unscaled dQ terms; ``k``,
+    ``q`` (scaled by ``scale * log2(e)``), ``do``, ``lse_log2``, ``delta`` are the
+    ``(G, nq, ...)`` rows of the kv head's query heads; ``dq`` ``(G, nq, d)`` receives this task's unscaled dQ terms; ``k``,
     ``v`` are ``(nk, ...)``, and ``dk``, ``dv`` are written for the task's key tiles.
     """
     nq, nk = q.shape[1], k.shape[0]
@@ -462,7 +470,7 @@ def _backward_keys(q, do, lse_log2, delta, dq, k, v, dk, dv, rules: _Rules, key_
         for t in rules.query_tiles(k_start, k_stop, block_q, k_tile):
             q_start, q_stop = t * block_q, min((t + 1) * block_q, nq)
             rows, cols = (q_start, q_stop), (k_start, k_stop)
-            qs = q[:, q_start:q_stop] * rules.scale_log2
+            qs = q[:, q_start:q_stop]
             do_blk = do[:, q_start:q_stop]
             s = qs @ k_blk.T
             capped_grad = rules.scores_log2(s, rows, cols, (t, k_tile))

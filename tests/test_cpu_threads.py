@@ -131,8 +131,9 @@ def test_thread_count_default_is_the_usable_cpus(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("group", [1, 2, 8, 64])
-def test_tile_sizes_fit_the_cache_budget(dtype, group):
-    rows, cols = _reference.tile_sizes(dtype, group)
+@pytest.mark.parametrize("banded", [False, True])
+def test_tile_sizes_fit_the_cache_budget(dtype, group, banded):
+    rows, cols = _reference.tile_sizes(dtype, group, banded)
     assert rows >= 16 and rows % 16 == 0 and cols % 16 == 0
     scores = rows * cols * group * np.dtype(dtype).itemsize
-    assert scores <= 256 * 1024 or rows == 16
+    assert scores <= _reference._TILES[banded][0] or rows == 16
