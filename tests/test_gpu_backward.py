@@ -218,6 +218,24 @@ def test_strided_inputs_without_alignment(rng, dtype):
         _check(grads, _reference_grads(host, "bhsd", causal=False), dtype, "bhsd")
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_hopper_backward_reads_through_tensor_maps(rng, d):
+    """On Hopper, dense 16-bit backward calls whose rows are 16-byte aligned run
+    bwd_sm90.cu (TMA, dQ rows padded for its bulk reductions), not the sm80 fallback that
+    unaligned rows take (test_strided_inputs_without_alignment)."""
+    import cupy as cp
+    from cupyflash import _arrays, _cuda
+    device = cp.cuda.Device().id
+    if _cuda._device_info(device)[0] != "sm_90a":
+        pytest.skip("not a Hopper GPU")
+    _, (q, k, v, do) = _inputs(rng, "bfloat16", d, 300, 301, 2, "bhsd")
+    (_, candidates), = _cuda.device_backward_plan("bfloat16", d, False, _cuda.MODE_DENSE, device).kv
+    variant = _cuda._choose(candidates, device)
+    assert variant.family is _cuda.BWD_SM90 and variant.dq_ld == d + 8
+    views = [_arrays.bhsd_view(x, "bhsd") for x in (q, k, v, do)]
+    assert _cuda._sm90_backward_maps(variant, *views) is not None
+
+
 def test_runs_on_the_current_stream(rng):
     import cupy as cp
     host, (q, k, v, do) = _inputs(rng, "bfloat16", 128, 512, 512, 2, "bhsd")
