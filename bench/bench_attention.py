@@ -4,7 +4,7 @@
     python bench/bench_attention.py --tune [dtype ...]   # TFLOP/s of each candidate forward tile shape
 
 Every option but ``--tune`` is `cupyflash.bench`'s (see ``--help`` there). Tuning stays in
-this script because it rewrites `cupyflash._cuda`'s tile table: a tool for changing the
+this script because it rewrites `cupyflash._kernels`' tile tables: a tool for changing the
 kernels, not for measuring them.
 """
 
@@ -15,12 +15,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cupyflash import _cuda, bench  # noqa: E402
+from cupyflash import _kernels, bench  # noqa: E402
 
 # Forward tile candidates per (dtype, head dim), in the form of the tile tables' entries:
-# for 16-bit dtypes ("sm90", _cuda.FWD_SM90_TILES' (BLOCK_N, CONSUMERS, STAGES)) (Hopper
-# only) and ("sm80", _cuda.FWD_SM80_TILES' (BLOCK_M, BLOCK_N, WARPS)), for fp32/fp64
-# _cuda.FWD_WIDE_TILES' (BLOCK_M, BLOCK_N, SUB_N, WARPS, DV_TILE) (all spill-free).
+# for 16-bit dtypes ("sm90", _kernels.FWD_SM90_TILES' (BLOCK_N, CONSUMERS, STAGES)) (Hopper
+# only) and ("sm80", _kernels.FWD_SM80_TILES' (BLOCK_M, BLOCK_N, WARPS)), for fp32/fp64
+# _kernels.FWD_WIDE_TILES' (BLOCK_M, BLOCK_N, SUB_N, WARPS, DV_TILE) (all spill-free).
 TUNE_CANDIDATES = {
     ("bfloat16", 64): [("sm90", (128, 3, 2)), ("sm90", (128, 2, 2)), ("sm90", (128, 3, 3)),
                        ("sm90", (128, 2, 4)), ("sm90", (64, 3, 4)), ("sm90", (192, 2, 2))],
@@ -42,18 +42,18 @@ def tune(dtype, d, candidates):
 
     import cupyflash
 
-    seqlens = (2048, 4096, 16384) if dtype in _cuda.HALF_DTYPES else (1024, 4096)
+    seqlens = (2048, 4096, 16384) if dtype in _kernels.HALF_DTYPES else (1024, 4096)
     print(f"tuning {dtype} d={d}")
     for tile in candidates:
-        if dtype not in _cuda.HALF_DTYPES:
-            _cuda.FWD_WIDE_TILES[dtype][d] = (tile,)
+        if dtype not in _kernels.HALF_DTYPES:
+            _kernels.FWD_WIDE_TILES[dtype][d] = (tile,)
         elif tile[0] == "sm90":
             tile = tile[1]
-            _cuda.FWD_SM90_TILES[d] = (tile,)
+            _kernels.FWD_SM90_TILES[d] = (tile,)
         else:   # an sm80 tile: no Hopper tile in front of it
             tile = tile[1]
-            _cuda.FWD_SM90_TILES.pop(d, None)
-            _cuda.FWD_SM80_TILES[d] = (tile,)
+            _kernels.FWD_SM90_TILES.pop(d, None)
+            _kernels.FWD_SM80_TILES[d] = (tile,)
         for causal in (False, True):
             for N in seqlens:
                 H, B = bench.HIDDEN // d, bench.TOKENS // N

@@ -21,7 +21,7 @@ import cupy as cp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import cupyflash  # noqa: E402
-from cupyflash import _cuda, bench  # noqa: E402
+from cupyflash import _cuda, _kernels, bench  # noqa: E402
 
 N = 16384
 # Candidate tiles (BLOCK_N, CONSUMERS, STAGES) per (table, head dim), spill-free in the build check.
@@ -125,7 +125,7 @@ def tiles(d, dtype="bfloat16"):
     cases = {"dense": [dict(), dict(causal=True)],
              "ext": [dict(causal=True, window=(2048, 0)), dict(dropout_p=0.1, seed=0), dict(softcap=30.0)],
              "bias": [dict(bias=cp.random.standard_normal((N, N), dtype=cp.float32).astype(dtype))]}
-    table = {"dense": _cuda.FWD_SM90_TILES, "ext": _cuda.FWD_SM90_EXT_TILES, "bias": _cuda.FWD_SM90_BIAS_TILES}
+    table = {"dense": _kernels.FWD_SM90_TILES, "ext": _kernels.FWD_SM90_EXT_TILES, "bias": _kernels.FWD_SM90_BIAS_TILES}
     for (kind, dd), candidates in TILE_CANDIDATES.items():
         if dd != d:
             continue
@@ -153,8 +153,8 @@ def once(name, d, dtype="bfloat16", repeat=3):
     for _ in range(repeat):
         run()
     cp.cuda.Device().synchronize()
-    mode = (_cuda.MODE_EXT | (_cuda.MODE_BIAS if "bias" in opts else 0)) if set(opts) - {"causal"} else 0
-    variant = _cuda._choose(_cuda.forward_variants(dtype, _cuda.padded_head_dim(d, d), mode), 0)
+    mode = (_kernels.MODE_EXT | (_kernels.MODE_BIAS if "bias" in opts else 0)) if set(opts) - {"causal"} else 0
+    variant = _cuda._choose(_kernels.forward_variants(dtype, _kernels.padded_head_dim(d, d), mode), 0)
     print(variant.name_expression, _nvrtc.compile_kernel(variant.source, variant.name_expression,
                                                          _cuda._device_info(0)[0]).binary_path)
 

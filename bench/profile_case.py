@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import cupy as cp  # noqa: E402
 
 import cupyflash  # noqa: E402
-from cupyflash import _cuda, _nvrtc  # noqa: E402
+from cupyflash import _cuda, _kernels, _nvrtc  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--dtype", default="bfloat16")
@@ -29,12 +29,12 @@ a = p.parse_args()
 H, B = 2048 // a.head_dim, 16384 // a.seqlen
 q, k, v, do = (cp.random.standard_normal((B, H, a.seqlen, a.head_dim), dtype=cp.float32).astype(a.dtype)
                for _ in range(4))
-D = _cuda.padded_head_dim(a.head_dim, a.head_dim)
+D = _kernels.padded_head_dim(a.head_dim, a.head_dim)
 if a.backward:
-    plan = _cuda.device_backward_plan(q.dtype.name, D, False, _cuda.MODE_DENSE, 0)
+    plan = _cuda.device_backward_plan(q.dtype.name, D, False, _kernels.MODE_DENSE, 0)
     variant = _cuda._choose(plan.kv[0][1], 0)
 else:
-    variant = _cuda._choose(_cuda.forward_variants(q.dtype.name, D), 0)
+    variant = _cuda._choose(_kernels.forward_variants(q.dtype.name, D), 0)
 compiled = _nvrtc.compile_kernel(variant.source, variant.name_expression, _cuda._device_info(0)[0])
 print(f"{variant.name_expression}: regs={compiled.registers}")
 print(compiled.binary_path)

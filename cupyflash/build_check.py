@@ -10,23 +10,23 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import _cuda, _nvrtc
+from . import _kernels, _nvrtc
 
 
-def build_all(archs=_cuda.BUILD_ARCHS, jobs: int = 2, *, progress=None):
+def build_all(archs=_kernels.BUILD_ARCHS, jobs: int = 2, *, progress=None):
     """Compile all instantiations for ``archs``; returns [(variant, Compiled)].
     ``progress`` gets a line of text as the build advances (see `_nvrtc.compile_many`)."""
-    work = [(v, arch) for arch in archs for v in _cuda.all_variants() if v.builds_for(arch)]
+    work = [(v, arch) for arch in archs for v in _kernels.all_variants() if v.builds_for(arch)]
     compiled = _nvrtc.compile_many([(v.source, v.name_expression, arch) for v, arch in work], jobs,
                                    progress=progress)
     return [(v, c) for (v, _), c in zip(work, compiled)]
 
 
-def must_not_spill(variant: _cuda.Variant) -> bool:
+def must_not_spill(variant: _kernels.Variant) -> bool:
     """The fp16/bf16 kernels and the families tuned to live in registers (the fp32/fp64
     forward) must not spill; a spill there is a bug. The fp32/fp64 tensor-core backward
     keeps dK and dV (or one of them) of 16 keys per warp in registers and spills a few
-    bytes from d = 128 (the tile table in _cuda says which); it is reported, not refused."""
+    bytes from d = 128 (the tile tables in _kernels say which); it is reported, not refused."""
     expr = variant.name_expression
     return "half_t" in expr or "bfloat16_t" in expr or variant.family.spill_free
 
@@ -36,7 +36,7 @@ def main(argv=None) -> int:
     parser.add_argument("--arch", action="append", help="NVRTC target (repeatable); default sm_80 and sm_90a")
     parser.add_argument("--jobs", type=int, default=2)
     args = parser.parse_args(argv)
-    archs = tuple(args.arch or _cuda.BUILD_ARCHS)
+    archs = tuple(args.arch or _kernels.BUILD_ARCHS)
     print(f"NVRTC {'.'.join(map(str, _nvrtc.nvrtc_version()))}, kernels from {_nvrtc.KERNEL_DIR}")
     try:
         built = build_all(archs, args.jobs, progress=lambda line: print(line, file=sys.stderr, flush=True))
@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     return 1 if failures else 0
 
 
-def problems_of(variant: _cuda.Variant, compiled) -> list[str]:
+def problems_of(variant: _kernels.Variant, compiled) -> list[str]:
     """What is wrong with a compiled instantiation: spills where none are allowed, and
     static shared memory beyond what the host adds to the launch's figure (it would
     launch with more shared memory than the host checked fits)."""

@@ -29,7 +29,7 @@ struct BwdSimtTile {
     static constexpr int DC = D / 16;        // accumulator columns per thread
     static constexpr int LDC = CH + 1;       // odd strides keep column reads conflict-free
     static constexpr int LDP = BLOCK + 1;
-    // Four chunk buffers and two BLOCK x BLOCK tiles (cupyflash/_cuda.py mirrors the size).
+    // Four chunk buffers and two BLOCK x BLOCK tiles (cupyflash/_kernels.py mirrors the size).
     static constexpr int SMEM_ELEMS = 4 * BLOCK * LDC + 2 * BLOCK * LDP;
     static constexpr int SMEM_BYTES = SMEM_ELEMS * sizeof(T);
     static_assert(D % CH == 0 && BLOCK % 16 == 0, "tile shape");
@@ -96,7 +96,7 @@ __global__ void __launch_bounds__(256)
 flash_bwd_dkdv_simt(const __grid_constant__ AttnParams p)
 {
     typedef BwdSimtTile<T, D, BLOCK> C;
-    static_assert(SMEM_BYTES == C::SMEM_BYTES, "the host's shared-memory size (cupyflash/_cuda.py)");
+    static_assert(SMEM_BYTES == C::SMEM_BYTES, "the host's shared-memory size (cupyflash/_kernels.py)");
     BWD_SCALARS(p, T);
     constexpr int R = C::R, CH = C::CH, CC = C::CC, DC = C::DC, LDC = C::LDC, LDP = C::LDP;
     constexpr bool DQ = GRADS & GRAD_DQ;
@@ -228,7 +228,7 @@ __global__ void __launch_bounds__(256)
 flash_bwd_dq_simt(const __grid_constant__ AttnParams p)
 {
     typedef BwdSimtTile<T, D, BLOCK> C;
-    static_assert(SMEM_BYTES == C::SMEM_BYTES, "the host's shared-memory size (cupyflash/_cuda.py)");
+    static_assert(SMEM_BYTES == C::SMEM_BYTES, "the host's shared-memory size (cupyflash/_kernels.py)");
     BWD_SCALARS(p, T);
     constexpr int R = C::R, CH = C::CH, CC = C::CC, DC = C::DC, LDC = C::LDC, LDP = C::LDP;
     extern __shared__ __align__(16) unsigned char smem_raw[];

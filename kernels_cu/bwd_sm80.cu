@@ -52,7 +52,7 @@ struct BwdKVTile {
     static constexpr int LDS = SmemTile<T, BLOCK_M>::stride;
     static constexpr bool DV = GRADS & GRAD_DV, DK = GRADS & GRAD_DK, DQ = GRADS & GRAD_DQ;
     static constexpr int DQ_COLS = 32;                      // dQ columns a warp sums at a time
-    // Shared memory, in this order (cupyflash/_cuda.py mirrors the sizes):
+    // Shared memory, in this order (cupyflash/_kernels.py mirrors the sizes):
     static constexpr int K_ELEMS = BLOCK_N * LD;
     static constexpr int V_ELEMS = DK ? BLOCK_N * LD : 0;   // dP needs V; dV alone does not
     static constexpr int QDO_ELEMS = 4 * BLOCK_M * LD;      // Q and dO, two buffers each
@@ -71,7 +71,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1)
 flash_bwd_dkdv_sm80(const __grid_constant__ AttnParams p)
 {
     typedef BwdKVTile<T, D, BLOCK_M, BLOCK_N, WARPS, GRADS> C;
-    static_assert(SMEM_BYTES == C::SMEM_BYTES, "the host's shared-memory size (cupyflash/_cuda.py)");
+    static_assert(SMEM_BYTES == C::SMEM_BYTES, "the host's shared-memory size (cupyflash/_kernels.py)");
     BWD_SCALARS(p, float);
     constexpr int MT = C::MT, SNT = C::SNT, DT = C::DT;
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -258,7 +258,7 @@ struct BwdQTile {
     static constexpr int DT = D / 8;                // n-tiles of dQ
     static constexpr int KSTEPS = D / 16;
     static constexpr int LD = SmemTile<T, D>::stride;
-    // Shared memory: Q, dO, then K and V with two buffers each (cupyflash/_cuda.py mirrors it).
+    // Shared memory: Q, dO, then K and V with two buffers each (cupyflash/_kernels.py mirrors it).
     static constexpr int SMEM_BYTES = (2 * BLOCK_M + 4 * BLOCK_N) * LD * sizeof(T);
     static_assert(ROWS_PER_WARP % 16 == 0 && BLOCK_N % SLICE == 0 && SLICE % 16 == 0, "tile shape");
     static_assert(BWD_ROW_PAD % BLOCK_M == 0, "query blocks read the padded row workspaces whole");
@@ -271,7 +271,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1)
 flash_bwd_dq_sm80(const __grid_constant__ AttnParams p)
 {
     typedef BwdQTile<T, D, BLOCK_M, BLOCK_N, WARPS> C;
-    static_assert(SMEM_BYTES == C::SMEM_BYTES, "the host's shared-memory size (cupyflash/_cuda.py)");
+    static_assert(SMEM_BYTES == C::SMEM_BYTES, "the host's shared-memory size (cupyflash/_kernels.py)");
     BWD_SCALARS(p, float);
     constexpr int MT = C::MT, SNT = C::SNT, DT = C::DT;
     extern __shared__ __align__(16) unsigned char smem_raw[];

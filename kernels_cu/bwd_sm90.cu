@@ -74,7 +74,7 @@ struct Sm90BwdKVTile {
     // The dQ workspace's rows have the same stride (the host pads them: dq_ld), so that a
     // tile goes there in one bulk reduction.
     static constexpr int DQ_LD = D + 8;
-    // Shared memory (cupyflash/_cuda.py mirrors it), from a 1024-byte aligned base: K, V,
+    // Shared memory (cupyflash/_kernels.py mirrors it), from a 1024-byte aligned base: K, V,
     // Q x STAGES, dO x STAGES, dS^T x 2 (with dQ), each a multiple of 1024 bytes; the
     // staged dQ tile (fp32, with dQ); a tile's lse2 and delta rows, two buffers; the
     // barriers.
@@ -110,7 +110,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
 {
     static_assert(MODE == MODE_DENSE, "the options run in bwd_sm80.cu");
     typedef Sm90BwdKVTile<T, D, BLOCK_M, CONSUMERS, GRADS> C;
-    static_assert(SMEM_BYTES == C::SMEM_BYTES, "the host's shared-memory size (cupyflash/_cuda.py)");
+    static_assert(SMEM_BYTES == C::SMEM_BYTES, "the host's shared-memory size (cupyflash/_kernels.py)");
     constexpr int STAGES = C::STAGES, BLOCK_N = C::BLOCK_N, QT = C::QT, DT = C::DT;
     BWD_SCALARS(p, float);
     extern __shared__ __align__(16) unsigned char smem_raw[];

@@ -44,7 +44,7 @@ struct WideBwdKVTile {
     static constexpr int LD = PairRows<T, D>::stride;
     static constexpr int LDS = PairRows<T, BLOCK_N>::stride;   // dS, query-major
     static constexpr bool DV = GRADS & GRAD_DV, DK = GRADS & GRAD_DK, DQ = GRADS & GRAD_DQ;
-    // Shared memory, in this order (cupyflash/_cuda.py mirrors the sizes):
+    // Shared memory, in this order (cupyflash/_kernels.py mirrors the sizes):
     static constexpr int K_ELEMS = BLOCK_N * LD;
     static constexpr int V_ELEMS = DK ? BLOCK_N * LD : 0;     // dP needs V; dV alone does not
     static constexpr int QDO_ELEMS = 4 * BLOCK_M * LD;        // Q and dO, two buffers each
@@ -63,7 +63,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1)
 flash_bwd_dkdv_wide(const __grid_constant__ AttnParams p)
 {
     typedef WideBwdKVTile<T, D, BLOCK_M, BLOCK_N, WARPS, SLICE, GRADS> C;
-    static_assert(SMEM_BYTES == C::SMEM_BYTES, "the host's shared-memory size (cupyflash/_cuda.py)");
+    static_assert(SMEM_BYTES == C::SMEM_BYTES, "the host's shared-memory size (cupyflash/_kernels.py)");
     BWD_SCALARS(p, T);
     constexpr int MT = C::MT, SNT = C::SNT, DT = C::DT, LD = C::LD;
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -234,7 +234,7 @@ struct WideBwdQTile {
     static constexpr int KSTEPS = D / 8;
     static constexpr int DT = D / 8;                  // n-tiles of dQ
     static constexpr int LD = PairRows<T, D>::stride;
-    // Shared memory: Q, dO, then K and V with two buffers each (cupyflash/_cuda.py mirrors it).
+    // Shared memory: Q, dO, then K and V with two buffers each (cupyflash/_kernels.py mirrors it).
     static constexpr int SMEM_BYTES = (2 * BLOCK_M + 4 * BLOCK_N) * LD * sizeof(T);
     static_assert(BLOCK_M % (16 * WARPS) == 0 && BLOCK_N % SLICE == 0 && D % 32 == 0, "tile shape");
     static_assert(BWD_ROW_PAD % BLOCK_M == 0, "query blocks read the padded row workspaces whole");
@@ -245,7 +245,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1)
 flash_bwd_dq_wide(const __grid_constant__ AttnParams p)
 {
     typedef WideBwdQTile<T, D, BLOCK_M, BLOCK_N, WARPS, SLICE> C;
-    static_assert(SMEM_BYTES == C::SMEM_BYTES, "the host's shared-memory size (cupyflash/_cuda.py)");
+    static_assert(SMEM_BYTES == C::SMEM_BYTES, "the host's shared-memory size (cupyflash/_kernels.py)");
     BWD_SCALARS(p, T);
     constexpr int MT = C::MT, SNT = C::SNT, DT = C::DT, LD = C::LD;
     extern __shared__ __align__(16) unsigned char smem_raw[];

@@ -36,13 +36,13 @@ struct FwdTile {
 
 // Minimum one CTA per SM: without it ptxas aims at more resident CTAs than shared memory
 // allows and spills (as in fwd_wide.cu). SMEM_BYTES is the host's figure of the dynamic
-// shared memory (cupyflash/_cuda.py), checked against the tile's layout.
+// shared memory (cupyflash/_kernels.py), checked against the tile's layout.
 template <typename T, int D, int BLOCK_M, int BLOCK_N, int WARPS, int MODE, int SMEM_BYTES>
 __global__ void __launch_bounds__(WARPS * 32, 1)
 flash_fwd_sm80(const __grid_constant__ AttnParams p)
 {
     typedef FwdTile<T, D, BLOCK_M, BLOCK_N, WARPS> C;
-    static_assert(SMEM_BYTES == C::SMEM_BYTES, "the host's shared-memory size (cupyflash/_cuda.py)");
+    static_assert(SMEM_BYTES == C::SMEM_BYTES, "the host's shared-memory size (cupyflash/_kernels.py)");
     const int group = p.group, nq = p.nq, d = p.d, dv = p.dim_v, vec = p.vec;
     const float scale_log2 = float(p.scale_log2);
     float* lse = static_cast<float*>(p.lse);

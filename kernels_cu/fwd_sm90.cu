@@ -109,7 +109,7 @@ struct Sm90FwdTile {
     static constexpr int PANEL = 64;                // columns per TMA box (128 bytes, the swizzle span)
     static constexpr u32 Q_BYTES = Q_ELEMS * sizeof(T), KV_BYTES = KV_ELEMS * sizeof(T);
     static constexpr u32 BIAS_BYTES = BIAS_ELEMS * sizeof(T);
-    // Shared memory (cupyflash/_cuda.py mirrors it): Q, K x STAGES, V x STAGES, bias x
+    // Shared memory (cupyflash/_kernels.py mirrors it): Q, K x STAGES, V x STAGES, bias x
     // STAGES (MODE_BIAS), each 1024-byte aligned; then the mbarriers and the schedule.
     static constexpr int ALIGN = 1024;
     static constexpr int TILE_BYTES = (Q_ELEMS + 2 * STAGES * KV_ELEMS + STAGES * BIAS_ELEMS) * sizeof(T);
@@ -132,7 +132,7 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
 {
     typedef Sm90FwdTile<T, D, BLOCK_N, CONSUMERS, STAGES, MODE> C;
     typedef Mods<T, float, MODE> ModsT;
-    static_assert(SMEM_BYTES == C::SMEM_BYTES, "the host's shared-memory size (cupyflash/_cuda.py)");
+    static_assert(SMEM_BYTES == C::SMEM_BYTES, "the host's shared-memory size (cupyflash/_kernels.py)");
     constexpr int BLOCK_M = C::BLOCK_M, NT = C::NT, DT = C::DT;
     constexpr bool HEADS_FIRST = (MODE & MODE_BIAS) != 0;
     extern __shared__ __align__(16) unsigned char smem_raw[];

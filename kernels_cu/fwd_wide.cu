@@ -55,7 +55,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1)
 flash_fwd_wide(const __grid_constant__ AttnParams p)
 {
     typedef WideFwdTile<T, D, DV_TILE, BLOCK_M, BLOCK_N, SUB_N, WARPS> C;
-    static_assert(SMEM_BYTES == C::SMEM_BYTES, "the host's shared-memory size (cupyflash/_cuda.py)");
+    static_assert(SMEM_BYTES == C::SMEM_BYTES, "the host's shared-memory size (cupyflash/_kernels.py)");
     const int group = p.group, nq = p.nq, d = p.d, dv = p.dim_v, vec = p.vec;
     const T scale_log2 = T(p.scale_log2);
     T* lse = static_cast<T*>(p.lse);

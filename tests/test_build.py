@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from cupyflash import _cuda, _nvrtc, build_check
+from cupyflash import _cuda, _kernels, _nvrtc, build_check
 
 try:
     _nvrtc.nvrtc_version()
@@ -31,10 +31,10 @@ def built(request):
 
 
 def test_every_instantiation_builds_for_both_archs(built):
-    for arch in _cuda.BUILD_ARCHS:
-        names = {v.name_expression for v in _cuda.all_variants() if v.builds_for(arch)}
+    for arch in _kernels.BUILD_ARCHS:
+        names = {v.name_expression for v in _kernels.all_variants() if v.builds_for(arch)}
         assert {v.name_expression for v, c in built if c.arch == arch} == names
-    assert any(v.family.arch == "sm_90a" for v in _cuda.all_variants())   # the Hopper kernels are in it
+    assert any(v.family.arch == "sm_90a" for v in _kernels.all_variants())   # the Hopper kernels are in it
     assert all(c.lowered_name and c.binary_path.stat().st_size > 0 for _, c in built)
 
 

@@ -205,7 +205,7 @@ def test_strided_inputs_without_alignment(rng, dtype):
     and do start half a buffer row into theirs, so their rows are not, and the kernels
     take the element-wise copy path instead of 16-byte copies."""
     import cupy as cp
-    from cupyflash import _arrays, _cuda
+    from cupyflash import _arrays
     width = 72 + 8 // np.dtype(dtype).itemsize
     base = cp.asarray(rng.standard_normal((1, 3, 2 * 257, width)).astype(dtype))
     q, k = base[:, :, ::2, :72], base[:, :, 1::2, :72]
@@ -224,14 +224,14 @@ def test_hopper_backward_reads_through_tensor_maps(rng, d):
     bwd_sm90.cu (TMA, dQ rows padded for its bulk reductions), not the sm80 fallback that
     unaligned rows take (test_strided_inputs_without_alignment)."""
     import cupy as cp
-    from cupyflash import _arrays, _cuda
+    from cupyflash import _arrays, _cuda, _kernels
     device = cp.cuda.Device().id
     if _cuda._device_info(device)[0] != "sm_90a":
         pytest.skip("not a Hopper GPU")
     _, (q, k, v, do) = _inputs(rng, "bfloat16", d, 300, 301, 2, "bhsd")
-    (_, candidates), = _cuda.device_backward_plan("bfloat16", d, False, _cuda.MODE_DENSE, device).kv
+    (_, candidates), = _cuda.device_backward_plan("bfloat16", d, False, _kernels.MODE_DENSE, device).kv
     variant = _cuda._choose(candidates, device)
-    assert variant.family is _cuda.BWD_SM90 and variant.dq_ld == d + 8
+    assert variant.family is _kernels.BWD_SM90 and variant.dq_ld == d + 8
     views = [_arrays.bhsd_view(x, "bhsd") for x in (q, k, v, do)]
     assert _cuda._sm90_backward_maps(variant, *views) is not None
 

@@ -102,7 +102,7 @@ def test_strided_inputs_without_alignment(rng):
     of 16), but k starts 152 bytes into the buffer, so its rows are not 16-byte aligned and
     the kernels must take the element-wise copy path instead of 16-byte copies."""
     import cupy as cp
-    from cupyflash import _arrays, _cuda
+    from cupyflash import _arrays
     base = cp.asarray(rng.standard_normal((1, 3, 2 * 257, 76)).astype(np.float16))
     q = base[:, :, ::2, :72]
     k = base[:, :, 1::2, :72]
@@ -142,12 +142,12 @@ def test_hopper_forward_reads_through_tensor_maps(rng, layout):
     """On Hopper, dense 16-bit calls whose rows are 16-byte aligned run fwd_sm90.cu with
     TMA tensor maps in both layouts, not the sm80 fallback that unaligned rows take."""
     import cupy as cp
-    from cupyflash import _arrays, _cuda
+    from cupyflash import _arrays, _cuda, _kernels
     if _cuda._device_info(cp.cuda.Device().id)[0] != "sm_90a":
         pytest.skip("not a Hopper GPU")
     host, (q, k, v) = make_inputs(rng, "bfloat16", 128, 300, 301, 4, layout)
     views = [_arrays.bhsd_view(x, layout) for x in (q, k, v)]
-    variant = _cuda._choose(_cuda.forward_variants("bfloat16", 128), cp.cuda.Device().id)
+    variant = _cuda._choose(_kernels.forward_variants("bfloat16", 128), cp.cuda.Device().id)
     assert variant.source == "fwd_sm90.cu"
     assert _cuda._sm90_map_specs(variant, *views) is not None
 

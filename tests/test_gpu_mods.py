@@ -623,7 +623,7 @@ def test_hopper_forward_with_options(rng, monkeypatch, dtype, d, nq, nk, layout,
     if DRY_RUN:
         pytest.skip("pins a GPU kernel")
     import cupy as cp
-    from cupyflash import _cuda
+    from cupyflash import _cuda, _kernels
     monkeypatch.setattr(_cuda, "PERSISTENT_FORWARD", persistent)
     if _cuda._device_info(cp.cuda.Device().id)[0] != "sm_90a":
         pytest.skip("not a Hopper GPU")
@@ -631,9 +631,9 @@ def test_hopper_forward_with_options(rng, monkeypatch, dtype, d, nq, nk, layout,
     host = _qkv(rng, dtype, d, nq, nk, 2, layout, batch=batch, kv_heads=1)
     opts = build(rng, batch, 2, nq, nk, dtype)
     mods = dict(opts)
-    mode = _cuda.MODE_EXT | (_cuda.MODE_BIAS if "bias" in mods else 0)
-    variant = _cuda._choose(_cuda.forward_variants(dtype, _cuda.padded_head_dim(d, d), mode), cp.cuda.Device().id)
-    assert variant.family is _cuda.FWD_SM90, variant.name_expression
+    mode = _kernels.MODE_EXT | (_kernels.MODE_BIAS if "bias" in mods else 0)
+    variant = _cuda._choose(_kernels.forward_variants(dtype, _kernels.padded_head_dim(d, d), mode), cp.cuda.Device().id)
+    assert variant.family is _kernels.FWD_SM90, variant.name_expression
     opts.update(causal=causal, layout=layout)
     got, ref = _run_both(cupyflash.attention_forward, host, opts, backward=False)
     _check(got, ref, dtype)
@@ -646,15 +646,15 @@ def test_hopper_bias_tiles_by_tma_where_the_rows_allow():
     if DRY_RUN:
         pytest.skip("needs the GPU")
     import cupy as cp
-    from cupyflash import _cuda
-    variant = next(v for v in _cuda.forward_variants("bfloat16", 128, _cuda.MODE_EXT | _cuda.MODE_BIAS)
-                   if v.family is _cuda.FWD_SM90)
+    from cupyflash import _cuda, _kernels
+    variant = next(v for v in _kernels.forward_variants("bfloat16", 128, _kernels.MODE_EXT | _kernels.MODE_BIAS)
+                   if v.family is _kernels.FWD_SM90)
     full = cp.zeros((1, 1, 100, 1000), cp.float16).astype("bfloat16")
     assert _cuda._sm90_bias_spec(variant, full, 100, 1000) is not None
     odd = cp.zeros((1, 1, 100, 999), cp.float16).astype("bfloat16")
     assert _cuda._sm90_bias_spec(variant, odd, 100, 999) is None                  # rows not 16-byte aligned
     assert _cuda._sm90_bias_spec(variant, full[:, :, :1], 100, 1000) is None       # broadcast over queries
-    dense = next(v for v in _cuda.forward_variants("bfloat16", 128) if v.family is _cuda.FWD_SM90)
+    dense = next(v for v in _kernels.forward_variants("bfloat16", 128) if v.family is _kernels.FWD_SM90)
     assert _cuda._sm90_bias_spec(dense, full, 100, 1000) is None                  # a kernel without the bias
 
 

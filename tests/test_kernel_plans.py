@@ -5,7 +5,7 @@ import re
 import numpy as np
 import pytest
 
-from cupyflash import _cuda, _mods, _nvrtc
+from cupyflash import _cuda, _kernels, _mods, _nvrtc
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 HOPPER_SMEM = 227 * 1024   # opt-in shared memory per block on H100/H200
@@ -16,38 +16,38 @@ def _candidate_lists(dtype, D, cuda_cores=False):
     the backward's key-block and dQ kernels in both modes, for the dense and the
     options' kernels."""
     lists = []
-    for mode in (_cuda.MODE_DENSE, _cuda.MODE_EXT):
-        lists.append(_cuda.forward_variants(dtype, D, mode))
+    for mode in (_kernels.MODE_DENSE, _kernels.MODE_EXT):
+        lists.append(_kernels.forward_variants(dtype, D, mode))
         for deterministic in (False, True):
-            plan = _cuda.backward_plan(dtype, D, deterministic, mode, cuda_cores)
+            plan = _kernels.backward_plan(dtype, D, deterministic, mode, cuda_cores)
             lists += [c for _, c in plan.kv] + ([plan.dq] if plan.dq else [])
     return lists
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("D", _cuda.HEAD_DIMS)
+@pytest.mark.parametrize("D", _kernels.HEAD_DIMS)
 def test_first_tiles_fit_hopper_and_last_fit_100kb(dtype, D):
     for candidates in _candidate_lists(dtype, D):
         assert candidates[0].total_smem <= HOPPER_SMEM, candidates[0].name_expression
     # Where a tensor-core backward tile does not fit ~100 KB (fp32/fp64 at the largest
     # head dims), device_backward_plan falls back to the CUDA-core plan, which does.
-    wide = dtype not in _cuda.HALF_DTYPES
+    wide = dtype not in _kernels.HALF_DTYPES
     for candidates in _candidate_lists(dtype, D, cuda_cores=wide):
-        assert candidates[-1].total_smem <= _cuda.PORTABLE_SMEM, candidates[-1].name_expression
+        assert candidates[-1].total_smem <= _kernels.PORTABLE_SMEM, candidates[-1].name_expression
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_only_the_non_deterministic_plan_adds_dq_atomically(dtype):
-    for D in _cuda.HEAD_DIMS:
-        det = _cuda.backward_plan(dtype, D, True)
+    for D in _kernels.HEAD_DIMS:
+        det = _kernels.backward_plan(dtype, D, True)
         assert det.dq is not None and det.convert is None
-        assert not any(grads & _cuda.GRAD_DQ for grads, _ in det.kv)
-        atomic = _cuda.backward_plan(dtype, D, False)
+        assert not any(grads & _kernels.GRAD_DQ for grads, _ in det.kv)
+        atomic = _kernels.backward_plan(dtype, D, False)
         assert atomic.dq is None and atomic.convert is not None
-        assert [bool(grads & _cuda.GRAD_DQ) for grads, _ in atomic.kv][-1]
+        assert [bool(grads & _kernels.GRAD_DQ) for grads, _ in atomic.kv][-1]
         # dK and dV each come from exactly one launch.
         for plan in (det, atomic):
-            for bit in (_cuda.GRAD_DK, _cuda.GRAD_DV):
+            for bit in (_kernels.GRAD_DK, _kernels.GRAD_DV):
                 assert sum(bool(grads & bit) for grads, _ in plan.kv) == 1
 
 
@@ -61,7 +61,7 @@ def _kernel_templates(source):
 
 def test_every_variant_names_a_kernel_template_of_its_source():
     templates = {}
-    for v in _cuda.all_variants():
+    for v in _kernels.all_variants():
         if v.source not in templates:
             templates[v.source] = _kernel_templates((_nvrtc.KERNEL_DIR / v.source).read_text())
         name, args = re.fullmatch(r"(\w+)<(.*)>", v.name_expression).groups()
@@ -76,14 +76,14 @@ def test_hopper_forward_only_where_it_builds(monkeypatch, arch, source):
     # The options run the same family: on Hopper its instantiation carries the call's
     # policies (MODE_BIAS too), elsewhere fwd_sm80.cu's one option kernel serves them all.
     monkeypatch.setattr(_cuda, "_device_info", lambda device_id: (arch, HOPPER_SMEM))
-    assert _cuda._choose(_cuda.forward_variants("bfloat16", 128), 0).source == source
-    for mode in _cuda.MODES[1:]:
-        chosen = _cuda._choose(_cuda.forward_variants("bfloat16", 128, mode), 0)
+    assert _cuda._choose(_kernels.forward_variants("bfloat16", 128), 0).source == source
+    for mode in _kernels.MODES[1:]:
+        chosen = _cuda._choose(_kernels.forward_variants("bfloat16", 128, mode), 0)
         assert chosen.source == source
-        assert chosen.mode == (mode if source == "fwd_sm90.cu" else _cuda.MODE_EXT)
+        assert chosen.mode == (mode if source == "fwd_sm90.cu" else _kernels.MODE_EXT)
         assert f", {chosen.mode}, {chosen.smem_bytes}>" in chosen.name_expression
-    assert all(v.builds_for(arch) for v in (_cuda._choose(_cuda.forward_variants("float16", D), 0)
-                                           for D in _cuda.HEAD_DIMS))
+    assert all(v.builds_for(arch) for v in (_cuda._choose(_kernels.forward_variants("float16", D), 0)
+                                           for D in _kernels.HEAD_DIMS))
 
 
 @pytest.mark.parametrize("arch, source", [("sm_90a", "bwd_sm90.cu"), ("sm_80", "bwd_sm80.cu"),
@@ -95,15 +95,15 @@ def test_hopper_backward_only_where_it_builds(monkeypatch, arch, source, determi
     # never take it.
     monkeypatch.setattr(_cuda, "_device_info", lambda device_id: (arch, HOPPER_SMEM))
 
-    def kv_sources(dtype, D, mode=_cuda.MODE_DENSE):
-        plan = _cuda.backward_plan(dtype, D, deterministic, mode)
+    def kv_sources(dtype, D, mode=_kernels.MODE_DENSE):
+        plan = _kernels.backward_plan(dtype, D, deterministic, mode)
         return [_cuda._choose(candidates, 0).source for _, candidates in plan.kv]
 
     for D in (64, 128):
         assert kv_sources("bfloat16", D) == [source]
-        assert kv_sources("bfloat16", D, _cuda.MODE_EXT) == ["bwd_sm80.cu"]
+        assert kv_sources("bfloat16", D, _kernels.MODE_EXT) == ["bwd_sm80.cu"]
     assert kv_sources("float16", 256) == ["bwd_sm80.cu", "bwd_sm80.cu"]
-    plan = _cuda.backward_plan("float16", 128, deterministic)
+    plan = _kernels.backward_plan("float16", 128, deterministic)
     assert plan.dq is None or _cuda._choose(plan.dq, 0).source == "bwd_sm80.cu"
 
 
@@ -111,11 +111,11 @@ def test_hopper_backward_only_where_it_builds(monkeypatch, arch, source, determi
 def test_wide_backward_runs_on_the_tensor_cores_where_it_fits(dtype):
     # fp32 at every head dim and fp64 up to d = 128 take bwd_wide.cu (3xTF32 / DMMA); fp64
     # from d = 192, where one gradient per 16-key m-tile exceeds the registers, the CUDA cores.
-    for D in _cuda.HEAD_DIMS:
+    for D in _kernels.HEAD_DIMS:
         wide = dtype == "float32" or D <= 128
         for deterministic in (False, True):
-            for mode in (_cuda.MODE_DENSE, _cuda.MODE_EXT):
-                plan = _cuda.backward_plan(dtype, D, deterministic, mode)
+            for mode in (_kernels.MODE_DENSE, _kernels.MODE_EXT):
+                plan = _kernels.backward_plan(dtype, D, deterministic, mode)
                 sources = {v.source for _, c in plan.kv for v in c} | {v.source for v in plan.dq or ()}
                 assert sources == {"bwd_wide.cu" if wide else "bwd_simt.cu"}, (D, deterministic, mode)
 
@@ -131,5 +131,5 @@ def test_hopper_option_tile_at_d64(monkeypatch, block_size, causal, window, rows
     mods = _mods.Modifiers(softcap=30.0, window=window or (-1, -1))
     if block_size is not None:
         mods = _mods.Modifiers(block_mask=np.ones((1, 1, 4, 4), bool), block_size=block_size)
-    chosen = _cuda._choose(_cuda.forward_variants_for("bfloat16", 64, mods, causal=causal), 0)
-    assert chosen.family is _cuda.FWD_SM90 and chosen.block_m == rows
+    chosen = _cuda._choose(_kernels.forward_variants_for("bfloat16", 64, mods, causal=causal), 0)
+    assert chosen.family is _kernels.FWD_SM90 and chosen.block_m == rows

@@ -5,7 +5,7 @@ the mirror, so a field changed on one side only fails here, without a GPU."""
 import numpy as np
 import pytest
 
-from cupyflash import _cuda, _nvrtc, _params
+from cupyflash import _kernels, _nvrtc, _params
 
 try:
     _nvrtc.nvrtc_version()
@@ -15,7 +15,7 @@ except Exception as exc:  # pragma: no cover - depends on the machine
 
 
 @pytest.mark.skipif(_NVRTC is not None, reason=str(_NVRTC))
-@pytest.mark.parametrize("arch", _cuda.BUILD_ARCHS)
+@pytest.mark.parametrize("arch", _kernels.BUILD_ARCHS)
 def test_host_layout_matches_the_header(arch):
     _nvrtc.check_source(_params.layout_asserts(), "params_layout.cu", arch)
 
@@ -24,7 +24,7 @@ def test_host_layout_matches_the_header(arch):
 def test_a_drifted_field_fails_the_check():
     drifted = _params.layout_asserts().replace("OFFSET(AttnParams, nk) == ", "OFFSET(AttnParams, nk) == 4 + ")
     with pytest.raises(_nvrtc.KernelBuildError, match="AttnParams::nk"):
-        _nvrtc.check_source(drifted, "params_drift.cu", _cuda.BUILD_ARCHS[0])
+        _nvrtc.check_source(drifted, "params_drift.cu", _kernels.BUILD_ARCHS[0])
 
 
 def test_tensor_maps_are_64_byte_aligned_and_come_first():

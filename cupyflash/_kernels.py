@@ -1,0 +1,547 @@
+"""The kernel instantiations: which templates of ``kernels_cu/`` exist, for which dtypes,
+head dims and option modes, with which tiles, and how a backward pass is made of them.
+
+Pure tables and arithmetic, no device and no CuPy: the build check compiles every
+`all_variants()` instantiation from here, and `cupyflash._cuda` picks among a problem's
+candidates the first that fits the device, then launches it. Each variant's shared-memory
+figure mirrors its kernel's layout, which the kernel static_asserts (template argument).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+# Head dims the kernels are instantiated for; any d <= 256 runs in the smallest one that
+# holds it, its padding columns zero-filled on load.
+HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+# mods.cuh: the kernels' MODE template argument. MODE_BIAS is a policy of its own only in
+# fwd_sm90.cu (the bias's reads need registers its widest tiles spend on S and P); the
+# other families compile the bias into MODE_EXT.
+MODE_DENSE, MODE_EXT, MODE_BIAS = 0, 1, 2
+MODES = (MODE_DENSE, MODE_EXT, MODE_EXT | MODE_BIAS)
+
+# Tensor-core forward tiles per head dim, (BLOCK_M, BLOCK_N, WARPS), in order of
+# preference; the first that fits the device's shared memory is used. The later entries
+# serve GPUs with ~100 KB per block (sm_86/sm_89) and A100's 164 KB.
+FWD_SM80_TILES = {
+    32: ((128, 64, 4),),
+    # d = 64, H200, bf16, N = 16k: (128, 64, 4) 293-295 TFLOP/s, (128, 32, 4) 272, (128, 128, 8) 245.
+    64: ((128, 64, 4),),
+    # From d = 96, S and O of two 16-row m-tiles per warp fit 255 registers only with
+    # 32-key tiles. d = 128, same runs: (128, 32, 4) 323-324, (128, 128, 8) 286,
+    # (128, 64, 8) 266; (128, 64, 4) 333-342 but it spills (16 bytes on sm_90a).
+    96: ((128, 32, 4),),
+    128: ((128, 32, 4), (64, 64, 4)),
+    192: ((128, 64, 8), (64, 32, 4)),
+    256: ((128, 64, 8), (128, 32, 8), (32, 32, 2)),
+}
+# Hopper forward tiles (fwd_sm90.cu: warp-specialised, TMA and wgmma; sm_90a only, dense
+# mode, inputs a tensor map can describe) per head dim, (BLOCK_N, CONSUMERS, STAGES): keys
+# per tile, consumer warpgroups of 64 query rows each (BLOCK_M = 64 CONSUMERS), K/V stages
+# in shared memory. One CTA per SM. Head dims that are not a multiple of 64, other GPUs,
+# calls with options and rows that are not 16-byte aligned use the sm80 tables.
+# H100, bf16, TFLOP/s at N = 2k/4k/16k non-causal, then causal (bench/results/
+# h100-2026-11-23-tune-sm90-tma.log, one run): d = 64 (128, 3, 2) 406/442/491, 301/371/437
+# against (128, 2, 2) 318/352/389, 282/327/378 and (128, 3, 3), (128, 2, 4), (64, 3, 4),
+# (192, 2, 2) between; d = 128 three stages beat two (557/607/631, 382/502/626 against
+# 559/565/617, 358/472/590); d = 192 two and three stages within 4%. FlashAttention-3's
+# warpgroup ping-pong gained 7-16% at d = 128 but drew a racecheck report it did not
+# explain, and was taken out (bench/NOTES.md, session 6; the code is in b26d7f8).
+FWD_SM90_TILES = {
+    64: ((128, 3, 2),),
+    128: ((128, 2, 3),),
+    192: ((64, 2, 2),),
+    256: ((64, 2, 2),),
+}
+# The same kernel with the options as policies of the same pipeline. MODE_EXT (every option
+# but the bias, switched on at run time): at d = 64 the dense tile's 192 rows only where no
+# band or 128-row mask block would make many tiles partial (with 128-row blocks half the
+# tiles of a block mask needed the element mask: H100, bf16, N = 16k, density 1/2, 26 ms
+# against the dense call's 4.8), else 128 rows (two consumers). With the bias (MODE_EXT | MODE_BIAS) a bias tile
+# shares each stage (by TMA where the bias has whole rows) and its pairs take registers:
+# 64-key tiles from d = 128 (128 keys spill there, build check). d = 256 with options runs
+# in fwd_sm80.cu: its consumers need all of 240 registers, but the option kernels'
+# producer keeps 56 (it walks the schedule and the work tiles), which leaves them 224 (84
+# bytes of spills); with a bias it spilled even before.
+FWD_SM90_EXT_TILES = {
+    # d = 64: 192-row tiles for calls without a causal or window band and whose block mask
+    # (if any) does not split them, else 128 rows (forward_variants_for). H100, N = 16k,
+    # --mods (bench/NOTES.md, session 8): 192 rows gained dropout 9-10%, softcap 3-5%,
+    # and lost ALiBi (causal) 7-9%: more of a band's diagonal falls into masked tiles.
+    64: ((64, 3, 3), (128, 2, 3)),
+    128: ((128, 2, 3),),
+    192: ((64, 2, 2),),
+}
+FWD_SM90_BIAS_TILES = {
+    64: ((128, 2, 3),),
+    128: ((64, 2, 4),),
+    192: ((64, 2, 2),),
+}
+_FWD_SM90_TABLES = {MODE_DENSE: FWD_SM90_TILES, MODE_EXT: FWD_SM90_EXT_TILES, MODE_EXT | MODE_BIAS: FWD_SM90_BIAS_TILES}
+# The same with the options of _mods (window, dropout, bias, ...; the MODE_EXT kernels):
+# their per-score work and the option state need registers that the dense tiles with 64
+# keys or two m-tiles per warp do not have (build check), so 32-key tiles (16 at d = 192).
+FWD_SM80_EXT_TILES = {
+    32: ((128, 32, 4),),
+    64: ((128, 32, 4),),
+    96: ((128, 32, 4),),
+    128: ((128, 32, 4), (64, 32, 4)),
+    192: ((64, 16, 4), (32, 16, 2)),
+    256: ((64, 32, 4), (32, 16, 2)),
+}
+# fp32 (3xTF32) and fp64 (DMMA) tensor-core forward tiles per head dim, (BLOCK_M, BLOCK_N,
+# SUB_N, WARPS, DV_TILE), in order of preference as above: fwd_wide.cu computes SUB_N keys
+# of each loaded BLOCK_N-key tile at a time, and DV_TILE < D splits the output columns
+# over D / DV_TILE CTAs. From the build check (no spills) and shared memory: two 4-warp
+# CTAs per H100/H200 SM where they fit, else one of 6-8 warps; then A100's 163 KB; the
+# last entry fits ~100 KB.
+# Measured on an H200 (bench/bench_attention.py --tune, N = 16k, non-causal): fp32 d = 64
+# (128, 64, 32, 8) 57.9 TFLOP/s against (64, 64, 32, 4) 56.4; d = 128 (128, 64, 32, 8) 58.7
+# against (64, 32, 32, 4) 55.1; fp64 d = 128 (128, 16, 16, 8) 38.9 against (128, 16, 8, 8)
+# 32.2 and (64, 16, 16, 4) 24.3; fp64 d = 64 (64, 32, 32, 4) 33.2, the best of three.
+FWD_WIDE_TILES = {
+    "float32": {
+        32: ((64, 64, 32, 4, 32),),
+        64: ((128, 64, 32, 8, 64), (64, 64, 32, 4, 64)),
+        96: ((64, 32, 32, 4, 96),),
+        128: ((128, 64, 32, 8, 128), (64, 32, 32, 4, 128), (64, 16, 16, 4, 128)),
+        # Six or three warps: 192 threads move whole 48-chunk rows (copy.cuh's fast path).
+        # 16-key tiles: with 32 the registers spill since the kernels read one parameter
+        # struct (build check, NVRTC 12.9 and 13).
+        192: ((96, 16, 16, 6, 192), (48, 16, 16, 3, 192)),
+        256: ((128, 16, 16, 8, 256), (64, 16, 16, 4, 256), (32, 16, 16, 2, 128)),
+    },
+    "float64": {
+        32: ((64, 64, 32, 4, 32),),
+        64: ((64, 32, 32, 4, 64), (32, 32, 16, 2, 64)),
+        96: ((64, 16, 16, 4, 96), (48, 16, 16, 3, 96)),
+        # The 2- and 1-warp fallbacks split the output columns further than before the
+        # kernels read one parameter struct: with it, their former tiles spilled.
+        128: ((128, 16, 16, 8, 128), (64, 16, 8, 4, 128), (32, 8, 8, 2, 64)),
+        192: ((64, 16, 8, 4, 96), (32, 8, 8, 2, 96)),
+        256: ((64, 8, 8, 4, 128), (32, 8, 8, 2, 128), (16, 8, 8, 1, 32)),
+    },
+}
+# MODE_EXT kernels where the dense tile spills with the options' registers (build check).
+FWD_WIDE_EXT_TILES = {
+    "float32": {**FWD_WIDE_TILES["float32"],
+                192: ((96, 16, 16, 6, 96), (48, 16, 16, 3, 96)),
+                256: ((64, 16, 16, 4, 128), (32, 16, 16, 2, 128))},
+    "float64": {**FWD_WIDE_TILES["float64"],
+                64: ((64, 32, 16, 4, 64), (32, 32, 16, 2, 64)),
+                256: ((64, 8, 8, 4, 128), (32, 8, 8, 2, 64), (16, 8, 8, 1, 64))},
+}
+PORTABLE_SMEM = 99 * 1024
+# mods.cuh MODS_SETUP: the option state of a MODE_EXT kernel in static shared memory,
+# beside the dynamic tiles (an upper bound of sizeof(Mods)).
+MODS_STATIC_SMEM = 256
+
+CPP_TYPE = {"float16": "half_t", "bfloat16": "bfloat16_t", "float32": "float", "float64": "double"}
+# dtypes served by the m16n8k16 kernels (fwd_sm80.cu, bwd_sm80.cu); the others by fwd_wide.cu
+# and bwd_wide.cu (bwd_simt.cu where those do not fit).
+HALF_DTYPES = ("float16", "bfloat16")
+MIN_COMPUTE_CAPABILITY = 80   # cp.async, ldmatrix, mma.sync m16n8k16 bf16, DMMA
+BUILD_ARCHS = ("sm_80", "sm_90a")
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """A kernel family: the source its instantiations come from and what they need.
+
+    Every kernel of every family takes the contract's one ``AttnParams``
+    (`cupyflash._params`), so launches differ only in what the family asks for here.
+    """
+
+    source: str
+    arch: str | None = None      # the one NVRTC target it builds and runs on; None: every one
+    tensor_maps: bool = False    # reads q, k, v through TMA tensor maps (the host encodes them)
+    spill_free: bool = True      # tuned to live in registers for every dtype (the build check refuses spills)
+    # Static shared memory of its kernels in every mode (the build check holds ptxas' figure
+    # to it); 0: only the MODE_EXT kernels', MODS_STATIC_SMEM.
+    static_smem: int = 0
+
+
+# fwd_sm90.cu keeps two copies of the option state in static shared memory, in dense mode too.
+FWD_SM90 = Family("fwd_sm90.cu", arch="sm_90a", tensor_maps=True, static_smem=2 * MODS_STATIC_SMEM)
+FWD_SM80 = Family("fwd_sm80.cu")
+FWD_WIDE = Family("fwd_wide.cu")
+BWD_SM90 = Family("bwd_sm90.cu", arch="sm_90a", tensor_maps=True)
+BWD_SM80 = Family("bwd_sm80.cu")
+# The fp32/fp64 backward keeps dK and dV of 16 keys per warp at 255 registers and spills a
+# few bytes from d = 128 (the tile tables say where): reported, not refused.
+BWD_WIDE = Family("bwd_wide.cu", spill_free=False)
+BWD_SIMT = Family("bwd_simt.cu", spill_free=False)
+BWD_PREP = Family("bwd_prep.cu", spill_free=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One kernel instantiation and its launch shape."""
+
+    family: Family
+    name_expression: str
+    threads: int
+    block_m: int
+    smem_bytes: int
+    column_passes: int = 1   # CTAs per query block, each computing some output columns
+    mode: int = MODE_DENSE
+    tile: tuple = ()         # the tile-table entry it was made from
+    dq_ld: int = 0           # a key-block kernel's row stride of the dQ workspace; 0: the head dim
+
+    @property
+    def source(self) -> str:
+        return self.family.source
+
+    def builds_for(self, arch: str) -> bool:
+        return self.family.arch is None or self.family.arch == arch
+
+    @property
+    def total_smem(self) -> int:
+        return self.smem_bytes + self.static_smem
+
+    @property
+    def static_smem(self) -> int:
+        """The static shared memory reserved for it (an upper bound; the build check)."""
+        return self.family.static_smem or (MODS_STATIC_SMEM if self.mode else 0)
+
+
+def padded_head_dim(d: int, dv: int) -> int:
+    need = max(d, dv)
+    for D in HEAD_DIMS:
+        if D >= need:
+            return D
+    raise ValueError(f"head dim {need} exceeds the largest supported ({HEAD_DIMS[-1]})")
+
+
+# Each kernel takes the host's figure of its dynamic shared memory as its last template
+# argument and static_asserts it against its own layout: the build check (NVRTC, no GPU)
+# catches a formula below that drifted from the C++.
+
+
+def _sm80_forward(dtype_name: str, D: int, tile, mode: int) -> Variant:
+    block_m, block_n, warps = tile
+    smem = (block_m + 4 * block_n) * (D + 8) * 2   # fwd_sm80.cu FwdTile: Q, K and V twice
+    expr = f"flash_fwd_sm80<{CPP_TYPE[dtype_name]}, {D}, {block_m}, {block_n}, {warps}, {mode}, {smem}>"
+    return Variant(FWD_SM80, expr, warps * 32, block_m, smem, mode=mode)
+
+
+def _sm90_forward(dtype_name: str, D: int, tile, mode: int) -> Variant:
+    block_n, consumers, stages = tile
+    block_m = 64 * consumers
+    # fwd_sm90.cu Sm90FwdTile: Q, then K and V STAGES times each, swizzled, and with the
+    # bias a (block_m, block_n) bias tile per stage; 1024 bytes to align them; then
+    # Sm90FwdBarriers (2 + 6 STAGES mbarriers of 8 bytes, then the schedule's STAGES + 1
+    # ints, padded to 8 bytes).
+    bias = stages * block_m * block_n if mode & MODE_BIAS else 0
+    smem = ((block_m + 2 * stages * block_n) * D + bias) * 2 + 1024 + 8 * (2 + 6 * stages) + -(-4 * (stages + 1) // 8) * 8
+    expr = f"flash_fwd_sm90<{CPP_TYPE[dtype_name]}, {D}, {block_n}, {consumers}, {stages}, {mode}, {smem}>"
+    return Variant(FWD_SM90, expr, (consumers + 1) * 128, block_m, smem, mode=mode, tile=tuple(tile))
+
+
+def _wide_forward(dtype_name: str, D: int, tile, mode: int) -> Variant:
+    block_m, block_n, sub_n, warps, dv_tile = tile
+    item = np.dtype(dtype_name).itemsize
+    # fwd_wide.cu WideFwdTile: Q, and K twice with rows of D + 8; V twice, padded 16 bytes.
+    smem = ((block_m + 2 * block_n) * (D + 8) + 2 * block_n * (dv_tile + 16 // item)) * item
+    expr = (f"flash_fwd_wide<{CPP_TYPE[dtype_name]}, {D}, {dv_tile}, {block_m}, {block_n}, "
+            f"{sub_n}, {warps}, {mode}, {smem}>")
+    return Variant(FWD_WIDE, expr, warps * 32, block_m, smem, D // dv_tile, mode)
+
+
+def forward_variants(dtype_name: str, D: int, mode: int = MODE_DENSE) -> list[Variant]:
+    """Every forward instantiation that may serve (dtype, D, mode), in order of preference."""
+    if dtype_name in HALF_DTYPES:
+        hopper = [_sm90_forward(dtype_name, D, tile, mode) for tile in _FWD_SM90_TABLES[mode].get(D, ())]
+        mode = _one_ext_mode(mode)   # the other families: one kernel for every option
+        tiles = (FWD_SM80_EXT_TILES if mode else FWD_SM80_TILES)[D]
+        return hopper + [_sm80_forward(dtype_name, D, tile, mode) for tile in tiles]
+    mode = _one_ext_mode(mode)
+    tiles = (FWD_WIDE_EXT_TILES if mode else FWD_WIDE_TILES)[dtype_name][D]
+    return [_wide_forward(dtype_name, D, tile, mode) for tile in tiles]
+
+
+def forward_variants_for(dtype_name: str, D: int, mods, *, causal: bool) -> list[Variant]:
+    """forward_variants of the call's mode, less the Hopper option tiles that do not
+    suit it: 192-row tiles (three consumers) under a causal or window band, and tiles
+    whose query rows a block of the block mask would split (every tile would then need
+    the element mask: 192 rows and blocks of 128)."""
+    variants = forward_variants(dtype_name, D, kernel_mode(mods))
+
+    def suits(v: Variant) -> bool:
+        if v.family is not FWD_SM90 or v.mode == MODE_DENSE:
+            return True
+        if (causal or mods.windowed) and v.block_m > 128:
+            return False
+        block_q = mods.block_size[0]
+        return mods.block_mask is None or v.block_m % block_q == 0 or block_q % v.block_m == 0
+
+    return [v for v in variants if suits(v)]
+
+
+def all_variants() -> list[Variant]:
+    """Every instantiation the package can launch (what the build check compiles)."""
+    unique = {}   # the backward's per-dtype kernels serve every head dim
+    for name in CPP_TYPE:
+        for D in HEAD_DIMS:
+            for mode in MODES:
+                for v in (*forward_variants(name, D, mode), *backward_variants(name, D, mode)):
+                    unique.setdefault((v.source, v.name_expression), v)
+    return list(unique.values())
+
+
+def kernel_mode(mods) -> int:
+    """The policies a call needs: the dense fast path where no option of ``mods`` is on,
+    else MODE_EXT, with MODE_BIAS where it has a bias."""
+    if not mods.active:
+        return MODE_DENSE
+    return MODE_EXT | (MODE_BIAS if mods.bias is not None else 0)
+
+
+def _one_ext_mode(mode: int) -> int:
+    """The mode of a family that keeps no policy apart: MODE_EXT serves every option."""
+    return MODE_EXT if mode else MODE_DENSE
+
+
+# --------------------------------------------------------------------------- backward
+#
+# A backward pass is a pre-pass (bwd_prep.cu: the per-row workspaces lse2 and delta), one
+# or two key-block launches that write dk and dv, and for dq either the deterministic
+# query-block kernel or, with deterministic=False, atomics from the key-block kernel into
+# an fp32 (fp64) workspace followed by a scaling/conversion kernel.
+
+# Tensor-core backward tiles per head dim, in order of preference; each kernel takes the
+# first that fits the device's shared memory. The first entries serve H100/H200 (227 KB
+# per block), then A100 (163 KB), the last ~100 KB GPUs (sm_86/sm_89).
+# dK/dV kernel, (BLOCK_M, BLOCK_N, WARPS): query tile, key block, warps (16 keys or more
+# each; two m-tiles of 16 keys per warp halve the fragment loads per MMA where the
+# accumulators allow). H200, bf16, N = 8192, deterministic/atomic TFLOP/s (2.5x forward
+# FLOPs): d = 64 (64, 128, 4) 219/219, (64, 128, 8) 178/168; d = 128 (64, 128, 8) 185/188,
+# (64, 64, 4) 198/150; d = 256 (32, 128, 8) 122/141, (64, 64, 4) 97/89.
+BWD_SM80_KV_TILES = {
+    32: ((64, 128, 4),),
+    64: ((64, 128, 4),),
+    96: ((64, 64, 4),),
+    128: ((64, 128, 8), (32, 64, 4)),
+    # The 2-warp fallbacks take 16 queries: with 32 they spill since the kernels read one
+    # parameter struct (build check).
+    192: ((32, 128, 8), (32, 64, 4), (16, 32, 2)),
+    256: ((32, 128, 8), (32, 64, 4), (16, 32, 2)),
+}
+# Deterministic dQ kernel, (BLOCK_M, BLOCK_N, WARPS): query block, key tile, warps (16 rows
+# or more each). Same run, whole backward: d = 64 (128, 64, 4) 188, (64, 64, 4) 180;
+# d = 256 (128, 32, 8) 106, (64, 64, 4) 98.
+BWD_SM80_Q_TILES = {
+    32: ((128, 64, 4),),
+    64: ((128, 64, 4),),
+    96: ((64, 64, 4),),
+    128: ((128, 64, 8), (64, 32, 4)),
+    192: ((128, 64, 8), (64, 64, 4), (32, 32, 2)),
+    256: ((128, 32, 8), (64, 32, 4), (32, 16, 2)),
+}
+# The option kernels (MODE_EXT) where a tile above spills with the options' registers
+# (build check, NVRTC 12.9 and 13; the softcap derivative is kept beside the scores): one
+# m-tile per warp for dQ at d = 64, 32-query tiles for dK/dV at d = 64 and 128, smaller
+# fallbacks at 192.
+BWD_SM80_EXT_KV_TILES = {**BWD_SM80_KV_TILES, 64: ((32, 128, 4),), 128: ((32, 128, 8), (32, 64, 4))}
+BWD_SM80_EXT_Q_TILES = {**BWD_SM80_Q_TILES, 64: ((64, 64, 4),),
+                        192: ((128, 64, 8), (64, 32, 4), (32, 16, 2))}
+# Hopper dK/dV kernel (bwd_sm90.cu, wgmma; sm_90a only, dense mode), (BLOCK_M, WARPGROUPS):
+# query tile, warpgroups of 64 keys each. Ahead of the sm80 tiles above where it builds;
+# other head dims, GPUs and the options use those.
+BWD_SM90_KV_TILES = {
+    64: ((128, 2),),
+    128: ((64, 2),),
+}
+# From d = 192, dK and dV beside each other exceed the registers (build check): the
+# dK/dV kernel runs twice, once for dV and once for dK (+ dQ), recomputing P.
+BWD_SPLIT_MIN_HEAD_DIM = 192
+# fp32 (3xTF32) and fp64 (DMMA) tensor-core backward (bwd_wide.cu), per dtype and head dim,
+# in order of preference as above: the first entries fill H100/H200's 227 KB per block,
+# then ~160 KB (A100); where none fits a ~100 KB GPU, device_backward_plan takes the
+# CUDA-core kernels. dK/dV kernel, (BLOCK_M, BLOCK_N, WARPS, SLICE): query tile, key
+# block, warps (16 keys each), queries whose S^T and dP^T are live at once; dK and dV of a
+# warp's keys stay in registers, in one launch below BWD_WIDE_SPLIT_MIN_HEAD_DIM and in a
+# dV and a dK launch from there. These kernels run at ptxas' 255 registers from d = 96
+# (fp32) or 64 (fp64), and SLICE (8 or 16) is the one with the fewest spill bytes under
+# NVRTC 12.9 (build check): 0 for the first entries up to d = 96, 4-16 bytes for most at
+# d = 128-256 in fp32, up to 80 bytes (fp32 d = 192's dQ kernel, the 2-warp fallbacks).
+# H100, same run as torch (bench/results/h100-2026-11-23-fc1b479-wide.json), N = 4096:
+# fp32 d = 64 49 TFLOP/s (1.39x torch's efficient backward), d = 128 40 (1.10x); fp64
+# d = 64 24 (1.07x torch's math backward), d = 128 17 (0.48x: two launches, 4 warps of 16
+# keys with 128 registers of dK or dV each).
+BWD_WIDE_KV_TILES = {
+    "float32": {
+        32: ((64, 128, 8, 16), (32, 64, 4, 16), (16, 64, 4, 16)),
+        64: ((64, 128, 8, 16), (32, 64, 4, 16), (16, 64, 4, 16)),
+        96: ((32, 128, 8, 8), (16, 64, 4, 8), (16, 32, 2, 8)),
+        128: ((32, 128, 8, 8), (16, 64, 4, 8), (16, 32, 2, 8)),
+        192: ((16, 64, 4, 16), (16, 32, 2, 16)),
+        256: ((16, 64, 4, 16), (16, 32, 2, 16)),
+    },
+    "float64": {
+        32: ((32, 128, 8, 16), (16, 64, 4, 16), (16, 32, 2, 16)),
+        64: ((16, 128, 8, 8), (16, 64, 4, 8), (16, 32, 2, 8)),
+        96: ((16, 64, 4, 8), (16, 32, 2, 8)),
+        128: ((16, 64, 4, 8), (16, 32, 2, 8)),
+    },
+}
+BWD_WIDE_SPLIT_MIN_HEAD_DIM = {"float32": 192, "float64": 96}
+# Deterministic dQ kernel, (BLOCK_M, BLOCK_N, WARPS, SLICE): query block (16 rows per
+# warp), key tile, keys whose S and dP are live at once.
+BWD_WIDE_Q_TILES = {
+    "float32": {
+        32: ((128, 64, 8, 16), (64, 32, 4, 16)),
+        64: ((128, 64, 8, 16), (64, 32, 4, 16)),
+        96: ((128, 32, 8, 16), (64, 16, 4, 16)),
+        128: ((128, 32, 8, 16), (64, 16, 4, 16), (32, 16, 2, 16)),
+        192: ((64, 32, 4, 8), (32, 16, 2, 8)),
+        256: ((64, 16, 4, 16), (32, 16, 2, 16)),
+    },
+    "float64": {
+        32: ((128, 32, 8, 16), (64, 16, 4, 16)),
+        64: ((128, 16, 8, 16), (64, 16, 4, 16), (32, 16, 2, 16)),
+        96: ((64, 16, 4, 8), (32, 16, 2, 8)),
+        128: ((64, 16, 4, 8), (32, 16, 2, 8)),
+    },
+}
+# fp64 from d = 192, where even one of dK, dV (or dQ) per 16-key m-tile exceeds the
+# registers, runs on the CUDA cores (bwd_simt.cu), and so do fp32/fp64 where the tensor-core
+# tiles do not fit the device (device_backward_plan): rows (= keys) per tile. fp64 takes 32
+# so that dK and dV (2 * 2 * D / 16 doubles per thread) stay in registers up to d = 256.
+BWD_SIMT_BLOCK = {"float32": 64, "float64": 32}
+# bwd.cuh: the row workspaces are padded to a multiple of this many rows.
+BWD_ROW_PAD = 128
+# Bits of the GRADS template argument (bwd.cuh).
+GRAD_DV, GRAD_DK, GRAD_DQ = 1, 2, 4
+PREP_WARPS = 8         # bwd_prep.cu: rows per CTA of the pre-pass
+CONVERT_ELEMS = 1024   # bwd_prep.cu: elements per CTA of the dq conversion
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardPlan:
+    """The launches of one backward pass, each a list of candidate tiles (in order of
+    preference; the first that fits the device is used). In a Variant of a key-block
+    kernel, ``block_m`` is its key block (the grid's first axis)."""
+
+    kv: tuple            # one or two key-block launches, each (GRADS bits, [Variant, ...])
+    dq: list | None      # the deterministic dQ kernel; None: atomics, then conversion
+    prep: Variant
+    convert: Variant | None
+
+
+def _sm80_dkdv(dtype_name: str, D: int, tile, grads: int, mode: int) -> Variant:
+    block_m, block_n, warps = tile
+    ld = D + 8
+    dk, dq = bool(grads & GRAD_DK), bool(grads & GRAD_DQ)
+    # bwd_sm80.cu BwdKVTile: K, V (with dK), Q and dO twice, dS^T (with dQ); lse2 (and delta) twice.
+    elems = block_n * ld * (1 + dk) + 4 * block_m * ld + dq * block_n * (block_m + 8)
+    smem = elems * 2 + (4 if dk else 2) * block_m * 4
+    expr = f"flash_bwd_dkdv_sm80<{CPP_TYPE[dtype_name]}, {D}, {block_m}, {block_n}, {warps}, {grads}, {mode}, {smem}>"
+    return Variant(BWD_SM80, expr, warps * 32, block_n, smem, mode=mode)
+
+
+def _sm90_dkdv(dtype_name: str, D: int, tile, grads: int, mode: int) -> Variant:
+    block_m, consumers = tile
+    block_n = 64 * consumers
+    dq = bool(grads & GRAD_DQ)
+    stages = 2
+    # bwd_sm90.cu Sm90BwdKVTile: K, V, Q and dO per stage, dS^T twice (with dQ), swizzled;
+    # the staged fp32 dQ tile with rows of D + 8 (with dQ); a tile's lse2 and delta rows
+    # twice; 1024 bytes to align the tiles; Sm90BwdBarriers (3 + 2 STAGES mbarriers of 8
+    # bytes).
+    smem = ((2 * block_n * D + 2 * stages * block_m * D + 2 * dq * block_n * block_m) * 2
+            + (dq * block_m * (D + 8) + 4 * block_m) * 4 + 1024 + 8 * (3 + 2 * stages))
+    expr = f"flash_bwd_dkdv_sm90<{CPP_TYPE[dtype_name]}, {D}, {block_m}, {consumers}, {grads}, {mode}, {smem}>"
+    # + the producer warpgroup; the dQ workspace's rows padded as the staged tile's (DQ_LD)
+    return Variant(BWD_SM90, expr, (consumers + 1) * 128, block_n, smem, mode=mode, tile=tuple(tile),
+                   dq_ld=(D + 8) if dq else 0)
+
+
+def _sm80_dq(dtype_name: str, D: int, tile, mode: int) -> Variant:
+    block_m, block_n, warps = tile
+    smem = (2 * block_m + 4 * block_n) * (D + 8) * 2   # bwd_sm80.cu BwdQTile: Q, dO, K and V twice
+    expr = f"flash_bwd_dq_sm80<{CPP_TYPE[dtype_name]}, {D}, {block_m}, {block_n}, {warps}, {mode}, {smem}>"
+    return Variant(BWD_SM80, expr, warps * 32, block_m, smem, mode=mode)
+
+
+def _wide_dkdv(dtype_name: str, D: int, tile, grads: int, mode: int) -> Variant:
+    block_m, block_n, warps, slice_ = tile
+    ld = D + 8   # mma_wide.cuh PairRows
+    dk, dq = bool(grads & GRAD_DK), bool(grads & GRAD_DQ)
+    # bwd_wide.cu WideBwdKVTile: K, V (with dK), Q and dO twice, dS (with dQ); lse2 (and delta) twice.
+    elems = block_n * ld * (1 + dk) + 4 * block_m * ld + dq * block_m * (block_n + 8) + (4 if dk else 2) * block_m
+    smem = elems * np.dtype(dtype_name).itemsize
+    expr = (f"flash_bwd_dkdv_wide<{CPP_TYPE[dtype_name]}, {D}, {block_m}, {block_n}, {warps}, {slice_}, "
+            f"{grads}, {mode}, {smem}>")
+    return Variant(BWD_WIDE, expr, warps * 32, block_n, smem, mode=mode)
+
+
+def _wide_dq(dtype_name: str, D: int, tile, mode: int) -> Variant:
+    block_m, block_n, warps, slice_ = tile
+    # bwd_wide.cu WideBwdQTile: Q, dO, K and V twice, rows of D + 8.
+    smem = (2 * block_m + 4 * block_n) * (D + 8) * np.dtype(dtype_name).itemsize
+    expr = f"flash_bwd_dq_wide<{CPP_TYPE[dtype_name]}, {D}, {block_m}, {block_n}, {warps}, {slice_}, {mode}, {smem}>"
+    return Variant(BWD_WIDE, expr, warps * 32, block_m, smem, mode=mode)
+
+
+def _simt_backward(dtype_name: str, D: int, kernel: str, grads: int | None, mode: int) -> Variant:
+    block = BWD_SIMT_BLOCK[dtype_name]
+    smem = (4 * block * 33 + 2 * block * (block + 1)) * np.dtype(dtype_name).itemsize   # BwdSimtTile
+    targs = f"{CPP_TYPE[dtype_name]}, {D}, {block}" + ("" if grads is None else f", {grads}") + f", {mode}, {smem}"
+    return Variant(BWD_SIMT, f"{kernel}<{targs}>", 256, block, smem, mode=mode)
+
+
+def backward_plan(dtype_name: str, D: int, deterministic: bool, mode: int = MODE_DENSE,
+                  cuda_cores: bool = False) -> BackwardPlan:
+    """The kernels of a backward pass for (dtype, padded head dim D, mode); for fp32/fp64,
+    ``cuda_cores`` asks for the CUDA-core kernels instead of the tensor cores' (the
+    fallback of `device_backward_plan`)."""
+    mode = _one_ext_mode(mode)   # no backward family keeps a policy apart
+    ctype = CPP_TYPE[dtype_name]
+    dq_bit = 0 if deterministic else GRAD_DQ
+    prep = Variant(BWD_PREP, f"flash_bwd_prep<{ctype}>", PREP_WARPS * 32, PREP_WARPS, 0)
+    convert = None if deterministic else Variant(BWD_PREP, f"flash_bwd_dq_convert<{ctype}>", 256, CONVERT_ELEMS, 0)
+    if dtype_name in HALF_DTYPES:
+        tiles = (BWD_SM80_EXT_KV_TILES if mode else BWD_SM80_KV_TILES)[D]
+        passes = ((GRAD_DV, GRAD_DK | dq_bit) if D >= BWD_SPLIT_MIN_HEAD_DIM
+                  else (GRAD_DV | GRAD_DK | dq_bit,))
+        hopper = () if mode or len(passes) > 1 else BWD_SM90_KV_TILES.get(D, ())
+        kv = tuple((grads, [*(_sm90_dkdv(dtype_name, D, t, grads, mode) for t in hopper),
+                            *(_sm80_dkdv(dtype_name, D, t, grads, mode) for t in tiles)])
+                   for grads in passes)
+        q_tiles = (BWD_SM80_EXT_Q_TILES if mode else BWD_SM80_Q_TILES)[D]
+        dq = [_sm80_dq(dtype_name, D, t, mode) for t in q_tiles] if deterministic else None
+    elif D in BWD_WIDE_KV_TILES[dtype_name] and not cuda_cores:
+        passes = ((GRAD_DV, GRAD_DK | dq_bit) if D >= BWD_WIDE_SPLIT_MIN_HEAD_DIM[dtype_name]
+                  else (GRAD_DV | GRAD_DK | dq_bit,))
+        kv = tuple((grads, [_wide_dkdv(dtype_name, D, t, grads, mode) for t in BWD_WIDE_KV_TILES[dtype_name][D]])
+                   for grads in passes)
+        dq = [_wide_dq(dtype_name, D, t, mode) for t in BWD_WIDE_Q_TILES[dtype_name][D]] if deterministic else None
+    else:
+        grads = GRAD_DV | GRAD_DK | dq_bit
+        kv = ((grads, [_simt_backward(dtype_name, D, "flash_bwd_dkdv_simt", grads, mode)]),)
+        dq = [_simt_backward(dtype_name, D, "flash_bwd_dq_simt", None, mode)] if deterministic else None
+    return BackwardPlan(kv=kv, dq=dq, prep=prep, convert=convert)
+
+
+def _plan_variants(plan: BackwardPlan) -> list[Variant]:
+    return [v for v in (plan.prep, plan.convert, *(v for _, launch in plan.kv for v in launch), *(plan.dq or ()))
+            if v is not None]
+
+
+def backward_variants(dtype_name: str, D: int, mode: int = MODE_DENSE) -> list[Variant]:
+    """Every backward instantiation that may serve (dtype, D, mode): both determinism
+    modes, and the CUDA-core plan where device_backward_plan can fall back to it (a launch
+    whose last tile needs more than a ~100 KB GPU has)."""
+    seen = {}
+    for deterministic in (True, False):
+        plan = backward_plan(dtype_name, D, deterministic, mode)
+        variants = _plan_variants(plan)
+        launches = [c for _, c in plan.kv] + ([plan.dq] if plan.dq else [])
+        if any(c[-1].total_smem > PORTABLE_SMEM for c in launches):
+            variants += _plan_variants(backward_plan(dtype_name, D, deterministic, mode, cuda_cores=True))
+        for v in variants:
+            seen.setdefault(v.name_expression, v)
+    return list(seen.values())
