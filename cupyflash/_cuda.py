@@ -272,14 +272,13 @@ class _ForwardPlan:
 # for it. Calls of one signature share a plan; the cache forgets everything when full.
 _FORWARD_PLANS: dict = {}
 _MAX_FORWARD_PLANS = 256
-_MOD_ARRAY_FIELDS = ("block_mask", "bias", "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k", "seqlens_k")
 
 
 def _forward_signature(q, k, v, o, *, scale: float, causal: bool, mods) -> tuple:
     """Every input of `_plan_forward`'s decisions: the device, dtype, options' scalars
     and each array's layout (shape, strides, dtype and base alignment, which decides
     16-byte copies and tensor maps), but no address, seed or Philox offset."""
-    arrays = (q, k, v, o, *(getattr(mods, name) for name in _MOD_ARRAY_FIELDS))
+    arrays = (q, k, v, o, *(getattr(mods, name) for name in _mods.ARRAY_FIELDS))
     layouts = tuple(None if x is None else (x.shape, x.strides, x.dtype, x.data.ptr % 16) for x in arrays)
     return (q.device.id, scale, causal, layouts, mods.window, mods.softcap, mods.dropout_p,
             mods.block_size, mods.max_seqlen_q, mods.max_seqlen_k, PERSISTENT_FORWARD)
@@ -385,8 +384,7 @@ def _sm90_bias_spec(variant: Variant, bias, nq: int, nk: int):
     describe; else None, and each thread loads its scores' bias itself."""
     if bias is None or not variant.mode & MODE_BIAS or tuple(bias.shape[2:]) != (nq, nk):
         return None
-    spec = _tma.map_spec(bias, variant.block_m)
-    return None if spec is None or _tma.encode(bias.data.ptr, spec) is None else spec
+    return _tma.map_spec(bias, variant.block_m)
 
 
 def _sm90_map_specs(variant: Variant, q, k, v):
@@ -394,9 +392,7 @@ def _sm90_map_specs(variant: Variant, q, k, v):
     tile's rows), or None where a map of one of them cannot be made."""
     block_n = variant.tile[0]
     specs = (_tma.map_spec(q, variant.block_m), _tma.map_spec(k, block_n), _tma.map_spec(v, block_n))
-    if any(s is None for s in specs) or any(_tma.encode(x.data.ptr, s) is None for x, s in zip((q, k, v), specs)):
-        return None
-    return specs
+    return None if any(s is None for s in specs) else specs
 
 
 # --------------------------------------------------------------------------- backward

@@ -95,3 +95,8 @@ class Modifiers:
 
 
 NONE = Modifiers()
+
+# The fields of `Modifiers` that hold arrays (None where the option is off), and those of
+# them that are small int32 index arrays.
+ARRAY_FIELDS = ("block_mask", "bias", "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k", "seqlens_k")
+INDEX_FIELDS = ("cu_seqlens_q", "cu_seqlens_k", "seqlens_k")

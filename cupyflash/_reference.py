@@ -456,8 +456,9 @@ def _backward_keys(q, do, lse_log2, delta, dq, k, v, dk, dv, rules: _Rules, key_
     """The FlashAttention-2 backward of the key tiles ``key_tiles`` of one kv head.
 
     ``q`` (scaled by ``scale * log2(e)``), ``do``, ``lse_log2``, ``delta`` are the
-    ``(G, nq, ...)`` rows of the kv head's query heads; ``dq`` ``(G, nq, d)`` receives this task's unscaled dQ terms; ``k``,
-    ``v`` are ``(nk, ...)``, and ``dk``, ``dv`` are written for the task's key tiles.
+    ``(G, nq, ...)`` rows of the kv head's query heads; ``dq`` ``(G, nq, d)`` receives
+    this task's unscaled dQ terms; ``k``, ``v`` are ``(nk, ...)``, and ``dk``, ``dv`` are
+    written for the task's key tiles.
     """
     nq, nk = q.shape[1], k.shape[0]
     dtype = q.dtype

@@ -63,16 +63,18 @@ def tensor_map(x, box_rows: int):
     panels), as a NumPy void scalar to pass as a kernel argument; None where the driver
     refuses it (or `describable` says no)."""
     spec = map_spec(x, box_rows)
-    return None if spec is None else encode(x.data.ptr, spec)
+    return None if spec is None else encode(x.data.ptr, spec)   # cached by map_spec
 
 
 def map_spec(x, box_rows: int):
     """What a tensor map of ``x`` depends on besides its address (dtype, shape, strides,
-    box), or None where `describable` says no: the same spec serves any view of the same
-    layout whose base is 16-byte aligned (a launch plan keeps it, `encode` makes the map)."""
+    box), or None where `describable` says no or the driver refuses ``x``'s map: the same
+    spec serves any view of the same layout whose base is 16-byte aligned (a launch plan
+    keeps it, `encode` makes the map; ``x``'s own is cached)."""
     if not describable(x) or box_rows > MAX_BOX:
         return None
-    return x.dtype.name, tuple(x.shape), tuple(x.strides), box_rows, SWIZZLE_BYTES // x.dtype.itemsize
+    spec = x.dtype.name, tuple(x.shape), tuple(x.strides), box_rows, SWIZZLE_BYTES // x.dtype.itemsize
+    return None if encode(x.data.ptr, spec) is None else spec
 
 
 def encode(ptr: int, spec):

@@ -350,20 +350,14 @@ def _resolve_modifiers(options, problem, varlen=None):
     return _mods.Modifiers(**fields), seed
 
 
-_MOD_ARRAYS = ("block_mask", "bias", "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k", "seqlens_k")
-
-
-_INDEX_ARRAYS = ("cu_seqlens_q", "cu_seqlens_k", "seqlens_k")
-
-
 def _move_modifiers(mods, kind, device):
     # Host index arrays (a few int32s) go to the GPU through a cache of their contents:
     # a call that repeats them (or passes the same cu_seqlens for q and k) uploads nothing.
     moved = {name: (_arrays.device_copy_of_index(getattr(mods, name), device)
-                    if name in _INDEX_ARRAYS and kind == _arrays.DEVICE
+                    if name in _mods.INDEX_FIELDS and kind == _arrays.DEVICE
                     and _arrays.kind_of(getattr(mods, name)) == _arrays.HOST
                     else _arrays.move(getattr(mods, name), kind, device))
-             for name in _MOD_ARRAYS if getattr(mods, name) is not None}
+             for name in _mods.ARRAY_FIELDS if getattr(mods, name) is not None}
     return dataclasses.replace(mods, **moved) if moved else mods   # mods are immutable
 
 
