@@ -347,13 +347,15 @@ BWD_SM80_Q_TILES = {
 BWD_SM80_EXT_KV_TILES = {**BWD_SM80_KV_TILES, 64: ((32, 128, 4),), 128: ((32, 128, 8), (32, 64, 4))}
 BWD_SM80_EXT_Q_TILES = {**BWD_SM80_Q_TILES, 64: ((64, 64, 4),),
                         192: ((128, 64, 8), (64, 32, 4), (32, 16, 2))}
-# Hopper dK/dV kernel (bwd_sm90.cu, wgmma; sm_90a only, dense mode), (BLOCK_M, WARPGROUPS):
-# query tile, warpgroups of 64 keys each. Ahead of the sm80 tiles above where it builds;
-# other head dims, GPUs and the options use those.
+# Hopper dK/dV kernel (bwd_sm90.cu, wgmma; sm_90a only), (BLOCK_M, WARPGROUPS): query
+# tile, warpgroups of 64 keys each. Ahead of the sm80 tiles above where it builds; other
+# head dims and GPUs use those, and so do calls with a bias (backward_plan). The other
+# options (MODE_EXT) take the same tiles.
 BWD_SM90_KV_TILES = {
     64: ((128, 2),),
     128: ((64, 2),),
 }
+BWD_SM90_EXT_KV_TILES = BWD_SM90_KV_TILES
 # From d = 192, dK and dV beside each other exceed the registers (build check): the
 # dK/dV kernel runs twice, once for dV and once for dK (+ dQ), recomputing P.
 BWD_SPLIT_MIN_HEAD_DIM = 192
@@ -498,7 +500,9 @@ def backward_plan(dtype_name: str, D: int, deterministic: bool, mode: int = MODE
     """The kernels of a backward pass for (dtype, padded head dim D, mode); for fp32/fp64,
     ``cuda_cores`` asks for the CUDA-core kernels instead of the tensor cores' (the
     fallback of `device_backward_plan`)."""
-    mode = _one_ext_mode(mode)   # no backward family keeps a policy apart
+    # bwd_sm90.cu serves the options but the bias (MODE_EXT): a bias's reads take registers
+    # its d = 128 tile does not have; the other families compile every option into MODE_EXT.
+    hopper_mode, mode = mode, _one_ext_mode(mode)
     ctype = CPP_TYPE[dtype_name]
     dq_bit = 0 if deterministic else GRAD_DQ
     prep = Variant(BWD_PREP, f"flash_bwd_prep<{ctype}>", PREP_WARPS * 32, PREP_WARPS, 0)
@@ -507,7 +511,8 @@ def backward_plan(dtype_name: str, D: int, deterministic: bool, mode: int = MODE
         tiles = (BWD_SM80_EXT_KV_TILES if mode else BWD_SM80_KV_TILES)[D]
         passes = ((GRAD_DV, GRAD_DK | dq_bit) if D >= BWD_SPLIT_MIN_HEAD_DIM
                   else (GRAD_DV | GRAD_DK | dq_bit,))
-        hopper = () if mode or len(passes) > 1 else BWD_SM90_KV_TILES.get(D, ())
+        hopper = () if len(passes) > 1 or hopper_mode & MODE_BIAS else \
+            (BWD_SM90_EXT_KV_TILES if mode else BWD_SM90_KV_TILES).get(D, ())
         kv = tuple((grads, [*(_sm90_dkdv(dtype_name, D, t, grads, mode) for t in hopper),
                             *(_sm80_dkdv(dtype_name, D, t, grads, mode) for t in tiles)])
                    for grads in passes)

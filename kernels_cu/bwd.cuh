@@ -148,3 +148,28 @@ __device__ __forceinline__ void grad_scores(Acc (&s)[MT][NT][4], const Acc (&dp)
         if constexpr (MODE == MODE_EXT) x *= dtanh[mt][nt][e];
     });
 }
+
+// recompute_p and grad_scores in one pass, for a kernel that holds S and dP at once and
+// has no registers for softcap's derivative beside them (bwd_sm90.cu's option kernels):
+// s becomes the P that multiplies dO into dV (dropped scores 0, kept ones scaled) and
+// dp becomes dS. Each score's terms are branches per score here, not passes: the
+// derivative lives only between its two uses. kept(mt, nt, e) says whether dropout keeps
+// the score (called only under dropout); no bias gradient (dbias takes bwd_sm80.cu).
+template <int MODE, bool KEY_ROWS, int MT, int NT, typename Acc, typename M, typename H, typename L, typename Dl,
+          typename K>
+__device__ __forceinline__ void recompute_p_and_grad(Acc (&s)[MT][NT][4], Acc (&dp)[MT][NT][4], const M& mods,
+                                                     const H& hm, int r0, int c0, L&& lse2_at, Dl&& delta_at,
+                                                     K&& kept, Acc scale_log2, bool masked) {
+    static_assert(MODE != MODE_DENSE, "the dense kernels overlap P with dP's product instead");
+    for_each_score<KEY_ROWS>(s, r0, c0, [&](Acc& x, int i, int j, int mt, int nt, int e) {
+        Acc dtanh = Acc(1);
+        // The mask through `mods` (shared memory, a constant address): hm's pointer to it
+        // would take two registers.
+        Acc p = exp2_fast(hm.template score_log2<bool(MODE & MODE_BIAS)>(x, i, j, scale_log2, false, dtanh) -
+                          lse2_at(mt, nt, e));
+        if (masked && !mods.mask.visible(i, j, hm.h)) p = Acc(0);
+        if (hm.dropout() && !kept(mt, nt, e)) p = -p;
+        dp[mt][nt][e] = score_grad<MODE>(hm, p, dp[mt][nt][e], delta_at(mt, nt, e)) * dtanh;
+        x = hm.dropout() ? kept_p(p, hm.drop_scale) : p;
+    });
+}

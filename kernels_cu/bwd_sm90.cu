@@ -1,4 +1,5 @@
-// Backward attention's key-block kernel on Hopper (sm_90a, fp16/bf16, dense mode):
+// Backward attention's key-block kernel on Hopper (sm_90a, fp16/bf16; dense, and every
+// option but the bias, MODE_EXT):
 // warp-specialised, the tiles moved by the tensor memory accelerator, the products on
 // warpgroup MMA, dQ added into its fp32 workspace by bulk reductions.
 //
@@ -7,7 +8,8 @@
 //   consumers (warpgroups 0 .. CONSUMERS-1, 64 keys each): per query tile of BLOCK_M rows
 //     S^T  = K Q^T      A: K (K-major, its 64 rows)   B: Q  (K-major)        wgmma ss
 //     dP^T = V dO^T     A: V (K-major)                B: dO (K-major)        wgmma ss
-//     P^T = exp2(S^T scale log2 e - lse2), dS^T = P^T o (dP^T - delta)   (bwd.cuh, in registers)
+//     P^T = exp2(S^T scale log2 e - lse2), dS^T = P^T o (dP^T - delta)   (bwd.cuh, in registers;
+//       with the options, their terms, mask and dropout in one pass once dP^T is in)
 //     dV  += P^T dO     A: P^T (registers)            B: dO (MN-major)       wgmma rs
 //     dK  += dS^T Q     A: dS^T (registers)           B: Q  (MN-major)       wgmma rs
 //   with dK and dV in registers for the whole key block. The transposed products put the
@@ -48,7 +50,7 @@ struct Sm90BwdBarriers {
     u64 dq_full, dq_empty;              // the staged dQ tile: written / read by the copy engine
 };
 
-template <typename T, int D, int BLOCK_M, int CONSUMERS, int GRADS>
+template <typename T, int D, int BLOCK_M, int CONSUMERS, int GRADS, int MODE>
 struct Sm90BwdKVTile {
     static constexpr int STAGES = 2;
     // Named barrier of the consumers alone (0 is __syncthreads').
@@ -87,9 +89,11 @@ struct Sm90BwdKVTile {
     static constexpr int TILE_BYTES = (2 * KV_ELEMS + 2 * STAGES * QO_ELEMS + 2 * DS_ELEMS) * sizeof(T) +
                                       (DQ_FLOATS + 2 * 2 * BLOCK_M) * sizeof(float);
     static constexpr int SMEM_BYTES = TILE_BYTES + ALIGN + sizeof(Sm90BwdBarriers<STAGES>);
-    // Register budgets after setmaxnreg: the producer keeps 24 a thread, the consumers
-    // share the rest of the 64K register file (a multiple of 8, at most 240).
-    static constexpr int PRODUCER_REGS = 24;
+    // Register budgets after setmaxnreg: the producer keeps 24 a thread (48 with the
+    // options: with less, the dQ writer's walk of the block mask and its addresses under
+    // varlen spill; the consumers fit in the 232 left, build check), the consumers share
+    // the rest of the 64K register file (a multiple of 8, at most 240).
+    static constexpr int PRODUCER_REGS = MODE == MODE_DENSE ? 24 : 48;
     static constexpr int CONSUMER_REGS_FREE = (65536 - 128 * PRODUCER_REGS) / CONSUMER_THREADS / 8 * 8;
     static constexpr int CONSUMER_REGS = CONSUMER_REGS_FREE < 240 ? CONSUMER_REGS_FREE : 240;
     static_assert((GRADS & (GRAD_DV | GRAD_DK)) == (GRAD_DV | GRAD_DK), "dV and dK in one pass");
@@ -105,11 +109,10 @@ struct Sm90BwdKVTile {
 // host launches it as flash_bwd_dkdv_sm80 (BLOCK_M is its query tile, the grid's first
 // axis counts key blocks of BLOCK_N), with q, k, v and dO tensor maps.
 template <typename T, int D, int BLOCK_M, int CONSUMERS, int GRADS, int MODE, int SMEM_BYTES>
-__global__ void __launch_bounds__(Sm90BwdKVTile<T, D, BLOCK_M, CONSUMERS, GRADS>::THREADS, 1)
+__global__ void __launch_bounds__(Sm90BwdKVTile<T, D, BLOCK_M, CONSUMERS, GRADS, MODE>::THREADS, 1)
 flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
 {
-    static_assert(MODE == MODE_DENSE, "the options run in bwd_sm80.cu");
-    typedef Sm90BwdKVTile<T, D, BLOCK_M, CONSUMERS, GRADS> C;
+    typedef Sm90BwdKVTile<T, D, BLOCK_M, CONSUMERS, GRADS, MODE> C;
     static_assert(SMEM_BYTES == C::SMEM_BYTES, "the host's shared-memory size (cupyflash/_kernels.py)");
     constexpr int STAGES = C::STAGES, BLOCK_N = C::BLOCK_N, QT = C::QT, DT = C::DT;
     BWD_SCALARS(p, float);
@@ -269,23 +272,41 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
             wgmma_commit();
 
             const bool needs_mask = mask.tile_needs_mask(q0 + r0, q0 + r0 + 64, k0, k0 + BLOCK_N, h);
-            float unused_dtanh[1][1][4];
-            wgmma_wait<1>();
-            reg_fence(s[0]);
-            recompute_p<MODE, true>(s, unused_dtanh, mods, mods.at_head(h), k0 + warp_row0, q0 + r0,
-                                    [&](int, int nt, int e) { return sLseb[r0 + nt * 8 + 2 * t + (e % 2)]; },
-                                    scale_log2, needs_mask);
-            u32 p_frag[C::QSTEPS][4];
-            #pragma unroll
-            for (int ks = 0; ks < C::QSTEPS; ++ks) c_to_a_frag<T>(p_frag[ks], s, 0, ks);
-            wgmma_wait<0>();
-            reg_fence(dp[0]);
-            grad_scores<MODE, true>(s, dp, unused_dtanh, mods, mods.at_head(h), k0 + warp_row0, q0 + r0,
-                                    [&](int, int nt, int e) { return sDeltab[r0 + nt * 8 + 2 * t + (e % 2)]; },
-                                    nullptr, 0, 0, 0);
-            u32 ds_frag[C::QSTEPS][4];
-            #pragma unroll
-            for (int ks = 0; ks < C::QSTEPS; ++ks) c_to_a_frag<T>(ds_frag[ks], s, 0, ks);
+            auto lse2_at = [&](int, int nt, int e) { return sLseb[r0 + nt * 8 + 2 * t + (e % 2)]; };
+            auto delta_at = [&](int, int nt, int e) { return sDeltab[r0 + nt * 8 + 2 * t + (e % 2)]; };
+            u32 p_frag[C::QSTEPS][4], ds_frag[C::QSTEPS][4];
+            if constexpr (MODE == MODE_DENSE) {
+                float unused_dtanh[1][1][4];
+                wgmma_wait<1>();
+                reg_fence(s[0]);
+                recompute_p<MODE, true>(s, unused_dtanh, mods, mods.at_head(h), k0 + warp_row0, q0 + r0, lse2_at,
+                                        scale_log2, needs_mask);
+                #pragma unroll
+                for (int ks = 0; ks < C::QSTEPS; ++ks) c_to_a_frag<T>(p_frag[ks], s, 0, ks);
+                wgmma_wait<0>();
+                reg_fence(dp[0]);
+                grad_scores<MODE, true>(s, dp, unused_dtanh, mods, mods.at_head(h), k0 + warp_row0, q0 + r0, delta_at,
+                                        nullptr, 0, 0, 0);
+                #pragma unroll
+                for (int ks = 0; ks < C::QSTEPS; ++ks) c_to_a_frag<T>(ds_frag[ks], s, 0, ks);
+            } else {
+                // The options: P and dS in one pass once both products are in (softcap's
+                // derivative has no registers to wait in between).
+                const auto hm = mods.at_head(h);
+                const u32 keep = hm.dropout() ? dropout_keep_bits_key_rows<QT>(hm.seed, hm.stream, k0 + warp_row0,
+                                                                               q0 + r0, hm.threshold) : 0u;
+                wgmma_wait<0>();
+                reg_fence(s[0]);
+                reg_fence(dp[0]);
+                recompute_p_and_grad<MODE, true>(s, dp, mods, hm, k0 + warp_row0, q0 + r0, lse2_at, delta_at,
+                                                 [&](int, int nt, int e) { return (keep >> (4 * nt + e)) & 1; },
+                                                 scale_log2, needs_mask);
+                #pragma unroll
+                for (int ks = 0; ks < C::QSTEPS; ++ks) {
+                    c_to_a_frag<T>(p_frag[ks], s, 0, ks);
+                    c_to_a_frag<T>(ds_frag[ks], dp, 0, ks);
+                }
+            }
 
             wgmma_fence();
             #pragma unroll

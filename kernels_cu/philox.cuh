@@ -93,3 +93,33 @@ __device__ __forceinline__ u64 dropout_keep_bits(u64 seed, u64 stream, int r0, i
     }
     return bits;
 }
+
+// The keep bits of the transposed products' fragments (bwd_sm90.cu: C fragments whose rows
+// are keys, for_each_score's KEY_ROWS layout): a warp's 16 keys from key0 (a multiple of
+// 16), NT n-tiles of queries from q0 (a multiple of 16); bit 4 nt + e for element e of
+// n-tile nt. A thread's keys g and g + 8 share a counter (the same j >> 5 and (j >> 1) & 3),
+// and so do its queries 16 m + 2 t + u and 16 m + 8 + 2 t + u: one Philox call gives 4 of
+// its scores (the forward's layout gets 16), 8 calls for 32 scores instead of 32.
+template <int NT>
+__device__ __forceinline__ u32 dropout_keep_bits_key_rows(u64 seed, u64 stream, int key0, int q0, u32 threshold) {
+    static_assert(NT % 2 == 0 && 4 * NT <= 32, "pairs of query n-tiles, at most 32 scores");
+    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const int j = key0 + g;
+    const u32 x = static_cast<u32>((j >> 5) * 4 + ((j >> 1) & 3));
+    const u32 key_byte = static_cast<u32>(((j >> 3) & 3) * 2 + (j & 1));   // key g's; g + 8's is 2 more
+    u32 bits = 0;
+    #pragma unroll
+    for (int m = 0; m < NT / 2; ++m)
+        #pragma unroll
+        for (int u = 0; u < 2; ++u) {
+            const uint4 w = dropout_words(seed, stream, x, static_cast<u32>(((q0 >> 4) + m) * 8 + 2 * t + u));
+            #pragma unroll
+            for (int half = 0; half < 2; ++half)        // n-tile 2 m + half: query bit 3
+                #pragma unroll
+                for (int kh = 0; kh < 2; ++kh)          // key g + 8 kh
+                    if (dropout_byte(w, half * 8 + key_byte + 2 * kh) >= threshold)
+                        bits |= 1u << (4 * (2 * m + half) + 2 * kh + u);
+        }
+    return bits;
+}
+

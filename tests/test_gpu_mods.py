@@ -615,34 +615,39 @@ def _hopper_params():
 
 
 @pytest.mark.parametrize("dtype,d,nq,nk,layout,causal,build,persistent", list(_hopper_params()))
-def test_hopper_forward_with_options(rng, monkeypatch, dtype, d, nq, nk, layout, causal, build, persistent):
-    """The options as policies of the Hopper forward (fwd_sm90.cu, MODE_EXT and MODE_BIAS
-    instantiations) against the float64 reference, forward only (the backward runs the
-    mma.sync kernels, which the tests above cover); the call must take the Hopper kernel,
-    with persistent CTAs or one CTA per work tile."""
+def test_hopper_path_with_options(rng, monkeypatch, dtype, d, nq, nk, layout, causal, build, persistent):
+    """The options as policies of the Hopper kernels against the float64 reference: the
+    forward (fwd_sm90.cu, MODE_EXT and MODE_BIAS instantiations, with persistent CTAs or
+    one CTA per work tile) and the backward (bwd_sm90.cu's MODE_EXT; with a bias the
+    mma.sync kernels). The call must take those kernels."""
     if DRY_RUN:
         pytest.skip("pins a GPU kernel")
     import cupy as cp
     from cupyflash import _cuda, _kernels
     monkeypatch.setattr(_cuda, "PERSISTENT_FORWARD", persistent)
-    if _cuda._device_info(cp.cuda.Device().id)[0] != "sm_90a":
+    device = cp.cuda.Device().id
+    if _cuda._device_info(device)[0] != "sm_90a":
         pytest.skip("not a Hopper GPU")
     batch = 2 if nq * nk <= 10**6 else 1
     host = _qkv(rng, dtype, d, nq, nk, 2, layout, batch=batch, kv_heads=1)
     opts = build(rng, batch, 2, nq, nk, dtype)
     mods = dict(opts)
     mode = _kernels.MODE_EXT | (_kernels.MODE_BIAS if "bias" in mods else 0)
-    variant = _cuda._choose(_kernels.forward_variants(dtype, _kernels.padded_head_dim(d, d), mode), cp.cuda.Device().id)
+    D = _kernels.padded_head_dim(d, d)
+    variant = _cuda._choose(_kernels.forward_variants(dtype, D, mode), device)
     assert variant.family is _kernels.FWD_SM90, variant.name_expression
+    (_, candidates), = _cuda.device_backward_plan(dtype, D, False, mode, device).kv
+    backward = _cuda._choose(candidates, device)
+    assert (backward.family is _kernels.BWD_SM90) == ("bias" not in mods), backward.name_expression
     opts.update(causal=causal, layout=layout)
-    got, ref = _run_both(cupyflash.attention_forward, host, opts, backward=False)
+    got, ref = _run_both(cupyflash.attention_forward, host, opts)
     _check(got, ref, dtype)
 
 
 def test_hopper_bias_tiles_by_tma_where_the_rows_allow():
     """The Hopper forward loads bias tiles by TMA only for a bias with whole rows whose
     rows TMA can describe; other biases take the per-thread loads (both are checked
-    against the reference in test_hopper_forward_with_options)."""
+    against the reference in test_hopper_path_with_options)."""
     if DRY_RUN:
         pytest.skip("needs the GPU")
     import cupy as cp

@@ -90,9 +90,9 @@ def test_hopper_forward_only_where_it_builds(monkeypatch, arch, source):
                                           ("sm_89", "bwd_sm80.cu")])
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_hopper_backward_only_where_it_builds(monkeypatch, arch, source, deterministic):
-    # The key-block launch takes bwd_sm90.cu on Hopper at d = 64 and 128 (its dQ kernel
-    # stays bwd_sm80.cu's); the option kernels and the split passes of large head dims
-    # never take it.
+    # The key-block launch takes bwd_sm90.cu on Hopper at d = 64 and 128, with the options
+    # too (its dQ kernel stays bwd_sm80.cu's); calls with a bias and the split passes of
+    # large head dims never take it.
     monkeypatch.setattr(_cuda, "_device_info", lambda device_id: (arch, HOPPER_SMEM))
 
     def kv_sources(dtype, D, mode=_kernels.MODE_DENSE):
@@ -101,7 +101,8 @@ def test_hopper_backward_only_where_it_builds(monkeypatch, arch, source, determi
 
     for D in (64, 128):
         assert kv_sources("bfloat16", D) == [source]
-        assert kv_sources("bfloat16", D, _kernels.MODE_EXT) == ["bwd_sm80.cu"]
+        assert kv_sources("bfloat16", D, _kernels.MODE_EXT) == [source]
+        assert kv_sources("bfloat16", D, _kernels.MODE_EXT | _kernels.MODE_BIAS) == ["bwd_sm80.cu"]
     assert kv_sources("float16", 256) == ["bwd_sm80.cu", "bwd_sm80.cu"]
     plan = _kernels.backward_plan("float16", 128, deterministic)
     assert plan.dq is None or _cuda._choose(plan.dq, 0).source == "bwd_sm80.cu"
