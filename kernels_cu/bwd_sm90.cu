@@ -91,11 +91,10 @@ struct Sm90BwdKVTile {
     static constexpr int SMEM_BYTES = TILE_BYTES + ALIGN + sizeof(Sm90BwdBarriers<STAGES>);
     // Register budgets after setmaxnreg: the producer keeps 24 a thread (48 with the
     // options: with less, the dQ writer's walk of the block mask and its addresses under
-    // varlen spill; the consumers fit in the 232 left, build check), the consumers share
-    // the rest of the 64K register file (a multiple of 8, at most 240).
+    // varlen spill, build check), the consumers share the rest of the launch's registers
+    // (tma.cuh WarpgroupRegs: 240, 224 with the options).
     static constexpr int PRODUCER_REGS = MODE == MODE_DENSE ? 24 : 48;
-    static constexpr int CONSUMER_REGS_FREE = (65536 - 128 * PRODUCER_REGS) / CONSUMER_THREADS / 8 * 8;
-    static constexpr int CONSUMER_REGS = CONSUMER_REGS_FREE < 240 ? CONSUMER_REGS_FREE : 240;
+    static constexpr int CONSUMER_REGS = WarpgroupRegs<THREADS, PRODUCER_REGS>::CONSUMER;
     static_assert((GRADS & (GRAD_DV | GRAD_DK)) == (GRAD_DV | GRAD_DK), "dV and dK in one pass");
     static_assert(D % PANEL == 0 && D <= 128 && BLOCK_M % 64 == 0 && BLOCK_M <= 128, "tile shape");
     static_assert(DQ_N % 64 == 0 && D % DQ_N == 0 && (BLOCK_M / 64) * DQ_COLS == CONSUMERS, "dQ pieces");

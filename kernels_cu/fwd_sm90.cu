@@ -118,10 +118,9 @@ struct Sm90FwdTile {
     static constexpr int SMEM_BYTES = TILE_BYTES + ALIGN + sizeof(Sm90FwdBarriers<STAGES>);
     // Register budgets after setmaxnreg: the producer keeps 24 a thread (56 where it
     // walks the options' schedule: with less, its block-mask walk spills); the consumers
-    // share the rest of the 64K register file (a multiple of 8, at most 240).
+    // share the rest of the launch's registers (tma.cuh WarpgroupRegs).
     static constexpr int PRODUCER_REGS = MODE == MODE_DENSE ? 24 : 56;
-    static constexpr int CONSUMER_REGS_FREE = (65536 - 128 * PRODUCER_REGS) / CONSUMER_THREADS / 8 * 8;
-    static constexpr int CONSUMER_REGS = CONSUMER_REGS_FREE < 240 ? CONSUMER_REGS_FREE : 240;
+    static constexpr int CONSUMER_REGS = WarpgroupRegs<THREADS, PRODUCER_REGS>::CONSUMER;
     static_assert(D % PANEL == 0 && BLOCK_N % 64 == 0 && BLOCK_N <= 256 && D <= 256 && BLOCK_M <= 256,
                   "tile shape (TMA boxes take at most 256 rows)");
 };

@@ -69,6 +69,17 @@ template <int REGS> __device__ __forceinline__ void warpgroup_release_regs() {
 template <int REGS> __device__ __forceinline__ void warpgroup_claim_regs() {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(REGS));
 }
+// What the consumers may claim (a multiple of 8, at most 240) once one producer warpgroup
+// keeps PRODUCER_REGS: the registers the CTA was launched with, not the whole 64K file.
+// setmaxnreg only moves registers between the CTA's warps; a claim beyond what the
+// others released waits forever (at 384 threads the launch holds 168 a thread, 64512).
+template <int THREADS, int PRODUCER_REGS>
+struct WarpgroupRegs {
+    static constexpr int LAUNCH = 65536 / THREADS / 8 * 8;
+    static constexpr int FREE = (LAUNCH * THREADS - 128 * PRODUCER_REGS) / (THREADS - 128) / 8 * 8;
+    static constexpr int CONSUMER = FREE < 240 ? FREE : 240;
+    static_assert(PRODUCER_REGS <= LAUNCH && CONSUMER >= LAUNCH, "a producer that gives registers back");
+};
 
 // A barrier among the first `threads` threads of the CTA (id 0 is __syncthreads'), for
 // the consumer warpgroups without the producer.
