@@ -1,6 +1,7 @@
 """Run one forward (or backward) case a few times, for ncu, and print the cubin that serves it.
 
     python bench/profile_case.py --dtype bfloat16 --head-dim 128 --seqlen 16384 [--causal] [--backward]
+                                 [--softcap 30] [--dropout 0.1]
 
 With ``--backward`` the forward runs once and the backward ``--repeat`` times; profile
 its key-block kernel with ``ncu -k regex:flash_bwd_dkdv``, the forward's with
@@ -25,24 +26,28 @@ p.add_argument("--seqlen", type=int, default=16384)
 p.add_argument("--causal", action="store_true")
 p.add_argument("--backward", action="store_true")
 p.add_argument("--repeat", type=int, default=5)
+p.add_argument("--softcap", type=float, default=None, help="an option, to profile its kernels")
+p.add_argument("--dropout", type=float, default=0.0, help="an option, to profile its kernels")
 a = p.parse_args()
+options = {k: v for k, v in (("softcap", a.softcap), ("dropout_p", a.dropout)) if v}
 H, B = 2048 // a.head_dim, 16384 // a.seqlen
 q, k, v, do = (cp.random.standard_normal((B, H, a.seqlen, a.head_dim), dtype=cp.float32).astype(a.dtype)
                for _ in range(4))
 D = _kernels.padded_head_dim(a.head_dim, a.head_dim)
+mode = _kernels.MODE_EXT if options else _kernels.MODE_DENSE
 if a.backward:
-    plan = _cuda.device_backward_plan(q.dtype.name, D, False, _kernels.MODE_DENSE, 0)
+    plan = _cuda.device_backward_plan(q.dtype.name, D, False, mode, 0)
     variant = _cuda._choose(plan.kv[0][1], 0)
 else:
-    variant = _cuda._choose(_kernels.forward_variants(q.dtype.name, D), 0)
+    variant = _cuda._choose(_kernels.forward_variants(q.dtype.name, D, mode), 0)
 compiled = _nvrtc.compile_kernel(variant.source, variant.name_expression, _cuda._device_info(0)[0])
 print(f"{variant.name_expression}: regs={compiled.registers}")
 print(compiled.binary_path)
 if a.backward:
-    _, ctx = cupyflash.attention_forward(q, k, v, causal=a.causal)
+    _, ctx = cupyflash.attention_forward(q, k, v, causal=a.causal, **options)
 for _ in range(a.repeat):
     if a.backward:
         cupyflash.attention_backward(do, ctx)
     else:
-        cupyflash.attention(q, k, v, causal=a.causal)
+        cupyflash.attention(q, k, v, causal=a.causal, **options)
 cp.cuda.Device().synchronize()

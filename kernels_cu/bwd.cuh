@@ -150,26 +150,44 @@ __device__ __forceinline__ void grad_scores(Acc (&s)[MT][NT][4], const Acc (&dp)
 }
 
 // recompute_p and grad_scores in one pass, for a kernel that holds S and dP at once and
-// has no registers for softcap's derivative beside them (bwd_sm90.cu's option kernels):
-// s becomes the P that multiplies dO into dV (dropped scores 0, kept ones scaled) and
-// dp becomes dS. Each score's terms are branches per score here, not passes: the
-// derivative lives only between its two uses. kept(mt, nt, e) says whether dropout keeps
-// the score (called only under dropout); no bias gradient (dbias takes bwd_sm80.cu).
-template <int MODE, bool KEY_ROWS, int MT, int NT, typename Acc, typename M, typename H, typename L, typename Dl,
-          typename K>
-__device__ __forceinline__ void recompute_p_and_grad(Acc (&s)[MT][NT][4], Acc (&dp)[MT][NT][4], const M& mods,
-                                                     const H& hm, int r0, int c0, L&& lse2_at, Dl&& delta_at,
-                                                     K&& kept, Acc scale_log2, bool masked) {
-    static_assert(MODE != MODE_DENSE, "the dense kernels overlap P with dP's product instead");
+// has no registers for softcap's derivative beside them (bwd_sm90.cu's option kernels,
+// which serve no bias): s becomes the P that multiplies dO into dV (hidden and dropped
+// scores 0, kept ones scaled) and dp becomes dS (0 where hidden). Per score, the
+// derivative lives only between its two uses. The terms are compile-time flags of the
+// pass (a branch per term and score would leave the scheduler one score's dependent
+// chain at a time), chosen once per tile. Which scores the mask shows and dropout keeps
+// come as bits (4 nt + e for element e of n-tile nt of the one m-tile), worked out while
+// the products ran: masking here, at the peak of the registers, spilled.
+template <bool SOFTCAP, bool ALIBI, bool KEY_ROWS, int NT, typename Acc, typename H, typename L, typename Dl>
+__device__ __forceinline__ void p_and_grad_pass(Acc (&s)[1][NT][4], Acc (&dp)[1][NT][4], const H& hm, int r0, int c0,
+                                                L&& lse2_at, Dl&& delta_at, u32 visible, u32 kept, Acc scale_log2,
+                                                Acc drop_scale) {
     for_each_score<KEY_ROWS>(s, r0, c0, [&](Acc& x, int i, int j, int mt, int nt, int e) {
-        Acc dtanh = Acc(1);
-        // The mask through `mods` (shared memory, a constant address): hm's pointer to it
-        // would take two registers.
-        Acc p = exp2_fast(hm.template score_log2<bool(MODE & MODE_BIAS)>(x, i, j, scale_log2, false, dtanh) -
-                          lse2_at(mt, nt, e));
-        if (masked && !mods.mask.visible(i, j, hm.h)) p = Acc(0);
-        if (hm.dropout() && !kept(mt, nt, e)) p = -p;
-        dp[mt][nt][e] = score_grad<MODE>(hm, p, dp[mt][nt][e], delta_at(mt, nt, e)) * dtanh;
-        x = hm.dropout() ? kept_p(p, hm.drop_scale) : p;
+        Acc score = x * scale_log2, dtanh = Acc(1);
+        if constexpr (SOFTCAP) score = hm.capped(score, dtanh);
+        if constexpr (ALIBI) score -= hm.alibi(i, j);
+        const Acc p = exp2_fast(score - lse2_at(mt, nt, e));
+        const bool shown = (visible >> (4 * nt + e)) & 1, keep = (kept >> (4 * nt + e)) & 1;
+        const Acc grad = p * ((keep ? dp[mt][nt][e] * drop_scale : Acc(0)) - delta_at(mt, nt, e)) * dtanh;
+        dp[mt][nt][e] = shown ? grad : Acc(0);
+        x = shown && keep ? p * drop_scale : Acc(0);
     });
+}
+
+template <int MODE, bool KEY_ROWS, int NT, typename Acc, typename H, typename L, typename Dl>
+__device__ __forceinline__ void recompute_p_and_grad(Acc (&s)[1][NT][4], Acc (&dp)[1][NT][4], const H& hm, int r0,
+                                                     int c0, L&& lse2_at, Dl&& delta_at, u32 visible, u32 kept,
+                                                     Acc scale_log2) {
+    static_assert(MODE == MODE_EXT, "the dense kernels overlap P with dP's product instead; no bias here");
+    const Acc drop_scale = hm.dropout() ? hm.drop_scale : Acc(1);
+#define CUPYFLASH_P_AND_GRAD_PASS(SOFTCAP, ALIBI) \
+    p_and_grad_pass<SOFTCAP, ALIBI, KEY_ROWS>(s, dp, hm, r0, c0, lse2_at, delta_at, visible, kept, scale_log2, drop_scale)
+    if (hm.softcap > Acc(0)) {
+        if (hm.slope_log2 != Acc(0)) CUPYFLASH_P_AND_GRAD_PASS(true, true);
+        else CUPYFLASH_P_AND_GRAD_PASS(true, false);
+    } else {
+        if (hm.slope_log2 != Acc(0)) CUPYFLASH_P_AND_GRAD_PASS(false, true);
+        else CUPYFLASH_P_AND_GRAD_PASS(false, false);
+    }
+#undef CUPYFLASH_P_AND_GRAD_PASS
 }

@@ -58,13 +58,16 @@ struct Sm90BwdKVTile {
     static constexpr int CONSUMER_THREADS = CONSUMERS * 128;
     static constexpr int THREADS = CONSUMER_THREADS + 128;   // + the producer warpgroup
     static constexpr int BLOCK_N = CONSUMERS * 64;
-    // The query tile is computed in sub-tiles of 64 queries (S^T, dP^T, P^T, dS^T of a
-    // whole 128-query tile would not fit the registers beside dK and dV at d = 64).
-    static constexpr int SUBTILES = BLOCK_M / 64;
-    static constexpr int QT = 64 / 8;                // query n-tiles of a sub-tile's S^T, dP^T per warp
+    // The query tile is computed in sub-tiles of SUB_M queries: 64 (S^T, dP^T, P^T, dS^T
+    // of a whole 128-query tile would not fit the registers beside dK and dV at d = 64),
+    // 32 with the options at d = 128 (their terms, mask and dropout bits need registers
+    // that 64 queries' S^T and dP^T beside dK and dV leave too few of: build check).
+    static constexpr int SUB_M = MODE != MODE_DENSE && D > 64 ? 32 : 64;
+    static constexpr int SUBTILES = BLOCK_M / SUB_M;
+    static constexpr int QT = SUB_M / 8;             // query n-tiles of a sub-tile's S^T, dP^T per warp
     static constexpr int DT = D / 8;                 // n-tiles of dK, dV per warp
     static constexpr int KSTEPS = D / 16;            // k-steps of K Q^T and V dO^T
-    static constexpr int QSTEPS = 64 / 16;           // k-steps of a sub-tile's P^T dO and dS^T Q
+    static constexpr int QSTEPS = SUB_M / 16;        // k-steps of a sub-tile's P^T dO and dS^T Q
     static constexpr int NSTEPS = BLOCK_N / 16;      // k-steps of dS K
     static constexpr int PANEL = 64;                 // columns per TMA box (128 bytes, the swizzle span)
     static constexpr bool DQ = GRADS & GRAD_DQ;
@@ -89,11 +92,11 @@ struct Sm90BwdKVTile {
     static constexpr int TILE_BYTES = (2 * KV_ELEMS + 2 * STAGES * QO_ELEMS + 2 * DS_ELEMS) * sizeof(T) +
                                       (DQ_FLOATS + 2 * 2 * BLOCK_M) * sizeof(float);
     static constexpr int SMEM_BYTES = TILE_BYTES + ALIGN + sizeof(Sm90BwdBarriers<STAGES>);
-    // Register budgets after setmaxnreg: the producer keeps 24 a thread (48 with the
+    // Register budgets after setmaxnreg: the producer keeps 24 a thread (40 with the
     // options: with less, the dQ writer's walk of the block mask and its addresses under
     // varlen spill, build check), the consumers share the rest of the launch's registers
-    // (tma.cuh WarpgroupRegs: 240, 224 with the options).
-    static constexpr int PRODUCER_REGS = MODE == MODE_DENSE ? 24 : 48;
+    // (tma.cuh WarpgroupRegs: 240, 232 with the options).
+    static constexpr int PRODUCER_REGS = MODE == MODE_DENSE ? 24 : 40;
     static constexpr int CONSUMER_REGS = WarpgroupRegs<THREADS, PRODUCER_REGS>::CONSUMER;
     static_assert((GRADS & (GRAD_DV | GRAD_DK)) == (GRAD_DV | GRAD_DK), "dV and dK in one pass");
     static_assert(D % PANEL == 0 && D <= 128 && BLOCK_M % 64 == 0 && BLOCK_M <= 128, "tile shape");
@@ -246,7 +249,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
         const float* sDeltab = sLseb + BLOCK_M;
         mbar_wait(&bars.full[s_], (step / STAGES) & 1);
 
-        // Per 64-query sub-tile: S^T and dP^T as two batches (P^T is computed while dP^T
+        // Per sub-tile: S^T and dP^T as two batches (P^T is computed while dP^T
         // still runs), then dV += P^T dO and dK += dS^T Q as one batch, which runs on
         // while the next sub-tile's S^T and dP^T are issued. dS^T goes to shared memory
         // for dQ (its A fragments are the rounded values: fragment word i holds rows
@@ -256,21 +259,21 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
         T* sdSb = sdS + (step % 2) * C::DS_ELEMS;
         #pragma unroll
         for (int sub = 0; sub < C::SUBTILES; ++sub) {
-            const int r0 = sub * 64;   // the sub-tile's first row in the query tile
+            const int r0 = sub * C::SUB_M;   // the sub-tile's first row in the query tile
             float s[1][QT][4], dp[1][QT][4];
             wgmma_fence();
-            Wgmma<T, 64>::template ss<false>(s[0], kmajor_desc<T, BLOCK_N>(sK, wg * 64, 0), kmajor_desc<T, BLOCK_M>(sQb, r0, 0));
+            Wgmma<T, C::SUB_M>::template ss<false>(s[0], kmajor_desc<T, BLOCK_N>(sK, wg * 64, 0), kmajor_desc<T, BLOCK_M>(sQb, r0, 0));
             #pragma unroll
             for (int ks = 1; ks < C::KSTEPS; ++ks)
-                Wgmma<T, 64>::template ss<true>(s[0], kmajor_desc<T, BLOCK_N>(sK, wg * 64, ks), kmajor_desc<T, BLOCK_M>(sQb, r0, ks));
+                Wgmma<T, C::SUB_M>::template ss<true>(s[0], kmajor_desc<T, BLOCK_N>(sK, wg * 64, ks), kmajor_desc<T, BLOCK_M>(sQb, r0, ks));
             wgmma_commit();
-            Wgmma<T, 64>::template ss<false>(dp[0], kmajor_desc<T, BLOCK_N>(sV, wg * 64, 0), kmajor_desc<T, BLOCK_M>(sdOb, r0, 0));
+            Wgmma<T, C::SUB_M>::template ss<false>(dp[0], kmajor_desc<T, BLOCK_N>(sV, wg * 64, 0), kmajor_desc<T, BLOCK_M>(sdOb, r0, 0));
             #pragma unroll
             for (int ks = 1; ks < C::KSTEPS; ++ks)
-                Wgmma<T, 64>::template ss<true>(dp[0], kmajor_desc<T, BLOCK_N>(sV, wg * 64, ks), kmajor_desc<T, BLOCK_M>(sdOb, r0, ks));
+                Wgmma<T, C::SUB_M>::template ss<true>(dp[0], kmajor_desc<T, BLOCK_N>(sV, wg * 64, ks), kmajor_desc<T, BLOCK_M>(sdOb, r0, ks));
             wgmma_commit();
 
-            const bool needs_mask = mask.tile_needs_mask(q0 + r0, q0 + r0 + 64, k0, k0 + BLOCK_N, h);
+            const bool needs_mask = mask.tile_needs_mask(q0 + r0, q0 + r0 + C::SUB_M, k0, k0 + BLOCK_N, h);
             auto lse2_at = [&](int, int nt, int e) { return sLseb[r0 + nt * 8 + 2 * t + (e % 2)]; };
             auto delta_at = [&](int, int nt, int e) { return sDeltab[r0 + nt * 8 + 2 * t + (e % 2)]; };
             u32 p_frag[C::QSTEPS][4], ds_frag[C::QSTEPS][4];
@@ -291,15 +294,17 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
             } else {
                 // The options: P and dS in one pass once both products are in (softcap's
                 // derivative has no registers to wait in between).
+                // Which scores the mask shows and dropout keeps, while the products run.
                 const auto hm = mods.at_head(h);
                 const u32 keep = hm.dropout() ? dropout_keep_bits_key_rows<QT>(hm.seed, hm.stream, k0 + warp_row0,
-                                                                               q0 + r0, hm.threshold) : 0u;
+                                                                               q0 + r0, hm.threshold) : ~0u;
+                const u32 visible = needs_mask ? mask.template visible_bits<true, QT>(k0 + warp_row0, q0 + r0, h)
+                                               : ~0u;
                 wgmma_wait<0>();
                 reg_fence(s[0]);
                 reg_fence(dp[0]);
-                recompute_p_and_grad<MODE, true>(s, dp, mods, hm, k0 + warp_row0, q0 + r0, lse2_at, delta_at,
-                                                 [&](int, int nt, int e) { return (keep >> (4 * nt + e)) & 1; },
-                                                 scale_log2, needs_mask);
+                recompute_p_and_grad<MODE, true>(s, dp, hm, k0 + warp_row0, q0 + r0, lse2_at, delta_at, visible, keep,
+                                                 scale_log2);
                 #pragma unroll
                 for (int ks = 0; ks < C::QSTEPS; ++ks) {
                     c_to_a_frag<T>(p_frag[ks], s, 0, ks);

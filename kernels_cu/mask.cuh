@@ -155,6 +155,53 @@ struct MaskInfo {
         return EXT && (q1 > nq || k0 < key_lo(min(q1, nq) - 1));
     }
 
+    // The band of keys a row sees, clipped to the sequence (none past the rows: under
+    // varlen a tile's padded rows belong to the next sequence).
+    __device__ __forceinline__ int band_lo(int i) const { return i < nq ? max(key_lo(i), 0) : 0; }
+    __device__ __forceinline__ int band_hi(int i) const { return i < nq ? key_hi(i) : 0; }
+    // The block mask at fragment row fr (a query, or with KEY_ROWS a key) over the 2 NT
+    // fragment columns of a thread from c0: bit c for column c0 + 8 (c / 2) + 2 t + c % 2.
+    // In a loop that is not unrolled: unrolled, its loads and divisions would take
+    // registers and code the main loops need.
+    template <bool KEY_ROWS, int NT>
+    __device__ __forceinline__ typename ColumnBits<(2 * NT <= 32)>::type block_row_bits(int fr, int c0, int h) const {
+        static_assert(2 * NT <= 64, "a bit per fragment column");
+        typedef typename ColumnBits<(2 * NT <= 32)>::type Bits;
+        const int t = threadIdx.x % 4;
+        Bits bits = 0;
+        #pragma unroll 1
+        for (int c = 0; c < 2 * NT; ++c) {
+            const int fc = c0 + (c / 2) * 8 + 2 * t + c % 2;
+            bits |= Bits(block_visible(KEY_ROWS ? fc : fr, KEY_ROWS ? fr : fc, h)) << c;
+        }
+        return bits;
+    }
+
+    // apply's verdict as bits for one m-tile of fragments (bit 4 nt + e; EXT only): for a
+    // kernel that works them out while its products run and masks in the pass that needs
+    // them (bwd_sm90.cu), where a -inf pass over the scores would cost registers.
+    template <bool KEY_ROWS, int NT>
+    __device__ __forceinline__ u32 visible_bits(int r0, int c0, int h) const {
+        static_assert(EXT && 4 * NT <= 32, "a bit per score of the m-tile");
+        const int g = threadIdx.x % 32 / 4;
+        float unused[1][NT][4];
+        u32 bits = 0;
+        for_each_score<KEY_ROWS>(unused, r0, c0, [&](float&, int i, int j, int, int nt, int e) {
+            bits |= u32(j >= band_lo(i) && j < band_hi(i)) << (4 * nt + e);
+        });
+        if (blocks == nullptr) return bits;
+        #pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const auto row = block_row_bits<KEY_ROWS, NT>(r0 + g + 8 * half, c0, h);
+            #pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+                #pragma unroll
+                for (int odd = 0; odd < 2; ++odd)
+                    if (!((row >> (2 * nt + odd)) & 1)) bits &= ~(1u << (4 * nt + 2 * half + odd));
+        }
+        return bits;
+    }
+
     // Hide (-inf) what a row of head h may not see in scores held as mma C fragments
     // (for_each_score's layout; KEY_ROWS for the backward's key-major products). With
     // the options, the band of keys is worked out per query (once per query the thread
@@ -169,8 +216,6 @@ struct MaskInfo {
             });
         } else {
             typedef QuerySlots<KEY_ROWS, MT, NT> Slots;
-            auto band_lo = [&](int i) { return i < nq ? max(key_lo(i), 0) : 0; };
-            auto band_hi = [&](int i) { return i < nq ? key_hi(i) : 0; };
             if constexpr (Slots::CACHED) {
                 int lo[Slots::COUNT], hi[Slots::COUNT];
                 #pragma unroll
@@ -187,24 +232,14 @@ struct MaskInfo {
                     if (j < band_lo(i) || j >= band_hi(i)) x = Acc(-INFINITY);
                 });
             }
-            // The block mask, on tiles with a partial block pattern: per fragment row a
-            // bit per fragment column, gathered in a loop that is not unrolled (unrolled,
-            // its loads and divisions would take registers and code the main loop needs).
+            // The block mask, on tiles with a partial block pattern.
             if (blocks == nullptr) return;
-            static_assert(2 * NT <= 64, "a bit per fragment column");
-            typedef typename ColumnBits<(2 * NT <= 32)>::type Bits;
-            const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+            const int g = threadIdx.x % 32 / 4;
             #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
                 #pragma unroll
                 for (int half = 0; half < 2; ++half) {
-                    const int fr = r0 + mt * 16 + g + 8 * half;
-                    Bits bits = 0;
-                    #pragma unroll 1
-                    for (int c = 0; c < 2 * NT; ++c) {
-                        const int fc = c0 + (c / 2) * 8 + 2 * t + c % 2;
-                        bits |= Bits(block_visible(KEY_ROWS ? fc : fr, KEY_ROWS ? fr : fc, h)) << c;
-                    }
+                    const auto bits = block_row_bits<KEY_ROWS, NT>(r0 + mt * 16 + g + 8 * half, c0, h);
                     #pragma unroll
                     for (int nt = 0; nt < NT; ++nt)
                         #pragma unroll

@@ -72,12 +72,10 @@ struct HeadMods<T, Acc, true> {
     // scale (folded with log2 e), softcap, bias, ALiBi, and -inf where hidden (only
     // checked when `masked`). `dtanh` receives softcap's derivative factor 1 - tanh^2
     // (left alone without softcap).
-    // WITH_BIAS = false leaves the bias term out of the code (a kernel that serves no bias).
-    template <bool WITH_BIAS = true>
     __device__ __forceinline__ Acc score_log2(Acc s, int i, int j, Acc scale_log2, bool masked, Acc& dtanh) const {
         Acc x = s * scale_log2;
         if (softcap > Acc(0)) x = capped(x, dtanh);
-        if (WITH_BIAS && bias != nullptr) x += biased(i, j);
+        if (bias != nullptr) x += biased(i, j);
         if (slope_log2 != Acc(0)) x -= alibi(i, j);
         return masked && !mask->visible(i, j, h) ? Acc(-INFINITY) : x;
     }
