@@ -27,10 +27,10 @@
 //     (cp.reduce.async.bulk; the workspace's rows are padded like the staging tile's, so
 //     a tile is one contiguous range) and hands the staging buffer back once the copy
 //     engine has read it.
-// So the consumers issue no atomics and one load per tile (a word of the next tile's
-// lse2 or delta rows, staged in shared memory before the tile's consumer barrier, which
-// orders it for every reader): the mainloop is their products and the softmax's
-// gradient. The deterministic mode runs bwd_sm80.cu's dQ kernel instead.
+// So the consumers issue no atomics and no loads into registers (each copies one word
+// of the next tile's lse2 or delta rows into shared memory with cp.async, waited for
+// before the tile's consumer barrier, which orders it for every reader): the mainloop is
+// their products and the softmax's gradient. The deterministic mode runs bwd_sm80.cu's dQ kernel instead.
 // All operand tiles use the 128-byte-swizzled layout (wgmma.cuh Swizzle128): TMA's
 // boxes of 64 columns land as its panels.
 #include "elem.cuh"
@@ -62,7 +62,7 @@ struct Sm90BwdKVTile {
     // of a whole 128-query tile would not fit the registers beside dK and dV at d = 64),
     // 32 with the options at d = 128 (their terms, mask and dropout bits need registers
     // that 64 queries' S^T and dP^T beside dK and dV leave too few of: build check).
-    static constexpr int SUB_M = MODE != MODE_DENSE && D > 64 ? 32 : 64;
+    static constexpr int SUB_M = 64;
     static constexpr int SUBTILES = BLOCK_M / SUB_M;
     static constexpr int QT = SUB_M / 8;             // query n-tiles of a sub-tile's S^T, dP^T per warp
     static constexpr int DT = D / 8;                 // n-tiles of dK, dV per warp
@@ -222,26 +222,27 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
     // This warpgroup's piece of the dQ tile (C::DQ_N columns of 64 query rows).
     const int dq_row0 = (wg / C::DQ_COLS) * 64, dq_col0 = (wg % C::DQ_COLS) * C::DQ_N;
 
-    // The rows of the row workspaces (padded: read whole) that tile `it` reads, one word
-    // per thread: lse2 from thread 0, delta from BLOCK_M.
-    const bool fetches_row = threadIdx.x < 2 * BLOCK_M;
-    auto fetch_rows = [&](int it) {
-        const float* ws = threadIdx.x < BLOCK_M ? lse2 : delta;
-        return fetches_row ? ws[row_workspace_offset(mods.tb, pairs.head(it), hq, nq_pad) + mods.q_base + pairs.q0(it) +
-                                threadIdx.x % BLOCK_M]
-                           : 0.f;
+    // The rows of the row workspaces (padded: read whole) that tile `it` reads, into
+    // buffer `buf`: one word per thread (lse2 from thread 0, delta from BLOCK_M) by
+    // cp.async, so that no register holds it across the tile; waited for before the
+    // tile's consumer barrier, which orders it for every reader.
+    auto copy_rows = [&](int it, int buf) {
+        if (threadIdx.x < 2 * BLOCK_M) {
+            const float* ws = threadIdx.x < BLOCK_M ? lse2 : delta;
+            cp_async_4(sRows + buf * 2 * BLOCK_M + threadIdx.x,
+                       ws + row_workspace_offset(mods.tb, pairs.head(it), hq, nq_pad) + mods.q_base + pairs.q0(it) +
+                           threadIdx.x % BLOCK_M);
+        }
+        cp_async_commit();
     };
-    auto stage_rows = [&](int buf, float word) {
-        if (fetches_row) sRows[buf * 2 * BLOCK_M + threadIdx.x] = word;
-    };
-    if (first() < n_iter) stage_rows(0, fetch_rows(first()));
+    if (first() < n_iter) copy_rows(first(), 0);
+    cp_async_wait<0>();
     named_barrier(C::CONSUMER_BARRIER, C::CONSUMER_THREADS);
 
     int step = 0;
     for (int it = first(); it < n_iter; ++step) {
         const int h = pairs.head(it), q0 = pairs.q0(it);
         const int next = after(it);
-        const float next_rows = next < n_iter ? fetch_rows(next) : 0.f;   // staged below, read next tile
         const int s_ = step % STAGES;
         const T* sQb = sQ + s_ * C::QO_ELEMS;
         const T* sdOb = sdO + s_ * C::QO_ELEMS;
@@ -292,26 +293,48 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                 #pragma unroll
                 for (int ks = 0; ks < C::QSTEPS; ++ks) c_to_a_frag<T>(ds_frag[ks], s, 0, ks);
             } else {
-                // The options: P and dS in one pass once both products are in (softcap's
-                // derivative has no registers to wait in between).
-                // Which scores the mask shows and dropout keeps, while the products run.
+                // The options (bwd.cuh): which scores the mask shows and dropout keeps,
+                // while the products run; then P and dS as in dense mode, or with softcap
+                // in one pass once both products are in.
                 const auto hm = mods.at_head(h);
                 const u32 keep = hm.dropout() ? dropout_keep_bits_key_rows<QT>(hm.seed, hm.stream, k0 + warp_row0,
                                                                                q0 + r0, hm.threshold) : ~0u;
                 const u32 visible = needs_mask ? mask.template visible_bits<true, QT>(k0 + warp_row0, q0 + r0, h)
                                                : ~0u;
-                wgmma_wait<0>();
-                reg_fence(s[0]);
-                reg_fence(dp[0]);
-                recompute_p_and_grad<MODE, true>(s, dp, hm, k0 + warp_row0, q0 + r0, lse2_at, delta_at, visible, keep,
-                                                 scale_log2);
-                #pragma unroll
-                for (int ks = 0; ks < C::QSTEPS; ++ks) {
-                    c_to_a_frag<T>(p_frag[ks], s, 0, ks);
-                    c_to_a_frag<T>(ds_frag[ks], dp, 0, ks);
+                const float drop_scale = hm.dropout() ? hm.drop_scale : 1.f;
+                const bool alibi = hm.slope_log2 != 0.f;
+                const int kr0 = k0 + warp_row0, qc0 = q0 + r0;
+                if (hm.softcap > 0.f) {
+                    wgmma_wait<0>();
+                    reg_fence(s[0]);
+                    reg_fence(dp[0]);
+                    if (alibi) capped_p_and_grad<true, true>(s, dp, hm, kr0, qc0, lse2_at, delta_at, visible, keep, scale_log2, drop_scale);
+                    else capped_p_and_grad<false, true>(s, dp, hm, kr0, qc0, lse2_at, delta_at, visible, keep, scale_log2, drop_scale);
+                    #pragma unroll
+                    for (int ks = 0; ks < C::QSTEPS; ++ks) {
+                        c_to_a_frag<T>(p_frag[ks], s, 0, ks);
+                        c_to_a_frag<T>(ds_frag[ks], dp, 0, ks);
+                    }
+                } else {
+                    wgmma_wait<1>();
+                    reg_fence(s[0]);
+                    if (alibi) p_pass<true, true>(s, hm, kr0, qc0, lse2_at, visible, scale_log2);
+                    else p_pass<false, true>(s, hm, kr0, qc0, lse2_at, visible, scale_log2);
+                    #pragma unroll
+                    for (int ks = 0; ks < C::QSTEPS; ++ks) kept_a_frag<T>(p_frag[ks], s, ks, keep, drop_scale);
+                    wgmma_wait<0>();
+                    reg_fence(dp[0]);
+                    grad_pass<true>(s, dp, kr0, qc0, delta_at, keep, drop_scale);
+                    #pragma unroll
+                    for (int ks = 0; ks < C::QSTEPS; ++ks) c_to_a_frag<T>(ds_frag[ks], s, 0, ks);
                 }
             }
 
+            // The next tile's rows into the other buffer (its last readers, the tile
+            // before this one, passed the barrier below since); here, before the first
+            // dV and dK products, the copy needs no register at the peak (NVRTC 12.9
+            // spilled d = 128 elsewhere: build check).
+            if (sub == 0 && next < n_iter) copy_rows(next, (step + 1) % 2);
             wgmma_fence();
             #pragma unroll
             for (int ks = 0; ks < C::QSTEPS; ++ks)
@@ -332,11 +355,8 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
             }
         }
 
-        // The next tile's rows into the other buffer: its last readers (the tile before
-        // this one) passed the barrier below since; the barrier orders the words for
-        // their readers.
-        stage_rows((step + 1) % 2, next_rows);
         if constexpr (C::DQ) {
+            cp_async_wait<0>();   // the next tile's rows, for the barrier
             fence_async_smem();
             named_barrier(C::CONSUMER_BARRIER, C::CONSUMER_THREADS);
             // ... then this warpgroup's piece of dQ = dS K over every key of the block.
@@ -364,8 +384,9 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
             fence_async_smem();
             release(&bars.dq_full);
         } else {
-            named_barrier(C::CONSUMER_BARRIER, C::CONSUMER_THREADS);
             wgmma_wait<0>();
+            cp_async_wait<0>();   // the next tile's rows, for the barrier
+            named_barrier(C::CONSUMER_BARRIER, C::CONSUMER_THREADS);
             release(&bars.empty[s_]);
         }
         reg_fence(acc_dv[0]);
