@@ -337,12 +337,13 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                                                : ~0u;
                 const float drop_scale = hm.dropout() ? hm.drop_scale : 1.f;
                 const int kr0 = k0 + warp_row0, qc0 = q0 + r0;
-                constexpr u32 ALL_SCORES = 4 * QT == 32 ? ~0u : (1u << 4 * QT) - 1;   // a bit per score
+                // (The choices are the same for the whole warpgroup: its wgmma waits are
+                // in the passes.)
 #define CUPYFLASH_OPTION_SCORES(SOFTCAP, ALIBI, BITS)                                                        \
     option_scores<SOFTCAP, ALIBI, BITS, T>(s, dp, p_frag, ds_frag, hm, kr0, qc0, lse2_at, delta_at, visible, keep, \
                                            scale_log2, drop_scale)
 #define CUPYFLASH_OPTION_SCORES_BITS(SOFTCAP, ALIBI)                                                         \
-    if ((visible & keep & ALL_SCORES) != ALL_SCORES) CUPYFLASH_OPTION_SCORES(SOFTCAP, ALIBI, true);        \
+    if (needs_mask || hm.dropout()) CUPYFLASH_OPTION_SCORES(SOFTCAP, ALIBI, true);                          \
     else CUPYFLASH_OPTION_SCORES(SOFTCAP, ALIBI, false)
                 if (hm.softcap > 0.f) {
                     if (hm.slope_log2 != 0.f) { CUPYFLASH_OPTION_SCORES_BITS(true, true); }
