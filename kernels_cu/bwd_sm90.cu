@@ -60,9 +60,9 @@ struct Sm90BwdKVTile {
     static constexpr int BLOCK_N = CONSUMERS * 64;
     // The query tile is computed in sub-tiles of SUB_M queries: 64 (S^T, dP^T, P^T, dS^T
     // of a whole 128-query tile would not fit the registers beside dK and dV at d = 64),
-    // 32 with the options at d = 128 (64 queries' S^T and dP^T beside dK and dV leave
-    // their passes too few registers: NVRTC 12.9 spills a few bytes, build check).
-    static constexpr int SUB_M = MODE != MODE_DENSE && D > 64 ? 32 : 64;
+    // 32 with the options at d = 128 (their terms, mask and dropout bits need registers
+    // that 64 queries' S^T and dP^T beside dK and dV leave too few of: build check).
+    static constexpr int SUB_M = 64;
     static constexpr int SUBTILES = BLOCK_M / SUB_M;
     static constexpr int QT = SUB_M / 8;             // query n-tiles of a sub-tile's S^T, dP^T per warp
     static constexpr int DT = D / 8;                 // n-tiles of dK, dV per warp
@@ -105,40 +105,6 @@ struct Sm90BwdKVTile {
     static_assert(2 * BLOCK_M <= CONSUMER_THREADS, "a consumer thread fetches one word of a tile's rows");
     static_assert(2 * KV_ELEMS >= BLOCK_N * SmemTile<T, D>::stride, "epilogue staging");
 };
-
-// The options' P and dS of one sub-tile once its S^T and dP^T products are issued
-// (bwd.cuh's passes, their flags chosen per tile): without softcap P while dP^T's product
-// still runs, as in dense mode; with softcap both at once. p_frag and ds_frag receive
-// the A operands of dV += P^T dO and dK += dS^T Q.
-template <bool SOFTCAP, bool ALIBI, bool BITS, typename T, int QT, int QSTEPS, typename H, typename L, typename Dl>
-__device__ __forceinline__ void option_scores(float (&s)[1][QT][4], float (&dp)[1][QT][4], u32 (&p_frag)[QSTEPS][4],
-                                              u32 (&ds_frag)[QSTEPS][4], const H& hm, int kr0, int qc0, L&& lse2_at,
-                                              Dl&& delta_at, u32 visible, u32 keep, float scale_log2,
-                                              float drop_scale) {
-    if constexpr (SOFTCAP) {
-        wgmma_wait<0>();
-        reg_fence(s[0]);
-        reg_fence(dp[0]);
-        capped_p_and_grad<ALIBI, BITS, true>(s, dp, hm, kr0, qc0, lse2_at, delta_at, visible, keep, scale_log2,
-                                             drop_scale);
-        #pragma unroll
-        for (int ks = 0; ks < QSTEPS; ++ks) {
-            c_to_a_frag<T>(p_frag[ks], s, 0, ks);
-            c_to_a_frag<T>(ds_frag[ks], dp, 0, ks);
-        }
-    } else {
-        wgmma_wait<1>();
-        reg_fence(s[0]);
-        p_pass<ALIBI, BITS, true>(s, hm, kr0, qc0, lse2_at, visible, scale_log2);
-        #pragma unroll
-        for (int ks = 0; ks < QSTEPS; ++ks) kept_a_frag<T, BITS>(p_frag[ks], s, ks, keep, drop_scale);
-        wgmma_wait<0>();
-        reg_fence(dp[0]);
-        grad_pass<BITS, true>(s, dp, kr0, qc0, delta_at, keep, drop_scale);
-        #pragma unroll
-        for (int ks = 0; ks < QSTEPS; ++ks) c_to_a_frag<T>(ds_frag[ks], s, 0, ks);
-    }
-}
 
 // One CTA per SM: the tiles take most of the shared memory, and the bound lets
 // setmaxnreg give each consumer thread the registers of dK, dV and the score tiles. The
@@ -336,24 +302,32 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                 const u32 visible = needs_mask ? mask.template visible_bits<true, QT>(k0 + warp_row0, q0 + r0, h)
                                                : ~0u;
                 const float drop_scale = hm.dropout() ? hm.drop_scale : 1.f;
+                const bool alibi = hm.slope_log2 != 0.f;
                 const int kr0 = k0 + warp_row0, qc0 = q0 + r0;
-                // (The choices are the same for the whole warpgroup: its wgmma waits are
-                // in the passes.)
-#define CUPYFLASH_OPTION_SCORES(SOFTCAP, ALIBI, BITS)                                                        \
-    option_scores<SOFTCAP, ALIBI, BITS, T>(s, dp, p_frag, ds_frag, hm, kr0, qc0, lse2_at, delta_at, visible, keep, \
-                                           scale_log2, drop_scale)
-#define CUPYFLASH_OPTION_SCORES_BITS(SOFTCAP, ALIBI)                                                         \
-    if (needs_mask || hm.dropout()) CUPYFLASH_OPTION_SCORES(SOFTCAP, ALIBI, true);                          \
-    else CUPYFLASH_OPTION_SCORES(SOFTCAP, ALIBI, false)
                 if (hm.softcap > 0.f) {
-                    if (hm.slope_log2 != 0.f) { CUPYFLASH_OPTION_SCORES_BITS(true, true); }
-                    else { CUPYFLASH_OPTION_SCORES_BITS(true, false); }
+                    wgmma_wait<0>();
+                    reg_fence(s[0]);
+                    reg_fence(dp[0]);
+                    if (alibi) capped_p_and_grad<true, true>(s, dp, hm, kr0, qc0, lse2_at, delta_at, visible, keep, scale_log2, drop_scale);
+                    else capped_p_and_grad<false, true>(s, dp, hm, kr0, qc0, lse2_at, delta_at, visible, keep, scale_log2, drop_scale);
+                    #pragma unroll
+                    for (int ks = 0; ks < C::QSTEPS; ++ks) {
+                        c_to_a_frag<T>(p_frag[ks], s, 0, ks);
+                        c_to_a_frag<T>(ds_frag[ks], dp, 0, ks);
+                    }
                 } else {
-                    if (hm.slope_log2 != 0.f) { CUPYFLASH_OPTION_SCORES_BITS(false, true); }
-                    else { CUPYFLASH_OPTION_SCORES_BITS(false, false); }
+                    wgmma_wait<1>();
+                    reg_fence(s[0]);
+                    if (alibi) p_pass<true, true>(s, hm, kr0, qc0, lse2_at, visible, scale_log2);
+                    else p_pass<false, true>(s, hm, kr0, qc0, lse2_at, visible, scale_log2);
+                    #pragma unroll
+                    for (int ks = 0; ks < C::QSTEPS; ++ks) kept_a_frag<T>(p_frag[ks], s, ks, keep, drop_scale);
+                    wgmma_wait<0>();
+                    reg_fence(dp[0]);
+                    grad_pass<true>(s, dp, kr0, qc0, delta_at, keep, drop_scale);
+                    #pragma unroll
+                    for (int ks = 0; ks < C::QSTEPS; ++ks) c_to_a_frag<T>(ds_frag[ks], s, 0, ks);
                 }
-#undef CUPYFLASH_OPTION_SCORES_BITS
-#undef CUPYFLASH_OPTION_SCORES
             }
 
             // The next tile's rows into the other buffer (its last readers, the tile
