@@ -153,39 +153,42 @@ __device__ __forceinline__ void grad_scores(Acc (&s)[MT][NT][4], const Acc (&dp)
 // m-tile of C fragments at a time (bit 4 nt + e of `visible` and `kept` for element e of
 // n-tile nt: which scores the mask shows and dropout keeps, worked out while the products
 // ran; masking the scores at the peak of the registers spilled). The terms are
-// compile-time flags of each pass, chosen once per tile: a branch per term and score
-// would leave the scheduler one score's dependent chain at a time. drop_scale is 1
-// without dropout.
+// compile-time flags of each pass, chosen once per tile (a branch per term and score
+// would leave the scheduler one score's dependent chain at a time), and so is BITS:
+// false where every score is shown and kept (no dropout, an unmasked tile), which saves
+// the selects. drop_scale is 1 without dropout.
 //
 // Without softcap, the dense kernels' two steps: p_pass turns S into P (0 where hidden)
 // while dP's product still runs, kept_a_frag packs the P that multiplies dO (dropped
 // scores 0, kept ones scaled), and grad_pass turns P into dS once dP is in.
-template <bool ALIBI, bool KEY_ROWS, int NT, typename Acc, typename H, typename L>
+template <bool ALIBI, bool BITS, bool KEY_ROWS, int NT, typename Acc, typename H, typename L>
 __device__ __forceinline__ void p_pass(Acc (&s)[1][NT][4], const H& hm, int r0, int c0, L&& lse2_at, u32 visible,
                                        Acc scale_log2) {
     for_each_score<KEY_ROWS>(s, r0, c0, [&](Acc& x, int i, int j, int mt, int nt, int e) {
         Acc score = x * scale_log2;
         if constexpr (ALIBI) score -= hm.alibi(i, j);
         const Acc p = exp2_fast(score - lse2_at(mt, nt, e));
-        x = (visible >> (4 * nt + e)) & 1 ? p : Acc(0);
+        x = !BITS || (visible >> (4 * nt + e)) & 1 ? p : Acc(0);
     });
 }
 
-template <typename T, int NT>
+template <typename T, bool BITS, int NT>
 __device__ __forceinline__ void kept_a_frag(u32 (&a)[4], const float (&p)[1][NT][4], int ks, u32 kept,
                                             float drop_scale) {
-    auto k = [&](int nt, int e) { return (kept >> (4 * nt + e)) & 1 ? p[0][nt][e] * drop_scale : 0.f; };
+    auto k = [&](int nt, int e) {
+        return !BITS ? p[0][nt][e] : (kept >> (4 * nt + e)) & 1 ? p[0][nt][e] * drop_scale : 0.f;
+    };
     a[0] = pack2<T>(k(2 * ks, 0), k(2 * ks, 1));
     a[1] = pack2<T>(k(2 * ks, 2), k(2 * ks, 3));
     a[2] = pack2<T>(k(2 * ks + 1, 0), k(2 * ks + 1, 1));
     a[3] = pack2<T>(k(2 * ks + 1, 2), k(2 * ks + 1, 3));
 }
 
-template <bool KEY_ROWS, int NT, typename Acc, typename Dl>
+template <bool BITS, bool KEY_ROWS, int NT, typename Acc, typename Dl>
 __device__ __forceinline__ void grad_pass(Acc (&s)[1][NT][4], const Acc (&dp)[1][NT][4], int r0, int c0,
                                           Dl&& delta_at, u32 kept, Acc drop_scale) {
     for_each_score<KEY_ROWS>(s, r0, c0, [&](Acc& x, int, int, int mt, int nt, int e) {
-        const Acc kept_dp = (kept >> (4 * nt + e)) & 1 ? dp[mt][nt][e] * drop_scale : Acc(0);
+        const Acc kept_dp = !BITS ? dp[mt][nt][e] : (kept >> (4 * nt + e)) & 1 ? dp[mt][nt][e] * drop_scale : Acc(0);
         x *= kept_dp - delta_at(mt, nt, e);
     });
 }
@@ -193,7 +196,7 @@ __device__ __forceinline__ void grad_pass(Acc (&s)[1][NT][4], const Acc (&dp)[1]
 // With softcap, one pass once both products are in: there are no registers for the
 // derivative 1 - tanh^2 to wait in between, so per score it lives only between its two
 // uses. s becomes the P that multiplies dO (kept_a_frag's values) and dp becomes dS.
-template <bool ALIBI, bool KEY_ROWS, int NT, typename Acc, typename H, typename L, typename Dl>
+template <bool ALIBI, bool BITS, bool KEY_ROWS, int NT, typename Acc, typename H, typename L, typename Dl>
 __device__ __forceinline__ void capped_p_and_grad(Acc (&s)[1][NT][4], Acc (&dp)[1][NT][4], const H& hm, int r0, int c0,
                                                   L&& lse2_at, Dl&& delta_at, u32 visible, u32 kept, Acc scale_log2,
                                                   Acc drop_scale) {
@@ -202,9 +205,14 @@ __device__ __forceinline__ void capped_p_and_grad(Acc (&s)[1][NT][4], Acc (&dp)[
         Acc score = hm.capped(x * scale_log2, dtanh);
         if constexpr (ALIBI) score -= hm.alibi(i, j);
         const Acc p = exp2_fast(score - lse2_at(mt, nt, e));
-        const bool shown = (visible >> (4 * nt + e)) & 1, keep = (kept >> (4 * nt + e)) & 1;
-        const Acc grad = p * ((keep ? dp[mt][nt][e] * drop_scale : Acc(0)) - delta_at(mt, nt, e)) * dtanh;
-        dp[mt][nt][e] = shown ? grad : Acc(0);
-        x = shown && keep ? p * drop_scale : Acc(0);
+        if constexpr (BITS) {
+            const bool shown = (visible >> (4 * nt + e)) & 1, keep = (kept >> (4 * nt + e)) & 1;
+            const Acc grad = p * ((keep ? dp[mt][nt][e] * drop_scale : Acc(0)) - delta_at(mt, nt, e)) * dtanh;
+            dp[mt][nt][e] = shown ? grad : Acc(0);
+            x = shown && keep ? p * drop_scale : Acc(0);
+        } else {
+            dp[mt][nt][e] = p * (dp[mt][nt][e] - delta_at(mt, nt, e)) * dtanh;
+            x = p;
+        }
     });
 }

@@ -64,6 +64,11 @@ struct Sm90BwdKVTile {
     // that 64 queries' S^T and dP^T beside dK and dV leave too few of: build check).
     static constexpr int SUB_M = 64;
     static constexpr int SUBTILES = BLOCK_M / SUB_M;
+    // With the options, tiles that no mask or dropout touches take passes without the
+    // selects (bwd.cuh BITS): at d = 64, where the passes' work per score weighs most
+    // beside the products. At d = 128 the second copy made NVRTC 12.9 spill a few bytes
+    // (build check).
+    static constexpr bool SELECT_FREE_TILES = D <= 64;
     static constexpr int QT = SUB_M / 8;             // query n-tiles of a sub-tile's S^T, dP^T per warp
     static constexpr int DT = D / 8;                 // n-tiles of dK, dV per warp
     static constexpr int KSTEPS = D / 16;            // k-steps of K Q^T and V dO^T
@@ -304,30 +309,40 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                 const float drop_scale = hm.dropout() ? hm.drop_scale : 1.f;
                 const bool alibi = hm.slope_log2 != 0.f;
                 const int kr0 = k0 + warp_row0, qc0 = q0 + r0;
-                if (hm.softcap > 0.f) {
-                    wgmma_wait<0>();
-                    reg_fence(s[0]);
-                    reg_fence(dp[0]);
-                    if (alibi) capped_p_and_grad<true, true>(s, dp, hm, kr0, qc0, lse2_at, delta_at, visible, keep, scale_log2, drop_scale);
-                    else capped_p_and_grad<false, true>(s, dp, hm, kr0, qc0, lse2_at, delta_at, visible, keep, scale_log2, drop_scale);
-                    #pragma unroll
-                    for (int ks = 0; ks < C::QSTEPS; ++ks) {
-                        c_to_a_frag<T>(p_frag[ks], s, 0, ks);
-                        c_to_a_frag<T>(ds_frag[ks], dp, 0, ks);
-                    }
+                // BITS: whether the passes select by the bits; false where every score is
+                // shown and kept (bwd.cuh). The choice must be the same for the whole
+                // warpgroup (its wgmma waits are inside): from the tile and the call.
+#define CUPYFLASH_OPTION_SCORES(BITS)                                                                       \
+    if (hm.softcap > 0.f) {                                                                                 \
+        wgmma_wait<0>();                                                                                    \
+        reg_fence(s[0]);                                                                                    \
+        reg_fence(dp[0]);                                                                                   \
+        if (alibi) capped_p_and_grad<true, BITS, true>(s, dp, hm, kr0, qc0, lse2_at, delta_at, visible, keep, \
+                                                       scale_log2, drop_scale);                             \
+        else capped_p_and_grad<false, BITS, true>(s, dp, hm, kr0, qc0, lse2_at, delta_at, visible, keep,     \
+                                                  scale_log2, drop_scale);                                  \
+        _Pragma("unroll") for (int ks = 0; ks < C::QSTEPS; ++ks) {                                          \
+            c_to_a_frag<T>(p_frag[ks], s, 0, ks);                                                           \
+            c_to_a_frag<T>(ds_frag[ks], dp, 0, ks);                                                         \
+        }                                                                                                   \
+    } else {                                                                                                \
+        wgmma_wait<1>();                                                                                    \
+        reg_fence(s[0]);                                                                                    \
+        if (alibi) p_pass<true, BITS, true>(s, hm, kr0, qc0, lse2_at, visible, scale_log2);                 \
+        else p_pass<false, BITS, true>(s, hm, kr0, qc0, lse2_at, visible, scale_log2);                      \
+        _Pragma("unroll") for (int ks = 0; ks < C::QSTEPS; ++ks)                                            \
+            kept_a_frag<T, BITS>(p_frag[ks], s, ks, keep, drop_scale);                                      \
+        wgmma_wait<0>();                                                                                    \
+        reg_fence(dp[0]);                                                                                   \
+        grad_pass<BITS, true>(s, dp, kr0, qc0, delta_at, keep, drop_scale);                                 \
+        _Pragma("unroll") for (int ks = 0; ks < C::QSTEPS; ++ks) c_to_a_frag<T>(ds_frag[ks], s, 0, ks);     \
+    }
+                if (C::SELECT_FREE_TILES && !needs_mask && !hm.dropout()) {
+                    CUPYFLASH_OPTION_SCORES(false)
                 } else {
-                    wgmma_wait<1>();
-                    reg_fence(s[0]);
-                    if (alibi) p_pass<true, true>(s, hm, kr0, qc0, lse2_at, visible, scale_log2);
-                    else p_pass<false, true>(s, hm, kr0, qc0, lse2_at, visible, scale_log2);
-                    #pragma unroll
-                    for (int ks = 0; ks < C::QSTEPS; ++ks) kept_a_frag<T>(p_frag[ks], s, ks, keep, drop_scale);
-                    wgmma_wait<0>();
-                    reg_fence(dp[0]);
-                    grad_pass<true>(s, dp, kr0, qc0, delta_at, keep, drop_scale);
-                    #pragma unroll
-                    for (int ks = 0; ks < C::QSTEPS; ++ks) c_to_a_frag<T>(ds_frag[ks], s, 0, ks);
+                    CUPYFLASH_OPTION_SCORES(true)
                 }
+#undef CUPYFLASH_OPTION_SCORES
             }
 
             // The next tile's rows into the other buffer (its last readers, the tile
