@@ -9,7 +9,8 @@
 //     S^T  = K Q^T      A: K (K-major, its 64 rows)   B: Q  (K-major)        wgmma ss
 //     dP^T = V dO^T     A: V (K-major)                B: dO (K-major)        wgmma ss
 //     P^T = exp2(S^T scale log2 e - lse2), dS^T = P^T o (dP^T - delta)   (bwd.cuh, in registers;
-//       with the options, their terms, mask and dropout in one pass once dP^T is in)
+//       the options' terms in the same passes, softcap's in one pass once dP^T is in;
+//       their mask and dropout as a bit per score, worked out while the products run)
 //     dV  += P^T dO     A: P^T (registers)            B: dO (MN-major)       wgmma rs
 //     dK  += dS^T Q     A: dS^T (registers)           B: Q  (MN-major)       wgmma rs
 //   with dK and dV in registers for the whole key block. The transposed products put the
@@ -30,7 +31,8 @@
 // So the consumers issue no atomics and no loads into registers (each copies one word
 // of the next tile's lse2 or delta rows into shared memory with cp.async, waited for
 // before the tile's consumer barrier, which orders it for every reader): the mainloop is
-// their products and the softmax's gradient. The deterministic mode runs bwd_sm80.cu's dQ kernel instead.
+// their products and the softmax's gradient. The deterministic mode runs bwd_sm80.cu's
+// dQ kernel instead.
 // All operand tiles use the 128-byte-swizzled layout (wgmma.cuh Swizzle128): TMA's
 // boxes of 64 columns land as its panels.
 #include "elem.cuh"
@@ -58,10 +60,8 @@ struct Sm90BwdKVTile {
     static constexpr int CONSUMER_THREADS = CONSUMERS * 128;
     static constexpr int THREADS = CONSUMER_THREADS + 128;   // + the producer warpgroup
     static constexpr int BLOCK_N = CONSUMERS * 64;
-    // The query tile is computed in sub-tiles of SUB_M queries: 64 (S^T, dP^T, P^T, dS^T
-    // of a whole 128-query tile would not fit the registers beside dK and dV at d = 64),
-    // 32 with the options at d = 128 (their terms, mask and dropout bits need registers
-    // that 64 queries' S^T and dP^T beside dK and dV leave too few of: build check).
+    // The query tile is computed in sub-tiles of SUB_M queries (S^T, dP^T, P^T, dS^T of a
+    // whole 128-query tile would not fit the registers beside dK and dV at d = 64).
     static constexpr int SUB_M = 64;
     static constexpr int SUBTILES = BLOCK_M / SUB_M;
     // With the options, tiles that no mask or dropout touches take passes without the

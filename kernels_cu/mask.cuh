@@ -184,9 +184,9 @@ struct MaskInfo {
     __device__ __forceinline__ u32 visible_bits(int r0, int c0, int h) const {
         static_assert(EXT && 4 * NT <= 32, "a bit per score of the m-tile");
         const int g = threadIdx.x % 32 / 4;
-        float unused[1][NT][4];
+        float indices_only[1][NT][4];   // for for_each_score's (i, j) walk; never read
         u32 bits = 0;
-        for_each_score<KEY_ROWS>(unused, r0, c0, [&](float&, int i, int j, int, int nt, int e) {
+        for_each_score<KEY_ROWS>(indices_only, r0, c0, [&](float&, int i, int j, int, int nt, int e) {
             bits |= u32(j >= band_lo(i) && j < band_hi(i)) << (4 * nt + e);
         });
         if (blocks == nullptr) return bits;

@@ -122,4 +122,3 @@ __device__ __forceinline__ u32 dropout_keep_bits_key_rows(u64 seed, u64 stream, 
         }
     return bits;
 }
-

@@ -168,12 +168,10 @@ template <> struct Wgmma<TYPE, N> {                                             
         else WGMMA_ASM(TY, N, RS, ", 1", "=f", "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b)); \
     }                                                                                        \
 };
-WGMMA_DEFINE(half_t, "f16", 32)
 WGMMA_DEFINE(half_t, "f16", 64)
 WGMMA_DEFINE(half_t, "f16", 128)
 WGMMA_DEFINE(half_t, "f16", 192)
 WGMMA_DEFINE(half_t, "f16", 256)
-WGMMA_DEFINE(bfloat16_t, "bf16", 32)
 WGMMA_DEFINE(bfloat16_t, "bf16", 64)
 WGMMA_DEFINE(bfloat16_t, "bf16", 128)
 WGMMA_DEFINE(bfloat16_t, "bf16", 192)
