@@ -267,21 +267,33 @@ class _ForwardPlan:
     persistent: bool = False         # a zeroed work counter per launch
 
 
-# Python's work per forward call (~0.3 ms on an H100's host: validation, the choice of
-# kernel, ~60 contract fields) is as long as the kernel of a small call, and the GPU waits
-# for it. Calls of one signature share a plan; the cache forgets everything when full.
+# Python's work per call (~0.3 ms on an H100's host: validation, the choice of kernels,
+# ~60 contract fields) is as long as the kernel of a small call, and the GPU waits for it.
+# Calls of one signature (`_signature`) share a plan, forward and backward.
 _FORWARD_PLANS: dict = {}
-_MAX_FORWARD_PLANS = 256
+_BACKWARD_PLANS: dict = {}
+_MAX_PLANS = 256
 
 
-def _forward_signature(q, k, v, o, *, scale: float, causal: bool, mods) -> tuple:
-    """Every input of `_plan_forward`'s decisions: the device, dtype, options' scalars
-    and each array's layout (shape, strides, dtype and base alignment, which decides
-    16-byte copies and tensor maps), but no address, seed or Philox offset."""
-    arrays = (q, k, v, o, *(getattr(mods, name) for name in _mods.ARRAY_FIELDS))
+def _signature(arrays, *, scale: float, causal: bool, mods) -> tuple:
+    """Every input of a launch plan's decisions: the device, the options' scalars and the
+    layout of each array and option array (shape, strides, dtype and base alignment, which
+    decides 16-byte copies and tensor maps), but no address, seed or Philox offset."""
+    arrays = (*arrays, *(getattr(mods, name) for name in _mods.ARRAY_FIELDS))
     layouts = tuple(None if x is None else (x.shape, x.strides, x.dtype, x.data.ptr % 16) for x in arrays)
-    return (q.device.id, scale, causal, layouts, mods.window, mods.softcap, mods.dropout_p,
-            mods.block_size, mods.max_seqlen_q, mods.max_seqlen_k, PERSISTENT_FORWARD)
+    return (arrays[0].device.id, scale, causal, layouts, mods.window, mods.softcap, mods.dropout_p,
+            mods.block_size, mods.max_seqlen_q, mods.max_seqlen_k)
+
+
+def _cached_plan(plans: dict, signature: tuple, make):
+    """plans[signature], made by ``make()`` the first time; the cache forgets everything
+    when full."""
+    plan = plans.get(signature)
+    if plan is None:
+        if len(plans) >= _MAX_PLANS:
+            plans.clear()
+        plan = plans[signature] = make()
+    return plan
 
 
 def _plan_forward(q, k, v, o, *, scale: float, causal: bool, mods) -> _ForwardPlan:
@@ -322,31 +334,29 @@ def attention_forward(q, k, v, o, lse, *, scale: float, causal: bool, mods=_mods
         raise ValueError("lse must be a C-contiguous (B, Hq, Nq) array")
     if _in_batch_slices(attention_forward, (q, k, v, o, lse), mods, scale=scale, causal=causal):
         return
-    signature = _forward_signature(q, k, v, o, scale=scale, causal=causal, mods=mods)
-    plan = _FORWARD_PLANS.get(signature)
-    if plan is None:
-        if len(_FORWARD_PLANS) >= _MAX_FORWARD_PLANS:
-            _FORWARD_PLANS.clear()
-        plan = _FORWARD_PLANS[signature] = _plan_forward(q, k, v, o, scale=scale, causal=causal, mods=mods)
+    signature = (*_signature((q, k, v, o), scale=scale, causal=causal, mods=mods), PERSISTENT_FORWARD)
+    plan = _cached_plan(_FORWARD_PLANS, signature,
+                        lambda: _plan_forward(q, k, v, o, scale=scale, causal=causal, mods=mods))
     params = plan.params.copy()
     params.tensor("q", q).tensor("k", k).tensor("v", v).tensor("o", o).set(lse=lse.data.ptr)
     if mods.active:
         _mods_addresses(params, mods)
     if plan.map_specs is not None:
-        params.set(**_tensor_maps(plan, q, k, v, mods.bias))
+        specs = plan.map_specs + (() if plan.bias_spec is None else (plan.bias_spec,))
+        params.set(**_tensor_maps(specs, (q, k, v, mods.bias), ("q_map", "k_map", "v_map", "bias_map")))
     if plan.persistent:
         import cupy
 
         counter = cupy.zeros(1, cupy.int32)   # freed to the pool, reused only after the launch (same stream)
         params.set(work_counter=counter.data.ptr)
-    _launch(plan.variant, q.device.id, plan.grid, params)
+    _launch(plan.variant, plan.grid, q.device.id, params)
 
 
-def _tensor_maps(plan: _ForwardPlan, q, k, v, bias) -> dict:
-    """The tensor-map fields of one call of ``plan`` (encoded per address, and cached)."""
-    maps = {name: _tma.encode(x.data.ptr, spec) for name, x, spec in zip(("q_map", "k_map", "v_map"), (q, k, v), plan.map_specs)}
-    if plan.bias_spec is not None:
-        maps["bias_map"] = _tma.encode(bias.data.ptr, plan.bias_spec)
+def _tensor_maps(specs, arrays, names) -> dict:
+    """The tensor-map fields ``names`` of one call: each array's map from its plan's spec
+    (`_tma.map_spec`; encoded per address, and cached). Extra arrays and names past the
+    specs are left out."""
+    maps = {name: _tma.encode(x.data.ptr, spec) for name, x, spec in zip(names, arrays, specs)}
     if any(m is None for m in maps.values()):
         # The plan's own call encoded the same layouts; only a driver that changed its
         # mind gets here.
@@ -413,6 +423,55 @@ def device_backward_plan(dtype_name: str, D: int, deterministic: bool, mode: int
     return backward_plan(dtype_name, D, deterministic, mode, cuda_cores=True)
 
 
+@dataclasses.dataclass(frozen=True)
+class _BackwardLaunchPlan:
+    """What a backward call's signature decides, once: each launch's kernel and grid, the
+    row workspaces' padding, the dQ workspace's row stride and the contract's fields less
+    the addresses. A call allocates its workspaces, copies ``params`` and adds its own
+    addresses and tensor maps (`attention_backward`)."""
+
+    prep: tuple            # (variant, grid) of the pre-pass
+    kv: tuple              # per key-block launch: (GRADS bits, variant, grid, tensor-map specs or None)
+    finish: tuple          # (variant, grid): the deterministic dQ kernel, or the dQ conversion
+    nq_pad: int
+    dq_ld: int             # 0: no dQ workspace (deterministic)
+    params: _params.Params
+
+
+def _plan_backward(do, q, k, v, o, dq, dk, dv, *, scale, causal, deterministic, mods, dbias) -> _BackwardLaunchPlan:
+    """The plan of this call's signature: the kernels of `device_backward_plan` that fit the
+    device (the Hopper key-block kernel where its tensor maps can be made), their grids and
+    the scalar fields."""
+    B, Hq, Nq, d = q.shape
+    Hk, dim_v = k.shape[1], v.shape[3]
+    device_id = q.device.id
+    plan = device_backward_plan(q.dtype.name, padded_head_dim(d, dim_v), bool(deterministic), kernel_mode(mods),
+                                device_id)
+    # Under varlen a query tile of the last sequence reads up to a tile past the rows.
+    nq_pad = -(-(Nq + (BWD_ROW_PAD if mods.varlen else 0)) // BWD_ROW_PAD) * BWD_ROW_PAD
+    batch, rows, keys = _grid_extents(q, k, mods)
+    params = _problem_scalars(q, k, v, scale=scale, causal=causal, mods=mods)
+    params.set(nq_pad=nq_pad, vec=int(_arrays.rows_16b_aligned(q, k, v, do, dq, dk, dv)),
+               **dict(zip(("dbias_sb", "dbias_sh", "dbias_sq", "dbias_sk"), _params.element_strides(dbias, 4))))
+    kv = []
+    for grads, candidates in plan.kv:
+        variant, specs = _choose(candidates, device_id), None
+        if variant.family.tensor_maps:
+            specs = _sm90_backward_map_specs(variant, q, k, v, do)
+            if specs is None:   # the next kernel in line
+                variant = _choose([c for c in candidates if not c.family.tensor_maps], device_id)
+        kv.append((grads, variant, (math.ceil(keys / variant.block_m), Hk, batch), specs))
+    # The dQ workspace's rows: padded where the kernel that adds into it wants whole tiles.
+    dq_ld = 0 if deterministic else next((v.dq_ld for grads, v, _, _ in kv if grads & GRAD_DQ and v.dq_ld), d)
+    params.set(dq_ld=dq_ld or d)
+    if plan.dq is not None:
+        variant = _choose(plan.dq, device_id)
+        finish = (variant, (math.ceil(rows / variant.block_m), Hq, batch))
+    else:
+        finish = (plan.convert, (math.ceil(Nq * d / CONVERT_ELEMS), Hq, B))
+    return _BackwardLaunchPlan((plan.prep, (nq_pad // PREP_WARPS, Hq, B)), tuple(kv), finish, nq_pad, dq_ld, params)
+
+
 def attention_backward(do, q, k, v, o, lse, dq, dk, dv, *, scale, causal, deterministic,
                        mods=_mods.NONE, dbias=None) -> None:
     """Launch the backward kernels: writes every element of dq, dk and dv.
@@ -434,62 +493,44 @@ def attention_backward(do, q, k, v, o, lse, dq, dk, dv, *, scale, causal, determ
     if _in_batch_slices(attention_backward, (do, q, k, v, o, lse, dq, dk, dv), mods, scale=scale,
                         causal=causal, deterministic=deterministic, dbias=dbias):
         return
-    B, Hq, Nq, d = q.shape
-    Hk, dim_v = k.shape[1], v.shape[3]
-    device_id = q.device.id
-    plan = device_backward_plan(q.dtype.name, padded_head_dim(d, dim_v), bool(deterministic), kernel_mode(mods),
-                                device_id)
-    acc = _arrays.accumulation_dtype(q.dtype).type
-    # Under varlen a query tile of the last sequence reads up to a tile past the rows.
-    nq_pad = -(-(Nq + (BWD_ROW_PAD if mods.varlen else 0)) // BWD_ROW_PAD) * BWD_ROW_PAD
-    batch, rows, keys = _grid_extents(q, k, mods)
-
-    lse2 = cupy.empty((B, Hq, nq_pad), acc)
-    delta = cupy.empty((B, Hq, nq_pad), acc)
     lse = cupy.ascontiguousarray(lse)   # the pre-pass reads it as (B, Hq, Nq) rows
-    params = _problem_params(q, k, v, scale=scale, causal=causal, mods=mods)
-    params.tensor("o", o).tensor("dout", do).tensor("dq", dq).tensor("dk", dk).tensor("dv", dv).set(
-        lse=lse.data.ptr, lse2=lse2.data.ptr, delta=delta.data.ptr, nq_pad=nq_pad,
-        vec=int(_arrays.rows_16b_aligned(q, k, v, do, dq, dk, dv)),
-        **dict(zip(("dbias_sb", "dbias_sh", "dbias_sq", "dbias_sk"), _params.element_strides(dbias, 4))))
-    _launch(plan.prep, device_id, (nq_pad // PREP_WARPS, Hq, B), params)
-
-    # Each key-block launch's kernel (the Hopper one where its tensor maps can be made),
-    # then the dQ workspace, whose rows the kernel that adds into it may pad.
-    launches = []
-    for grads, candidates in plan.kv:
-        variant, maps = _choose(candidates, device_id), {}
-        if variant.family.tensor_maps:
-            maps = _sm90_backward_maps(variant, q, k, v, do)
-            if maps is None:   # the next kernel in line
-                variant, maps = _choose([c for c in candidates if not c.family.tensor_maps], device_id), {}
-        launches.append((grads, variant, maps))
-    dq_ld = next((v.dq_ld for grads, v, _ in launches if grads & GRAD_DQ and v.dq_ld), d)
-    dq_accum = None if deterministic else cupy.zeros((B, Hq, Nq, dq_ld), acc)
-    params.set(dq_ld=dq_ld)
-    for grads, variant, maps in launches:
+    signature = (*_signature((do, q, k, v, o, dq, dk, dv, dbias), scale=scale, causal=causal, mods=mods),
+                 bool(deterministic))
+    plan = _cached_plan(_BACKWARD_PLANS, signature, lambda: _plan_backward(
+        do, q, k, v, o, dq, dk, dv, scale=scale, causal=causal, deterministic=deterministic, mods=mods, dbias=dbias))
+    B, Hq, Nq, d = q.shape
+    acc = _arrays.accumulation_dtype(q.dtype).type
+    lse2 = cupy.empty((B, Hq, plan.nq_pad), acc)
+    delta = cupy.empty((B, Hq, plan.nq_pad), acc)
+    dq_accum = cupy.zeros((B, Hq, Nq, plan.dq_ld), acc) if plan.dq_ld else None
+    params = plan.params.copy()
+    params.tensor("q", q).tensor("k", k).tensor("v", v).tensor("o", o).tensor("dout", do)
+    params.tensor("dq", dq).tensor("dk", dk).tensor("dv", dv).set(
+        lse=lse.data.ptr, lse2=lse2.data.ptr, delta=delta.data.ptr)
+    if mods.active:
+        _mods_addresses(params, mods)
+    device_id = q.device.id
+    _launch(*plan.prep, device_id, params)
+    for grads, variant, grid, specs in plan.kv:
         # Null where the launch adds nothing into dq (or dbias: only the dK launch has dS).
         params.set(dq_accum=_params.address(dq_accum if grads & GRAD_DQ else None),
-                   dbias=_params.address(dbias if grads & GRAD_DK else None), **maps)
-        _launch(variant, device_id, (math.ceil(keys / variant.block_m), Hk, batch), params)
-
-    if plan.dq is not None:
-        variant = _choose(plan.dq, device_id)
-        _launch(variant, device_id, (math.ceil(rows / variant.block_m), Hq, batch), params)
-    else:
-        params.set(dq_accum=_params.address(dq_accum))
-        _launch(plan.convert, device_id, (math.ceil(Nq * d / CONVERT_ELEMS), Hq, B), params)
+                   dbias=_params.address(dbias if grads & GRAD_DK else None))
+        if specs is not None:
+            params.set(**_tensor_maps(specs, (q, do, k, v), ("q_map", "dout_map", "k_map", "v_map")))
+        _launch(variant, grid, device_id, params)
+    params.set(dq_accum=_params.address(dq_accum))
+    _launch(*plan.finish, device_id, params)
 
 
-def _sm90_backward_maps(variant: Variant, q, k, v, do) -> dict | None:
-    """bwd_sm90.cu's tensor maps of q and dO (boxes of its query tile's rows) and of k and
-    v (its key block's), or None where one cannot be made."""
+def _sm90_backward_map_specs(variant: Variant, q, k, v, do):
+    """bwd_sm90.cu's tensor-map specs of q and dO (boxes of its query tile's rows) and of
+    k and v (its key block's), or None where a map of one of them cannot be made."""
     block_m, block_n = variant.tile[0], variant.block_m
-    maps = {name: _tma.tensor_map(x, rows) for name, x, rows in
-            (("q_map", q, block_m), ("dout_map", do, block_m), ("k_map", k, block_n), ("v_map", v, block_n))}
-    return None if any(m is None for m in maps.values()) else maps
+    specs = (_tma.map_spec(q, block_m), _tma.map_spec(do, block_m), _tma.map_spec(k, block_n),
+             _tma.map_spec(v, block_n))
+    return None if any(s is None for s in specs) else specs
 
 
-def _launch(variant: Variant, device_id: int, grid: tuple, params: _params.Params) -> None:
+def _launch(variant: Variant, grid: tuple, device_id: int, params: _params.Params) -> None:
     """One kernel launch on CuPy's current stream: its one argument, the contract."""
     _load(variant, device_id)(grid, (variant.threads,), (params.arg,), shared_mem=variant.smem_bytes)

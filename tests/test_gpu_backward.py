@@ -233,7 +233,34 @@ def test_hopper_backward_reads_through_tensor_maps(rng, d):
     variant = _cuda._choose(candidates, device)
     assert variant.family is _kernels.BWD_SM90 and variant.dq_ld == d + 8
     views = [_arrays.bhsd_view(x, "bhsd") for x in (q, k, v, do)]
-    assert _cuda._sm90_backward_maps(variant, *views) is not None
+    assert _cuda._sm90_backward_map_specs(variant, *views) is not None
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_backward_calls_of_one_signature_share_a_plan(rng, dtype):
+    """Backward calls whose arrays have one layout reuse one launch plan
+    (`_cuda._BACKWARD_PLANS`) but each reads its own inputs and writes its own gradients;
+    the deterministic mode and an input whose rows are not 16-byte aligned get plans of
+    their own (no 16-byte copies, no tensor maps) and are still right."""
+    import cupy as cp
+    from cupyflash import _cuda
+
+    def check(host, device, **options):
+        _, vjp = cupyflash.attention_vjp(*device[:3], causal=True, backend="cuda", **options)
+        _check(vjp(device[3]), _reference_grads(host, "bhsd", causal=True), dtype, "bhsd")
+
+    _cuda._BACKWARD_PLANS.clear()
+    for _ in range(3):
+        check(*_inputs(rng, dtype, 64, 200, 333, 2, "bhsd"))
+    assert len(_cuda._BACKWARD_PLANS) == 1
+    check(*_inputs(rng, dtype, 64, 200, 333, 2, "bhsd"), deterministic=True)
+    assert len(_cuda._BACKWARD_PLANS) == 2
+    host, (q, k, v, do) = _inputs(rng, dtype, 64, 200, 200, 1, "bhsd")
+    base = cp.zeros((q.size + 8,), q.dtype)
+    unaligned = base[1:1 + q.size].reshape(q.shape)
+    unaligned[...] = q
+    check(host, (unaligned, k, v, do))
+    assert len(_cuda._BACKWARD_PLANS) == 3
 
 
 def test_runs_on_the_current_stream(rng):
