@@ -111,14 +111,17 @@ def threads(n):
 
 @contextlib.contextmanager
 def busy_process(enabled):
-    """A second process spinning on one core for the duration of the block (if enabled)."""
+    """A second process spinning on one core for the duration of the block (if enabled;
+    the block gets its Popen, else None). It spins only while this process is its parent, so that a benchmark killed by a signal
+    that skips the ``finally`` below (SIGTERM) leaves no process spinning behind."""
     if not enabled:
-        yield
+        yield None
         return
-    proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    spin = f"import os\nwhile os.getppid() == {os.getpid()}:\n    pass\n"
+    proc = subprocess.Popen([sys.executable, "-c", spin])
     try:
         time.sleep(0.5)   # let it start spinning
-        yield
+        yield proc
     finally:
         proc.kill()
         proc.wait()

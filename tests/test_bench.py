@@ -188,3 +188,35 @@ def test_tiny_mods_on_gpu(tmp_path):
         "block_sparse density=1", "block_sparse density=0.5", "block_sparse density=0.25",
         "block_sparse density=0.125", "dropout p=0.1", "softcap 30", "alibi", "bias (Nq,Nk)"}
     assert all(r["visible_pairs"] > 0 for r in rows)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_cpu_load_process_stops_when_the_benchmark_is_killed(tmp_path):
+    """`--load`'s spinning process ends with the benchmark even when a signal kills the
+    benchmark without running its cleanup (SIGTERM)."""
+    import signal
+    import time
+    from pathlib import Path
+
+    script = tmp_path / "bench_with_load.py"
+    script.write_text("import time\nfrom cupyflash import _bench_cpu\n"
+                      "with _bench_cpu.busy_process(True) as spinner:\n"
+                      "    print(spinner.pid, flush=True)\n    time.sleep(60)\n")
+    root = Path(__file__).resolve().parent.parent
+    bench_proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                                  env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"})
+    spinner = int(bench_proc.stdout.readline())
+    bench_proc.send_signal(signal.SIGTERM)
+    bench_proc.wait(10)
+
+    def spinning() -> bool:
+        try:
+            state = Path(f"/proc/{spinner}/status").read_text()
+        except FileNotFoundError:
+            return False
+        return "\nState:\tZ" not in state   # a zombie no longer runs
+
+    deadline = time.monotonic() + 10
+    while spinning() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not spinning()
