@@ -112,8 +112,9 @@ def threads(n):
 @contextlib.contextmanager
 def busy_process(enabled):
     """A second process spinning on one core for the duration of the block (if enabled;
-    the block gets its Popen, else None). It spins only while this process is its parent, so that a benchmark killed by a signal
-    that skips the ``finally`` below (SIGTERM) leaves no process spinning behind."""
+    the block gets its Popen, else None). It spins only while this process is its
+    parent, so that a benchmark killed by a signal that skips the ``finally`` below
+    (SIGTERM) leaves no process spinning behind."""
     if not enabled:
         yield None
         return
