@@ -18,8 +18,8 @@ import math
 import numpy as np
 
 from . import _arrays, _mods, _nvrtc, _params, _philox, _tma
-from ._kernels import (BWD_ROW_PAD, CONVERT_ELEMS, CPP_TYPE, FWD_SM90, GRAD_DK, GRAD_DQ, HEAD_DIMS,
-                       MIN_COMPUTE_CAPABILITY, MODE_BIAS, MODE_DENSE, MODES, PREP_WARPS, BackwardPlan,
+from ._kernels import (BWD_ROW_PAD, CPP_TYPE, FWD_SM90, GRAD_DK, GRAD_DQ, HEAD_DIMS,
+                       MIN_COMPUTE_CAPABILITY, MODE_BIAS, MODE_DENSE, MODES, BackwardPlan,
                        Variant, backward_plan, forward_variants, forward_variants_for, kernel_mode,
                        padded_head_dim)
 from ._validate import check_flag
@@ -236,15 +236,6 @@ def _problem_scalars(q, k, v, *, scale: float, causal: bool, mods) -> _params.Pa
     return params
 
 
-def _problem_params(q, k, v, *, scale: float, causal: bool, mods) -> _params.Params:
-    """The AttnParams every kernel of a call shares: q, k, v, the sizes, the scale and
-    the options."""
-    params = _problem_scalars(q, k, v, scale=scale, causal=causal, mods=mods)
-    params.tensor("q", q).tensor("k", k).tensor("v", v)
-    _mods_addresses(params, mods)
-    return params
-
-
 def _grid_extents(q, k, mods) -> tuple[int, int, int]:
     """(batch entries, query rows, key rows) that the grid covers: under varlen one
     sequence per batch entry, as long as the longest."""
@@ -397,12 +388,18 @@ def _sm90_bias_spec(variant: Variant, bias, nq: int, nk: int):
     return _tma.map_spec(bias, variant.block_m)
 
 
+def _map_specs(*boxes):
+    """The tensor-map specs (`_tma.map_spec`) of (array, box rows) pairs, or None where a
+    map of one of them cannot be made."""
+    specs = tuple(_tma.map_spec(x, rows) for x, rows in boxes)
+    return None if any(s is None for s in specs) else specs
+
+
 def _sm90_map_specs(variant: Variant, q, k, v):
     """fwd_sm90.cu's tensor-map specs of q, k and v (boxes of the query tile's and the key
     tile's rows), or None where a map of one of them cannot be made."""
     block_n = variant.tile[0]
-    specs = (_tma.map_spec(q, variant.block_m), _tma.map_spec(k, block_n), _tma.map_spec(v, block_n))
-    return None if any(s is None for s in specs) else specs
+    return _map_specs((q, variant.block_m), (k, block_n), (v, block_n))
 
 
 # --------------------------------------------------------------------------- backward
@@ -468,8 +465,9 @@ def _plan_backward(do, q, k, v, o, dq, dk, dv, *, scale, causal, deterministic, 
         variant = _choose(plan.dq, device_id)
         finish = (variant, (math.ceil(rows / variant.block_m), Hq, batch))
     else:
-        finish = (plan.convert, (math.ceil(Nq * d / CONVERT_ELEMS), Hq, B))
-    return _BackwardLaunchPlan((plan.prep, (nq_pad // PREP_WARPS, Hq, B)), tuple(kv), finish, nq_pad, dq_ld, params)
+        finish = (plan.convert, (math.ceil(Nq * d / plan.convert.block_m), Hq, B))
+    prep = (plan.prep, (nq_pad // plan.prep.block_m, Hq, B))
+    return _BackwardLaunchPlan(prep, tuple(kv), finish, nq_pad, dq_ld, params)
 
 
 def attention_backward(do, q, k, v, o, lse, dq, dk, dv, *, scale, causal, deterministic,
@@ -526,9 +524,7 @@ def _sm90_backward_map_specs(variant: Variant, q, k, v, do):
     """bwd_sm90.cu's tensor-map specs of q and dO (boxes of its query tile's rows) and of
     k and v (its key block's), or None where a map of one of them cannot be made."""
     block_m, block_n = variant.tile[0], variant.block_m
-    specs = (_tma.map_spec(q, block_m), _tma.map_spec(do, block_m), _tma.map_spec(k, block_n),
-             _tma.map_spec(v, block_n))
-    return None if any(s is None for s in specs) else specs
+    return _map_specs((q, block_m), (do, block_m), (k, block_n), (v, block_n))
 
 
 def _launch(variant: Variant, grid: tuple, device_id: int, params: _params.Params) -> None:

@@ -355,7 +355,6 @@ BWD_SM90_KV_TILES = {
     64: ((128, 2),),
     128: ((64, 2),),
 }
-BWD_SM90_EXT_KV_TILES = BWD_SM90_KV_TILES
 # From d = 192, dK and dV beside each other exceed the registers (build check): the
 # dK/dV kernel runs twice, once for dV and once for dK (+ dQ), recomputing P.
 BWD_SPLIT_MIN_HEAD_DIM = 192
@@ -511,8 +510,7 @@ def backward_plan(dtype_name: str, D: int, deterministic: bool, mode: int = MODE
         tiles = (BWD_SM80_EXT_KV_TILES if mode else BWD_SM80_KV_TILES)[D]
         passes = ((GRAD_DV, GRAD_DK | dq_bit) if D >= BWD_SPLIT_MIN_HEAD_DIM
                   else (GRAD_DV | GRAD_DK | dq_bit,))
-        hopper = () if len(passes) > 1 or hopper_mode & MODE_BIAS else \
-            (BWD_SM90_EXT_KV_TILES if mode else BWD_SM90_KV_TILES).get(D, ())
+        hopper = () if len(passes) > 1 or hopper_mode & MODE_BIAS else BWD_SM90_KV_TILES.get(D, ())
         kv = tuple((grads, [*(_sm90_dkdv(dtype_name, D, t, grads, mode) for t in hopper),
                             *(_sm80_dkdv(dtype_name, D, t, grads, mode) for t in tiles)])
                    for grads in passes)
