@@ -1,7 +1,7 @@
 """Run one forward (or backward) case a few times, for ncu, and print the cubin that serves it.
 
     python bench/profile_case.py --dtype bfloat16 --head-dim 128 --seqlen 16384 [--causal] [--backward]
-                                 [--softcap 30] [--dropout 0.1] [--window 256]
+                                 [--softcap 30] [--dropout 0.1] [--window 256] [--alibi]
 
 With ``--backward`` the forward runs once and the backward ``--repeat`` times; profile
 its key-block kernel with ``ncu -k regex:flash_bwd_dkdv``, the forward's with
@@ -29,10 +29,13 @@ p.add_argument("--repeat", type=int, default=5)
 p.add_argument("--softcap", type=float, default=None, help="an option, to profile its kernels")
 p.add_argument("--dropout", type=float, default=0.0, help="an option, to profile its kernels")
 p.add_argument("--window", type=int, default=None, help="an option (left extent, right 0), to profile its kernels")
+p.add_argument("--alibi", action="store_true", help="an option (geometric slopes), to profile its kernels")
 a = p.parse_args()
+H, B = 2048 // a.head_dim, 16384 // a.seqlen
 options = {k: v for k, v in (("softcap", a.softcap), ("dropout_p", a.dropout),
                              ("window", a.window and (a.window, 0))) if v}
-H, B = 2048 // a.head_dim, 16384 // a.seqlen
+if a.alibi:   # the benchmark's slopes
+    options["alibi_slopes"] = cp.asarray(2.0 ** (-8.0 * (cp.arange(H, dtype=cp.float32) + 1) / H))
 q, k, v, do = (cp.random.standard_normal((B, H, a.seqlen, a.head_dim), dtype=cp.float32).astype(a.dtype)
                for _ in range(4))
 D = _kernels.padded_head_dim(a.head_dim, a.head_dim)

@@ -20,16 +20,25 @@ import ml_dtypes  # noqa: E402
 
 import cupyflash  # noqa: E402
 
-SHAPES = ((1, 1, 32), (17, 33, 72), (33, 47, 64), (129, 65, 128), (65, 129, 256))
-# The options' kernels: every option at once, on the odd shapes, and varlen; once without
-# the bias too (on Hopper the bias is a policy of its own: MODE_EXT and MODE_EXT | MODE_BIAS).
-def _options(nq, nk, rng, bias=True):
+# (Nq, Nk, d); (129, 200, 64) has whole tiles that no mask touches, which the Hopper
+# backward at d = 64 runs without the selects when there is no dropout ("terms" below).
+SHAPES = ((1, 1, 32), (17, 33, 72), (33, 47, 64), (129, 65, 128), (65, 129, 256), (129, 200, 64))
+
+
+def _options(kind, nq, nk, rng):
+    """The options' kernels: every option at once ("all"); every option but the bias ("no
+    bias": on Hopper the bias is a policy of its own, MODE_EXT and MODE_EXT | MODE_BIAS);
+    the score terms alone, without a mask or dropout ("terms")."""
+    slopes = cp.asarray(rng.random(4).astype(np.float32))
+    if kind == "terms":
+        return dict(alibi_slopes=slopes, softcap=5.0)
     blocks = rng.random((4, -(-nq // 16), -(-nk // 16))) < 0.7
     options = dict(window=(40, 7), dropout_p=0.2, seed=5, block_mask=blocks, block_size=16,
-                   alibi_slopes=cp.asarray(rng.random(4).astype(np.float32)), softcap=5.0)
-    if bias:
+                   alibi_slopes=slopes, softcap=5.0)
+    if kind == "all":
         options["bias"] = cp.asarray(rng.standard_normal((4, nq, nk)).astype(np.float32))
     return options
+
 
 
 def main():
@@ -40,10 +49,10 @@ def main():
         for nq, nk, d in SHAPES:
             for causal, options, deterministic in ((False, None, False), (True, None, False),
                                                    (True, None, True), (True, "all", False),
-                                                   (False, "no bias", False)):
+                                                   (False, "no bias", False), (False, "terms", False)):
                 q = cp.asarray(rng.standard_normal((1, 4, nq, d)).astype(dtype))
                 k, v = (cp.asarray(rng.standard_normal((1, 2, nk, d)).astype(dtype)) for _ in range(2))
-                extra = _options(nq, nk, rng, bias=options == "all") if options else {}
+                extra = _options(options, nq, nk, rng) if options else {}
                 if "bias" in extra:
                     extra["bias"] = extra["bias"].astype(dtype)
                 # Where a launch fails, the sanitizer log shows which case was running.
