@@ -2,9 +2,13 @@
 version's, in one process on the same inputs, beside torch SDPA's cuDNN and flash
 backends (kernel work: a change must not slow the dense call beyond run-to-run noise).
 
-    python bench/ab_versions.py OLD [--backward] [--head-dims 64 128]
+    python bench/ab_versions.py OLD [--backward] [--head-dims 64 128] [--option softcap]
         # OLD: a directory with that version's cupyflash/ and kernels_cu/
         # (git archive <commit> cupyflash kernels_cu | tar -x -C OLD)
+
+``--option`` times an option's call instead (the benchmark's --mods parameters; TFLOP/s
+counted as for the dense call of that causal flag, so only the new/old column means
+anything), without the peers.
 
 Each case is timed A, B, A, B (back-to-back calls, bench.time_ms), so the spread between the
 two readings of one version shows the noise.
@@ -33,11 +37,33 @@ def load_version(root: Path, name: str = "cupyflash_old"):
     return module
 
 
-def _runs(module, q, k, v, do, causal, backward):
+def _option_kwargs(option, q):
+    """The keyword arguments of an option, as `python -m cupyflash.bench --mods` passes it."""
+    import cupy as cp
+    import numpy as np
+
+    H, N = q.shape[1], q.shape[2]
+    if option == "softcap":
+        return dict(softcap=bench.MOD_SOFTCAP)
+    if option == "alibi":
+        return dict(alibi_slopes=cp.asarray((2.0 ** (-8.0 * (np.arange(H) + 1) / H)).astype(np.float32)))
+    if option == "bias":
+        return dict(bias=cp.random.default_rng(N).standard_normal((N, N), dtype=cp.float32).astype(q.dtype))
+    if option == "window2048":
+        return dict(window=(2048, 0))
+    if option == "dropout":
+        return dict(dropout_p=bench.MOD_DROPOUT, seed=0)
+    return {}
+
+
+OPTIONS = ("dense", "softcap", "alibi", "bias", "window2048", "dropout")
+
+
+def _runs(module, q, k, v, do, causal, backward, options):
     """The call to time: the forward, or the backward of one forward pass."""
     if not backward:
-        return lambda: module.attention(q, k, v, causal=causal)
-    _, ctx = module.attention_forward(q, k, v, causal=causal)
+        return lambda: module.attention(q, k, v, causal=causal, **options)
+    _, ctx = module.attention_forward(q, k, v, causal=causal, **options)
     return lambda: module.attention_backward(do, ctx)
 
 
@@ -47,10 +73,12 @@ def main(argv):
     p.add_argument("--backward", action="store_true")
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     p.add_argument("--seqlens", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
+    p.add_argument("--option", choices=OPTIONS, default="dense")
     a = p.parse_args(argv)
     old = load_version(a.old.resolve())
     pass_ = "bwd" if a.backward else "fwd"
     torch, SDPBackend, sdpa_kernel = bench._torch()
+    print(f"{a.option}")
     print(f"{pass_}: {'d':>3} {'c':>1} {'N':>6} {'new':>7} {'old':>7} {'new':>7} {'old':>7} {'cudnn':>7} {'flash':>7}  "
           f"new/old new/cudnn old/cudnn (TFLOP/s)")
     for d in a.head_dims:
@@ -60,11 +88,12 @@ def main(argv):
                 (q, k, v, do), (tq, tk, tv, tdo) = bench.make_inputs("bfloat16", (B, H, N, d), N + d)
                 flop = bench.flops(B, H, N, d, causal, pass_)
                 tf = lambda run: flop / bench.time_ms(run) / 1e9   # noqa: E731
-                runs = {"new": _runs(cupyflash, q, k, v, do, causal, a.backward),
-                        "old": _runs(old, q, k, v, do, causal, a.backward)}
+                options = _option_kwargs(a.option, q)
+                runs = {"new": _runs(cupyflash, q, k, v, do, causal, a.backward, options),
+                        "old": _runs(old, q, k, v, do, causal, a.backward, options)}
                 readings = [(name, tf(runs[name])) for name in ("new", "old", "new", "old")]
                 peers = [tf(bench._torch_runs(torch, getattr(SDPBackend, backend), tq, tk, tv, tdo,
-                                              is_causal=causal)[pass_]())
+                                              is_causal=causal)[pass_]()) if a.option == "dense" else float("nan")
                          for backend in ("CUDNN_ATTENTION", "FLASH_ATTENTION")]
                 new = max(r for n, r in readings if n == "new")
                 old_best = max(r for n, r in readings if n == "old")

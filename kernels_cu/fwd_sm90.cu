@@ -24,11 +24,13 @@
 //
 // MODE_EXT serves every option (mods.cuh) in the same pipeline, as policies:
 //   - mask-only options (causal, window, seqlens_k, varlen, block mask) decide which key
-//     tiles are visited: the producer walks them (MaskInfo's range, the block mask's
-//     next_key_tile) and hands each stage's tile to the consumers with a flag for the
-//     tiles that are not wholly visible, which alone run the element mask;
-//   - score terms (softcap, ALiBi) run in registers between S and the softmax; without
-//     one the scale stays folded into the exp2, as in dense mode;
+//     tiles are visited: the producer walks them (MaskInfo's range less the block mask's
+//     empty blocks, from the diagonal down) and hands each stage's tile to the consumers
+//     with a flag for the tiles that are not wholly visible, which alone run the element
+//     mask;
+//   - score terms (softcap, ALiBi) run in registers between S and the softmax, in the
+//     softmax's units (HeadMods::fold_terms): the scale stays folded into the exp2, as in
+//     dense mode, and ALiBi costs one FMA a score off the diagonal;
 //   - the bias, in the MODE_EXT | MODE_BIAS instantiations only, streams through the
 //     stages beside K and V by TMA where it has whole rows (else each thread loads its
 //     scores' bias), with the heads of a query block side by side in the work order;
@@ -216,54 +218,62 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
                 const int h = work.h, hk = h / p.group;
                 const int2 tiles = mods.mask.key_tile_range(q0, q0 + q_rows, BLOCK_N);
                 // The key tiles visited, in order: every tile of the range, less those the
-                // block mask leaves out (the dense path visits the whole range); `state`:
-                // the tile's block_state (2: the block mask covers it partly). A block
-                // mask is read 32 tiles at a time, a tile per lane, so that a sparse mask
-                // costs one round of loads per 32 tiles rather than one per tile skipped.
-                int window = -32;      // first tile of the window the lanes have read (none yet)
-                int lane_state = 0;    // block_state of tile window + lane
+                // block mask leaves out. The dense path visits the range upwards (its
+                // consumers count the tiles themselves); with the options the walk starts
+                // at the range's last tile, nearest the diagonal, so that with ALiBi the
+                // first tile holds the row's largest scores and the later ones seldom
+                // raise the max (each rise rescales the output accumulator). Position
+                // k_pos of the walk is tile tile_at(k_pos). `state`: the tile's
+                // block_state (2: the block mask covers it partly). A block mask is read
+                // 32 positions at a time, one per lane, so that a sparse mask costs one
+                // round of loads per 32 tiles rather than one per tile skipped.
+                const int walk_length = tiles.y - tiles.x;
+                auto tile_at = [&](int k_pos) { return MODE == MODE_DENSE ? tiles.x + k_pos : tiles.y - 1 - k_pos; };
+                int window = -32;      // first position of the window the lanes have read (none yet)
+                int lane_state = 0;    // block_state of the tile at position window + lane
                 u32 window_hits = 0;   // the window's tiles the block mask leaves on
-                auto next_tile = [&](int j, int& state) {
+                auto next_visited = [&](int k_pos, int& state) {
                     state = 1;
-                    if (MODE == MODE_DENSE || mods.mask.blocks == nullptr) return j;
-                    for (; j < tiles.y; j = window + 32) {
-                        if (j < window || j >= window + 32) {
-                            window = j;
-                            const int mine = j + lane;
-                            lane_state = mine < tiles.y ? mods.mask.block_state(q0, q0 + q_rows, mine * BLOCK_N,
-                                                                                (mine + 1) * BLOCK_N, h) : 0;
+                    if (MODE == MODE_DENSE || mods.mask.blocks == nullptr) return k_pos;
+                    for (; k_pos < walk_length; k_pos = window + 32) {
+                        if (k_pos < window || k_pos >= window + 32) {
+                            window = k_pos;
+                            const int mine = tile_at(k_pos + lane);
+                            lane_state = k_pos + lane < walk_length
+                                             ? mods.mask.block_state(q0, q0 + q_rows, mine * BLOCK_N, (mine + 1) * BLOCK_N, h)
+                                             : 0;
                             window_hits = __ballot_sync(0xffffffffu, lane_state != 0);
                         }
-                        const u32 ahead = window_hits >> (j - window);
+                        const u32 ahead = window_hits >> (k_pos - window);
                         if (ahead != 0) {
-                            const int found = j + __ffs(ahead) - 1;
+                            const int found = k_pos + __ffs(ahead) - 1;
                             state = __shfl_sync(0xffffffffu, lane_state, found - window);
                             return found;
                         }
                     }
-                    return tiles.y;
+                    return walk_length;
                 };
                 int state;
-                int j = next_tile(tiles.x, state);
+                int k_pos = next_visited(0, state);
                 if (leader) {
                     // The work word: 2 w, + 1 when no key tile is visited.
-                    atomicExch(&bars.work, 2 * w + (j >= tiles.y));
+                    atomicExch(&bars.work, 2 * w + (k_pos >= walk_length));
                     mbar_arrive_expect_tx(&bars.q_full, C::Q_BYTES);
                     load_panels(sQ, p.q_map, &bars.q_full, BLOCK_M, mods.q_base + q0, h);
                 }
-                for (; j < tiles.y; ++t) {
-                    const int s = t % STAGES;
+                for (; k_pos < walk_length; ++t) {
+                    const int s = t % STAGES, j = tile_at(k_pos);
                     const u32 parity = ((t / STAGES) & 1) ^ 1;   // the consumers' release of the round before
                     mbar_wait(&bars.k_empty[s], parity);
                     int next_state;
-                    const int next = next_tile(j + 1, next_state);
+                    const int next = next_visited(k_pos + 1, next_state);
                     if (leader) {
                         if constexpr (MODE != MODE_DENSE) {
                             // The schedule word: 4 j, + 2 on the last tile, + 1 where it needs
                             // the element mask.
                             const bool masked = state == 2 || mods.mask.band_needs_mask(q0, q0 + q_rows, j * BLOCK_N,
                                                                                         (j + 1) * BLOCK_N);
-                            atomicExch(&bars.tile[s], 4 * j + 2 * (next >= tiles.y) + masked);
+                            atomicExch(&bars.tile[s], 4 * j + 2 * (next >= walk_length) + masked);
                         }
                         mbar_arrive_expect_tx(&bars.k_full[s], C::KV_BYTES);
                         load_panels(sK + s * C::KV_ELEMS, p.k_map, &bars.k_full[s], BLOCK_N,
@@ -287,7 +297,7 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
                         load_panels(sV + s * C::KV_ELEMS, p.v_map, &bars.v_full[s], BLOCK_N,
                                     mods.k_base + (i64)j * BLOCK_N, hk);
                     }
-                    j = next;
+                    k_pos = next;
                     state = next_state;
                 }
             }
@@ -383,7 +393,7 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
         };
         // The bias of the t-th key tile (index jt; MODE_BIAS) as pairs of neighbouring keys
         // in the fragments' layout, once its S has landed; added after the other score terms
-        // (scores_log2 leaves it out: the sum is the same). From the tile's stage where TMA
+        // (fold_terms leaves it out: the sum is the same). From the tile's stage where TMA
         // brought it (128-byte swizzle: the 16-byte chunk c of row r at chunk c ^ (r % 8))
         // by ldmatrix: matrix m of an x4 is rows 8 (m % 2) .. of the warp's 16 and n-tile
         // nt + m / 2, so each lane receives exactly its pairs. Else from global memory, a
@@ -435,14 +445,14 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
         auto release_bias_tile = [&](int t) {
             if (bias_in_smem) release(bars.bias_empty, t);
         };
-        auto add_bias = [&](const BiasPairs& pairs) {
+        auto add_bias = [&](const BiasPairs& pairs, float weight) {
             #pragma unroll
             for (int nt = 0; nt < NT; ++nt)
                 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     T x;
                     x.bits = u16(pairs[nt][e / 2] >> (16 * (e % 2)));
-                    s[0][nt][e] += to_acc(x) * float(LOG2E_D);
+                    s[0][nt][e] = fma(to_acc(x), weight, s[0][nt][e]);
                 }
         };
         // The mask and the score terms on the scores of key tile jt (masked: not wholly
@@ -456,10 +466,11 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
             bool grew;
             if constexpr (MODE != MODE_DENSE) {
                 if (head_mods.score_terms()) {
-                    float no_dtanh[1][1][4];
-                    head_mods.template scores_log2<false, false>(s, no_dtanh, r0, k0, scale_log2, masked);
-                    if constexpr ((MODE & MODE_BIAS) != 0) add_bias(bias);
-                    grew = softmax.fold(s, 1.f, alpha);
+                    float shift[1][2];
+                    const float fs = head_mods.fold_terms(s, shift, r0, k0, scale_log2, masked, [&](float weight) {
+                        if constexpr ((MODE & MODE_BIAS) != 0) add_bias(bias, weight);
+                    });
+                    grew = softmax.fold(s, fs, shift, alpha);
                 } else {
                     if (masked) mask.apply(s, r0, k0, h);
                     grew = softmax.fold(s, scale_log2, alpha);

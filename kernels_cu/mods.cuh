@@ -97,26 +97,7 @@ struct HeadMods<T, Acc, true> {
             });
         else if constexpr (KEEP_DTANH)
             for_each_score<KEY_ROWS>(s, r0, c0, [&](Acc&, int, int, int mt, int nt, int e) { dtanh[mt][nt][e] = Acc(1); });
-        if (WITH_BIAS && bias != nullptr) {
-            // One row pointer per query the thread holds where they fit (null past the
-            // sequence: a tile's padding has no bias), so that a score costs a load and an add.
-            typedef QuerySlots<KEY_ROWS, MT, NT> Slots;
-            if constexpr (Slots::CACHED) {
-                const T* rows[Slots::COUNT];
-                #pragma unroll
-                for (int q = 0; q < Slots::COUNT; ++q) {
-                    const int i = Slots::query(q, r0, c0);
-                    rows[q] = i < mask->nq ? bias + i * bias_sq : nullptr;
-                }
-                const int nk = mask->nk;
-                for_each_score<KEY_ROWS>(s, r0, c0, [&](Acc& x, int, int j, int mt, int nt, int e) {
-                    const T* row = rows[Slots::of(mt, nt, e)];
-                    if (row != nullptr && j < nk) x += to_acc(row[j * bias_sk]) * Acc(LOG2E_D);
-                });
-            } else {
-                for_each_score<KEY_ROWS>(s, r0, c0, [&](Acc& x, int i, int j, int, int, int) { x += biased(i, j); });
-            }
-        }
+        if (WITH_BIAS && bias != nullptr) add_bias<KEY_ROWS>(s, r0, c0, Acc(LOG2E_D));
         if (slope_log2 != Acc(0)) {
             // Where the thread's fragments have registers to spare (QuerySlots::CACHED, the
             // Hopper forward's one m-tile), the distance i + off - j is its first one,
@@ -136,6 +117,88 @@ struct HeadMods<T, Acc, true> {
             }
         }
         if (masked) mask->template apply<KEY_ROWS>(s, r0, c0, h);
+    }
+
+    // The forward's form of scores_log2, for OnlineSoftmax::fold: s (raw products, C
+    // fragments, rows from r0, keys from c0) becomes y with score_log2 = fs y + shift[mt][h]
+    // for the returned fold scale fs and a shift per thread and fragment row, so that the
+    // scale and the terms that do not vary along a row ride in the fold's exp2 FFMA rather
+    // than in passes of their own:
+    //   - softcap: y = tanh(scale s / softcap), fs = softcap log2 e (no multiply after it);
+    //   - ALiBi where the warp's tile lies on one side of the diagonal (every tile the
+    //     causal mask leaves whole): -slope |i + off - j| = sign slope (j - i - off), the
+    //     key's part an FMA with its column in the tile (an immediate) and the rest in
+    //     shift; on tiles across the diagonal, per score;
+    //   - the bias: add_bias(weight) adds bias times `weight` to s where there is one
+    //     (a kernel that brings its own bias tiles adds them; else HeadMods::add_bias);
+    //   - the mask (-inf) where `masked`.
+    // Without softcap fs = scale_log2, unless that is so small (scale = 0) that slope / fs
+    // would overflow: then y is scaled here and fs = 1.
+    template <int MT, int NT, typename AddBias>
+    __device__ __forceinline__ Acc fold_terms(Acc (&s)[MT][NT][4], Acc (&shift)[MT][2], int r0, int c0,
+                                              Acc scale_log2, bool masked, AddBias&& add_bias) const {
+        Acc fs = scale_log2;
+        if (softcap > Acc(0)) {
+            const Acc to_tanh = scale_log2 * softcap_in;
+            for_each_score<false>(s, r0, c0, [&](Acc& x, int, int, int, int, int) { x = tanh_acc<T>(x * to_tanh); });
+            fs = softcap * Acc(LOG2E_D);
+        } else if (slope_log2 != Acc(0) && scale_log2 < Acc(0x1p-60)) {
+            for_each_score<false>(s, r0, c0, [&](Acc& x, int, int, int, int, int) { x *= scale_log2; });
+            fs = Acc(1);
+        }
+        #pragma unroll
+        for (int mt = 0; mt < MT; ++mt) shift[mt][0] = shift[mt][1] = Acc(0);
+        if (bias != nullptr) add_bias(Acc(LOG2E_D) / fs);
+        if (slope_log2 != Acc(0)) {
+            const Acc per_key = slope_log2 / fs;
+            const int d_min = r0 + off - (c0 + 8 * NT - 1), d_max = r0 + 16 * MT - 1 + off - c0;
+            if (d_min >= 0 || d_max <= 0) {
+                const Acc sign = d_min >= 0 ? Acc(1) : Acc(-1), key_step = sign * per_key;
+                const int lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
+                #pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+                    #pragma unroll
+                    for (int nt = 0; nt < NT; ++nt)
+                        #pragma unroll
+                        for (int e = 0; e < 4; ++e)
+                            if (nt != 0 || e % 2 != 0) s[mt][nt][e] = fma(Acc(8 * nt + e % 2), key_step, s[mt][nt][e]);
+                #pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+                    #pragma unroll
+                    for (int h = 0; h < 2; ++h)
+                        shift[mt][h] = sign * slope_log2 * Acc(c0 + 2 * t4 - (r0 + 16 * mt + g + 8 * h) - off);
+            } else {
+                for_each_score<false>(s, r0, c0, [&](Acc& x, int i, int j, int, int, int) {
+                    x = fma(-per_key, fabs(Acc(i + off - j)), x);
+                });
+            }
+        }
+        if (masked) mask->apply(s, r0, c0, h);
+        return fs;
+    }
+    // s += weight * bias over C fragments (for_each_score's layout). One row pointer per
+    // query the thread holds where they fit (null past the sequence: a tile's padding has
+    // no bias), so that a score costs a load and an FMA.
+    template <bool KEY_ROWS, int MT, int NT>
+    __device__ __forceinline__ void add_bias(Acc (&s)[MT][NT][4], int r0, int c0, Acc weight) const {
+        typedef QuerySlots<KEY_ROWS, MT, NT> Slots;
+        if constexpr (Slots::CACHED) {
+            const T* rows[Slots::COUNT];
+            #pragma unroll
+            for (int q = 0; q < Slots::COUNT; ++q) {
+                const int i = Slots::query(q, r0, c0);
+                rows[q] = i < mask->nq ? bias + i * bias_sq : nullptr;
+            }
+            const int nk = mask->nk;
+            for_each_score<KEY_ROWS>(s, r0, c0, [&](Acc& x, int, int j, int mt, int nt, int e) {
+                const T* row = rows[Slots::of(mt, nt, e)];
+                if (row != nullptr && j < nk) x = fma(to_acc(row[j * bias_sk]), weight, x);
+            });
+        } else {
+            for_each_score<KEY_ROWS>(s, r0, c0, [&](Acc& x, int i, int j, int, int, int) {
+                if (i < mask->nq && j < mask->nk) x = fma(to_acc(bias[i * bias_sq + j * bias_sk]), weight, x);
+            });
+        }
     }
 
     // softcap * tanh(scale s / softcap) of a log2-unit score x = scale s log2 e, in log2

@@ -46,8 +46,11 @@ struct OnlineSoftmax {
     // scale_log2 - max). Where the max grows, on_grow(mt, h, alpha) is told the factor
     // exp2(old - new) by which the output accumulator's row must be multiplied before
     // this tile's P V is added to it. Returns whether the max grew.
-    template <int NT, typename OnGrow>
-    __device__ __forceinline__ bool fold_with(Acc (&s)[MT][NT][4], Acc scale_log2, OnGrow&& on_grow) {
+    // SHIFTED: each score is s * scale_log2 + shift[mt][h] instead (a term per thread and
+    // row, HeadMods::fold_terms).
+    template <bool SHIFTED = false, int NT, typename OnGrow>
+    __device__ __forceinline__ bool fold_with(Acc (&s)[MT][NT][4], Acc scale_log2, OnGrow&& on_grow,
+                                              const Acc (*shift)[2] = nullptr) {
         Acc tile_max[MT][2];
         bool grow = false;
         #pragma unroll
@@ -58,7 +61,7 @@ struct OnlineSoftmax {
                 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt)
                     m = fmax(m, fmax(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
-                tile_max[mt][h] = quad_max(m) * scale_log2;
+                tile_max[mt][h] = SHIFTED ? quad_max(m * scale_log2 + shift[mt][h]) : quad_max(m) * scale_log2;
                 grow |= tile_max[mt][h] > row_max[mt][h] + RESCALE_SLACK;
             }
         }
@@ -81,12 +84,13 @@ struct OnlineSoftmax {
             #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const Acc base = row_max[mt][h] == -INFINITY ? Acc(0) : row_max[mt][h];
+                const Acc offset = SHIFTED ? shift[mt][h] - base : -base;
                 Acc sum = 0;
                 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) {
                     #pragma unroll
                     for (int e = 0; e < 2; ++e) {
-                        const Acc p = exp2_fast(fma(s[mt][nt][2 * h + e], scale_log2, -base));
+                        const Acc p = exp2_fast(fma(s[mt][nt][2 * h + e], scale_log2, offset));
                         s[mt][nt][2 * h + e] = p;
                         sum += p;
                     }
@@ -118,6 +122,11 @@ struct OnlineSoftmax {
     template <int NT>
     __device__ __forceinline__ bool fold(Acc (&s)[MT][NT][4], Acc scale_log2, Acc (&alpha)[MT][2]) {
         return fold_with(s, scale_log2, [&](int mt, int h, Acc a) { alpha[mt][h] = a; });
+    }
+    template <int NT>
+    __device__ __forceinline__ bool fold(Acc (&s)[MT][NT][4], Acc scale_log2, const Acc (&shift)[MT][2],
+                                         Acc (&alpha)[MT][2]) {
+        return fold_with<true>(s, scale_log2, [&](int mt, int h, Acc a) { alpha[mt][h] = a; }, shift);
     }
 
     template <int DT>
