@@ -196,7 +196,7 @@ struct HeadMods<T, Acc, true> {
             });
         } else {
             for_each_score<KEY_ROWS>(s, r0, c0, [&](Acc& x, int i, int j, int, int, int) {
-                if (i < mask->nq && j < mask->nk) x = fma(to_acc(bias[i * bias_sq + j * bias_sk]), weight, x);
+                x += i < mask->nq && j < mask->nk ? to_acc(bias[i * bias_sq + j * bias_sk]) * weight : Acc(0);
             });
         }
     }
