@@ -471,7 +471,7 @@ def _plan_backward(do, q, k, v, o, dq, dk, dv, *, scale, causal, deterministic, 
 
 
 def attention_backward(do, q, k, v, o, lse, dq, dk, dv, *, scale, causal, deterministic,
-                       mods=_mods.NONE, dbias=None) -> None:
+                       mods=_mods.NONE, dbias=None, dlse=None) -> None:
     """Launch the backward kernels: writes every element of dq, dk and dv.
 
     Inputs are (B, H, N, d) CuPy views with a contiguous last axis (validated by the
@@ -479,7 +479,9 @@ def attention_backward(do, q, k, v, o, lse, dq, dk, dv, *, scale, causal, determ
     (`cupyflash._mods`); nothing is copied and the host does not wait for the GPU.
     ``dbias``, when not None, is the bias gradient's accumulator in the compact shape of
     ``mods.bias`` and the accumulation dtype, zeroed by the caller: the key-block kernels
-    add dS into it with atomics (summing its broadcast axes). Workspaces, allocated from
+    add dS into it with atomics (summing its broadcast axes). ``dlse``, when not None, is
+    the loss's gradient with respect to the LSE ((B, Hq, Nq), the accumulation dtype): it
+    is taken off the pre-pass's row term D (dS = P (dP - D + dlse)). Workspaces, allocated from
     CuPy's pool on the current stream: lse2 and delta, 2 * B * Hq * ceil(Nq / 128) * 128
     floats (doubles for fp64); with ``deterministic=False`` also the dq accumulator,
     B * Hq * Nq * d floats (doubles; rows padded to D + 8 for bwd_sm90.cu, which adds
@@ -489,7 +491,7 @@ def attention_backward(do, q, k, v, o, lse, dq, dk, dv, *, scale, causal, determ
     import cupy
 
     if _in_batch_slices(attention_backward, (do, q, k, v, o, lse, dq, dk, dv), mods, scale=scale,
-                        causal=causal, deterministic=deterministic, dbias=dbias):
+                        causal=causal, deterministic=deterministic, dbias=dbias, dlse=dlse):
         return
     lse = cupy.ascontiguousarray(lse)   # the pre-pass reads it as (B, Hq, Nq) rows
     signature = (*_signature((do, q, k, v, o, dq, dk, dv, dbias), scale=scale, causal=causal, mods=mods),
@@ -509,6 +511,8 @@ def attention_backward(do, q, k, v, o, lse, dq, dk, dv, *, scale, causal, determ
         _mods_addresses(params, mods)
     device_id = q.device.id
     _launch(*plan.prep, device_id, params)
+    if dlse is not None:   # on the same stream, before the key-block kernels read D
+        delta[..., :Nq] -= dlse
     for grads, variant, grid, specs in plan.kv:
         # Null where the launch adds nothing into dq (or dbias: only the dK launch has dS).
         params.set(dq_accum=_params.address(dq_accum if grads & GRAD_DQ else None),

@@ -361,8 +361,8 @@ def _forward_block(q, k, v, o, lse, rules: _Rules, rows: tuple[int, int], q_tile
 def attention_backward(do: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray,
                        o: np.ndarray, lse: np.ndarray, *, scale: float, causal: bool,
                        mods: _mods.Modifiers = _mods.NONE, dbias: np.ndarray | None = None,
-                       block_q: int | None = None, block_k: int | None = None
-                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                       block_q: int | None = None, block_k: int | None = None,
+                       dlse: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Gradients of `attention_forward` by recomputation, as in FlashAttention-2.
 
     Parameters
@@ -404,6 +404,10 @@ def attention_backward(do: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarr
     # dropout too, as O is the dropped output): a cheap pre-pass instead of a reduction
     # over all key tiles.
     delta = np.einsum("bhnd,bhnd->bhn", do, o)
+    if dlse is not None:
+        # A loss that reads the LSE too: d lse_i / d s_ij = P_ij, so dS_ij = P_ij (dP_ij -
+        # D_i + dlse_i), the same form with D_i - dlse_i.
+        delta -= dlse
     # P = exp2(s - lse * log2(e)). Rows that saw no key have lse = -inf and s = -inf,
     # where -inf - -inf is NaN; +inf in their place gives exactly P = 0.
     lse_log2 = np.where(lse == -np.inf, np.inf, lse * dtype.type(_LOG2E))

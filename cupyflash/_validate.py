@@ -443,6 +443,18 @@ def check_do(do, *, o, kind, device):
     return do
 
 
+def check_dlse(dlse, *, lse, kind, device):
+    """``dlse`` adopted, checked against the forward's LSE and the context's placement."""
+    (dlse,) = _adopt_same_kind([("dlse", dlse)], kind, "the forward pass's q")
+    if kind == _arrays.DEVICE:
+        _check_device("dlse", dlse, device, "the forward pass's q")
+    if dlse.dtype.kind != "f" and dlse.dtype != _arrays.BFLOAT16:
+        raise TypeError(f"dlse must have a real floating dtype, got {dlse.dtype}")
+    if dlse.shape != lse.shape:
+        raise ValueError(f"dlse must have the shape of lse, {lse.shape}, got {dlse.shape}")
+    return dlse
+
+
 @dataclass(frozen=True)
 class Snapshot:
     """What a context recorded about its saved arrays, to notice later changes."""

@@ -261,12 +261,12 @@ def _numpy_forward(q, k, v, o, lse, *, scale, causal, mods):
 
 
 def _numpy_backward(do, q, k, v, o, lse, dq, dk, dv, *, scale, causal, deterministic, mods,
-                    dbias):
+                    dbias, dlse=None):
     del deterministic  # the NumPy backend always sums in one order
     acc = _arrays.accumulation_dtype(q.dtype)
     grads = _reference.attention_backward(
         *(x.astype(acc, copy=False) for x in (do, q, k, v, o)), lse, scale=scale, causal=causal,
-        mods=mods, dbias=dbias)
+        mods=mods, dbias=dbias, dlse=dlse)
     for out, grad in zip((dq, dk, dv), grads):
         out[...] = grad
 
@@ -519,7 +519,7 @@ def _expand_dbias(dbias, ctx):
     return grad.reshape(bias.shape).astype(bias.dtype)
 
 
-def attention_backward(do, ctx, *, return_dbias=False):
+def attention_backward(do, ctx, *, return_dbias=False, dlse=None):
     """Gradients of attention with respect to q, k and v, from a saved forward pass.
 
     Parameters
@@ -534,6 +534,10 @@ def attention_backward(do, ctx, *, return_dbias=False):
         ``ctx.rng_offset``.
     return_dbias : bool, default False
         Also return the gradient of the forward's ``bias`` (ValueError without one).
+    dlse : array, optional
+        Gradient of the loss with respect to the forward's LSE, where the loss uses it
+        too (e.g. through `cupyflash.merge_attention` over key parts): the LSE's shape,
+        a real floating dtype, on the same side as the forward inputs. None is zero.
 
     Returns
     -------
@@ -559,10 +563,15 @@ def attention_backward(do, ctx, *, return_dbias=False):
     _validate.check_unchanged(ctx._tracked(), ctx._snapshot)
     user_kind = _arrays.kind_of(ctx.q)
     do = _validate.check_do(do, o=ctx.o, kind=user_kind, device=ctx.device)
+    if dlse is not None:
+        dlse = _validate.check_dlse(dlse, lse=ctx.lse, kind=user_kind, device=ctx.device)
     kind = _arrays.kind_of(ctx._saved[0])
     device = _arrays.device_of(ctx._saved[0])
     with _arrays.on_device(device):
         do_ = _arrays.move(do, kind, device)
+        if dlse is not None:
+            dlse = _arrays.move(dlse, kind, device).astype(ctx._saved[-1].dtype)
+            dlse = dlse[None] if ctx.layout == "varlen" else _arrays.lse_bhs_view(dlse, ctx.layout)
         grads = tuple(_arrays.empty(x.shape, x.dtype, kind) for x in (ctx.q, ctx.k, ctx.v))
         dbias = None
         if return_dbias:
@@ -572,15 +581,15 @@ def attention_backward(do, ctx, *, return_dbias=False):
             _backend_module(ctx.backend).attention_backward(
                 ctx._backend_view(do_), *ctx._saved, *(ctx._backend_view(g) for g in grads),
                 scale=ctx.scale, causal=ctx.causal, deterministic=ctx.deterministic,
-                mods=ctx._modifiers, dbias=dbias)
+                mods=ctx._modifiers, dbias=dbias, dlse=dlse)
         if return_dbias:
             grads = (*grads, _expand_dbias(dbias, ctx))
     return tuple(_arrays.move(g, user_kind, ctx.device) for g in grads)
 
 
 def _vjp_of(ctx):
-    def vjp(do, *, return_dbias=False):
-        return attention_backward(do, ctx, return_dbias=return_dbias)
+    def vjp(do, *, return_dbias=False, dlse=None):
+        return attention_backward(do, ctx, return_dbias=return_dbias, dlse=dlse)
     return vjp
 
 
