@@ -11,15 +11,17 @@ from test_reference import assert_close
 TOL = {np.float64: 1e-12, np.float32: 1e-5}  # tests/TOLERANCES.md
 
 
-def _parts(rng, dtype, *, b=2, h=3, nq=37, cuts=(0, 11, 12, 50), d=24, layout="bhsd"):
-    """q, k, v over all keys, the key cuts, a bias hiding some (row, part) pairs entirely:
-    query 3 sees no key of part 0, query 5 no key at all."""
+def _parts(rng, dtype, *, b=2, h=3, nq=37, cuts=(0, 11, 12, 50), d=24, layout="bhsd", blind_row=True):
+    """q, k, v over all keys and a bias hiding some (row, part) pairs entirely: query 3
+    sees no key of part 0; with ``blind_row`` query 5 sees no key at all (the oracle
+    gives NaN there, so the gradient checks leave it out)."""
     nk = cuts[-1]
     shape = (lambda n: (b, h, n, d)) if layout == "bhsd" else (lambda n: (b, n, h, d))
     q, k, v = (rng.standard_normal(shape(n)).astype(dtype) for n in (nq, nk, nk))
     bias = np.zeros((nq, nk), dtype)
     bias[3, cuts[0]:cuts[1]] = -np.inf
-    bias[5, :] = -np.inf
+    if blind_row:
+        bias[5, :] = -np.inf
     return q, k, v, bias
 
 
@@ -63,14 +65,13 @@ def test_merged_parts_equal_attention_over_all_keys(dtype, layout):
         np.testing.assert_array_equal(x, y)
 
 
-@ORACLE_NO_KEY_ROW
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_gradients_through_the_merge_equal_those_over_all_keys(dtype):
     """merge_attention_vjp's douts and dlses, fed to each part's backward (dlse=), give the
     gradients of attention over all keys: dq summed over parts, dk and dv per part."""
     rng = np.random.default_rng(11)
     cuts = (0, 20, 21, 64)
-    q, k, v, bias = _parts(rng, dtype, cuts=cuts, nq=29)
+    q, k, v, bias = _parts(rng, dtype, cuts=cuts, nq=29, blind_row=False)
     do = rng.standard_normal(q.shape[:-1] + (v.shape[-1],)).astype(dtype)
     dlse = rng.standard_normal(q.shape[:-1]).astype(dtype)
     ctxs, outs, lses = [], [], []
@@ -86,6 +87,9 @@ def test_gradients_through_the_merge_equal_those_over_all_keys(dtype):
     dv = np.concatenate([cf.attention_backward(g, c, dlse=gl)[2] for g, gl, c in zip(douts, dlses, ctxs)], axis=2)
     ref = _grads_with_lse(do, dlse, q, k, v, bias)
     for out, r in zip((dq, dk, dv), ref):
+        assert np.isfinite(r).all()
+        # Ten times the limit: each part's backward starts from douts rounded to the
+        # dtype and the parts' gradients are summed afterwards, roundings the whole call has not.
         assert_close(out, r, TOL[dtype] * 10)
 
 
@@ -170,7 +174,6 @@ def test_bad_cotangents_are_named():
         merge_vjp(np.zeros_like(o), np.zeros((1, 2), np.float32))
 
 
-@ORACLE_NO_KEY_ROW
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "float64"])
 def test_merge_and_dlse_on_the_gpu(dtype):
@@ -181,7 +184,7 @@ def test_merge_and_dlse_on_the_gpu(dtype):
 
     rng = np.random.default_rng(5)
     cuts = (0, 130, 131, 300)
-    q, k, v, bias = _parts(rng, np.float32, cuts=cuts, nq=200, d=64)
+    q, k, v, bias = _parts(rng, np.float32, cuts=cuts, nq=200, d=64, blind_row=False)
     do = rng.standard_normal(q.shape).astype(np.float32)
     dlse = rng.standard_normal(q.shape[:-1]).astype(np.float32)
     to_gpu = lambda x: cp.asarray(x).astype(dtype)   # noqa: E731
@@ -207,4 +210,5 @@ def test_merge_and_dlse_on_the_gpu(dtype):
     assert (np.isneginf(cp.asnumpy(lse)) == ~finite).all()
     assert rel_err(cp.asnumpy(lse)[finite], ref_lse[finite]) < TOLERANCE[dtype]
     for out, r in zip((dq, dk, dv), _grads_with_lse(dor, dlse.astype(np.float64), qr, kr, vr, br)):
-        assert rel_err(out, r) < TOLERANCE[dtype] * 3
+        assert np.isfinite(r).all()
+        assert rel_err(out, r) < TOLERANCE[dtype] * 3   # the parts' extra roundings (above)
