@@ -365,7 +365,8 @@ def test_public_names():
                                "AttentionContext", "precompile", "manual_seed", "varlen_attention",
                                "varlen_attention_forward", "varlen_attention_vjp", "block_sparse",
                                "local_global_block_mask", "butterfly_block_mask",
-                               "block_mask_density", "__version__"}
+                               "block_mask_density", "merge_attention", "merge_attention_vjp",
+                               "__version__"}
     assert isinstance(cf.__version__, str)
 
 
