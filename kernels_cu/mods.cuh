@@ -155,13 +155,9 @@ struct HeadMods<T, Acc, true> {
             if (d_min >= 0 || d_max <= 0) {
                 const Acc sign = d_min >= 0 ? Acc(1) : Acc(-1), key_step = sign * per_key;
                 const int lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
-                #pragma unroll
-                for (int mt = 0; mt < MT; ++mt)
-                    #pragma unroll
-                    for (int nt = 0; nt < NT; ++nt)
-                        #pragma unroll
-                        for (int e = 0; e < 4; ++e)
-                            if (nt != 0 || e % 2 != 0) s[mt][nt][e] = fma(Acc(8 * nt + e % 2), key_step, s[mt][nt][e]);
+                for_each_score<false>(s, r0, c0, [&](Acc& x, int, int, int, int nt, int e) {
+                    if (nt != 0 || e % 2 != 0) x = fma(Acc(8 * nt + e % 2), key_step, x);   // an immediate once unrolled
+                });
                 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt)
                     #pragma unroll
