@@ -18,7 +18,7 @@ import math
 import numpy as np
 
 from . import _arrays, _mods, _nvrtc, _params, _philox, _tma
-from ._kernels import (BWD_ROW_PAD, CPP_TYPE, FWD_SM90, GRAD_DK, GRAD_DQ, HEAD_DIMS,
+from ._kernels import (BWD_ROW_PAD, CPP_TYPE, FWD_SM90, GRAD_DK, GRAD_DQ, GRAD_DQ_ORDERED, HEAD_DIMS,
                        MIN_COMPUTE_CAPABILITY, MODE_BIAS, MODE_DENSE, MODES, BackwardPlan,
                        Variant, backward_plan, forward_variants, forward_variants_for, kernel_mode,
                        padded_head_dim)
@@ -428,10 +428,11 @@ class _BackwardLaunchPlan:
     addresses and tensor maps (`attention_backward`)."""
 
     prep: tuple            # (variant, grid) of the pre-pass
-    kv: tuple              # per key-block launch: (GRADS bits, variant, grid, tensor-map specs or None)
+    kv: tuple              # per key-block launch: (variant, grid, tensor-map specs or None)
     finish: tuple          # (variant, grid): the deterministic dQ kernel, or the dQ conversion
     nq_pad: int
-    dq_ld: int             # 0: no dQ workspace (deterministic)
+    dq_ld: int             # 0: no dQ workspace (the dQ kernel computes dq)
+    dq_turns: int          # turn counters of a key-block kernel that adds dQ in order (bwd.cuh DqTurns)
     params: _params.Params
 
 
@@ -451,23 +452,30 @@ def _plan_backward(do, q, k, v, o, dq, dk, dv, *, scale, causal, deterministic, 
     params.set(nq_pad=nq_pad, vec=int(_arrays.rows_16b_aligned(q, k, v, do, dq, dk, dv)),
                **dict(zip(("dbias_sb", "dbias_sh", "dbias_sq", "dbias_sk"), _params.element_strides(dbias, 4))))
     kv = []
-    for grads, candidates in plan.kv:
+    for _, candidates in plan.kv:
         variant, specs = _choose(candidates, device_id), None
         if variant.family.tensor_maps:
             specs = _sm90_backward_map_specs(variant, q, k, v, do)
             if specs is None:   # the next kernel in line
                 variant = _choose([c for c in candidates if not c.family.tensor_maps], device_id)
-        kv.append((grads, variant, (math.ceil(keys / variant.block_m), Hk, batch), specs))
+        kv.append((variant, (math.ceil(keys / variant.block_m), Hk, batch), specs))
+    adds_dq = next((v for v, _, _ in kv if v.grads & GRAD_DQ), None)
     # The dQ workspace's rows: padded where the kernel that adds into it wants whole tiles.
-    dq_ld = 0 if deterministic else next((v.dq_ld for grads, v, _, _ in kv if grads & GRAD_DQ and v.dq_ld), d)
+    dq_ld = 0 if adds_dq is None else adds_dq.dq_ld or d
+    # Ordered dQ: a counter per (batch entry, query head, query tile of the kernel).
+    dq_turns = 0
+    if dq_ld and adds_dq.grads & GRAD_DQ_ORDERED:
+        query_tiles = math.ceil(rows / adds_dq.tile[0])
+        dq_turns = batch * Hq * query_tiles
+        params.set(grid_m=query_tiles, grid_heads=Hq, grid_batch=batch)
     params.set(dq_ld=dq_ld or d)
-    if plan.dq is not None:
+    if adds_dq is None:
         variant = _choose(plan.dq, device_id)
         finish = (variant, (math.ceil(rows / variant.block_m), Hq, batch))
     else:
         finish = (plan.convert, (math.ceil(Nq * d / plan.convert.block_m), Hq, B))
     prep = (plan.prep, (nq_pad // plan.prep.block_m, Hq, B))
-    return _BackwardLaunchPlan(prep, tuple(kv), finish, nq_pad, dq_ld, params)
+    return _BackwardLaunchPlan(prep, tuple(kv), finish, nq_pad, dq_ld, dq_turns, params)
 
 
 def attention_backward(do, q, k, v, o, lse, dq, dk, dv, *, scale, causal, deterministic,
@@ -483,9 +491,10 @@ def attention_backward(do, q, k, v, o, lse, dq, dk, dv, *, scale, causal, determ
     the loss's gradient with respect to the LSE ((B, Hq, Nq), the accumulation dtype): it
     is taken off the pre-pass's row term D (dS = P (dP - D + dlse)). Workspaces, allocated from
     CuPy's pool on the current stream: lse2 and delta, 2 * B * Hq * ceil(Nq / 128) * 128
-    floats (doubles for fp64); with ``deterministic=False`` also the dq accumulator,
-    B * Hq * Nq * d floats (doubles; rows padded to D + 8 for bwd_sm90.cu, which adds
-    whole tiles). ``deterministic=True`` computes dq without atomics,
+    floats (doubles for fp64); where the key-block kernel adds dq (``deterministic=False``,
+    and on Hopper both modes) also the dq accumulator, B * Hq * Nq * d floats (doubles;
+    rows padded to D + 8 for bwd_sm90.cu, which adds whole tiles), and for its ordered
+    additions one 4-byte turn counter per query tile. ``deterministic=True`` computes dq
     bitwise reproducibly (dbias too when the bias broadcasts over no axis).
     """
     import cupy
@@ -502,7 +511,12 @@ def attention_backward(do, q, k, v, o, lse, dq, dk, dv, *, scale, causal, determ
     acc = _arrays.accumulation_dtype(q.dtype).type
     lse2 = cupy.empty((B, Hq, plan.nq_pad), acc)
     delta = cupy.empty((B, Hq, plan.nq_pad), acc)
-    dq_accum = cupy.zeros((B, Hq, Nq, plan.dq_ld), acc) if plan.dq_ld else None
+    dq_accum = dq_turns = None
+    if plan.dq_ld:   # the turn counters after the workspace: one allocation, one memset
+        words = B * Hq * Nq * plan.dq_ld * np.dtype(acc).itemsize // 4
+        zeroed = cupy.zeros(words + plan.dq_turns, cupy.uint32)
+        dq_accum = zeroed[:words].view(acc).reshape(B, Hq, Nq, plan.dq_ld)
+        dq_turns = zeroed[words:] if plan.dq_turns else None
     params = plan.params.copy()
     params.tensor("q", q).tensor("k", k).tensor("v", v).tensor("o", o).tensor("dout", do)
     params.tensor("dq", dq).tensor("dk", dk).tensor("dv", dv).set(
@@ -513,10 +527,11 @@ def attention_backward(do, q, k, v, o, lse, dq, dk, dv, *, scale, causal, determ
     _launch(*plan.prep, device_id, params)
     if dlse is not None:   # on the same stream, before the key-block kernels read D
         delta[..., :Nq] -= dlse
-    for grads, variant, grid, specs in plan.kv:
+    for variant, grid, specs in plan.kv:
         # Null where the launch adds nothing into dq (or dbias: only the dK launch has dS).
-        params.set(dq_accum=_params.address(dq_accum if grads & GRAD_DQ else None),
-                   dbias=_params.address(dbias if grads & GRAD_DK else None))
+        params.set(dq_accum=_params.address(dq_accum if variant.grads & GRAD_DQ else None),
+                   dq_order=_params.address(dq_turns if variant.grads & GRAD_DQ else None),
+                   dbias=_params.address(dbias if variant.grads & GRAD_DK else None))
         if specs is not None:
             params.set(**_tensor_maps(specs, (q, do, k, v), ("q_map", "dout_map", "k_map", "v_map")))
         _launch(variant, grid, device_id, params)

@@ -189,6 +189,7 @@ class Variant:
     mode: int = MODE_DENSE
     tile: tuple = ()         # the tile-table entry it was made from
     dq_ld: int = 0           # a key-block kernel's row stride of the dQ workspace; 0: the head dim
+    grads: int = 0           # a key-block kernel's GRADS bits (bwd.cuh)
 
     @property
     def source(self) -> str:
@@ -307,9 +308,10 @@ def _one_ext_mode(mode: int) -> int:
 # --------------------------------------------------------------------------- backward
 #
 # A backward pass is a pre-pass (bwd_prep.cu: the per-row workspaces lse2 and delta), one
-# or two key-block launches that write dk and dv, and for dq either the deterministic
-# query-block kernel or, with deterministic=False, atomics from the key-block kernel into
-# an fp32 (fp64) workspace followed by a scaling/conversion kernel.
+# or two key-block launches that write dk and dv, and for dq either additions from the
+# key-block kernel into an fp32 (fp64) workspace followed by a scaling/conversion kernel
+# (atomics with deterministic=False; on Hopper deterministically too, the key blocks
+# taking turns on each dQ tile), or the deterministic query-block kernel.
 
 # Tensor-core backward tiles per head dim, in order of preference; each kernel takes the
 # first that fits the device's shared memory. The first entries serve H100/H200 (227 KB
@@ -415,7 +417,7 @@ BWD_SIMT_BLOCK = {"float32": 64, "float64": 32}
 # bwd.cuh: the row workspaces are padded to a multiple of this many rows.
 BWD_ROW_PAD = 128
 # Bits of the GRADS template argument (bwd.cuh).
-GRAD_DV, GRAD_DK, GRAD_DQ = 1, 2, 4
+GRAD_DV, GRAD_DK, GRAD_DQ, GRAD_DQ_ORDERED = 1, 2, 4, 8
 PREP_WARPS = 8         # bwd_prep.cu: rows per CTA of the pre-pass
 CONVERT_ELEMS = 1024   # bwd_prep.cu: elements per CTA of the dq conversion
 
@@ -424,12 +426,15 @@ CONVERT_ELEMS = 1024   # bwd_prep.cu: elements per CTA of the dq conversion
 class BackwardPlan:
     """The launches of one backward pass, each a list of candidate tiles (in order of
     preference; the first that fits the device is used). In a Variant of a key-block
-    kernel, ``block_m`` is its key block (the grid's first axis)."""
+    kernel, ``block_m`` is its key block (the grid's first axis), ``grads`` what it
+    computes. dQ comes either from the key-block kernel (added into an fp32 workspace,
+    then converted by ``convert``) or from the query-block kernel ``dq``: deterministic
+    plans have the second for the candidates that do not add dQ in a fixed order."""
 
-    kv: tuple            # one or two key-block launches, each (GRADS bits, [Variant, ...])
-    dq: list | None      # the deterministic dQ kernel; None: atomics, then conversion
+    kv: tuple            # one or two key-block launches, each (GRADS bits every candidate has, [Variant, ...])
+    dq: list | None      # the deterministic dQ kernel; None: every candidate adds dQ
     prep: Variant
-    convert: Variant | None
+    convert: Variant
 
 
 def _sm80_dkdv(dtype_name: str, D: int, tile, grads: int, mode: int) -> Variant:
@@ -440,7 +445,7 @@ def _sm80_dkdv(dtype_name: str, D: int, tile, grads: int, mode: int) -> Variant:
     elems = block_n * ld * (1 + dk) + 4 * block_m * ld + dq * block_n * (block_m + 8)
     smem = elems * 2 + (4 if dk else 2) * block_m * 4
     expr = f"flash_bwd_dkdv_sm80<{CPP_TYPE[dtype_name]}, {D}, {block_m}, {block_n}, {warps}, {grads}, {mode}, {smem}>"
-    return Variant(BWD_SM80, expr, warps * 32, block_n, smem, mode=mode)
+    return Variant(BWD_SM80, expr, warps * 32, block_n, smem, mode=mode, grads=grads)
 
 
 def _sm90_dkdv(dtype_name: str, D: int, tile, grads: int, mode: int) -> Variant:
@@ -457,7 +462,7 @@ def _sm90_dkdv(dtype_name: str, D: int, tile, grads: int, mode: int) -> Variant:
     expr = f"flash_bwd_dkdv_sm90<{CPP_TYPE[dtype_name]}, {D}, {block_m}, {consumers}, {grads}, {mode}, {smem}>"
     # + the producer warpgroup; the dQ workspace's rows padded as the staged tile's (DQ_LD)
     return Variant(BWD_SM90, expr, (consumers + 1) * 128, block_n, smem, mode=mode, tile=tuple(tile),
-                   dq_ld=(D + 8) if dq else 0)
+                   dq_ld=(D + 8) if dq else 0, grads=grads)
 
 
 def _sm80_dq(dtype_name: str, D: int, tile, mode: int) -> Variant:
@@ -476,7 +481,7 @@ def _wide_dkdv(dtype_name: str, D: int, tile, grads: int, mode: int) -> Variant:
     smem = elems * np.dtype(dtype_name).itemsize
     expr = (f"flash_bwd_dkdv_wide<{CPP_TYPE[dtype_name]}, {D}, {block_m}, {block_n}, {warps}, {slice_}, "
             f"{grads}, {mode}, {smem}>")
-    return Variant(BWD_WIDE, expr, warps * 32, block_n, smem, mode=mode)
+    return Variant(BWD_WIDE, expr, warps * 32, block_n, smem, mode=mode, grads=grads)
 
 
 def _wide_dq(dtype_name: str, D: int, tile, mode: int) -> Variant:
@@ -491,7 +496,7 @@ def _simt_backward(dtype_name: str, D: int, kernel: str, grads: int | None, mode
     block = BWD_SIMT_BLOCK[dtype_name]
     smem = (4 * block * 33 + 2 * block * (block + 1)) * np.dtype(dtype_name).itemsize   # BwdSimtTile
     targs = f"{CPP_TYPE[dtype_name]}, {D}, {block}" + ("" if grads is None else f", {grads}") + f", {mode}, {smem}"
-    return Variant(BWD_SIMT, f"{kernel}<{targs}>", 256, block, smem, mode=mode)
+    return Variant(BWD_SIMT, f"{kernel}<{targs}>", 256, block, smem, mode=mode, grads=grads or 0)
 
 
 def backward_plan(dtype_name: str, D: int, deterministic: bool, mode: int = MODE_DENSE,
@@ -504,14 +509,17 @@ def backward_plan(dtype_name: str, D: int, deterministic: bool, mode: int = MODE
     hopper_mode, mode = mode, _one_ext_mode(mode)
     ctype = CPP_TYPE[dtype_name]
     dq_bit = 0 if deterministic else GRAD_DQ
+    # The Hopper kernel adds dQ in both modes: deterministically, the key blocks take
+    # turns on each dQ tile (bwd.cuh DqTurns).
+    sm90_dq_bits = GRAD_DQ | (GRAD_DQ_ORDERED if deterministic else 0)
     prep = Variant(BWD_PREP, f"flash_bwd_prep<{ctype}>", PREP_WARPS * 32, PREP_WARPS, 0)
-    convert = None if deterministic else Variant(BWD_PREP, f"flash_bwd_dq_convert<{ctype}>", 256, CONVERT_ELEMS, 0)
+    convert = Variant(BWD_PREP, f"flash_bwd_dq_convert<{ctype}>", 256, CONVERT_ELEMS, 0)
     if dtype_name in HALF_DTYPES:
         tiles = (BWD_SM80_EXT_KV_TILES if mode else BWD_SM80_KV_TILES)[D]
         passes = ((GRAD_DV, GRAD_DK | dq_bit) if D >= BWD_SPLIT_MIN_HEAD_DIM
                   else (GRAD_DV | GRAD_DK | dq_bit,))
         hopper = () if len(passes) > 1 or hopper_mode & MODE_BIAS else BWD_SM90_KV_TILES.get(D, ())
-        kv = tuple((grads, [*(_sm90_dkdv(dtype_name, D, t, grads, mode) for t in hopper),
+        kv = tuple((grads, [*(_sm90_dkdv(dtype_name, D, t, grads | sm90_dq_bits, mode) for t in hopper),
                             *(_sm80_dkdv(dtype_name, D, t, grads, mode) for t in tiles)])
                    for grads in passes)
         q_tiles = (BWD_SM80_EXT_Q_TILES if mode else BWD_SM80_Q_TILES)[D]

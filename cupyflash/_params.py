@@ -58,7 +58,7 @@ ATTN = _struct([
     ("q_map", TMA_MAP), ("k_map", TMA_MAP), ("v_map", TMA_MAP), ("bias_map", TMA_MAP), ("dout_map", TMA_MAP),
     ("q", TENSOR), ("k", TENSOR), ("v", TENSOR), ("o", TENSOR),
     ("dout", TENSOR), ("dq", TENSOR), ("dk", TENSOR), ("dv", TENSOR),
-    ("lse", "ptr"), ("lse2", "ptr"), ("delta", "ptr"), ("dq_accum", "ptr"),
+    ("lse", "ptr"), ("lse2", "ptr"), ("delta", "ptr"), ("dq_accum", "ptr"), ("dq_order", "ptr"),
     ("dbias", "ptr"), ("dbias_sb", "i64"), ("dbias_sh", "i64"), ("dbias_sq", "i64"), ("dbias_sk", "i64"),
     ("work_counter", "ptr"),
     ("scale", "f64"), ("scale_log2", "f64"),

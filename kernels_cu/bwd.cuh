@@ -15,8 +15,10 @@
 
 #define BWD_ROW_PAD 128
 
-// Gradients a backward kernel instantiation produces (its GRADS template argument).
-enum { GRAD_DV = 1, GRAD_DK = 2, GRAD_DQ = 4 };
+// Gradients a backward kernel instantiation produces (its GRADS template argument);
+// GRAD_DQ_ORDERED with GRAD_DQ: the key blocks add into each dQ tile in a fixed order
+// (DqTurns below), so that dQ is the same bits in every run.
+enum { GRAD_DV = 1, GRAD_DK = 2, GRAD_DQ = 4, GRAD_DQ_ORDERED = 8 };
 
 __device__ __forceinline__ i64 row_workspace_offset(int b, int h, int hq, int nq_pad) {
     return ((i64)b * hq + h) * nq_pad;
@@ -48,6 +50,41 @@ struct KeyBlockPairs {
     }
 };
 
+
+// Deterministic dQ from a key-block kernel: the key blocks of a kv head add into a query
+// tile's dQ rows one at a time, in an order fixed by the mask alone, each after the
+// previous addition has completed; a counter per (batch entry, query head, query tile)
+// says how many have. The order follows the walks: with a right edge to the band (causal,
+// a window's right side) each key block walks up from its first visible query tile, so a
+// higher key block reaches a tile first and the order is descending; without one every
+// block starts at the first tile and it is ascending. The CTAs are numbered so that the
+// blocks a CTA waits for come before it in the grid: the hardware dispatches CTAs in grid
+// order, so those are resident or done, and the waits cannot deadlock.
+struct DqTurns {
+    bool descending;
+    int key_block;   // this CTA's key block
+
+    template <bool EXT>
+    __device__ __forceinline__ DqTurns(const MaskInfo<EXT>& mask, bool ordered)
+        : descending(ordered && mask.right_extent() != NO_LIMIT),
+          key_block(descending ? gridDim.x - 1 - blockIdx.x : blockIdx.x) {}
+
+    // How many key blocks add into rows [q0, q0 + block_m) of head h before this one:
+    // those of the band that the rows see (key_tile_range, the band the walkers' own
+    // query_tile_range describes) that the block mask leaves on, ahead in the order.
+    // Every lane of the warp calls it (they share the block mask's reads).
+    template <bool EXT>
+    __device__ __forceinline__ u32 ahead(const MaskInfo<EXT>& mask, int q0, int block_m, int block_n, int h,
+                                         int lane) const {
+        const int2 band = mask.key_tile_range(q0, q0 + block_m, block_n);
+        const int lo = descending ? key_block + 1 : band.x, hi = descending ? band.y : key_block;
+        if (!EXT || mask.blocks == nullptr) return u32(max(0, hi - lo));
+        u32 on = 0;
+        for (int j = lo + lane; j < hi; j += 32)
+            on += mask.block_state(q0, q0 + block_m, j * block_n, (j + 1) * block_n, h) != 0;
+        return __reduce_add_sync(0xffffffffu, on);
+    }
+};
 
 // The backward kernels' scalars and workspaces from the contract's AttnParams `p`
 // (params.cuh), under the names their bodies use, in the accumulation type Acc. dbias

@@ -31,8 +31,10 @@
 // So the consumers issue no atomics and no loads into registers (each copies one word
 // of the next tile's lse2 or delta rows into shared memory with cp.async, waited for
 // before the tile's consumer barrier, which orders it for every reader): the mainloop is
-// their products and the softmax's gradient. The deterministic mode runs bwd_sm80.cu's
-// dQ kernel instead.
+// their products and the softmax's gradient. In the deterministic mode (GRAD_DQ_ORDERED)
+// the key blocks take turns on each dQ tile in a fixed order (bwd.cuh DqTurns): the
+// dQ writer waits for the tile's turn and waits for its reduction to complete before it
+// passes the turn on.
 // All operand tiles use the 128-byte-swizzled layout (wgmma.cuh Swizzle128): TMA's
 // boxes of 64 columns land as its panels.
 #include "elem.cuh"
@@ -76,6 +78,7 @@ struct Sm90BwdKVTile {
     static constexpr int NSTEPS = BLOCK_N / 16;      // k-steps of dS K
     static constexpr int PANEL = 64;                 // columns per TMA box (128 bytes, the swizzle span)
     static constexpr bool DQ = GRADS & GRAD_DQ;
+    static constexpr bool ORDERED_DQ = GRADS & GRAD_DQ_ORDERED;   // deterministic dQ (bwd.cuh DqTurns)
     // dQ's BLOCK_M x D tile in one 64 x DQ_N piece per warpgroup: DQ_COLS pieces across.
     static constexpr int DQ_N = BLOCK_M * D / (64 * CONSUMERS);
     static constexpr int DQ_COLS = D / DQ_N;
@@ -99,11 +102,13 @@ struct Sm90BwdKVTile {
     static constexpr int SMEM_BYTES = TILE_BYTES + ALIGN + sizeof(Sm90BwdBarriers<STAGES>);
     // Register budgets after setmaxnreg: the producer keeps 24 a thread (40 with the
     // options: with less, the dQ writer's walk of the block mask and its addresses under
-    // varlen spill, build check), the consumers share the rest of the launch's registers
-    // (tma.cuh WarpgroupRegs: 240, 232 with the options).
-    static constexpr int PRODUCER_REGS = MODE == MODE_DENSE ? 24 : 40;
+    // varlen spill, build check; 56 with the options and ordered dQ, whose turn count
+    // walks the block mask too: 48 spilled), the consumers share the rest of the launch's
+    // registers (tma.cuh WarpgroupRegs: 240, 232 with the options, 224 ordered).
+    static constexpr int PRODUCER_REGS = MODE == MODE_DENSE ? 24 : (ORDERED_DQ ? 56 : 40);
     static constexpr int CONSUMER_REGS = WarpgroupRegs<THREADS, PRODUCER_REGS>::CONSUMER;
     static_assert((GRADS & (GRAD_DV | GRAD_DK)) == (GRAD_DV | GRAD_DK), "dV and dK in one pass");
+    static_assert(DQ || !ORDERED_DQ, "ordered dQ");
     static_assert(D % PANEL == 0 && D <= 128 && BLOCK_M % 64 == 0 && BLOCK_M <= 128, "tile shape");
     static_assert(DQ_N % 64 == 0 && D % DQ_N == 0 && (BLOCK_M / 64) * DQ_COLS == CONSUMERS, "dQ pieces");
     static_assert(BWD_ROW_PAD % BLOCK_M == 0, "query tiles read the padded row workspaces whole");
@@ -138,7 +143,8 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
     const int hq = gridDim.y * group;
     MODS_SETUP(T, float, MODE, p, b, hq);
     const auto& mask = mods.mask;
-    const int k0 = blockIdx.x * BLOCK_N;
+    const DqTurns turns(mask, C::ORDERED_DQ);   // the CTA's key block (numbered against the dQ order)
+    const int k0 = turns.key_block * BLOCK_N;
     const int k_rows = min(BLOCK_N, mask.nk - k0);
     if (k_rows <= 0) return;
     const KeyBlockPairs pairs(mask, hk, group, k0, BLOCK_N, BLOCK_M);
@@ -190,18 +196,31 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
         } else if (role == 1 && C::DQ) {
             // The dQ tile's rows (those in the sequence) into the workspace, whose rows
             // the host pads as the staging tile's (dq_ld = DQ_LD): one bulk reduction.
+            // Deterministic: each tile's reduction waits for its turn (the key blocks
+            // ahead of this one have added theirs), and passes the turn on once done.
             if (dq_ld != C::DQ_LD) __trap();   // a host that drifted from this layout
             int step = 0;
             for (int it = first(); it < n_iter; it = after(it), ++step) {
+                const int h = pairs.head(it), q0 = pairs.q0(it);
+                [[maybe_unused]] u32* turn = nullptr;
+                [[maybe_unused]] u32 ahead = 0;
+                if constexpr (C::ORDERED_DQ) {
+                    turn = p.dq_order + ((i64)b * hq + h) * p.grid_m + q0 / BLOCK_M;   // grid_m: query tiles a head
+                    ahead = turns.ahead(mask, q0, BLOCK_M, BLOCK_N, h, lane);
+                }
                 mbar_wait(&bars.dq_full, step & 1);
                 if (lane == 0) {
-                    const int h = pairs.head(it), q0 = pairs.q0(it);
+                    if constexpr (C::ORDERED_DQ) wait_turn(turn, ahead);
                     const int rows = min(BLOCK_M, mask.nq - q0);
                     float* dq_tile = dq_accum + (((i64)mods.tb * hq + h) * nq + mods.q_base + q0) * (i64)C::DQ_LD;
                     bulk_reduce_add_f32(dq_tile, sdQ, u32(rows * C::DQ_LD) * sizeof(float));
                     bulk_commit();
                     bulk_wait_read<0>();
                     mbar_arrive(&bars.dq_empty);
+                    if constexpr (C::ORDERED_DQ) {
+                        bulk_wait<0>();
+                        pass_turn(turn);
+                    }
                 }
                 __syncwarp();
             }

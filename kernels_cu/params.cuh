@@ -50,7 +50,9 @@ struct AttnParams {
     void* lse;                          // (B, Hq, Nq) log-sum-exp, accumulation dtype
     void* lse2;                         // the backward's padded row workspaces (bwd.cuh)
     void* delta;
-    void* dq_accum;                     // non-deterministic dQ accumulator (B, Hq, nq, dq_ld), or null
+    void* dq_accum;                     // dQ accumulator (B, Hq, nq, dq_ld) of the key-block kernels that add dQ, or null
+    u32* dq_order;                      // deterministic dQ on Hopper: a turn counter per (batch, query head,
+                                        // query tile), zeroed (bwd.cuh DqTurns), or null
     void* dbias;                        // dbias accumulator (compact bias shape), or null
     i64 dbias_sb, dbias_sh, dbias_sq, dbias_sk;
     int* work_counter;                  // the Hopper forward's tile scheduler (below), or null
@@ -63,10 +65,11 @@ struct AttnParams {
     int dq_ld;                          // row stride of dq_accum (d, or a Hopper kernel's padded rows)
     int causal;
     int vec;                            // every row 16-byte aligned: wide copies
-    // The Hopper forward's work tiles, (query block, head, batch entry), numbered in the
-    // order fwd_sm90.cu decodes: CTA i starts at tile i and, with a (zeroed) work_counter,
-    // takes tile gridDim.x + atomicAdd(work_counter, 1) next (persistent CTAs); without
-    // one, tile i + gridDim.x.
+    // A launch's query tiles, (query tile, head, batch entry): the Hopper forward's work
+    // tiles, numbered in the order fwd_sm90.cu decodes: CTA i starts at tile i and, with a
+    // (zeroed) work_counter, takes tile gridDim.x + atomicAdd(work_counter, 1) next
+    // (persistent CTAs); without one, tile i + gridDim.x. The Hopper backward's dq_order
+    // counters, one per tile (under varlen grid_m covers the longest sequence).
     int grid_m, grid_heads, grid_batch;
     ModsParams mods;
 };

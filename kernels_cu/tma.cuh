@@ -106,3 +106,30 @@ template <int N> __device__ __forceinline__ void bulk_wait_read() {
 template <int N> __device__ __forceinline__ void bulk_wait() {
     asm volatile("cp.async.bulk.wait_group %0;\n" :: "n"(N) : "memory");
 }
+
+// Turn-taking between CTAs around bulk reductions (bwd.cuh DqTurns). A CTA waits until
+// `*turn` reaches `ahead`, then issues its reduction; once that has completed, it passes
+// the turn on. The proxy fences order the bulk copies (the async proxy) with the counter's
+// generic accesses on either side.
+__device__ __forceinline__ u32 load_acquire_gpu(const u32* p) {
+    u32 v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void fence_proxy_async_global() {
+    asm volatile("fence.proxy.async.global;\n" ::: "memory");
+}
+// A bounded spin (seconds): an accounting that ever disagreed with the walks traps
+// instead of hanging the GPU.
+__device__ __forceinline__ void wait_turn(const u32* turn, u32 ahead) {
+    for (u32 spins = 0; load_acquire_gpu(turn) != ahead; ++spins) {
+        if (spins == (1u << 26)) __trap();
+        __nanosleep(64);
+    }
+    fence_proxy_async_global();
+}
+// After this thread's bulk groups have completed (bulk_wait<0>).
+__device__ __forceinline__ void pass_turn(u32* turn) {
+    fence_proxy_async_global();
+    asm volatile("red.release.gpu.global.add.u32 [%0], 1;\n" :: "l"(turn) : "memory");
+}

@@ -446,6 +446,40 @@ def test_varlen_dropout_mask_is_philox_bit_for_bit():
             assert np.array_equal(rows[:, h, :nk] != 0, keep), f"sequence {s} head {h}"
 
 
+# --------------------------------------------------------------------------- determinism
+
+
+DETERMINISTIC_OPTION_CASES = {
+    # Masks whose bands and block patterns decide which key blocks take turns on a dQ tile.
+    "window": dict(window=(300, 200)),
+    "causal+window": dict(causal=True, window=(700, -1)),
+    "block_mask": "block_mask",
+    "dropout+alibi+softcap": dict(causal=True, dropout_p=0.2, seed=11, softcap=20.0),
+    "seqlens_k": dict(seqlens_k=np.array([1700, 923], np.int32)),
+}
+
+
+@pytest.mark.parametrize("case", list(DETERMINISTIC_OPTION_CASES))
+def test_deterministic_options_repeat_bit_for_bit(rng, case):
+    """deterministic=True gives the same gradient bits in every run, with the options, on
+    sizes where many key blocks add into each dQ tile; and they match the reference."""
+    nq, nk = 1500, 1700
+    host = _qkv(rng, "bfloat16", 64, nq, nk, 2, "bhsd")
+    opts = DETERMINISTIC_OPTION_CASES[case]
+    if opts == "block_mask":
+        opts = dict(block_mask=_block_mask(rng, (2, 4), nq, nk, 128, density=0.6))
+    if case.startswith("dropout"):
+        opts = dict(opts, alibi_slopes=rng.uniform(0.01, 0.1, 4))
+    opts = dict(opts, deterministic=True)
+    got, ref = _run_both(cupyflash.attention_forward, host, opts)
+    *inputs, do = host
+    again = _forward_backward(cupyflash.attention_forward, [_dev(x) for x in inputs], _dev(do),
+                              {k: _dev(v) for k, v in opts.items()}, backend=BACKEND)
+    for name in ("dq", "dk", "dv"):
+        assert np.array_equal(got[name].view(np.uint8), again[name].view(np.uint8)), f"{name} differs between runs"
+    _check(got, ref, "bfloat16")
+
+
 # --------------------------------------------------------------------------- edge rows
 
 

@@ -37,17 +37,28 @@ def test_first_tiles_fit_hopper_and_last_fit_100kb(dtype, D):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_only_the_non_deterministic_plan_adds_dq_atomically(dtype):
-    for D in _kernels.HEAD_DIMS:
-        det = _kernels.backward_plan(dtype, D, True)
-        assert det.dq is not None and det.convert is None
-        assert not any(grads & _kernels.GRAD_DQ for grads, _ in det.kv)
-        atomic = _kernels.backward_plan(dtype, D, False)
+def test_deterministic_plans_add_dq_only_in_order(dtype):
+    """A deterministic plan's key-block candidates either add dQ in turns (the Hopper
+    kernel, GRAD_DQ_ORDERED) or leave dQ to the query-block kernel; a non-deterministic
+    plan's add it (atomically) in the launch that computes dK."""
+    G = _kernels
+    for D in G.HEAD_DIMS:
+        det = G.backward_plan(dtype, D, True)
+        assert det.dq is not None and det.convert is not None
+        for grads, candidates in det.kv:
+            assert not grads & G.GRAD_DQ
+            for v in candidates:
+                ordered = v.family is G.BWD_SM90
+                assert bool(v.grads & G.GRAD_DQ) == ordered and bool(v.grads & G.GRAD_DQ_ORDERED) == ordered
+        atomic = G.backward_plan(dtype, D, False)
         assert atomic.dq is None and atomic.convert is not None
-        assert [bool(grads & _kernels.GRAD_DQ) for grads, _ in atomic.kv][-1]
-        # dK and dV each come from exactly one launch.
+        assert atomic.kv[-1][0] & G.GRAD_DQ
+        assert not any(v.grads & G.GRAD_DQ_ORDERED for _, c in atomic.kv for v in c)
         for plan in (det, atomic):
-            for bit in (_kernels.GRAD_DK, _kernels.GRAD_DV):
+            for grads, candidates in plan.kv:
+                assert all(v.grads & grads == grads for v in candidates)
+            # dK and dV each come from exactly one launch.
+            for bit in (G.GRAD_DK, G.GRAD_DV):
                 assert sum(bool(grads & bit) for grads, _ in plan.kv) == 1
 
 
