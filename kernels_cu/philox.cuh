@@ -98,27 +98,35 @@ __device__ __forceinline__ u64 dropout_keep_bits(u64 seed, u64 stream, int r0, i
 // are keys, for_each_score's KEY_ROWS layout): a warp's 16 keys from key0 (a multiple of
 // 16), NT n-tiles of queries from q0 (a multiple of 16); bit 4 nt + e for element e of
 // n-tile nt. A thread's keys g and g + 8 share a counter (the same j >> 5 and (j >> 1) & 3),
-// and so do its queries 16 m + 2 t + u and 16 m + 8 + 2 t + u: one Philox call gives 4 of
-// its scores (the forward's layout gets 16), 8 calls for 32 scores instead of 32.
+// and so do its queries 16 m + 2 t + u and 16 m + 8 + 2 t + u; so do the keys of lane
+// 4 (g ^ 1) + t, which differ in key bit 0 alone. So the two lanes split the calls: each
+// draws the counters of one u for both lanes' keys and hands the other lane its bits by
+// one shuffle. One call gives 8 of the pair's scores (the forward's layout gets 16): 4
+// calls for a thread's 32 scores instead of 32.
 template <int NT>
 __device__ __forceinline__ u32 dropout_keep_bits_key_rows(u64 seed, u64 stream, int key0, int q0, u32 threshold) {
     static_assert(NT % 2 == 0 && 4 * NT <= 32, "pairs of query n-tiles, at most 32 scores");
     const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int j = key0 + g;
+    const int u = g & 1;   // the query this lane draws for: its own key bit 0
     const u32 x = static_cast<u32>((j >> 5) * 4 + ((j >> 1) & 3));
-    const u32 key_byte = static_cast<u32>(((j >> 3) & 3) * 2 + (j & 1));   // key g's; g + 8's is 2 more
-    u32 bits = 0;
+    const u32 pair_byte = static_cast<u32>(((j >> 3) & 3) * 2);   // + key bit 0; key g + 8's is 2 more
+    // Bit 4 nt + 2 kh + b of `drawn`: query u's score of the key with bit 0 = b, i.e. this
+    // lane's bits where b = u, and where b != u the partner's, which it moves to its u.
+    u32 drawn = 0;
     #pragma unroll
-    for (int m = 0; m < NT / 2; ++m)
+    for (int m = 0; m < NT / 2; ++m) {
+        const uint4 w = dropout_words(seed, stream, x, static_cast<u32>(((q0 >> 4) + m) * 8 + 2 * t + u));
         #pragma unroll
-        for (int u = 0; u < 2; ++u) {
-            const uint4 w = dropout_words(seed, stream, x, static_cast<u32>(((q0 >> 4) + m) * 8 + 2 * t + u));
+        for (int half = 0; half < 2; ++half)            // n-tile 2 m + half: query bit 3
             #pragma unroll
-            for (int half = 0; half < 2; ++half)        // n-tile 2 m + half: query bit 3
+            for (int kh = 0; kh < 2; ++kh)              // key g + 8 kh
                 #pragma unroll
-                for (int kh = 0; kh < 2; ++kh)          // key g + 8 kh
-                    if (dropout_byte(w, half * 8 + key_byte + 2 * kh) >= threshold)
-                        bits |= 1u << (4 * (2 * m + half) + 2 * kh + u);
-        }
-    return bits;
+                for (int b = 0; b < 2; ++b)             // key bit 0
+                    drawn |= u32(dropout_byte(w, half * 8 + pair_byte + b + 2 * kh) >= threshold)
+                             << (4 * (2 * m + half) + 2 * kh + b);
+    }
+    const u32 own = u ? 0xaaaaaaaau : 0x55555555u;   // the bits of this lane's key parity
+    const u32 partners = __shfl_xor_sync(0xffffffffu, drawn, 4) & own;   // their query, these keys
+    return (drawn & own) | (u ? partners >> 1 : partners << 1);
 }

@@ -250,7 +250,7 @@ def test_single_element_arguments_are_checked():
 
 # --------------------------------------------------------------------------- kernels
 
-KERNELS = ("philox4x32_kernel<10>", "philox4x32_kernel<7>", "dropout_keep_kernel")
+KERNELS = ("philox4x32_kernel<10>", "philox4x32_kernel<7>", "dropout_keep_kernel", "dropout_key_rows_kernel<8>")
 
 try:
     _nvrtc.nvrtc_version()
@@ -315,3 +315,21 @@ def test_gpu_dropout_keep_matches_numpy(p, rng):
     np.testing.assert_array_equal(cupy.asnumpy(keep), expected.astype(np.uint8))
     grid = _philox.dropout_keep_mask(seed, offset, batch, head, 64, 97, p=p, heads=heads)
     np.testing.assert_array_equal(cupy.asnumpy(keep[:64 * 97]).reshape(64, 97), grid.astype(np.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("p", [0.1, 0.5])
+@pytest.mark.parametrize("key0,q0", [(0, 0), (16, 64), (48, 4096 + 16), (2**20 + 32, 2**21 + 48)])
+def test_gpu_key_rows_bits_match_numpy(p, key0, q0):
+    """The backward's keep bits (two lanes sharing each Philox call, bwd_sm90.cu) against
+    the per-score draw of the NumPy twin, over a warp's 16 keys x 64 queries."""
+    import cupy
+
+    seed, stream = 2**63 + 12345, 77
+    keep = cupy.full((16, 64), 7, dtype=cupy.uint8)   # poisoned
+    kernel = _gpu_kernel("dropout_key_rows_kernel<8>")
+    kernel((1,), (32,), (np.uint64(seed), np.uint64(stream), np.int32(key0), np.int32(q0),
+                         np.uint32(_philox.dropout_threshold(p)), keep))
+    keys, queries = np.meshgrid(np.arange(key0, key0 + 16), np.arange(q0, q0 + 64), indexing="ij")
+    expected = _philox.dropout_keep(seed, stream, 0, 0, queries.ravel(), keys.ravel(), p=p, heads=1)
+    np.testing.assert_array_equal(cupy.asnumpy(keep), expected.reshape(16, 64).astype(np.uint8))
