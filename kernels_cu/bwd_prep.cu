@@ -1,7 +1,7 @@
 // The backward pass's small element-wise kernels, for every dtype:
 //   flash_bwd_prep:       before the main kernels, the row workspaces lse2 and delta (bwd.cuh).
-//   flash_bwd_dq_convert: after a non-deterministic pass, dq = scale * the fp32 (fp64)
-//                         accumulator that the key-block CTAs added into with atomics.
+//   flash_bwd_dq_convert: after a key-block kernel that added dq, dq = scale * the fp32 (fp64)
+//                         accumulator (atomics, or bulk reductions in turns on Hopper).
 #include "elem.cuh"
 #include "bwd.cuh"
 #include "tensor.cuh"
@@ -29,7 +29,19 @@ flash_bwd_prep(const __grid_constant__ AttnParams p)
     const T* o_row = O.at(b, h, row);
     const T* do_row = dO.at(b, h, row);
     Acc sum = 0;
-    for (int c = lane; c < dim_v; c += 32) sum += to_acc(o_row[c]) * to_acc(do_row[c]);
+    // 16-bit rows of 4-element groups: four elements (8 bytes) of each row per lane and
+    // load (the scalar loop issued four times the loads for the same bytes).
+    const bool by_four = sizeof(T) == 2 && p.vec && dim_v % 4 == 0;
+    if constexpr (sizeof(T) == 2) {
+        for (int c = 4 * lane; by_four && c < dim_v; c += 4 * 32) {
+            T o4[4], do4[4];
+            *reinterpret_cast<uint2*>(o4) = *reinterpret_cast<const uint2*>(o_row + c);
+            *reinterpret_cast<uint2*>(do4) = *reinterpret_cast<const uint2*>(do_row + c);
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) sum += to_acc(o4[i]) * to_acc(do4[i]);
+        }
+    }
+    for (int c = lane; !by_four && c < dim_v; c += 32) sum += to_acc(o_row[c]) * to_acc(do_row[c]);
     #pragma unroll
     for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
     if (lane == 0) {
@@ -57,6 +69,21 @@ flash_bwd_dq_convert(const __grid_constant__ AttnParams p)
     const Strided<T> DQ = tensor<T>(p.dq);
     const i64 plane = (i64)p.nq * d;
     const Acc* src = static_cast<const Acc*>(p.dq_accum) + ((i64)b * gridDim.y + h) * p.nq * (i64)p.dq_ld;
+    if constexpr (sizeof(T) == 2) {
+        // 16-bit dq with rows of 4-element groups: each thread converts CONVERT_PER_THREAD
+        // consecutive elements, one 16-byte load and one 8-byte store (the scalar loop
+        // below made this memory-bound kernel issue-bound).
+        if (p.vec && d % CONVERT_PER_THREAD == 0 && p.dq_ld % CONVERT_PER_THREAD == 0) {
+            const i64 e = ((i64)blockIdx.x * blockDim.x + threadIdx.x) * CONVERT_PER_THREAD;
+            if (e >= plane) return;
+            const i64 row = e / d;
+            const int col = int(e - row * d);
+            const float4 a = *reinterpret_cast<const float4*>(src + row * p.dq_ld + col);
+            *reinterpret_cast<uint2*>(DQ.at(b, h, row) + col) =
+                make_uint2(pack2<T>(a.x * scale, a.y * scale), pack2<T>(a.z * scale, a.w * scale));
+            return;
+        }
+    }
     const i64 e0 = (i64)blockIdx.x * CONVERT_PER_THREAD * blockDim.x + threadIdx.x;
     i64 row = e0 / d;
     int col = int(e0 - row * d);
