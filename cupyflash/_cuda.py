@@ -449,7 +449,7 @@ def _plan_backward(do, q, k, v, o, dq, dk, dv, *, scale, causal, deterministic, 
     nq_pad = -(-(Nq + (BWD_ROW_PAD if mods.varlen else 0)) // BWD_ROW_PAD) * BWD_ROW_PAD
     batch, rows, keys = _grid_extents(q, k, mods)
     params = _problem_scalars(q, k, v, scale=scale, causal=causal, mods=mods)
-    params.set(nq_pad=nq_pad, vec=int(_arrays.rows_16b_aligned(q, k, v, do, dq, dk, dv)),
+    params.set(nq_pad=nq_pad, vec=int(_arrays.rows_16b_aligned(q, k, v, o, do, dq, dk, dv)),
                **dict(zip(("dbias_sb", "dbias_sh", "dbias_sq", "dbias_sk"), _params.element_strides(dbias, 4))))
     kv = []
     for _, candidates in plan.kv:
