@@ -45,6 +45,8 @@ class Options:
     backend: str
     block_size: tuple = (128, 128)
     seqlens_k: object = None
+    device_memory_limit: int | None = None
+    progress: object = None
 
 
 @dataclass(frozen=True)
@@ -151,8 +153,33 @@ def check_dropout_p(p, name: str) -> float:
     return p
 
 
+def check_device_memory_limit(limit):
+    """None, or a positive number of bytes."""
+    if limit is None:
+        return None
+    limit = _check_int(limit, "device_memory_limit")
+    if limit < 1:
+        raise ValueError(f"device_memory_limit must be a positive number of bytes (or None), got {limit}")
+    return limit
+
+
+def check_progress(progress):
+    """None, a callable ``progress(done, total)``, or "tqdm" where tqdm is installed."""
+    if progress is None or callable(progress):
+        return progress
+    if isinstance(progress, str) and progress == "tqdm":
+        import importlib.util
+        if importlib.util.find_spec("tqdm") is None:
+            raise ImportError("progress='tqdm' needs the tqdm package, which is not installed "
+                              "(pip install tqdm); or pass a callable progress(done, total)")
+        return progress
+    raise TypeError(f"progress must be None, a callable progress(done, total) or 'tqdm', "
+                    f"got {progress!r} ({type(progress).__name__})")
+
+
 def check_options(*, causal, scale, window, dropout_p, seed, block_mask, bias, alibi_slopes,
-                  softcap, layout, deterministic, backend, block_size=128, seqlens_k=None):
+                  softcap, layout, deterministic, backend, block_size=128, seqlens_k=None,
+                  device_memory_limit=None, progress=None):
     """The keyword options, type- and range-checked (scale without its default yet); the
     arrays only for being arrays: `check_modifiers` checks them against the inputs."""
     if scale is not None:
@@ -180,6 +207,8 @@ def check_options(*, causal, scale, window, dropout_p, seed, block_mask, bias, a
         backend=_check_choice(backend, "backend", BACKENDS),
         block_size=_check_block_size(block_size),
         seqlens_k=_check_optional_array(seqlens_k, "seqlens_k"),
+        device_memory_limit=check_device_memory_limit(device_memory_limit),
+        progress=check_progress(progress),
     )
 
 

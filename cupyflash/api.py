@@ -14,11 +14,11 @@ import textwrap
 import types
 from dataclasses import dataclass, field
 
-from . import _arrays, _mods, _reference, _rng, _validate
+from . import _arrays, _mods, _reference, _rng, _validate, streaming
 from ._rng import manual_seed
 
 __all__ = ["AttentionContext", "attention", "attention_backward", "attention_forward",
-           "attention_vjp", "manual_seed", "precompile", "varlen_attention",
+           "attention_vjp", "manual_seed", "precompile", "streaming_plan", "varlen_attention",
            "varlen_attention_forward", "varlen_attention_vjp"]
 
 _OPTIONS_DOC = """\
@@ -81,7 +81,28 @@ backend : {"auto", "cuda", "numpy"}, default "auto"
     "auto" runs on the GPU when a CUDA device is usable and the GPU kernels cover the
     dtype and head dims, else on the NumPy backend. "cuda" and "numpy" force one; "cuda"
     raises RuntimeError without a usable GPU and ValueError for a case its kernels do not
-    cover."""
+    cover.
+device_memory_limit : int, optional
+    Host (NumPy) inputs on the GPU backend: stream them through at most this many bytes
+    of device memory (`cupyflash.streaming`): query and key chunks go up in turn, each
+    visible (query chunk, key chunk) pair runs as one call and the pairs are merged by
+    their LSEs, exactly; copies run on their own stream beside the kernels. None streams
+    only when the in-memory call would not fit in the free device memory (with a margin),
+    and only for the options the streamed path supports; otherwise nothing changes. With
+    a bound too small for one 128-row chunk, ValueError names it before anything is
+    allocated. Streamed: causal, GQA, bias, block_mask (chunks are multiples of its
+    block size), seqlens_k, softcap, scale, deterministic; not yet (NotImplementedError):
+    window, alibi_slopes, dropout_p > 0, and the bias gradient. GPU (CuPy) inputs with a
+    limit raise ValueError (they are on the device already). On the NumPy backend a limit
+    runs the same chunked algorithm on the host (how it is tested without a GPU). The
+    context of a streamed `attention_forward` streams its backward pass too, under the
+    same limit. `cupyflash.streaming_plan` shows the chunks and bytes moved beforehand.
+progress : callable or "tqdm", optional
+    Streamed calls only: ``progress(done, total)`` is called with the number of
+    (query chunk, key chunk) pairs completed, increasing, as the device finishes them
+    (``done == total`` last); "tqdm" shows a tqdm bar (ImportError without tqdm). The
+    context's backward pass reports to it too, from 0 again. Calls that do not stream
+    never call it."""
 
 _INPUTS_DOC = """\
 q : array, shape (..., Hq, Nq, d) or (B, Nq, Hq, d)
@@ -154,6 +175,9 @@ class AttentionContext:
         The remaining options, as given (``block_size`` as a pair).
     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
         Varlen calls only (else None): the sequence boundaries, as host int32 arrays.
+    streaming : StreamingPlan or None
+        The plan of a streamed forward pass (``device_memory_limit``); its backward pass
+        streams too. None for an in-memory pass.
 
     Notes
     -----
@@ -196,6 +220,11 @@ class AttentionContext:
     # The modifiers as the backend got them (compact, on its side).
     _modifiers: _mods.Modifiers = field(repr=False)
     _snapshot: _validate.Snapshot = field(repr=False)
+    streaming: object = field(default=None, repr=False)
+    # A streamed forward's device_memory_limit (None: the free memory at the backward)
+    # and progress, for its backward pass.
+    _memory_limit: int | None = field(default=None, repr=False)
+    _progress: object = field(default=None, repr=False)
 
     def _tracked(self):
         return {"q": self.q, "k": self.k, "v": self.v, "o": self.o, "lse": self.lse}
@@ -223,6 +252,7 @@ class _Forward:
     mods: _mods.Modifiers
     seed: int | None
     cu_seqlens: tuple | None = None   # varlen: the checked host copies (q, k)
+    streaming: object = None          # the StreamingPlan of a streamed pass
 
 
 def _gpu_backend():
@@ -361,15 +391,23 @@ def _move_modifiers(mods, kind, device):
     return dataclasses.replace(mods, **moved) if moved else mods   # mods are immutable
 
 
-def _forward(q, k, v, options, varlen=None):
+def _forward(q, k, v, options, varlen=None, *, gradients=False):
     """One forward pass; ``varlen`` is (cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-    max_seqlen_k) unchecked, with q, k, v then (1, total, H, d) "bshd" views."""
+    max_seqlen_k) unchecked, with q, k, v then (1, total, H, d) "bshd" views.
+    ``gradients``: a backward pass may follow (the choice to stream counts its memory)."""
     q, k, v, problem = _validate.check_inputs(q, k, v, layout=options.layout)
     scale = _validate.resolve_scale(options.scale, problem.head_dim, problem.dtype)
     if varlen is not None:
         varlen = _validate.check_varlen(*varlen, problem)
     mods, seed = _resolve_modifiers(options, problem, varlen)
     backend = _select_backend(options.backend, problem, mods)
+    plan = None
+    if problem.batch and (problem.kind == _arrays.HOST or options.device_memory_limit is not None):
+        plan = streaming.choose(problem, mods, backend=backend, causal=options.causal,
+                                kv_heads=_arrays.split_shape(k.shape, options.layout)[1],
+                                limit=options.device_memory_limit, backward=gradients)
+    if plan is not None:
+        return _streamed_forward(q, k, v, options, problem, scale, backend, mods, seed, plan)
     kind, device = _where(backend, problem)
     layout = options.layout
     with _arrays.on_device(device):
@@ -387,6 +425,32 @@ def _forward(q, k, v, options, varlen=None):
     return _Forward(q=q, k=k, v=v, o=o_out, lse=lse_out, scale=scale, backend=backend,
                     problem=problem, saved=saved, mods=mods, seed=seed,
                     cu_seqlens=None if varlen is None else varlen[:2])
+
+
+def _streamed_forward(q, k, v, options, problem, scale, backend, mods, seed, plan):
+    """`_forward` for host inputs streamed through the device by ``plan``."""
+    layout = options.layout
+    mods = _move_modifiers(mods, _arrays.HOST, None)   # sliced per pair on the host
+    o = _arrays.empty((*q.shape[:-1], problem.value_dim), problem.dtype, _arrays.HOST)
+    lse = _arrays.empty(_arrays.lse_shape(q.shape, layout),
+                        _arrays.accumulation_dtype(problem.dtype), _arrays.HOST)
+    saved = (*(_arrays.bhsd_view(x, layout) for x in (q, k, v, o)), _arrays.lse_bhs_view(lse, layout))
+    streaming.forward(*saved, plan=plan, scale=scale, causal=options.causal, mods=mods,
+                      backend=backend, device=_where(backend, problem)[1], progress=options.progress)
+    return _Forward(q=q, k=k, v=v, o=o, lse=lse, scale=scale, backend=backend, problem=problem,
+                    saved=saved, mods=mods, seed=seed, streaming=plan)
+
+
+def _streamed_backward_plan(ctx, has_dlse):
+    """The backward plan of a streamed context, under its forward's limit (or the free
+    device memory now, where the forward chose to stream by itself)."""
+    q, k, v = ctx._saved[:3]
+    g = streaming.geometry(q.shape, k.shape, v.shape, q.dtype, ctx._modifiers, causal=ctx.causal,
+                           dlse=has_dlse)
+    limit = ctx._memory_limit
+    if limit is None:
+        limit = streaming.free_device_budget(_arrays.current_device())
+    return streaming.plan_for(g, ctx._modifiers, limit, backward=True)
 
 
 def _context(run, options, *, layout, user_arrays=None, varlen=None):
@@ -411,14 +475,16 @@ def _context(run, options, *, layout, user_arrays=None, varlen=None):
         max_seqlen_q=mods.max_seqlen_q if varlen else None,
         max_seqlen_k=mods.max_seqlen_k if varlen else None,
         _saved=run.saved, _modifiers=mods,
-        _snapshot=_validate.snapshot({"q": q, "k": k, "v": v, "o": o, "lse": lse}))
+        _snapshot=_validate.snapshot({"q": q, "k": k, "v": v, "o": o, "lse": lse}),
+        streaming=run.streaming, _memory_limit=options.device_memory_limit,
+        _progress=options.progress)
 
 
 @_with_shared_doc
 def attention(q, k, v, *, causal=False, scale=None, window=None, dropout_p=0.0, seed=None,
               block_mask=None, block_size=128, bias=None, alibi_slopes=None, softcap=0.0,
               seqlens_k=None, layout="bhsd", deterministic=False, return_lse=False,
-              backend="auto"):
+              backend="auto", device_memory_limit=None, progress=None):
     """Exact attention ``softmax(scale * q k^T) v``, FlashAttention style.
 
     Parameters
@@ -457,7 +523,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, dropout_p=0.0, 
         causal=causal, scale=scale, window=window, dropout_p=dropout_p, seed=seed,
         block_mask=block_mask, bias=bias, alibi_slopes=alibi_slopes, softcap=softcap,
         layout=layout, deterministic=deterministic, backend=backend, block_size=block_size,
-        seqlens_k=seqlens_k))
+        seqlens_k=seqlens_k, device_memory_limit=device_memory_limit, progress=progress))
     return (run.o, run.lse) if return_lse else run.o
 
 
@@ -465,7 +531,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, dropout_p=0.0, 
 def attention_forward(q, k, v, *, causal=False, scale=None, window=None, dropout_p=0.0,
                       seed=None, block_mask=None, block_size=128, bias=None, alibi_slopes=None,
                       softcap=0.0, seqlens_k=None, layout="bhsd", deterministic=False,
-                      backend="auto"):
+                      backend="auto", device_memory_limit=None, progress=None):
     """Attention forward pass that keeps what `attention_backward` needs.
 
     Parameters
@@ -500,8 +566,8 @@ def attention_forward(q, k, v, *, causal=False, scale=None, window=None, dropout
         causal=causal, scale=scale, window=window, dropout_p=dropout_p, seed=seed,
         block_mask=block_mask, bias=bias, alibi_slopes=alibi_slopes, softcap=softcap,
         layout=layout, deterministic=deterministic, backend=backend, block_size=block_size,
-        seqlens_k=seqlens_k)
-    run = _forward(q, k, v, options)
+        seqlens_k=seqlens_k, device_memory_limit=device_memory_limit, progress=progress)
+    run = _forward(q, k, v, options, gradients=True)
     ctx = _context(run, options, layout=layout)
     return run.o, ctx
 
@@ -560,6 +626,9 @@ def attention_backward(do, ctx, *, return_dbias=False, dlse=None):
     return_dbias = _validate.check_flag(return_dbias, "return_dbias")
     if return_dbias and ctx.bias is None:
         raise ValueError("return_dbias=True needs a forward pass with a bias; this one had none")
+    if return_dbias and ctx.streaming is not None:
+        raise NotImplementedError("return_dbias=True is not supported by the streamed path "
+                                  "(device_memory_limit) yet; run the forward pass in memory")
     _validate.check_unchanged(ctx._tracked(), ctx._snapshot)
     user_kind = _arrays.kind_of(ctx.q)
     do = _validate.check_do(do, o=ctx.o, kind=user_kind, device=ctx.device)
@@ -567,6 +636,9 @@ def attention_backward(do, ctx, *, return_dbias=False, dlse=None):
         dlse = _validate.check_dlse(dlse, lse=ctx.lse, kind=user_kind, device=ctx.device)
     kind = _arrays.kind_of(ctx._saved[0])
     device = _arrays.device_of(ctx._saved[0])
+    plan = None
+    if ctx.streaming is not None and ctx._saved[0].shape[0]:
+        plan = _streamed_backward_plan(ctx, dlse is not None)   # its errors come first
     with _arrays.on_device(device):
         do_ = _arrays.move(do, kind, device)
         if dlse is not None:
@@ -577,7 +649,13 @@ def attention_backward(do, ctx, *, return_dbias=False, dlse=None):
         if return_dbias:
             dbias = _arrays.namespace(kind).zeros(ctx._modifiers.bias.shape,
                                                   _arrays.accumulation_dtype(ctx.q.dtype))
-        if ctx._saved[0].shape[0]:  # an empty batch launches nothing
+        if plan is not None:
+            streaming.backward(
+                ctx._backend_view(do_), *ctx._saved, *(ctx._backend_view(g) for g in grads),
+                plan=plan, scale=ctx.scale, deterministic=ctx.deterministic, mods=ctx._modifiers,
+                backend=ctx.backend, dlse=dlse, progress=ctx._progress,
+                device=None if ctx.backend == "numpy" else _arrays.current_device())
+        elif ctx._saved[0].shape[0]:  # an empty batch launches nothing
             _backend_module(ctx.backend).attention_backward(
                 ctx._backend_view(do_), *ctx._saved, *(ctx._backend_view(g) for g in grads),
                 scale=ctx.scale, causal=ctx.causal, deterministic=ctx.deterministic,
@@ -596,7 +674,8 @@ def _vjp_of(ctx):
 @_with_shared_doc
 def attention_vjp(q, k, v, *, causal=False, scale=None, window=None, dropout_p=0.0, seed=None,
                   block_mask=None, block_size=128, bias=None, alibi_slopes=None, softcap=0.0,
-                  seqlens_k=None, layout="bhsd", deterministic=False, backend="auto"):
+                  seqlens_k=None, layout="bhsd", deterministic=False, backend="auto",
+                  device_memory_limit=None, progress=None):
     """Attention output and its vector-Jacobian product, in the style of ``jax.vjp``.
 
     Parameters
@@ -626,8 +705,56 @@ def attention_vjp(q, k, v, *, causal=False, scale=None, window=None, dropout_p=0
         q, k, v, causal=causal, scale=scale, window=window, dropout_p=dropout_p, seed=seed,
         block_mask=block_mask, block_size=block_size, bias=bias, alibi_slopes=alibi_slopes,
         softcap=softcap, seqlens_k=seqlens_k, layout=layout, deterministic=deterministic,
-        backend=backend)
+        backend=backend, device_memory_limit=device_memory_limit, progress=progress)
     return o, _vjp_of(ctx)
+
+
+def streaming_plan(q, k, v, *, device_memory_limit, causal=False, block_mask=None, block_size=128,
+                   bias=None, seqlens_k=None, layout="bhsd", backward=False):
+    """The chunks, device memory and copies of a streamed call, without running it.
+
+    Parameters
+    ----------
+    q, k, v : array
+        As for `attention` (only shapes and dtype are read, and the values of
+        ``seqlens_k`` and ``block_mask``, which decide the pairs that are skipped).
+    device_memory_limit : int
+        The bound, in bytes.
+    causal, block_mask, block_size, bias, seqlens_k, layout
+        As for `attention`.
+    backward : bool, default False
+        The plan of the backward pass (without a ``dlse``) instead of the forward's.
+
+    Returns
+    -------
+    StreamingPlan
+        ``query_chunk``, ``key_chunk``, ``pairs``, ``device_bytes`` (at most the limit)
+        and ``buffers`` (what they hold), ``h2d_bytes`` and ``d2h_bytes`` (the copies
+        each way) against ``min_bytes`` (each input read once, each output written once),
+        and ``in_memory_bytes`` (the same call without streaming).
+
+    Raises
+    ------
+    TypeError, ValueError
+        Bad arguments, or a limit too small for one chunk (naming ``device_memory_limit``).
+    NotImplementedError
+        A causal block mask whose key blocks the key chunks would cut.
+    """
+    if device_memory_limit is None:
+        raise TypeError("device_memory_limit must be a number of bytes, got None")
+    options = _validate.check_options(
+        causal=causal, scale=None, window=None, dropout_p=0.0, seed=None, block_mask=block_mask,
+        bias=bias, alibi_slopes=None, softcap=0.0, layout=layout, deterministic=False,
+        backend="auto", block_size=block_size, seqlens_k=seqlens_k,
+        device_memory_limit=device_memory_limit)
+    backward = _validate.check_flag(backward, "backward")
+    q, k, v, problem = _validate.check_inputs(q, k, v, layout=layout)
+    mods, _ = _resolve_modifiers(options, problem)
+    b, d, hk = problem.batch, problem.head_dim, _arrays.split_shape(k.shape, layout)[1]
+    g = streaming.geometry((b, problem.heads, problem.q_len, d), (b, hk, problem.k_len, d),
+                           (b, hk, problem.k_len, problem.value_dim), problem.dtype, mods,
+                           causal=options.causal)
+    return streaming.plan_for(g, mods, options.device_memory_limit, backward=backward)
 
 
 # Varlen ------------------------------------------------------------------------------------

@@ -366,7 +366,7 @@ def test_public_names():
                                "varlen_attention_forward", "varlen_attention_vjp", "block_sparse",
                                "local_global_block_mask", "butterfly_block_mask",
                                "block_mask_density", "merge_attention", "merge_attention_vjp",
-                               "__version__"}
+                               "streaming", "streaming_plan", "__version__"}
     assert isinstance(cf.__version__, str)
 
 

@@ -1,0 +1,378 @@
+"""Streamed attention (`device_memory_limit`, cupyflash/streaming.py): the planner's sizes
+and byte counts, its errors, and the streamed result against the in-memory one. The CPU
+tier runs the chunked algorithm on the NumPy backend (the host as the "device"); the GPU
+tests stream host arrays through the GPU with a tiny limit (many chunks)."""
+
+import numpy as np
+import pytest
+
+import cupyflash as cf
+from cupyflash import _mods, streaming
+from oracle import naive_attention, naive_attention_grads
+from test_reference import assert_close
+
+TOL = {np.float64: 1e-12, np.float32: 1e-5}  # tests/TOLERANCES.md
+
+
+def _inputs(rng, dtype, *, b=2, hq=4, hk=2, nq=300, nk=517, d=16, dv=24, layout="bhsd"):
+    if layout == "bhsd":
+        shapes = [(b, hq, nq, d), (b, hk, nk, d), (b, hk, nk, dv), (b, hq, nq, dv)]
+    else:
+        shapes = [(b, nq, hq, d), (b, nk, hk, d), (b, nk, hk, dv), (b, nq, hq, dv)]
+    return [rng.standard_normal(s).astype(dtype) for s in shapes]
+
+
+def _limit_for(q, k, v, chunk, *, causal=False, layout="bhsd", backward=True, bias_shape=None,
+               mask_shape=None, block_size=(128, 128), seqlens=False):
+    """The device_memory_limit whose plan has ``chunk``-row chunks (the backward's need,
+    which a context's forward checks too)."""
+    from cupyflash import _arrays
+    views = [_arrays.bhsd_view(x, layout) for x in (q, k, v)]
+    block_size = block_size if isinstance(block_size, tuple) else (block_size, block_size)
+    mods = _mods.Modifiers(block_size=block_size,
+                           bias=None if bias_shape is None else np.empty(bias_shape, q.dtype),
+                           block_mask=None if mask_shape is None else np.empty(mask_shape, np.uint8),
+                           seqlens_k=np.empty(1, np.int32) if seqlens else None)
+    # With a dlse row per query: what a context's forward checks its backward against.
+    g = streaming.geometry(*(x.shape for x in views), q.dtype, mods, causal=causal, dlse=backward)
+    rows = lambda n: min(chunk, n)  # noqa: E731
+    need = sum(streaming.device_buffers(g, rows(g.q_len), rows(g.k_len), backward).values())
+    return need + 1
+
+
+# Planner -------------------------------------------------------------------------------------
+
+
+def test_plan_chunks_fit_and_grow_with_the_limit(rng):
+    q, k, v, _ = _inputs(rng, np.float32, nq=1000, nk=1000)
+    sizes = []
+    for chunk in (128, 256, 384, 1024):
+        limit = _limit_for(q, k, v, chunk, backward=False)
+        plan = cf.streaming_plan(q, k, v, device_memory_limit=limit)
+        assert plan.query_chunk == min(chunk, 1000) and plan.key_chunk == plan.query_chunk
+        assert plan.device_bytes <= limit == plan.device_memory_limit
+        assert plan.device_bytes == sum(plan.buffers.values())
+        sizes.append(plan.query_chunk)
+    assert sizes == sorted(sizes)
+    # One chunk of everything: every byte crosses once.
+    assert plan.pairs == 1 and plan.h2d_bytes + plan.d2h_bytes == plan.min_bytes
+    assert plan.traffic_ratio == 1.0
+
+
+def test_plan_byte_counts(rng):
+    b, hq, hk, nq, nk, d, dv = 2, 4, 2, 640, 640, 16, 24
+    q, k, v, _ = _inputs(rng, np.float32, b=b, hq=hq, hk=hk, nq=nq, nk=nk, d=d, dv=dv)
+    plan = cf.streaming_plan(q, k, v, device_memory_limit=_limit_for(q, k, v, 256, backward=False))
+    # Non-causal, three query and three key chunks: each query chunk reads every key chunk
+    # (three keys cycle through two slots, so none stays resident).
+    assert plan.query_bounds == ((0, 256), (256, 512), (512, 640)) and plan.pairs == 9
+    assert plan.h2d_bytes == q.nbytes + 3 * (k.nbytes + v.nbytes)
+    assert plan.d2h_bytes == b * hq * nq * (dv * 4 + 4)                       # o and lse
+    assert plan.min_bytes == q.nbytes + k.nbytes + v.nbytes + b * hq * nq * (dv * 4 + 4)
+    back = cf.streaming_plan(q, k, v, device_memory_limit=_limit_for(q, k, v, 256), backward=True)
+    R, K = b * hq * 256, b * hk * 256
+    assert back.buffers["kernel workspaces"] == 2 * R * 4 + R * (d + 8) * 4 + 4 * b * hq * 4
+    assert back.buffers["dk, dv out (2 slots)"] == 2 * K * (d + dv) * 4
+    # Per query chunk q, o, dO, LSE up and dq back once; per pair k, v up and dk, dv back.
+    rows_up = q.nbytes + 2 * b * hq * nq * dv * 4 + b * hq * nq * 4
+    assert back.h2d_bytes == rows_up + 3 * (k.nbytes + v.nbytes)
+    assert back.d2h_bytes == q.nbytes + 3 * (k.nbytes + v.nbytes)
+
+
+@pytest.mark.parametrize("nq, nk", [(640, 640), (640, 1000), (1000, 640), (200, 1000)])
+def test_causal_plan_pairs_are_visible_hidden_or_diagonal(rng, nq, nk):
+    q, k, v, _ = _inputs(rng, np.float32, nq=nq, nk=nk)
+    plan = cf.streaming_plan(q, k, v, causal=True,
+                             device_memory_limit=_limit_for(q, k, v, 256, causal=True, backward=False))
+    off = nk - nq
+    computed = {(s.row, s.key): s.causal for s in plan.steps}
+    for i, (q0, q1) in enumerate(plan.query_bounds):
+        for j, (k0, k1) in enumerate(plan.key_bounds):
+            assert k1 - k0 <= 256
+            visible = np.tril(np.ones((nq, nk), bool), k=off)[q0:q1, k0:k1]
+            if not visible.any():
+                assert (i, j) not in computed
+            elif visible.all():
+                assert computed[(i, j)] is False
+            else:   # the diagonal pair: its keys end where the chunk's reach ends
+                assert computed[(i, j)] is True and k1 == q1 + off
+
+
+def test_too_small_a_limit_is_named_before_anything_is_allocated(rng, monkeypatch):
+    q, k, v, _ = _inputs(rng, np.float32)
+    from cupyflash import _arrays
+
+    def no_allocation(*args, **kwargs):
+        raise AssertionError("allocated before the error")
+
+    monkeypatch.setattr(_arrays, "empty", no_allocation)
+    monkeypatch.setattr(streaming, "_Slot", no_allocation)
+    with pytest.raises(ValueError, match=r"device_memory_limit=1000 bytes is too small.*pass at least"):
+        cf.attention(q, k, v, backend="numpy", device_memory_limit=1000)
+    # A context's forward checks its backward's need too.
+    limit = _limit_for(q, k, v, 128, backward=False)
+    with pytest.raises(ValueError, match="device_memory_limit"):
+        cf.attention_forward(q, k, v, backend="numpy", device_memory_limit=limit)
+    with pytest.raises(ValueError, match="device_memory_limit"):
+        cf.streaming_plan(q, k, v, device_memory_limit=1000)
+
+
+@pytest.mark.parametrize("limit, error", [(0, ValueError), (-5, ValueError), (1.5e9, TypeError),
+                                          (True, TypeError), ("1GB", TypeError)])
+def test_bad_limits_are_named(rng, limit, error):
+    q, k, v, _ = _inputs(rng, np.float32, nq=8, nk=8)
+    with pytest.raises(error, match="device_memory_limit"):
+        cf.attention(q, k, v, backend="numpy", device_memory_limit=limit)
+
+
+def test_bad_progress_is_named(rng, monkeypatch):
+    q, k, v, _ = _inputs(rng, np.float32, nq=8, nk=8)
+    with pytest.raises(TypeError, match="progress"):
+        cf.attention(q, k, v, backend="numpy", device_memory_limit=10**8, progress=3)
+    import importlib.util
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    with pytest.raises(ImportError, match="progress='tqdm' needs the tqdm package"):
+        cf.attention(q, k, v, backend="numpy", device_memory_limit=10**8, progress="tqdm")
+
+
+@pytest.mark.parametrize("option, value", [("window", (16, 0)), ("alibi_slopes", np.ones(4)),
+                                           ("dropout_p", 0.1)])
+def test_unsupported_options_raise_not_implemented(rng, option, value):
+    q, k, v, _ = _inputs(rng, np.float32, nq=64, nk=64)
+    with pytest.raises(NotImplementedError, match=f"{option} is not supported by the streamed path"):
+        cf.attention(q, k, v, backend="numpy", device_memory_limit=10**8, **{option: value})
+    # Without a limit nothing changes.
+    cf.attention(q, k, v, backend="numpy", **{option: value})
+
+
+def test_bias_gradient_is_not_streamed_yet(rng):
+    q, k, v, do = _inputs(rng, np.float32, nq=64, nk=64)
+    bias = rng.standard_normal((64, 64)).astype(np.float32)
+    o, ctx = cf.attention_forward(q, k, v, bias=bias, backend="numpy", device_memory_limit=10**8)
+    with pytest.raises(NotImplementedError, match="return_dbias"):
+        cf.attention_backward(do, ctx, return_dbias=True)
+
+
+def test_causal_block_mask_that_chunks_would_cut_is_refused(rng):
+    q, k, v, _ = _inputs(rng, np.float32, nq=256, nk=300)
+    mask = np.ones((2, 3), bool)
+    with pytest.raises(NotImplementedError, match="block_mask with causal=True"):
+        cf.attention(q, k, v, causal=True, block_mask=mask, backend="numpy", device_memory_limit=10**8)
+
+
+# Streamed == in memory (NumPy backend) ---------------------------------------------------------
+
+
+def _compare(rng, dtype, *, chunk=128, layout="bhsd", dlse=False, shapes=None, **options):
+    """Streamed forward, LSE and gradients against the in-memory call on the same inputs."""
+    q, k, v, do = _inputs(rng, dtype, layout=layout, **(shapes or {}))
+    before = [x.copy() for x in (q, k, v, do)]
+    bias = options.get("bias")
+    mask = options.get("block_mask")
+    limit = _limit_for(q, k, v, chunk, causal=options.get("causal", False), layout=layout,
+                       bias_shape=None if bias is None else (1,) * (4 - bias.ndim) + bias.shape,
+                       mask_shape=None if mask is None else (1,) * (4 - mask.ndim) + mask.shape,
+                       block_size=options.get("block_size", (128, 128)),
+                       seqlens="seqlens_k" in options)
+    o_ref, ctx_ref = cf.attention_forward(q, k, v, layout=layout, backend="numpy", **options)
+    o, ctx = cf.attention_forward(q, k, v, layout=layout, backend="numpy",
+                                  device_memory_limit=limit, **options)
+    assert ctx.streaming is not None and ctx_ref.streaming is None
+    nq = ctx.lse.shape[-1]
+    assert ctx.streaming.query_chunk % 128 == 0 or ctx.streaming.query_chunk == nq
+    tol = TOL[dtype]
+    assert_close(o, o_ref, tol)
+    assert (np.isneginf(ctx.lse) == np.isneginf(ctx_ref.lse)).all()
+    finite = np.isfinite(ctx_ref.lse)
+    assert_close(ctx.lse[finite], ctx_ref.lse[finite], tol)
+    g = rng.standard_normal(ctx.lse.shape).astype(dtype) if dlse else None
+    grads = cf.attention_backward(do, ctx, dlse=g)
+    grads_ref = cf.attention_backward(do, ctx_ref, dlse=g)
+    # dk cancels to rounding noise where a row sees one key (softmax over one key has no
+    # gradient): every gradient is measured against the size of dv, which does not cancel.
+    size = np.linalg.norm(grads_ref[2].astype(np.float64))
+    for got, ref in zip(grads, grads_ref):
+        assert got.dtype == ref.dtype and got.shape == ref.shape
+        err = np.linalg.norm((got.astype(np.float64) - ref).ravel())
+        assert err <= tol * max(np.linalg.norm(ref.astype(np.float64)), size)
+    for x, y in zip((q, k, v, do), before):
+        np.testing.assert_array_equal(x, y)
+    return ctx
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("nq, nk", [(300, 517), (517, 300), (384, 384), (1, 7), (129, 1)])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_streamed_equals_in_memory(rng, dtype, causal, nq, nk):
+    ctx = _compare(rng, dtype, causal=causal, shapes=dict(nq=nq, nk=nk))
+    if nq > 128 and nk > 128:
+        assert ctx.streaming.pairs > 1
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_streamed_layouts_gqa_and_dlse(rng, layout):
+    _compare(rng, np.float64, causal=True, layout=layout, dlse=True,
+             shapes=dict(b=1, hq=6, hk=1, nq=400, nk=260))
+
+
+@pytest.mark.parametrize("shape", [(300, 517), (4, 1, 517), (2, 4, 300, 517), (300, 1)],
+                         ids=["NqNk", "head-broadcast", "full", "rows"])
+def test_streamed_bias(rng, shape):
+    bias = rng.standard_normal(shape)
+    if shape[-2] > 3:
+        bias[..., 3, :] = -np.inf   # a row that sees no key
+    _compare(rng, np.float64, causal=True, bias=bias)
+
+
+def test_streamed_block_mask_skips_empty_pairs(rng):
+    mask = np.zeros((4, 3, 5), bool)   # (Hq, query blocks, key blocks) of 128
+    mask[:, 0, 0] = mask[:, 2, 4] = mask[1:, 1, 2] = True
+    ctx = _compare(rng, np.float64, block_mask=mask)
+    assert ctx.streaming.pairs == 3   # 3 x 5 pairs, only these hold a visible block
+
+
+def test_streamed_block_mask_of_wider_blocks(rng):
+    mask = rng.random((3, 3)) < 0.6    # blocks of 192 rows and keys: chunks of 384
+    mask[:, 0] = True
+    ctx = _compare(rng, np.float64, chunk=384, block_mask=mask, block_size=192, causal=True,
+                   shapes=dict(nq=517, nk=517))
+    assert ctx.streaming.query_chunk in (384, 517)   # multiples of lcm(128, 192), or all rows
+    q, k, v, _ = _inputs(rng, np.float64, nq=517, nk=517)
+    limit = _limit_for(q, k, v, 384, causal=True, backward=False, mask_shape=(1, 1, 3, 3), block_size=192)
+    plan = cf.streaming_plan(q, k, v, causal=True, block_mask=mask, block_size=192, device_memory_limit=limit)
+    assert plan.query_bounds == ((0, 384), (384, 517))
+    with pytest.raises(ValueError, match="one chunk of 384 rows"):
+        cf.streaming_plan(q, k, v, causal=True, block_mask=mask, block_size=192,
+                          device_memory_limit=_limit_for(q, k, v, 256, causal=True, backward=False))
+
+
+def test_streamed_seqlens_k_and_softcap(rng):
+    seqlens = np.array([0, 333])
+    ctx = _compare(rng, np.float64, seqlens_k=seqlens, softcap=5.0)
+    # Key chunks past every entry's length are never computed (517 keys: chunks from 384 on).
+    assert all(ctx.streaming.key_bounds[s.key][0] < 333 for s in ctx.streaming.steps)
+
+
+def test_streamed_against_the_oracle(rng):
+    """The streamed path against float64 attention itself, not only against the in-memory
+    backend (which shares the backend's per-pair code)."""
+    q, k, v, do = _inputs(rng, np.float64, nq=300, nk=400)
+    limit = _limit_for(q, k, v, 128, causal=True)
+    o, vjp = cf.attention_vjp(q, k, v, causal=True, backend="numpy", device_memory_limit=limit)
+    scale = 1 / np.sqrt(q.shape[-1])
+    ref_o, _ = naive_attention(q, k, v, scale=scale, causal=True)
+    assert_close(o, ref_o, TOL[np.float64])
+    for got, ref in zip(vjp(do), naive_attention_grads(do, q, k, v, scale=scale, causal=True)):
+        assert_close(got, ref, TOL[np.float64])
+
+
+def test_progress_reports_increasing_counts(rng):
+    q, k, v, do = _inputs(rng, np.float32, nq=520, nk=520)
+    limit = _limit_for(q, k, v, 128, causal=True)
+    calls = []
+    o, ctx = cf.attention_forward(q, k, v, causal=True, backend="numpy", device_memory_limit=limit,
+                                  progress=lambda done, total: calls.append((done, total)))
+    total = ctx.streaming.pairs
+    assert total == 15 and calls == [(n, total) for n in range(1, total + 1)]
+    calls.clear()
+    cf.attention_backward(do, ctx)
+    assert [c[0] for c in calls] == list(range(1, total + 1))
+    calls.clear()
+    cf.attention(q, k, v, backend="numpy", progress=lambda *a: calls.append(a))
+    assert calls == []   # an in-memory call does not report
+
+
+def test_progress_tqdm(rng):
+    pytest.importorskip("tqdm")
+    q, k, v, _ = _inputs(rng, np.float32, nq=300, nk=300)
+    o = cf.attention(q, k, v, backend="numpy", device_memory_limit=_limit_for(q, k, v, 128),
+                     progress="tqdm")
+    assert_close(o, cf.attention(q, k, v, backend="numpy"), TOL[np.float32])
+
+
+def test_empty_batch_and_gpu_arrays_without_gpu(rng):
+    q, k, v, _ = _inputs(rng, np.float32, b=0, nq=8, nk=8)
+    assert cf.attention(q, k, v, backend="numpy", device_memory_limit=10**6).shape == (0, 4, 8, 24)
+
+
+# GPU: host arrays through a tiny device memory --------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+@pytest.mark.parametrize("case", ["causal-gqa", "dense-nq-ne-nk", "bias-seqlens", "block-mask"])
+def test_streamed_gpu_equals_in_memory_gpu(dtype, case):
+    """Streamed GPU calls (chunks of 128-256 rows) against the in-memory GPU call and the
+    float64 oracle on the same rounded inputs, forward, LSE and gradients."""
+    from gpu_cases import TOLERANCE, np_dtype, rel_err
+
+    rng = np.random.default_rng(17)
+    dt = np_dtype(dtype)
+    nq, nk = (700, 900) if case != "block-mask" else (640, 640)
+    q, k, v, do = (x.astype(dt) for x in _inputs(rng, np.float32, b=2, hq=4, hk=2 if case == "causal-gqa" else 4,
+                                                   nq=nq, nk=nk, d=64, dv=64))
+    options = {}
+    if case == "causal-gqa":
+        options["causal"] = True
+    elif case == "bias-seqlens":
+        options.update(causal=True, bias=rng.standard_normal((4, nq, nk)).astype(dt),
+                       seqlens_k=np.array([nk, 500]))
+    elif case == "block-mask":
+        mask = rng.random((4, 5, 5)) < 0.5
+        mask[..., 0] = True
+        options["block_mask"] = mask
+    bias = options.get("bias")
+    limit = _limit_for(q, k, v, 256, causal=options.get("causal", False),
+                       bias_shape=None if bias is None else (1, *bias.shape),
+                       mask_shape=None if "block_mask" not in options else (1, 4, 5, 5),
+                       seqlens="seqlens_k" in options)
+    o_mem, ctx_mem = cf.attention_forward(q, k, v, backend="cuda", **options)
+    o, ctx = cf.attention_forward(q, k, v, backend="cuda", device_memory_limit=limit, **options)
+    assert isinstance(o, np.ndarray) and ctx.streaming is not None and ctx.streaming.pairs > 3
+    f = lambda x: np.asarray(x).astype(np.float64)   # noqa: E731
+    oracle_opts = {n: v_ for n, v_ in options.items() if n != "bias"}
+    if bias is not None:
+        oracle_opts["bias"] = f(bias)
+    if "block_mask" in options:
+        oracle_opts["block_size"] = (128, 128)
+    ref_o, ref_lse = naive_attention(f(q), f(k), f(v), scale=1 / 8, **{"causal": False, **oracle_opts})
+    tol = TOLERANCE[dtype]
+    assert rel_err(f(o), ref_o) < tol and rel_err(f(o_mem), ref_o) < tol
+    finite = np.isfinite(ref_lse)
+    assert (np.isneginf(ctx.lse) == ~finite).all()
+    assert rel_err(f(ctx.lse)[finite], ref_lse[finite]) < tol
+    grads = cf.attention_backward(do, ctx)
+    grads_mem = cf.attention_backward(do, ctx_mem)
+    refs = naive_attention_grads(f(do), f(q), f(k), f(v), scale=1 / 8, **{"causal": False, **oracle_opts})
+    for got, mem, ref in zip(grads, grads_mem, refs[:3]):
+        assert isinstance(got, np.ndarray) and got.dtype == dt
+        # Three times the limit: each pair's gradients are rounded to the dtype before
+        # they are summed over chunks (tests/test_merge.py makes the same allowance).
+        assert rel_err(f(got), ref) < 3 * tol
+        assert rel_err(f(mem), ref) < tol
+
+
+@pytest.mark.gpu
+def test_gpu_arrays_with_a_limit_are_refused():
+    import cupy as cp
+    x = cp.zeros((1, 1, 8, 16), cp.float32)
+    with pytest.raises(ValueError, match="device_memory_limit streams host"):
+        cf.attention(x, x, x, device_memory_limit=10**6)
+
+
+@pytest.mark.gpu
+def test_gpu_progress_and_unchanged_inputs():
+    rng = np.random.default_rng(3)
+    q, k, v, do = (x.astype(np.float16) for x in _inputs(rng, np.float32, nq=600, nk=600, d=64, dv=64))
+    before = [x.copy() for x in (q, k, v)]
+    calls = []
+    o, vjp = cf.attention_vjp(q, k, v, causal=True, backend="cuda",
+                              device_memory_limit=_limit_for(q, k, v, 128, causal=True),
+                              progress=lambda done, total: calls.append((done, total)))
+    vjp(do)
+    dones = [c[0] for c in calls]
+    total = calls[0][1]
+    # Forward then backward, each 1..total in order.
+    assert dones == list(range(1, total + 1)) * 2
+    for x, y in zip((q, k, v), before):
+        np.testing.assert_array_equal(x, y)
