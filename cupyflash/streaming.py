@@ -544,10 +544,9 @@ class _CudaMover:
     their own, ordered against the compute stream (the current one, where the kernels
     run) by events, so the copies of the next pair overlap the kernels of this one."""
 
-    def __init__(self, device):
+    def __init__(self):
         cp = _arrays.cupy_module()
         self.xp, self._cp = cp, cp
-        self._device = cp.cuda.Device(device)
         self.compute = cp.cuda.get_current_stream()
         self.copy = cp.cuda.Stream(non_blocking=True)
 
@@ -613,7 +612,8 @@ class _CudaMover:
 
 
 def mover(backend, device):
-    return _HostMover() if backend == "numpy" else _CudaMover(device)
+    """The NumPy "device", or CuPy on ``device`` (made current for the pass)."""
+    return _HostMover() if backend == "numpy" else _CudaMover()
 
 
 # Progress ------------------------------------------------------------------------------------
@@ -775,17 +775,18 @@ def _merge_into(o_acc, lse_acc, o_part, lse_part, xp):
 
 
 def _execute(plan, backend, device, progress, what, body):
-    moving = mover(backend, device)
-    report = _Progress(progress, plan.pairs, what)
-    completed = False
-    try:
-        body(moving, report)
-        completed = True
-    finally:
-        # Also after an error: no copy may still be in flight when the buffers go back
-        # to CuPy's pool.
-        moving.synchronize()
-        report.close(completed)
+    with _arrays.on_device(device):
+        moving = mover(backend, device)
+        report = _Progress(progress, plan.pairs, what)
+        completed = False
+        try:
+            body(moving, report)
+            completed = True
+        finally:
+            # Also after an error: no copy may still be in flight when the buffers go back
+            # to CuPy's pool.
+            moving.synchronize()
+            report.close(completed)
 
 
 def forward(q, k, v, o, lse, *, plan, scale, causal, mods, backend, device, progress=None):
