@@ -99,3 +99,14 @@ def test_smoothing_vector_values_away_from_the_origin(kernel_smoothing, rng):
     got = ex.smooth(x, y, values, 0.25, backend="numpy")
     assert got.shape == (50, 4)
     assert ex.relative_error(got, ex.smooth_direct(x, y, values, 0.25)) <= 1e-12
+
+
+def test_out_of_core_example_runs_and_checks(capsys):
+    """The streamed example on a small case (the NumPy backend here; the GPU where one is):
+    many chunks under the limit, sampled rows within float64's limit."""
+    ex = load_example("out_of_core")
+    status = ex.main(["--seqlen", "700", "--heads", "2", "--head-dim", "16", "--dtype", "float64",
+                      "--device-memory-limit", "700000", "--check-rows", "8"])
+    out = capsys.readouterr().out
+    assert status == 0 and "within the float64 limit" in out
+    assert ", 1 (query, key) chunk pairs" not in out
