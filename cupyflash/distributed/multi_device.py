@@ -1,0 +1,276 @@
+"""Attention over the GPUs of one host from one process: query blocks split over devices.
+
+Each device gets blocks of query rows and the keys they can see, and runs an ordinary
+`cupyflash.attention_forward` on them; nothing needs merging, because a query block's
+output depends on the keys alone. With ``causal`` the mask is bottom-right aligned, so
+query rows ``[a, b)`` see exactly the key prefix ``[0, b + Nk - Nq)``, and a causal call
+on that prefix is exact; the rows are dealt out in zigzag order (2P blocks, device g
+takes blocks g and 2P-1-g) so the devices get equal work. The backward pass sums each
+device's dK/dV over the prefixes in float32 (float64), where the caller's arrays are.
+
+The devices run concurrently: every copy and launch is queued without waiting, on each
+device's current stream, and the caller's device waits for the others through events.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .. import _arrays, _validate
+
+__all__ = ["multi_device_attention", "multi_device_attention_vjp", "query_blocks"]
+
+
+def query_blocks(n_q, n_k, parts, causal):
+    """The calls of each of ``parts`` devices: a list per device of
+    ``((row_lo, row_hi), key_stop)``, the query rows of a call and the keys ``[0, key_stop)``
+    it reads (0: the rows see no key). Rows are split as evenly as integers allow;
+    causal calls are dealt in zigzag order."""
+    blocks = 2 * parts if causal else parts
+    cuts = [n_q * i // blocks for i in range(blocks + 1)]
+    calls = [[] for _ in range(parts)]
+    for i in range(blocks):
+        lo, hi = cuts[i], cuts[i + 1]
+        if lo == hi:
+            continue
+        stop = max(0, min(n_k, hi + n_k - n_q)) if causal else n_k
+        owner = i if i < parts else 2 * parts - 1 - i
+        calls[owner].append(((lo, hi), stop))
+    return calls
+
+
+def _check_devices(devices):
+    if isinstance(devices, (str, bytes)) or not hasattr(devices, "__iter__"):
+        raise TypeError(f"devices must be a sequence of GPU ids, got {type(devices).__name__}")
+    devices = list(devices)
+    if not devices:
+        raise ValueError("devices must list at least one GPU id, got an empty sequence")
+    for i, d in enumerate(devices):
+        if isinstance(d, bool) or not isinstance(d, int):
+            raise TypeError(f"devices[{i}] must be an integer GPU id, got {d!r} ({type(d).__name__})")
+    if len(set(devices)) != len(devices):
+        raise ValueError(f"devices must not repeat a GPU, got {devices}")
+    from ..api import _gpu_backend
+    cuda, why_not = _gpu_backend()
+    if cuda is None:
+        raise RuntimeError(f"multi_device_attention runs on CUDA GPUs, but {why_not}")
+    count = _arrays.cupy_module().cuda.runtime.getDeviceCount()
+    bad = [d for d in devices if not 0 <= d < count]
+    if bad:
+        raise ValueError(f"devices {bad} do not exist: this machine has {count} GPU(s) (ids 0..{count - 1})")
+    return devices
+
+
+def _seq(x, lo, hi, layout, lse=False):
+    """Rows ``[lo, hi)`` of a q/k/v/o-shaped array (or of an LSE) in ``layout``."""
+    if lse:
+        return x[..., lo:hi]
+    return x[:, lo:hi] if layout == "bshd" else x[..., lo:hi, :]
+
+
+class _Mover:
+    """Copies between the host and the devices, queued on the current streams, with the
+    sources kept alive until `finish` (a device-to-device copy reads its source on the
+    destination's stream, after an event of the source's)."""
+
+    def __init__(self):
+        self.cp = _arrays.cupy_module()
+        self._keep = []
+        self._events = []
+
+    def to_device(self, x, device):
+        cp = self.cp
+        if _arrays.kind_of(x) == _arrays.HOST:
+            with cp.cuda.Device(device):
+                return cp.asarray(x)
+        if x.device.id == device:
+            return x
+        return self._peer(x, device)
+
+    def _peer(self, x, device):
+        cp = self.cp
+        with cp.cuda.Device(x.device.id):
+            src = cp.ascontiguousarray(x)
+            ready = cp.cuda.Event(disable_timing=True)
+            ready.record()
+        with cp.cuda.Device(device):
+            dst = cp.empty(src.shape, src.dtype)
+            stream = cp.cuda.get_current_stream()
+            stream.wait_event(ready)
+            dst.data.copy_from_device_async(src.data, src.nbytes, stream)
+            done = cp.cuda.Event(disable_timing=True)
+            done.record(stream)
+        self._keep.append(src)
+        self._events.append((x.device.id, done))
+        return dst
+
+    def back(self, y, kind, device):
+        """A device result where the caller's arrays are (host, or GPU ``device``)."""
+        if kind == _arrays.HOST:
+            with self.cp.cuda.Device(y.device.id):
+                return self.cp.asnumpy(y)
+        return y if y.device.id == device else self._peer(y, device)
+
+    def finish(self, device):
+        """Make ``device``'s current stream (None: the host) wait for every copy, and every
+        source device's stream wait for the copies that read its memory."""
+        cp = self.cp
+        for source, done in self._events:
+            with cp.cuda.Device(source):
+                cp.cuda.get_current_stream().wait_event(done)
+            if device is not None:
+                with cp.cuda.Device(device):
+                    cp.cuda.get_current_stream().wait_event(done)
+        self._keep.clear()
+        self._events.clear()
+
+
+@dataclass
+class _Call:
+    device: int
+    rows: tuple
+    key_stop: int
+    ctx: object = None
+
+
+def _run_forward(q, k, v, devices, options, layout, want_ctx):
+    import cupyflash
+
+    q, k, v, problem = _validate.check_inputs(q, k, v, layout=layout)
+    scale = _validate.resolve_scale(options.scale, problem.head_dim, problem.dtype)
+    plan = query_blocks(problem.q_len, problem.k_len, len(devices), options.causal)
+    calls = [_Call(dev, rows, stop) for dev, blocks in zip(devices, plan) for rows, stop in blocks]
+    kind, home = problem.kind, problem.device
+    o = _arrays.empty((*q.shape[:-1], problem.value_dim), problem.dtype, kind)
+    lse = _arrays.empty(_arrays.lse_shape(q.shape, layout), _arrays.accumulation_dtype(problem.dtype),
+                        kind)
+    mover = _Mover()
+    with _arrays.on_device(home):
+        xp = _arrays.namespace(kind)
+        parts = []
+        for call in calls:   # every device's copies and kernels queued before any result is read
+            lo, hi = call.rows
+            if call.key_stop == 0:
+                continue
+            with _arrays.on_device(call.device):
+                qg, kg, vg = (mover.to_device(_seq(x, a, b, layout), call.device)
+                              for x, (a, b) in ((q, (lo, hi)), (k, (0, call.key_stop)),
+                                                (v, (0, call.key_stop))))
+                og, call.ctx = cupyflash.attention_forward(
+                    qg, kg, vg, causal=options.causal, scale=scale, softcap=options.softcap,
+                    layout=layout, deterministic=options.deterministic, backend="cuda")
+                parts.append((call, og, call.ctx.lse))
+        for call in calls:
+            if call.key_stop == 0:   # rows that see no key: output 0, LSE -inf
+                _seq(o, *call.rows, layout)[...] = 0
+                _seq(lse, *call.rows, layout, lse=True)[...] = -xp.inf
+        for call, og, lg in parts:
+            _seq(o, *call.rows, layout)[...] = mover.back(og, kind, home)
+            _seq(lse, *call.rows, layout, lse=True)[...] = mover.back(lg, kind, home)
+        mover.finish(home)
+    state = (q, k, v, o, lse, calls, problem, layout) if want_ctx else None
+    return o, lse, state
+
+
+def _run_backward(do, dlse, state):
+    import cupyflash
+
+    q, k, v, o, lse, calls, problem, layout = state
+    kind, home = problem.kind, problem.device
+    do = _validate.check_do(do, o=o, kind=kind, device=home)
+    if dlse is not None:
+        dlse = _validate.check_dlse(dlse, lse=lse, kind=kind, device=home)
+    acc = _arrays.accumulation_dtype(problem.dtype)
+    mover = _Mover()
+    with _arrays.on_device(home):
+        xp = _arrays.namespace(kind)
+        dq = xp.zeros(q.shape, q.dtype)
+        dk_acc, dv_acc = xp.zeros(k.shape, acc), xp.zeros(v.shape, acc)
+        results = []
+        for call in calls:
+            if call.ctx is None:
+                continue
+            lo, hi = call.rows
+            with _arrays.on_device(call.device):
+                dog = mover.to_device(_seq(do, lo, hi, layout), call.device)
+                dlg = None if dlse is None else mover.to_device(
+                    _seq(dlse, lo, hi, layout, lse=True).astype(acc), call.device)
+                results.append((call, cupyflash.attention_backward(dog, call.ctx, dlse=dlg)))
+        for call, (dqg, dkg, dvg) in results:
+            _seq(dq, *call.rows, layout)[...] = mover.back(dqg, kind, home)
+            _seq(dk_acc, 0, call.key_stop, layout)[...] += mover.back(dkg, kind, home).astype(acc)
+            _seq(dv_acc, 0, call.key_stop, layout)[...] += mover.back(dvg, kind, home).astype(acc)
+        mover.finish(home)
+        return dq, dk_acc.astype(k.dtype), dv_acc.astype(v.dtype)
+
+
+def _options(causal, scale, softcap, layout, deterministic):
+    return _validate.check_options(
+        causal=causal, scale=scale, window=None, dropout_p=0.0, seed=None, block_mask=None,
+        bias=None, alibi_slopes=None, softcap=softcap, layout=layout, deterministic=deterministic,
+        backend="cuda")
+
+
+def multi_device_attention(q, k, v, *, devices, causal=False, scale=None, softcap=0.0,
+                           layout="bhsd", deterministic=False, return_lse=False):
+    """Exact attention split over several GPUs of this host, from one process.
+
+    The query rows are split into blocks over ``devices`` (zigzag order when causal, so
+    the work is even); each device receives its query blocks and the keys they can see,
+    and runs `cupyflash.attention_forward` on them. The devices run concurrently.
+
+    Parameters
+    ----------
+    q, k, v : array
+        The whole problem, as for `cupyflash.attention` (GQA, Nq != Nk, both layouts):
+        NumPy arrays (results come back as NumPy) or CuPy arrays on any GPU (results on
+        that GPU, which need not be one of ``devices``).
+    devices : sequence of int
+        Distinct CUDA device ids; ``[0]`` runs everything on GPU 0.
+    causal, scale, softcap, layout, deterministic
+        As for `cupyflash.attention`.
+    return_lse : bool, default False
+        Also return the log-sum-exp.
+
+    Returns
+    -------
+    o : array
+        As `cupyflash.attention` returns it (and ``lse`` with ``return_lse=True``).
+
+    Raises
+    ------
+    TypeError, ValueError
+        A bad argument, named, before anything is allocated (devices that repeat or do not
+        exist included).
+    RuntimeError
+        No usable GPU.
+    """
+    return_lse = _validate.check_flag(return_lse, "return_lse")
+    options = _options(causal, scale, softcap, layout, deterministic)
+    devices = _check_devices(devices)
+    o, lse, _ = _run_forward(q, k, v, devices, options, layout, want_ctx=False)
+    return (o, lse) if return_lse else o
+
+
+def multi_device_attention_vjp(q, k, v, *, devices, causal=False, scale=None, softcap=0.0,
+                               layout="bhsd", deterministic=False):
+    """`multi_device_attention` and its vector-Jacobian product.
+
+    Returns
+    -------
+    o : array
+    vjp : callable
+        ``vjp(do, *, dlse=None) -> (dq, dk, dv)``: each device runs the backward pass of
+        its calls; dq comes back row by row, dk and dv are summed over the devices in
+        float32 (float64 for float64 inputs) where the inputs are. ``vjp.lse`` is the
+        forward's log-sum-exp.
+    """
+    options = _options(causal, scale, softcap, layout, deterministic)
+    devices = _check_devices(devices)
+    o, lse, state = _run_forward(q, k, v, devices, options, layout, want_ctx=True)
+
+    def vjp(do, *, dlse=None):
+        return _run_backward(do, dlse, state)
+
+    vjp.lse = lse
+    return o, vjp

@@ -1,0 +1,580 @@
+"""`cupyflash.distributed`: ring attention through LocalRing (NumPy backend on the CPU, CuPy
+on one GPU), zigzag sharding, the multi-device split, the named errors, and NCCL ring
+attention in 2 and 4 processes where that many GPUs exist.
+
+Every ring result is unsharded and compared with the unsharded cupyflash call and with
+the float64 oracle on the same rounded inputs (tests/TOLERANCES.md)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import cupyflash as cf
+from cupyflash.distributed import (LocalRing, multi_device_attention, multi_device_attention_vjp,
+                                   ring_attention, ring_attention_backward, ring_attention_forward,
+                                   ring_attention_vjp, zigzag_chunks, zigzag_shard, zigzag_unshard)
+from cupyflash.distributed.multi_device import query_blocks
+from oracle import naive_attention, naive_attention_grads
+from test_reference import assert_close
+
+TOL = {np.float64: 1e-12, np.float32: 1e-5}  # tests/TOLERANCES.md
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _seq_axis(layout):
+    return -2 if layout == "bhsd" else 1
+
+
+def _bhsd(x, layout):
+    x = np.asarray(x, np.float64)
+    return x if layout == "bhsd" else x.transpose(0, 2, 1, 3)
+
+
+def _problem(rng, dtype, *, n, hq=4, hk=2, d=16, dv=None, batch=2, layout="bhsd"):
+    """Whole-sequence q, k, v, do and dlse in ``layout``."""
+    dv = d if dv is None else dv
+    shape = (lambda h, e: (batch, h, n, e)) if layout == "bhsd" else (lambda h, e: (batch, n, h, e))
+    q, k, v, do = (rng.standard_normal(shape(h, e)).astype(dtype)
+                   for h, e in ((hq, d), (hk, d), (hk, dv), (hq, dv)))
+    dlse = rng.standard_normal((batch, hq, n)).astype(dtype)
+    return q, k, v, do, dlse
+
+
+def _ring_run(world, q, k, v, do, dlse, *, layout="bhsd", contiguous=False, **options):
+    """Ring attention forward and backward (with dlse) over ``world`` LocalRing ranks,
+    each result unsharded: o, lse, dq, dk, dv."""
+    axis = _seq_axis(layout)
+    if contiguous:   # plain equal slices: what non-causal attention may take
+        split = lambda x, ax: np.split(x, world, axis=ax)   # noqa: E731
+        join = lambda parts, ax: np.concatenate(parts, axis=ax)   # noqa: E731
+    else:
+        split = lambda x, ax: [zigzag_shard(x, r, world, ax) for r in range(world)]   # noqa: E731
+        join = zigzag_unshard
+
+    def rank(comm, q, k, v, do, dlse):
+        o, ctx = ring_attention_forward(q, k, v, comm, layout=layout, **options)
+        return (o, ctx.lse, *ring_attention_backward(do, ctx, dlse=dlse))
+
+    results = LocalRing(world).run(rank, *(split(x, axis) for x in (q, k, v, do)), split(dlse, -1))
+    axes = (axis, -1, axis, axis, axis)
+    return tuple(join([r[i] for r in results], ax) for i, ax in enumerate(axes))
+
+
+def _oracle(q, k, v, do, dlse, *, causal, layout, scale=None, softcap=0.0):
+    """Float64 o, lse, dq, dk, dv of sum(do * o) + sum(dlse * lse), in the bhsd layout."""
+    q, k, v, do = (_bhsd(x, layout) for x in (q, k, v, do))
+    scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
+    o, lse = naive_attention(q, k, v, scale=scale, causal=causal, softcap=softcap)
+    dq, dk, dv = naive_attention_grads(do, q, k, v, scale=scale, causal=causal, softcap=softcap)[:3]
+    # d lse_i / d x_ij = P_ij: the dlse term enters as do = 0 with D shifted by -dlse, i.e.
+    # dS = P dlse; the oracle's gradients of sum(h * o) with v replaced by ones give P's rows.
+    g = q.shape[1] // k.shape[1]
+    kk = np.repeat(k, g, axis=1)
+    s = scale * q @ kk.swapaxes(-1, -2)
+    if softcap:
+        s = softcap * np.tanh(s / softcap)
+        cap = 1 - np.tanh(scale * q @ kk.swapaxes(-1, -2) / softcap) ** 2
+    else:
+        cap = 1.0
+    if causal:
+        n_q, n_k = s.shape[-2:]
+        s = np.where(np.tril(np.ones((n_q, n_k), bool), k=n_k - n_q), s, -np.inf)
+    p = np.exp(s - lse[..., None])
+    ds = p * np.asarray(dlse, np.float64)[..., None] * cap * scale
+    fold = lambda x: x.reshape(x.shape[0], k.shape[1], g, *x.shape[2:]).sum(axis=2)   # noqa: E731
+    return o, lse, dq + ds @ kk, dk + fold(ds.swapaxes(-1, -2) @ q), dv
+
+
+# Ring attention on the CPU ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_ring_equals_unsharded_call_and_oracle(dtype, world, causal, layout, rng):
+    """GQA (4 query heads on 2 kv heads), odd head dims (d = 13, dv = 7), 6 rows per
+    rank: the ring's o, lse and gradients (with an LSE cotangent) against the unsharded
+    NumPy-backend call and the float64 oracle."""
+    q, k, v, do, dlse = _problem(rng, dtype, n=6 * world, d=13, dv=7, layout=layout)
+    got = _ring_run(world, q, k, v, do, dlse, causal=causal, layout=layout)
+    o, ctx = cf.attention_forward(q, k, v, causal=causal, layout=layout, backend="numpy")
+    whole = (o, ctx.lse, *cf.attention_backward(do, ctx, dlse=dlse))
+    ref = _oracle(q, k, v, do, dlse, causal=causal, layout=layout)
+    for i, (out, same, r) in enumerate(zip(got, whole, ref)):
+        assert out.shape == same.shape and out.dtype == same.dtype
+        bhsd = i != 1   # the LSE is (B, H, N) in both layouts
+        assert_close(_bhsd(out, layout) if bhsd else out, _bhsd(same, layout) if bhsd else same,
+                     TOL[dtype])
+        assert_close(_bhsd(out, layout) if bhsd else out, r, TOL[dtype])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_non_causal_ring_takes_contiguous_shards(world, rng):
+    q, k, v, do, dlse = _problem(rng, np.float64, n=5 * world, hq=2, hk=1, d=8)
+    got = _ring_run(world, q, k, v, do, dlse, causal=False, contiguous=True)
+    ref = _oracle(q, k, v, do, dlse, causal=False, layout="bhsd")
+    for out, r in zip(got, ref):
+        assert_close(out, r, TOL[np.float64])
+
+
+def test_ring_softcap_scale_and_one_head_2d(rng):
+    """softcap and an explicit scale pass to every pair; 2-D (N, d) shards are one head."""
+    q, k, v, do, dlse = _problem(rng, np.float64, n=16, hq=1, hk=1, d=8, batch=1)
+    got = _ring_run(4, q[0, 0], k[0, 0], v[0, 0], do[0, 0], dlse[0, 0], causal=True, scale=0.7,
+                    softcap=2.0)
+    ref = _oracle(q, k, v, do, dlse, causal=True, layout="bhsd", scale=0.7, softcap=2.0)
+    for out, r in zip(got, ref):
+        assert_close(out, r.reshape(out.shape), TOL[np.float64])
+
+
+def test_ring_vjp_and_return_lse_agree_with_forward(rng):
+    q, k, v, do, _ = _problem(rng, np.float64, n=8, hq=2, hk=2, d=4, batch=1)
+
+    def rank(comm, q, k, v, do):
+        o1, lse = ring_attention(q, k, v, comm, causal=True, return_lse=True)
+        o2, vjp = ring_attention_vjp(q, k, v, comm, causal=True)
+        return o1, lse, o2, vjp(do)
+
+    shards = [[zigzag_shard(x, r, 2, -2) for r in range(2)] for x in (q, k, v, do)]
+    results = LocalRing(2).run(rank, *shards)
+    whole = cf.attention(q, k, v, causal=True, backend="numpy", return_lse=True)
+    o1 = zigzag_unshard([r[0] for r in results], -2)
+    assert_close(o1, whole[0], TOL[np.float64])
+    assert_close(zigzag_unshard([r[1] for r in results], -1), whole[1], TOL[np.float64])
+    np.testing.assert_array_equal(o1, zigzag_unshard([r[2] for r in results], -2))
+    dq = zigzag_unshard([r[3][0] for r in results], -2)
+    ref = naive_attention_grads(do, q, k, v, scale=0.5, causal=True)[0]
+    assert_close(dq, ref, TOL[np.float64])
+
+
+def test_ring_leaves_inputs_unchanged(rng):
+    q, k, v, do, dlse = _problem(rng, np.float32, n=12, hq=2, hk=1, d=8)
+    shards = [[zigzag_shard(x, r, 3, -2) for r in range(3)] for x in (q, k, v, do)]
+    before = [[s.copy() for s in x] for x in shards]
+    LocalRing(3).run(lambda c, q, k, v, do: ring_attention_vjp(q, k, v, c, causal=True)[1](do), *shards)
+    for xs, ys in zip(shards, before):
+        for x, y in zip(xs, ys):
+            np.testing.assert_array_equal(x, y)
+
+
+# Zigzag sharding ----------------------------------------------------------------------------
+
+
+def test_zigzag_chunk_assignment():
+    x = np.arange(8)
+    assert [list(zigzag_shard(x, r, 2, 0)) for r in range(2)] == [[0, 1, 6, 7], [2, 3, 4, 5]]
+    assert [zigzag_chunks(r, 3) for r in range(3)] == [(0, 5), (1, 4), (2, 3)]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("axis", [0, 1, -2, -1])
+def test_zigzag_round_trip(world, axis, rng):
+    shape = [2 * world * 3, 2 * world * 2, 2 * world, 6 * world]
+    x = rng.standard_normal(shape)
+    parts = [zigzag_shard(x, r, world, axis) for r in range(world)]
+    assert all(p.shape[axis] == x.shape[axis] // world for p in parts)
+    np.testing.assert_array_equal(zigzag_unshard(parts, axis), x)
+    # Every element lands in exactly one shard.
+    assert sorted(np.concatenate([p.ravel() for p in parts])) == sorted(x.ravel())
+
+
+# Errors ---------------------------------------------------------------------------------------
+
+
+class _RecordingComm:
+    """A communicator that records exchanges (none may happen before the checks)."""
+
+    def __init__(self, rank=0, size=2, device=None):
+        self.rank, self.size, self.device = rank, size, device
+        self.calls = 0
+
+    def sendrecv(self, send, dst, recv, src, stream):
+        self.calls += 1
+        raise AssertionError("no exchange may happen for a call that fails its checks")
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda: zigzag_shard(np.zeros((2, 10, 4)), 0, 3, 1), ValueError, r"x has 10 entries .* 2 \* world = 6"),
+    (lambda: zigzag_shard(np.zeros((12, 4)), 3, 3, 0), ValueError, r"rank must be in \[0, world\)"),
+    (lambda: zigzag_shard(np.zeros((12, 4)), 0, 0, 0), ValueError, "world must be >= 1"),
+    (lambda: zigzag_shard(np.zeros((12, 4)), 0, 2, 2), ValueError, "axis 2 is out of range"),
+    (lambda: zigzag_shard([1, 2], 0, 1, 0), TypeError, "x must be an array"),
+    (lambda: zigzag_unshard([np.zeros((4, 2)), np.zeros((6, 2))], 0), ValueError, r"parts\[1\] has shape"),
+    (lambda: zigzag_unshard([np.zeros((3, 2))] * 2, 0), ValueError, "odd"),
+    (lambda: zigzag_unshard([], 0), ValueError, "empty"),
+    (lambda: zigzag_unshard([np.zeros((4, 2)), np.zeros((4, 2), np.float32)], 0), TypeError, r"parts\[1\] has dtype"),
+])
+def test_zigzag_errors_are_named(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+def _qkv(n=8, nk=None, d=4, dtype=np.float32):
+    rng = np.random.default_rng(0)
+    nk = n if nk is None else nk
+    return (rng.standard_normal((1, 2, n, d)).astype(dtype), rng.standard_normal((1, 2, nk, d)).astype(dtype),
+            rng.standard_normal((1, 2, nk, d)).astype(dtype))
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(window=(4, 0)), NotImplementedError, "window"),
+    (dict(dropout_p=0.1), NotImplementedError, "dropout_p"),
+    (dict(alibi_slopes=np.ones(2)), NotImplementedError, "alibi_slopes"),
+    (dict(bias=np.zeros((8, 8), np.float32)), NotImplementedError, "bias"),
+    (dict(block_mask=np.ones((1, 1), bool)), NotImplementedError, "block_mask"),
+    (dict(layout="sbhd"), ValueError, "layout"),
+    (dict(scale=-1.0), ValueError, "scale"),
+])
+def test_ring_option_errors_are_named(kwargs, error, match):
+    comm = _RecordingComm()
+    with pytest.raises(error, match=match):
+        ring_attention(*_qkv(), comm, **kwargs)
+    assert comm.calls == 0
+
+
+def test_ring_input_errors_come_before_any_exchange():
+    comm = _RecordingComm()
+    with pytest.raises(ValueError, match="q has 7 rows, an odd number"):
+        ring_attention(*_qkv(n=7), comm, causal=True)
+    with pytest.raises(ValueError, match="k has 6 keys but q has 8 queries"):
+        ring_attention(*_qkv(n=8, nk=6), comm, causal=True)
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match="k has dtype float64"):
+        ring_attention(q, k.astype(np.float64), v, comm)
+    with pytest.raises(ValueError, match=r"comm.rank must be in \[0, comm.size\) = \[0, 2\), got 2"):
+        ring_attention(q, k, v, _RecordingComm(rank=2, size=2))
+    with pytest.raises(ValueError, match="comm.size must be a positive integer"):
+        ring_attention(q, k, v, _RecordingComm(rank=0, size=0))
+    with pytest.raises(TypeError, match="comm must be a communicator"):
+        ring_attention(q, k, v, object())
+    # A communicator bound to a GPU takes GPU arrays only.
+    with pytest.raises(TypeError, match="q is a host .NumPy. array but comm"):
+        ring_attention(q, k, v, _RecordingComm(device=0))
+    assert comm.calls == 0
+
+
+def test_backward_errors_are_named():
+    q, k, v = _qkv()
+    (o, ctx), = LocalRing(1).run(lambda c, q, k, v: ring_attention_forward(q, k, v, c), [q], [k], [v])
+    with pytest.raises(ValueError, match="do must have the shape of o"):
+        ring_attention_backward(np.zeros((1, 2, 7, 4), np.float32), ctx)
+    with pytest.raises(ValueError, match="dlse must have the shape of lse"):
+        ring_attention_backward(np.zeros_like(o), ctx, dlse=np.zeros((1, 2, 3), np.float32))
+    with pytest.raises(TypeError, match="ctx must be a RingContext"):
+        ring_attention_backward(np.zeros_like(o), object())
+
+
+def test_unequal_shards_across_ranks_are_named():
+    """Non-causal shards of different lengths: the rank that receives names both shapes
+    and every rank stops (none waits forever)."""
+    q, k, v = _qkv(n=10)
+    qs, ks, vs = ([x[:, :, :6], x[:, :, 6:]] for x in (q, k, v))
+    with pytest.raises(ValueError, match="every rank must pass arrays of one shape"):
+        LocalRing(2, timeout=30).run(lambda c, q, k, v: ring_attention(q, k, v, c), qs, ks, vs)
+
+
+def test_a_failing_rank_releases_the_others():
+    """Rank 1's shard is odd: its ValueError is what run() raises, while rank 0, already
+    in the ring, is released instead of waiting for rank 1's message."""
+    q, k, v = _qkv(n=8)
+    qs = [q, q[:, :, :7]]
+    with pytest.raises(ValueError, match="odd number"):
+        LocalRing(2, timeout=30).run(lambda c, q, k, v: ring_attention(q, k, v, c, causal=True),
+                                     qs, [k, k[:, :, :7]], [v, v[:, :, :7]])
+
+
+def test_local_ring_run_needs_one_argument_per_rank():
+    ring = LocalRing(3)
+    with pytest.raises(ValueError, match=r"per-rank argument 1 must hold one entry per rank \(LocalRing size 3\), got 2"):
+        ring.run(lambda c, a, b: None, [1, 2, 3], [1, 2])
+    with pytest.raises(ValueError, match="size must be >= 1"):
+        LocalRing(0)
+
+
+def test_from_env_names_missing_variables(monkeypatch):
+    from cupyflash.distributed import from_env
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ValueError, match="WORLD_SIZE is not set"):
+        from_env()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "2")
+    with pytest.raises(ValueError, match=r"RANK must be in \[0, WORLD_SIZE\) = \[0, 2\), got 2"):
+        from_env()
+
+
+def test_launcher_sets_the_ring_environment(tmp_path):
+    script = tmp_path / "show.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys
+        names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+        out = os.path.join(sys.argv[1], "rank" + os.environ["RANK"])
+        open(out, "w").write(" ".join(os.environ[n] for n in names))
+    """))
+    run = subprocess.run([sys.executable, "-m", "cupyflash.distributed.launch", "--nproc", "3",
+                          str(script), str(tmp_path)], cwd=ROOT, env=_env(), timeout=60)
+    assert run.returncode == 0
+    seen = [(tmp_path / f"rank{r}").read_text().split() for r in range(3)]
+    assert [s[:3] for s in seen] == [[str(r), str(r), "3"] for r in range(3)]
+    assert len({s[4] for s in seen}) == 1   # one rendezvous port
+
+
+def test_launcher_returns_a_failing_rank_status(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text("import os, sys, time\nif os.environ['RANK'] == '1': sys.exit(3)\ntime.sleep(60)\n")
+    run = subprocess.run([sys.executable, "-m", "cupyflash.distributed.launch", "--nproc", "2",
+                          str(script)], cwd=ROOT, env=_env(), timeout=30)
+    assert run.returncode == 3
+
+
+def _env():
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+
+
+# The multi-device split -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n_q, n_k", [(37, 37), (20, 45), (45, 20), (5, 5)])
+@pytest.mark.parametrize("parts", [1, 2, 3, 4])
+@pytest.mark.parametrize("causal", [False, True])
+def test_query_blocks_compose_the_whole_call(n_q, n_k, parts, causal, rng):
+    """Every query row in exactly one call, each call on its visible key prefix, and
+    together (NumPy backend) the float64 oracle's output."""
+    plan = query_blocks(n_q, n_k, parts, causal)
+    assert len(plan) == parts
+    rows = sorted(r for calls in plan for (lo, hi), _ in calls for r in range(lo, hi))
+    assert rows == list(range(n_q))
+    q, k, v = (rng.standard_normal((1, 2, n, 8)) for n in (n_q, n_k, n_k))
+    o = np.zeros((1, 2, n_q, 8))
+    for calls in plan:
+        for (lo, hi), stop in calls:
+            if stop:
+                o[:, :, lo:hi] = cf.attention(q[:, :, lo:hi], k[:, :, :stop], v[:, :, :stop],
+                                              causal=causal, backend="numpy")
+    ref, _ = naive_attention(q, k, v, scale=8 ** -0.5, causal=causal)
+    assert_close(o, ref, TOL[np.float64])
+
+
+def test_query_blocks_balance_causal_work():
+    plan = query_blocks(4096, 4096, 4, True)
+    work = [sum((hi - lo) * stop for (lo, hi), stop in calls) for calls in plan]
+    assert max(work) / min(work) < 1.01
+
+
+@pytest.mark.parametrize("devices, error, match", [
+    ([], ValueError, "at least one GPU"),
+    ([0, 0], ValueError, "must not repeat"),
+    ("0", TypeError, "sequence of GPU ids"),
+    ([0.0], TypeError, r"devices\[0\] must be an integer"),
+])
+def test_multi_device_errors_are_named(devices, error, match):
+    with pytest.raises(error, match=match):
+        multi_device_attention(*_qkv(), devices=devices)
+
+
+def test_multi_device_without_a_gpu_says_so():
+    from cupyflash._gpu_status import why_not_usable
+    if why_not_usable() is None:
+        pytest.skip("this machine has a usable GPU")
+    with pytest.raises(RuntimeError, match="multi_device_attention runs on CUDA GPUs"):
+        multi_device_attention(*_qkv(), devices=[0])
+
+
+# GPU tests ------------------------------------------------------------------------------------
+
+GPU_DTYPES = ["float16", "bfloat16", "float32", "float64"]
+
+
+def _gpu_count():
+    import cupy as cp
+    return cp.cuda.runtime.getDeviceCount()
+
+
+def _gpu_problem(rng, dtype, *, n, layout="bhsd", hq=4, hk=2, d=64):
+    """Whole-sequence inputs as float32 host arrays rounded to ``dtype`` (the oracle sees
+    the rounded values)."""
+    from gpu_cases import np_dtype
+    q, k, v, do, dlse = _problem(rng, np.float32, n=n, hq=hq, hk=hk, d=d, layout=layout)
+    rounded = tuple(x.astype(np_dtype(dtype)).astype(np.float64) for x in (q, k, v, do))
+    return (*rounded, dlse.astype(np.float64))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("world", [2, 4])
+def test_local_ring_on_one_gpu(world, causal, dtype, rng):
+    """R ranks simulated on GPU 0 (CuPy arrays, the CUDA kernels, the side stream for
+    the exchanges) against the unsharded GPU call and the float64 oracle. Gradients get
+    3x the limit: each pair's dq, dk, dv come out of the kernel rounded to the dtype
+    before the fp32 sums, roundings the unsharded call does not have (as test_merge's)."""
+    import cupy as cp
+    from gpu_cases import TOLERANCE, rel_err
+    layout = "bshd" if world == 4 else "bhsd"
+    q, k, v, do, dlse = _gpu_problem(rng, dtype, n=96 * world, layout=layout)
+    g = lambda x: cp.asarray(x).astype(dtype)   # noqa: E731
+    got = _ring_run_gpu(world, *(g(x) for x in (q, k, v, do)), cp.asarray(dlse, np.float64 if dtype == "float64" else np.float32),
+                        causal=causal, layout=layout)
+    o, ctx = cf.attention_forward(*(g(x) for x in (q, k, v)), causal=causal, layout=layout, backend="cuda")
+    whole = (o, ctx.lse, *cf.attention_backward(g(do), ctx, dlse=cp.asarray(dlse, ctx.lse.dtype)))
+    ref = _oracle(q, k, v, do, dlse, causal=causal, layout=layout)
+    for i, (out, same, r) in enumerate(zip(got, whole, ref)):
+        assert out.dtype == same.dtype and out.shape == same.shape
+        out = cp.asnumpy(out).astype(np.float64)
+        out = out if i == 1 else _bhsd(out, layout)
+        limit = TOLERANCE[dtype] * (1 if i < 2 else 3)
+        same = cp.asnumpy(same).astype(np.float64)
+        assert np.isfinite(out).all()
+        assert rel_err(out, r) < limit, (i, rel_err(out, r))
+        assert rel_err(out, same if i == 1 else _bhsd(same, layout)) < limit
+
+
+def _ring_run_gpu(world, q, k, v, do, dlse, *, causal, layout, devices=None):
+    """`_ring_run` for CuPy arrays; rank r's shards on ``devices[r]`` (default all on
+    the arrays' GPU)."""
+    import cupy as cp
+    axis = _seq_axis(layout)
+    devices = devices or [q.device.id] * world
+
+    def on(r, x):
+        with cp.cuda.Device(devices[r]):
+            return cp.asarray(cp.asnumpy(x))
+
+    shards = [[on(r, zigzag_shard(x, r, world, ax)) for r in range(world)]
+              for x, ax in ((q, axis), (k, axis), (v, axis), (do, axis), (dlse, -1))]
+
+    def rank(comm, q, k, v, do, dlse):
+        with cp.cuda.Device(q.device.id):
+            o, ctx = ring_attention_forward(q, k, v, comm, causal=causal, layout=layout)
+            grads = ring_attention_backward(do, ctx, dlse=dlse)
+            cp.cuda.get_current_stream().synchronize()
+            return [cp.asnumpy(x) for x in (o, ctx.lse, *grads)]
+
+    results = LocalRing(world).run(rank, *shards)
+    with cp.cuda.Device(q.device.id):
+        return tuple(cp.asarray(zigzag_unshard([r[i] for r in results], ax))
+                     for i, ax in enumerate((axis, -1, axis, axis, axis)))
+
+
+@pytest.mark.gpu
+def test_local_ring_over_two_gpus(rng):
+    """Ranks on GPUs 0 and 1 (copies between devices in the exchanges)."""
+    import cupy as cp
+    from gpu_cases import TOLERANCE, rel_err
+    if _gpu_count() < 2:
+        pytest.skip(f"needs 2 GPUs, this machine has {_gpu_count()}")
+    q, k, v, do, dlse = _gpu_problem(rng, "bfloat16", n=256)
+    g = lambda x: cp.asarray(x).astype("bfloat16")   # noqa: E731
+    got = _ring_run_gpu(2, *(g(x) for x in (q, k, v, do)), cp.asarray(dlse, np.float32), causal=True,
+                        layout="bhsd", devices=[0, 1])
+    for i, (out, r) in enumerate(zip(got, _oracle(q, k, v, do, dlse, causal=True, layout="bhsd"))):
+        assert rel_err(cp.asnumpy(out).astype(np.float64), r) < TOLERANCE["bfloat16"] * (1 if i < 2 else 3)
+
+
+def _check_multi_device(q, k, v, do, dlse, *, devices, causal, layout, dtype, to):
+    from gpu_cases import TOLERANCE, rel_err
+    import cupy as cp
+    acc = np.float64 if dtype == "float64" else np.float32
+    o, vjp = multi_device_attention_vjp(*(to(x) for x in (q, k, v)), devices=devices, causal=causal,
+                                        layout=layout)
+    grads = vjp(to(do), dlse=to(dlse).astype(acc))
+    host = lambda x: np.asarray(cp.asnumpy(x) if not isinstance(x, np.ndarray) else x, np.float64)   # noqa: E731
+    ref = _oracle(q, k, v, do, dlse, causal=causal, layout=layout)
+    for i, (out, r) in enumerate(zip((o, vjp.lse, *grads), ref)):
+        assert type(out) is type(to(q))
+        out = host(out) if i == 1 else _bhsd(host(out), layout)
+        assert rel_err(out, r) < TOLERANCE[dtype] * (1 if i < 3 else 3), (i, rel_err(out, r))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("host_inputs", [False, True])
+def test_multi_device_on_gpu_0(host_inputs, causal, dtype, rng):
+    """devices=[0]: the whole call split into (causal: two zigzag) query blocks on GPU 0,
+    NumPy or CuPy inputs, Nq != Nk and GQA; dk, dv (3x: summed from parts rounded to the
+    dtype) against the oracle."""
+    import cupy as cp
+    from gpu_cases import np_dtype
+    layout = "bshd" if host_inputs else "bhsd"
+    q, k, v, do, dlse = _gpu_problem(rng, dtype, n=200, layout=layout)
+    q, do, dlse = (_seq_slice(x, 0, 150, layout if x.ndim == 4 else None) for x in (q, do, dlse))
+    to = ((lambda x: x.astype(np_dtype(dtype)) if x.ndim == 4 else x) if host_inputs
+          else (lambda x: cp.asarray(x).astype(dtype) if x.ndim == 4 else cp.asarray(x)))
+    _check_multi_device(q, k, v, do, dlse, devices=[0], causal=causal, layout=layout, dtype=dtype, to=to)
+
+
+def _seq_slice(x, lo, hi, layout):
+    if layout is None:
+        return x[..., lo:hi]
+    return x[:, lo:hi] if layout == "bshd" else x[:, :, lo:hi]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("count", [2, 4])
+def test_multi_device_over_several_gpus(count, rng):
+    import cupy as cp
+    if _gpu_count() < count:
+        pytest.skip(f"needs {count} GPUs, this machine has {_gpu_count()}")
+    q, k, v, do, dlse = _gpu_problem(rng, "bfloat16", n=512)
+    # Inputs on the last GPU: every other device's results come back by peer copies.
+    with cp.cuda.Device(count - 1):
+        to = lambda x: cp.asarray(x).astype("bfloat16") if x.ndim == 4 else cp.asarray(x)   # noqa: E731
+        _check_multi_device(q, k, v, do, dlse, devices=list(range(count)), causal=True, layout="bhsd",
+                            dtype="bfloat16", to=to)
+
+
+_NCCL_WORKER = """
+import sys
+import numpy as np
+import cupy as cp
+import cupyflash as cf
+from cupyflash.distributed import from_env, ring_attention_vjp, zigzag_shard
+
+comm = from_env()
+dtype, causal = sys.argv[1], sys.argv[2] == "1"
+rng = np.random.default_rng(0)                    # the same whole problem on every rank
+Q, K, V, dO = (rng.standard_normal(s).astype(np.float32)
+               for s in ((2, 8, 1024, 128), (2, 2, 1024, 128), (2, 2, 1024, 128), (2, 8, 1024, 128)))
+g = lambda x: cp.asarray(x).astype(dtype)
+shard = lambda x: zigzag_shard(g(x), comm.rank, comm.size, -2)
+o, vjp = ring_attention_vjp(shard(Q), shard(K), shard(V), comm, causal=causal)
+grads = vjp(shard(dO))
+whole, ctx = cf.attention_forward(g(Q), g(K), g(V), causal=causal)
+ref = (whole, *cf.attention_backward(g(dO), ctx))
+worst = 0.0
+for i, (mine, r) in enumerate(zip((o, *grads), ref)):
+    r = zigzag_shard(r, comm.rank, comm.size, -2).astype(cp.float64)
+    err = float(cp.linalg.norm(mine.astype(cp.float64) - r) / cp.linalg.norm(r))
+    worst = max(worst, err / (1 if i == 0 else 3))
+print(f"rank {comm.rank}: worst error / limit share {worst:.3g}", flush=True)
+sys.exit(0 if worst < float(sys.argv[3]) else 1)
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("world", [2, 4])
+def test_nccl_ring_in_processes(world, causal, tmp_path):
+    """`world` processes (python -m cupyflash.distributed.launch), NCCL through CuPy: each
+    rank's output and gradients against its rows of the unsharded call on its GPU (bf16;
+    gradients 3x, as above)."""
+    from cupy.cuda import nccl
+    from gpu_cases import TOLERANCE
+    if _gpu_count() < world:
+        pytest.skip(f"needs {world} GPUs, this machine has {_gpu_count()}")
+    if not nccl.available:
+        pytest.skip("NCCL is not available to CuPy (pip install nvidia-nccl-cu12)")
+    script = tmp_path / "worker.py"
+    script.write_text(_NCCL_WORKER)
+    run = subprocess.run([sys.executable, "-m", "cupyflash.distributed.launch", "--nproc", str(world),
+                          str(script), "bfloat16", str(int(causal)), str(TOLERANCE["bfloat16"])],
+                         cwd=ROOT, env=_env(), timeout=300, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.count("worst error") == world
