@@ -37,6 +37,7 @@ def parse_args(argv=None):
     p.add_argument("--seqlen", type=int, nargs="+", default=[32768], help="N (default: %(default)s)")
     p.add_argument("--repeat", type=int, default=3, help="timed calls per case, best kept (default: %(default)s)")
     p.add_argument("--out", type=Path, help="write the rows as JSON here")
+    p.add_argument("--commit", help="the commit to record (default: this checkout's, from git)")
     return p.parse_args(argv)
 
 
@@ -114,7 +115,7 @@ def _outputs(plan, n):
 def main(argv=None):
     args = parse_args(argv)
     meta = {"gpu": bench.gpu_name(), "date": datetime.date.today().isoformat(),
-            "commit": bench.checkout_commit()}
+            "commit": args.commit or bench.checkout_commit()}
     rows = [r for n in args.seqlen for r in run_case(n, args.repeat, meta)]
     if args.out:
         args.out.write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
