@@ -578,3 +578,15 @@ def test_nccl_ring_in_processes(world, causal, tmp_path):
                          cwd=ROOT, env=_env(), timeout=300, capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.count("worst error") == world
+
+
+def test_example_runs_simulated_ranks_without_a_launcher():
+    """examples/ring_attention.py outside the launcher: says how to start it, then runs 3
+    simulated ranks (NumPy backend here, one GPU where there is one) and checks rows."""
+    env = {k: v for k, v in _env().items() if k not in ("RANK", "WORLD_SIZE")}
+    run = subprocess.run([sys.executable, str(ROOT / "examples" / "ring_attention.py"), "--simulate", "3",
+                          "--seqlen", "128", "--heads", "2"], cwd=ROOT, env=env, timeout=300,
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "python -m cupyflash.distributed.launch --nproc N" in run.stdout
+    assert "OK" in run.stdout

@@ -292,9 +292,11 @@ def from_env():
     local = number("LOCAL_RANK", rank)
     host = os.environ.get("MASTER_ADDR", "127.0.0.1")
     port = number("MASTER_PORT", 13333)
+    from .._gpu_status import why_not_usable
+    reason = why_not_usable()
+    if reason is not None:
+        raise RuntimeError(f"NCCL ring attention needs a usable GPU in each process, but {reason}")
     cp = _arrays.cupy_module()
-    if cp is None:
-        raise RuntimeError("NCCL ring attention needs CuPy (pip install cupyflash[cuda12])")
     count = cp.cuda.runtime.getDeviceCount()
     if not 0 <= local < count:
         raise ValueError(f"LOCAL_RANK={local} names GPU {local}, but this machine has {count} "
