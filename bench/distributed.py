@@ -49,6 +49,7 @@ def parse_args(argv=None):
                    help="run multi_device_attention over these GPUs (without the launcher's RANK)")
     p.add_argument("--repeat", type=int, default=5, help="timed calls per case (default: %(default)s)")
     p.add_argument("--out", type=Path, help="write the rows as JSON here")
+    p.add_argument("--commit", help="record this as the commit (default: the checkout's own)")
     return p.parse_args(argv)
 
 
@@ -150,7 +151,7 @@ def main(argv=None):
         cp.cuda.Device(args.devices[0]).use()
     lead = comm is None or comm.rank == 0
     meta = {"gpu": bench.gpu_name(), "date": datetime.date.today().isoformat(),
-            "commit": bench.checkout_commit()}
+            "commit": args.commit or bench.checkout_commit()}
     rows = []
     for n in args.seqlen_per_gpu:
         found = (ring_rows(meta, comm, n, args.repeat) if ring

@@ -295,6 +295,17 @@ def test_local_ring_run_needs_one_argument_per_rank():
         ring.run(lambda c, a, b: None, [1, 2, 3], [1, 2])
     with pytest.raises(ValueError, match="size must be >= 1"):
         LocalRing(0)
+    with pytest.raises(ValueError, match=r"devices must list one GPU id per rank \(2\)"):
+        LocalRing(2, devices=[0])
+
+
+def test_local_ring_bound_to_gpus_refuses_host_arrays():
+    """A rank bound to a GPU names host arrays before any exchange (checked without a GPU:
+    the rank's communicator alone, outside run())."""
+    comm = LocalRing(2, devices=[0, 1])[1]
+    assert comm.device == 1
+    with pytest.raises(TypeError, match="q is a host .NumPy. array but comm"):
+        ring_attention(*_qkv(), comm)
 
 
 def test_from_env_names_missing_variables(monkeypatch):
@@ -440,6 +451,7 @@ def _ring_run_gpu(world, q, k, v, do, dlse, *, causal, layout, devices=None):
     the arrays' GPU)."""
     import cupy as cp
     axis = _seq_axis(layout)
+    ring = LocalRing(world, devices=devices)   # each rank on its own stream (see LocalRing)
     devices = devices or [q.device.id] * world
 
     def on(r, x):
@@ -453,10 +465,9 @@ def _ring_run_gpu(world, q, k, v, do, dlse, *, causal, layout, devices=None):
         with cp.cuda.Device(q.device.id):
             o, ctx = ring_attention_forward(q, k, v, comm, causal=causal, layout=layout)
             grads = ring_attention_backward(do, ctx, dlse=dlse)
-            cp.cuda.get_current_stream().synchronize()
             return [cp.asnumpy(x) for x in (o, ctx.lse, *grads)]
 
-    results = LocalRing(world).run(rank, *shards)
+    results = ring.run(rank, *shards)
     with cp.cuda.Device(q.device.id):
         return tuple(cp.asarray(zigzag_unshard([r[i] for r in results], ax))
                      for i, ax in enumerate((axis, -1, axis, axis, axis)))

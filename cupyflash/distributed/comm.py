@@ -14,7 +14,9 @@ or torchrun set them.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 import threading
 from typing import Protocol, runtime_checkable
 
@@ -57,15 +59,24 @@ class LocalRing:
 
     ``ring[r]`` (or ``ring.ranks[r]``) is rank r's communicator; `run` calls a function
     once per rank, each in its own thread, and returns the results in rank order. Arrays
-    may be NumPy or CuPy (any device; one rank's arrays on one device). A sendrecv hands
-    the receiver the sender's buffer and waits until it has been copied, as a rendezvous:
-    on a GPU the copy runs on the receiver's stream after an event of the sender's, and
-    the sender's stream waits for the copy, so the buffers follow NCCL's rules.
+    may be NumPy or CuPy (one rank's arrays on one device). A sendrecv hands the receiver
+    the sender's buffer and waits until it has been copied, as a rendezvous: on a GPU the
+    copy runs on the receiver's stream after an event of the sender's, and the sender's
+    stream waits for the copy, so the buffers follow NCCL's rules.
+
+    On a GPU each rank must compute on a stream of its own: ranks sharing one in-order
+    stream would wait in it for each other's exchanges and deadlock the device. `run`
+    does that: where a GPU is usable, each rank's thread runs with its device current
+    (``devices[r]``, default the caller's) and a new non-blocking stream current, which
+    is synchronised before `run` returns, so the results are ready on any stream.
 
     Parameters
     ----------
     size : int
         The number of ranks, >= 1.
+    devices : sequence of int, optional
+        Rank r's GPU (its arrays must be there: ``ring[r].device``); None leaves the
+        ranks unbound (NumPy arrays, or CuPy arrays on the caller's device).
     timeout : float, default 120
         Seconds a rank waits for a peer's message before TimeoutError (a mismatched
         sequence of calls would otherwise hang).
@@ -77,12 +88,18 @@ class LocalRing:
     ...                 q_shards, k_shards, v_shards)                # doctest: +SKIP
     """
 
-    def __init__(self, size, *, timeout=120.0):
+    def __init__(self, size, *, devices=None, timeout=120.0):
         if isinstance(size, bool) or not isinstance(size, int):
             raise TypeError(f"size must be an integer, got {size!r} ({type(size).__name__})")
         if size < 1:
             raise ValueError(f"size must be >= 1, got {size}")
+        if devices is not None:
+            devices = list(devices)
+            if len(devices) != size or any(isinstance(d, bool) or not isinstance(d, int) or d < 0
+                                           for d in devices):
+                raise ValueError(f"devices must list one GPU id per rank ({size}), got {devices}")
         self.size = size
+        self.devices = devices
         self.timeout = float(timeout)
         self._cond = threading.Condition()
         self._box = {}
@@ -109,9 +126,20 @@ class LocalRing:
                                "make a new one")
         results, errors = [None] * self.size, [None] * self.size
 
+        gpu_device = self._gpu_device()
+
         def body(r):
             try:
-                results[r] = fn(self.ranks[r], *(a[r] for a in per_rank), **kwargs)
+                with contextlib.ExitStack() as scope:
+                    stream = None
+                    if gpu_device is not None:
+                        cp = _arrays.cupy_module()
+                        device = gpu_device if self.devices is None else self.devices[r]
+                        scope.enter_context(cp.cuda.Device(device))
+                        stream = scope.enter_context(cp.cuda.Stream(non_blocking=True))
+                    results[r] = fn(self.ranks[r], *(a[r] for a in per_rank), **kwargs)
+                    if stream is not None:
+                        stream.synchronize()
             except BaseException as exc:   # every failure must release the other ranks
                 errors[r] = exc
                 self._fail(exc)
@@ -127,6 +155,18 @@ class LocalRing:
         if first is not None:
             raise first
         return results
+
+    def _gpu_device(self):
+        """The caller's current GPU where the ranks may compute on GPUs (devices given, or
+        CuPy loaded with a usable GPU), else None (host ranks need no streams)."""
+        if self.devices is None and "cupy" not in sys.modules:
+            return None
+        from .._gpu_status import why_not_usable
+        if why_not_usable() is not None:
+            if self.devices is not None:
+                raise RuntimeError(f"LocalRing(devices={self.devices}) needs GPUs, but {why_not_usable()}")
+            return None
+        return _arrays.current_device()
 
     def _fail(self, exc):
         with self._cond:
@@ -155,11 +195,10 @@ class LocalRing:
 class _LocalRank:
     """Rank ``rank`` of a `LocalRing` (a `Communicator`)."""
 
-    device = None
-
     def __init__(self, ring, rank):
         self._ring = ring
         self.rank = rank
+        self.device = None if ring.devices is None else ring.devices[rank]
         self.size = ring.size
         self._sent = [0] * ring.size
         self._received = [0] * ring.size
