@@ -206,6 +206,12 @@ def fingerprint(x):
 # for "bshd", so that its axes always read batch, head, query.
 
 
+def flat_view(flat, shape):
+    """A C-contiguous view of ``shape`` at the start of a flat scratch buffer (one buffer
+    serves chunks and calls of every size up to its own)."""
+    return flat[:math.prod(shape)].reshape(shape)
+
+
 def split_shape(shape, layout):
     """(leading dims, H, N, d) of a q/k/v/o shape whose rank was checked for ``layout``."""
     if layout == "bshd":

@@ -464,7 +464,7 @@ def _plan_backward(do, q, k, v, o, dq, dk, dv, *, scale, causal, deterministic, 
     dq_ld = 0 if adds_dq is None else adds_dq.dq_ld or d
     # Ordered dQ: a counter per (batch entry, query head, query tile of the kernel).
     dq_turns = 0
-    if dq_ld and adds_dq.grads & GRAD_DQ_ORDERED:
+    if adds_dq is not None and adds_dq.grads & GRAD_DQ_ORDERED:
         query_tiles = math.ceil(rows / adds_dq.tile[0])
         dq_turns = batch * Hq * query_tiles
         params.set(grid_m=query_tiles, grid_heads=Hq, grid_batch=batch)

@@ -87,6 +87,18 @@ def _weights(lses, xp):
     return lse, w
 
 
+def merge_into(o_acc, lse_acc, o_part, lse_part, xp):
+    """o_acc, lse_acc := the merge of themselves with a part over other keys, in place:
+    the online form of `merge_attention` for (B, H, N, dv) accumulators in the
+    accumulation dtype and (B, H, N) LSEs (streamed chunks, ring steps)."""
+    lse, w = _weights([lse_acc, lse_part], xp)
+    o_acc *= w[0][..., None]
+    part = o_part.astype(o_acc.dtype)
+    part *= w[1][..., None]
+    o_acc += part
+    lse_acc[...] = lse
+
+
 def _merge(outs, lses, layout, xp):
     lse, w = _weights(lses, xp)
     acc = lse.dtype

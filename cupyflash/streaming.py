@@ -483,10 +483,6 @@ def _host_op(dst, src, add=False):
     _cpu_threads.run(tasks)
 
 
-def _shaped(flat, shape):
-    return flat[:math.prod(shape)].reshape(shape)
-
-
 class _Slot:
     """One device buffer per field, with pinned host staging where copies cross the bus."""
 
@@ -498,7 +494,7 @@ class _Slot:
         self.pending = None           # a download's host work, run once `copied`
 
     def view(self, name, shape):
-        return _shaped(self.device[name], shape)
+        return _arrays.flat_view(self.device[name], shape)
 
 
 class _HostMover:
@@ -568,7 +564,7 @@ class _CudaMover:
         slot.copied.synchronize()            # the staging's previous upload has left it
         staged = []
         for name, shape, src in items:
-            stage = _shaped(slot.staging[name], shape)
+            stage = _arrays.flat_view(slot.staging[name], shape)
             _host_op(stage, src)
             staged.append((slot.view(name, shape), stage))
         self.copy.wait_event(slot.used)      # the kernels are done with the slot's old chunk
@@ -587,7 +583,7 @@ class _CudaMover:
         self.copy.wait_event(slot.used)
         views = []
         for name, shape in items:
-            stage = _shaped(slot.staging[name], shape)
+            stage = _arrays.flat_view(slot.staging[name], shape)
             self._memcpy(stage, slot.view(name, shape), self._cp.cuda.runtime.memcpyDeviceToHost)
             views.append(stage)
         slot.copied.record(self.copy)
@@ -611,8 +607,8 @@ class _CudaMover:
         self.compute.synchronize()
 
 
-def mover(backend, device):
-    """The NumPy "device", or CuPy on ``device`` (made current for the pass)."""
+def mover(backend):
+    """The NumPy "device", or CuPy on the current device (`_execute` makes the pass's current)."""
     return _HostMover() if backend == "numpy" else _CudaMover()
 
 
@@ -764,19 +760,9 @@ def _unseen_rows(plan):
     return [b for i, b in enumerate(plan.query_bounds) if i not in seen]
 
 
-def _merge_into(o_acc, lse_acc, o_part, lse_part, xp):
-    """o_acc, lse_acc := the merge of themselves with a part over other keys (in place)."""
-    lse, w = merge._weights([lse_acc, lse_part], xp)
-    o_acc *= w[0][..., None]
-    part = o_part.astype(o_acc.dtype)
-    part *= w[1][..., None]
-    o_acc += part
-    lse_acc[...] = lse
-
-
 def _execute(plan, backend, device, progress, what, body):
     with _arrays.on_device(device):
-        moving = mover(backend, device)
+        moving = mover(backend)
         report = _Progress(progress, plan.pairs, what)
         completed = False
         try:
@@ -820,16 +806,16 @@ def forward(q, k, v, o, lse, *, plan, scale, causal, mods, backend, device, prog
             qs, kv = slots[0], slots[1]
             pm = static.of_pair(q0, q1, k0, k1, slots[2].view("bias", _bias_slice(
                 mods.bias, q0, q1, k0, k1).shape) if bias else None)
-            op, lp = _shaped(o_pair, (*rows, dv)), _shaped(lse_pair, rows)
+            op, lp = _arrays.flat_view(o_pair, (*rows, dv)), _arrays.flat_view(lse_pair, rows)
             run.attention_forward(qs.view("q", (*rows, d)), kv.view("k", (*keys, d)),
                                   kv.view("v", (*keys, dv)), op, lp, scale=scale, causal=s.causal,
                                   mods=pm)
-            oa, la = _shaped(o_acc, (*rows, dv)), _shaped(lse_acc, rows)
+            oa, la = _arrays.flat_view(o_acc, (*rows, dv)), _arrays.flat_view(lse_acc, rows)
             if s.first:
                 oa[...] = op
                 la[...] = lp
             else:
-                _merge_into(oa, la, op, lp, xp)
+                merge.merge_into(oa, la, op, lp, xp)
             if s.last:
                 slot = outs.slots[s.row % 2]
                 moving.reclaim(slot)
@@ -891,14 +877,14 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, plan, scale, deterministic, mod
             rs, kv = slots[0], slots[1]
             pm = static.of_pair(q0, q1, k0, k1, slots[2].view("bias", _bias_slice(
                 mods.bias, q0, q1, k0, k1).shape) if bias else None)
-            dqp = _shaped(dq_pair, (*rows, d))
-            dkp, dvp = _shaped(dk_pair, (*keys, d)), _shaped(dv_pair, (*keys, dvd))
+            dqp = _arrays.flat_view(dq_pair, (*rows, d))
+            dkp, dvp = _arrays.flat_view(dk_pair, (*keys, d)), _arrays.flat_view(dv_pair, (*keys, dvd))
             run.attention_backward(
                 rs.view("do", (*rows, dvd)), rs.view("q", (*rows, d)), kv.view("k", (*keys, d)),
                 kv.view("v", (*keys, dvd)), rs.view("o", (*rows, dvd)), rs.view("lse", rows),
                 dqp, dkp, dvp, scale=scale, causal=s.causal, deterministic=deterministic, mods=pm,
                 dbias=None, dlse=rs.view("dlse", rows) if dlse is not None else None)
-            qa = _shaped(dq_acc, (*rows, d))
+            qa = _arrays.flat_view(dq_acc, (*rows, d))
             if s.first:
                 qa[...] = dqp
             else:

@@ -24,8 +24,8 @@ class HostPlace:
 
     @property
     def backend(self):
-        from ..api import _NUMPY_BACKEND
-        return _NUMPY_BACKEND
+        from ..api import _backend_module
+        return _backend_module("numpy")
 
     def current_stream(self):
         return None
@@ -57,8 +57,8 @@ class DevicePlace:
 
     @property
     def backend(self):
-        from .. import _cuda
-        return _cuda
+        from ..api import _backend_module
+        return _backend_module("cuda")
 
     def current_stream(self):
         with self.xp.cuda.Device(self.device):

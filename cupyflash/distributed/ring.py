@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .. import _arrays, _mods, _validate
-from ..merge import _weights
+from ..merge import merge_into
 from ._place import place_of
 
 __all__ = ["RingContext", "ring_attention", "ring_attention_backward", "ring_attention_forward",
@@ -185,14 +185,6 @@ def _pairs(step, owner, rank, n_q, n_k, causal):
     return [((half, n_q), (0, n_k), False)]
 
 
-def _scratch(flat, *shape):
-    """A C-contiguous (B, H, rows, d) view at the start of a flat scratch buffer."""
-    size = 1
-    for n in shape:
-        size *= n
-    return flat[:size].reshape(shape)
-
-
 def _rows(x, lo, hi):
     return x[:, :, lo:hi]
 
@@ -211,18 +203,15 @@ def _forward(ring, q, k, v, o, lse, *, scale, causal, mods):
     for step, owner, (kc, vc) in ring.visiting(k, v):
         kb, vb = ring.view(kc), ring.view(vc)
         for (lo, hi), (klo, khi), diagonal in _pairs(step, owner, ring.rank, n_q, n_k, causal):
-            po, pl = _scratch(part_o, B, Hq, hi - lo, dv), _scratch(part_lse, B, Hq, hi - lo)
+            po = _arrays.flat_view(part_o, (B, Hq, hi - lo, dv))
+            pl = _arrays.flat_view(part_lse, (B, Hq, hi - lo))
             backend.attention_forward(_rows(qb, lo, hi), _rows(kb, klo, khi), _rows(vb, klo, khi),
                                       po, pl, scale=scale, causal=diagonal, mods=mods)
             if step == 0:   # every row: the first call initialises the accumulators
                 o_acc[...] = po.astype(acc)
                 lse_acc[...] = pl
                 continue
-            # merge.py's arithmetic, online: weights exp(lse_p - lse) of both parts.
-            merged, w = _weights([_rows(lse_acc, lo, hi), pl], xp)
-            rows = _rows(o_acc, lo, hi)
-            rows[...] = w[0][..., None] * rows + w[1][..., None] * po.astype(acc)
-            _rows(lse_acc, lo, hi)[...] = merged
+            merge_into(_rows(o_acc, lo, hi), _rows(lse_acc, lo, hi), po, pl, xp)
     ob[...] = o_acc.astype(o.dtype)
 
 
@@ -248,8 +237,9 @@ def _backward(ring, do, q, k, v, o, lse, dq, dk, dv, *, dlse, scale, causal, mod
         kb, vb = ring.view(kc), ring.view(vc)
         dk_acc, dv_acc = travel[step % 2]
         for (lo, hi), (klo, khi), diagonal in _pairs(step, owner, ring.rank, n_q, n_k, causal):
-            pq = _scratch(gq, B, Hq, hi - lo, d)
-            pk, pv = _scratch(gk, B, Hk, khi - klo, d), _scratch(gv, B, Hk, khi - klo, dv_dim)
+            pq = _arrays.flat_view(gq, (B, Hq, hi - lo, d))
+            pk = _arrays.flat_view(gk, (B, Hk, khi - klo, d))
+            pv = _arrays.flat_view(gv, (B, Hk, khi - klo, dv_dim))
             backend.attention_backward(
                 _rows(dob, lo, hi), _rows(qb, lo, hi), _rows(kb, klo, khi), _rows(vb, klo, khi),
                 _rows(ob, lo, hi), _rows(lse, lo, hi), pq, pk, pv, scale=scale, causal=diagonal,
