@@ -18,8 +18,8 @@ import math
 import numpy as np
 
 from . import _arrays, _mods, _nvrtc, _params, _philox, _tma
-from ._kernels import (BWD_ROW_PAD, CPP_TYPE, FWD_SM90, GRAD_DK, GRAD_DQ, GRAD_DQ_ORDERED, HEAD_DIMS,
-                       MIN_COMPUTE_CAPABILITY, MODE_BIAS, MODE_DENSE, MODES, BackwardPlan,
+from ._kernels import (BWD_ROW_PAD, BWD_SM90_SUB_M, CPP_TYPE, FWD_SM90, GRAD_DK, GRAD_DQ, GRAD_DQ_ORDERED,
+                       HEAD_DIMS, MIN_COMPUTE_CAPABILITY, MODE_BIAS, MODE_DENSE, MODES, BackwardPlan,
                        Variant, backward_plan, forward_variants, forward_variants_for, kernel_mode,
                        padded_head_dim)
 from ._validate import check_flag
@@ -455,9 +455,11 @@ def _plan_backward(do, q, k, v, o, dq, dk, dv, *, scale, causal, deterministic, 
     for _, candidates in plan.kv:
         variant, specs = _choose(candidates, device_id), None
         if variant.family.tensor_maps:
-            specs = _sm90_backward_map_specs(variant, q, k, v, do)
+            specs = _sm90_backward_map_specs(variant, q, k, v, do, mods, dbias)
             if specs is None:   # the next kernel in line
                 variant = _choose([c for c in candidates if not c.family.tensor_maps], device_id)
+            elif variant.mode & MODE_BIAS:
+                params.mods(bias_tma=1)
         kv.append((variant, (math.ceil(keys / variant.block_m), Hk, batch), specs))
     adds_dq = next((v for v, _, _ in kv if v.grads & GRAD_DQ), None)
     # The dQ workspace's rows: padded where the kernel that adds into it wants whole tiles.
@@ -533,17 +535,30 @@ def attention_backward(do, q, k, v, o, lse, dq, dk, dv, *, scale, causal, determ
                    dq_order=_params.address(dq_turns if variant.grads & GRAD_DQ else None),
                    dbias=_params.address(dbias if variant.grads & GRAD_DK else None))
         if specs is not None:
-            params.set(**_tensor_maps(specs, (q, do, k, v), ("q_map", "dout_map", "k_map", "v_map")))
+            params.set(**_tensor_maps(specs, (q, do, k, v, mods.bias),
+                                      ("q_map", "dout_map", "k_map", "v_map", "bias_map")))
         _launch(variant, grid, device_id, params)
     params.set(dq_accum=_params.address(dq_accum))
     _launch(*plan.finish, device_id, params)
 
 
-def _sm90_backward_map_specs(variant: Variant, q, k, v, do):
-    """bwd_sm90.cu's tensor-map specs of q and dO (boxes of its query tile's rows) and of
-    k and v (its key block's), or None where a map of one of them cannot be made."""
+def _sm90_backward_map_specs(variant: Variant, q, k, v, do, mods, dbias):
+    """bwd_sm90.cu's tensor-map specs of q and dO (boxes of its query tile's rows), of k
+    and v (its key block's) and with MODE_BIAS of the bias (a query sub-tile's rows); None
+    where a map of one of them cannot be made, or for a bias call it does not serve: a
+    bias without whole (Nq, Nk) rows, one whose gradient is asked for (the sm80 kernels
+    add dbias with atomics), or softcap beside it in the deterministic kernels
+    (Sm90BwdKVTile::SOFTCAP_BIAS)."""
     block_m, block_n = variant.tile[0], variant.block_m
-    return _map_specs((q, block_m), (do, block_m), (k, block_n), (v, block_n))
+    boxes = [(q, block_m), (do, block_m), (k, block_n), (v, block_n)]
+    if variant.mode & MODE_BIAS:
+        bias = mods.bias
+        whole_rows = tuple(bias.shape[2:]) == (q.shape[2], k.shape[2])
+        softcap_unserved = mods.softcap > 0 and variant.grads & GRAD_DQ_ORDERED
+        if dbias is not None or not whole_rows or softcap_unserved:
+            return None
+        boxes.append((bias, BWD_SM90_SUB_M))
+    return _map_specs(*boxes)
 
 
 def _launch(variant: Variant, grid: tuple, device_id: int, params: _params.Params) -> None:

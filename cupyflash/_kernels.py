@@ -351,12 +351,17 @@ BWD_SM80_EXT_Q_TILES = {**BWD_SM80_Q_TILES, 64: ((64, 64, 4),),
                         192: ((128, 64, 8), (64, 32, 4), (32, 16, 2))}
 # Hopper dK/dV kernel (bwd_sm90.cu, wgmma; sm_90a only), (BLOCK_M, WARPGROUPS): query
 # tile, warpgroups of 64 keys each. Ahead of the sm80 tiles above where it builds; other
-# head dims and GPUs use those, and so do calls with a bias (backward_plan). The other
-# options (MODE_EXT) take the same tiles.
+# head dims and GPUs use those. The options (MODE_EXT) take the same tiles, and so does
+# the bias (MODE_EXT | MODE_BIAS: one stage of a 64-query sub-tile's bias beside them;
+# the calls it cannot serve, a bias gradient or a bias without whole rows, take the sm80
+# kernels: _cuda._plan_backward).
 BWD_SM90_KV_TILES = {
     64: ((128, 2),),
     128: ((64, 2),),
 }
+# bwd_sm90.cu's query sub-tile (SUB_M): the rows of its score tiles, and of a bias stage
+# (its tensor map's box).
+BWD_SM90_SUB_M = 64
 # From d = 192, dK and dV beside each other exceed the registers (build check): the
 # dK/dV kernel runs twice, once for dV and once for dK (+ dQ), recomputing P.
 BWD_SPLIT_MIN_HEAD_DIM = 192
@@ -453,12 +458,13 @@ def _sm90_dkdv(dtype_name: str, D: int, tile, grads: int, mode: int) -> Variant:
     block_n = 64 * consumers
     dq = bool(grads & GRAD_DQ)
     stages = 2
-    # bwd_sm90.cu Sm90BwdKVTile: K, V, Q and dO per stage, dS^T twice (with dQ), swizzled;
-    # the staged fp32 dQ tile with rows of D + 8 (with dQ); a tile's lse2 and delta rows
-    # twice; 1024 bytes to align the tiles; Sm90BwdBarriers (3 + 2 STAGES mbarriers of 8
-    # bytes).
-    smem = ((2 * block_n * D + 2 * stages * block_m * D + 2 * dq * block_n * block_m) * 2
-            + (dq * block_m * (D + 8) + 4 * block_m) * 4 + 1024 + 8 * (3 + 2 * stages))
+    # bwd_sm90.cu Sm90BwdKVTile: K, V, Q and dO per stage, dS^T twice (with dQ), the bias
+    # of a sub-tile of BWD_SM90_SUB_M queries (MODE_BIAS), swizzled; the staged fp32 dQ
+    # tile with rows of D + 8 (with dQ); a tile's lse2 and delta rows twice; 1024 bytes to
+    # align the tiles; Sm90BwdBarriers (5 + 2 STAGES mbarriers of 8 bytes).
+    bias = BWD_SM90_SUB_M * block_n if mode & MODE_BIAS else 0
+    smem = ((2 * block_n * D + 2 * stages * block_m * D + 2 * dq * block_n * block_m + bias) * 2
+            + (dq * block_m * (D + 8) + 4 * block_m) * 4 + 1024 + 8 * (5 + 2 * stages))
     expr = f"flash_bwd_dkdv_sm90<{CPP_TYPE[dtype_name]}, {D}, {block_m}, {consumers}, {grads}, {mode}, {smem}>"
     # + the producer warpgroup; the dQ workspace's rows padded as the staged tile's (DQ_LD)
     return Variant(BWD_SM90, expr, (consumers + 1) * 128, block_n, smem, mode=mode, tile=tuple(tile),
@@ -504,8 +510,8 @@ def backward_plan(dtype_name: str, D: int, deterministic: bool, mode: int = MODE
     """The kernels of a backward pass for (dtype, padded head dim D, mode); for fp32/fp64,
     ``cuda_cores`` asks for the CUDA-core kernels instead of the tensor cores' (the
     fallback of `device_backward_plan`)."""
-    # bwd_sm90.cu serves the options but the bias (MODE_EXT): a bias's reads take registers
-    # its d = 128 tile does not have; the other families compile every option into MODE_EXT.
+    # bwd_sm90.cu keeps the bias apart (MODE_EXT | MODE_BIAS: a bias stage), as
+    # fwd_sm90.cu; the other families compile every option into MODE_EXT.
     hopper_mode, mode = mode, _one_ext_mode(mode)
     ctype = CPP_TYPE[dtype_name]
     dq_bit = 0 if deterministic else GRAD_DQ
@@ -518,8 +524,8 @@ def backward_plan(dtype_name: str, D: int, deterministic: bool, mode: int = MODE
         tiles = (BWD_SM80_EXT_KV_TILES if mode else BWD_SM80_KV_TILES)[D]
         passes = ((GRAD_DV, GRAD_DK | dq_bit) if D >= BWD_SPLIT_MIN_HEAD_DIM
                   else (GRAD_DV | GRAD_DK | dq_bit,))
-        hopper = () if len(passes) > 1 or hopper_mode & MODE_BIAS else BWD_SM90_KV_TILES.get(D, ())
-        kv = tuple((grads, [*(_sm90_dkdv(dtype_name, D, t, grads | sm90_dq_bits, mode) for t in hopper),
+        hopper = () if len(passes) > 1 else BWD_SM90_KV_TILES.get(D, ())
+        kv = tuple((grads, [*(_sm90_dkdv(dtype_name, D, t, grads | sm90_dq_bits, hopper_mode) for t in hopper),
                             *(_sm80_dkdv(dtype_name, D, t, grads, mode) for t in tiles)])
                    for grads in passes)
         q_tiles = (BWD_SM80_EXT_Q_TILES if mode else BWD_SM80_Q_TILES)[D]

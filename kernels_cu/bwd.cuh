@@ -11,6 +11,7 @@
 // tail checks, and a padded row's P and dS are 0.
 #pragma once
 #include "elem.cuh"
+#include "mma.cuh"
 #include "mods.cuh"
 
 #define BWD_ROW_PAD 128
@@ -186,7 +187,45 @@ __device__ __forceinline__ void grad_scores(Acc (&s)[MT][NT][4], const Acc (&dp)
     });
 }
 
-// The options on bwd_sm90.cu's consumers (MODE_EXT without a bias), whose scores come one
+// The bias term of capped_p_and_grad below (bwd_sm90.cu's softcap pass; without softcap
+// the bias rides in S^T's accumulator): `at(nt, e)` is the bias of element e of n-tile nt,
+// added in log2 units after softcap and before ALiBi (HeadMods::score_log2's order).
+// NoBias leaves the term out of the code. KeyRowBias reads it, for the key-row layout of
+// bwd_sm90.cu's consumers, from a shared-memory stage that TMA filled as the bias lies in
+// memory: ROWS queries, panels of 64 keys with the 128-byte swizzle (wgmma.cuh
+// Swizzle128). ldmatrix.trans hands each lane exactly its pairs: matrix m of an x4 is
+// keys key0 + 8 (m % 2) .. of n-tile 2 np + m / 2, and a lane receives (key g, queries
+// 2 t and 2 t + 1) of each. One x4 per pair of n-tiles, issued as a pass reaches the pair
+// (element 0 of an even n-tile: the passes walk the scores in for_each_score's order), so
+// only its 4 words are live.
+struct NoBias {
+    static constexpr bool ON = false;
+    __device__ __forceinline__ float at(int, int) { return 0.f; }
+};
+
+template <typename T, int ROWS>
+struct KeyRowBias {
+    static constexpr bool ON = true;
+    static constexpr int PANEL = 64;   // keys per 128-byte swizzled row
+    const T* lane_row;                 // this lane's ldmatrix row for n-tiles 0 and 1
+    u32 words[4];
+
+    // stage: the stage's first element (1024-byte aligned); key0: the warp's first key of
+    // the block (a multiple of 16).
+    __device__ __forceinline__ KeyRowBias(const T* stage, int key0) {
+        const int lane = threadIdx.x % 32, m = lane / 8, q = (m / 2) * 8 + lane % 8;
+        const int key = key0 + (m % 2) * 8;
+        lane_row = stage + (key / PANEL) * (ROWS * PANEL) + q * PANEL + (((key % PANEL) / 8) ^ (q % 8)) * 8;
+    }
+    __device__ __forceinline__ float at(int nt, int e) {
+        if (nt % 2 == 0 && e == 0) ldmatrix_x4_trans(words, lane_row + (nt / 2) * 16 * PANEL);
+        T x;
+        x.bits = u16(words[(nt % 2) * 2 + e / 2] >> (16 * (e % 2)));
+        return to_float(x);
+    }
+};
+
+// The options on bwd_sm90.cu's consumers (MODE_EXT, with MODE_BIAS its bias), whose scores come one
 // m-tile of C fragments at a time (bit 4 nt + e of `visible` and `kept` for element e of
 // n-tile nt: which scores the mask shows and dropout keeps, worked out while the products
 // ran; masking the scores at the peak of the registers spilled). The terms are
@@ -233,13 +272,15 @@ __device__ __forceinline__ void grad_pass(Acc (&s)[1][NT][4], const Acc (&dp)[1]
 // With softcap, one pass once both products are in: there are no registers for the
 // derivative 1 - tanh^2 to wait in between, so per score it lives only between its two
 // uses. s becomes the P that multiplies dO (kept_a_frag's values) and dp becomes dS.
-template <bool ALIBI, bool BITS, bool KEY_ROWS, int NT, typename Acc, typename H, typename L, typename Dl>
+template <bool ALIBI, bool BITS, bool KEY_ROWS, int NT, typename Acc, typename H, typename L, typename Dl,
+          typename Bias>
 __device__ __forceinline__ void capped_p_and_grad(Acc (&s)[1][NT][4], Acc (&dp)[1][NT][4], const H& hm, int r0, int c0,
-                                                  L&& lse2_at, Dl&& delta_at, u32 visible, u32 kept, Acc scale_log2,
-                                                  Acc drop_scale) {
+                                                  L&& lse2_at, Dl&& delta_at, Bias& bias, u32 visible, u32 kept,
+                                                  Acc scale_log2, Acc drop_scale) {
     for_each_score<KEY_ROWS>(s, r0, c0, [&](Acc& x, int i, int j, int mt, int nt, int e) {
         Acc dtanh;
         Acc score = hm.capped(x * scale_log2, dtanh);
+        if constexpr (Bias::ON) score = fma(bias.at(nt, e), Acc(LOG2E_D), score);
         if constexpr (ALIBI) score -= hm.alibi(i, j);
         const Acc p = exp2_fast(score - lse2_at(mt, nt, e));
         if constexpr (BITS) {

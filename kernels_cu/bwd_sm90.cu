@@ -1,5 +1,5 @@
-// Backward attention's key-block kernel on Hopper (sm_90a, fp16/bf16; dense, and every
-// option but the bias, MODE_EXT):
+// Backward attention's key-block kernel on Hopper (sm_90a, fp16/bf16; dense, every option
+// (MODE_EXT), and the bias with them (MODE_EXT | MODE_BIAS)):
 // warp-specialised, the tiles moved by the tensor memory accelerator, the products on
 // warpgroup MMA, dQ added into its fp32 workspace by bulk reductions.
 //
@@ -27,7 +27,12 @@
 //     second warp adds each staged dQ tile into the dQ workspace with one bulk reduction
 //     (cp.reduce.async.bulk; the workspace's rows are padded like the staging tile's, so
 //     a tile is one contiguous range) and hands the staging buffer back once the copy
-//     engine has read it.
+//     engine has read it; its third warp (MODE_BIAS) streams the bias of each sub-tile,
+//     SUB_M queries x the block's keys as the bias lies in memory, through one stage (two
+//     do not fit beside dS^T and dQ). The consumers start S^T's accumulator from it
+//     (bias^T / scale, read by ldmatrix.trans: bwd.cuh KeyRowBias) and give the stage
+//     back at once, so the next sub-tile's bias loads while this one's products run;
+//     with softcap, which caps the product alone, the pass adds it after the cap.
 // So the consumers issue no atomics and no loads into registers (each copies one word
 // of the next tile's lse2 or delta rows into shared memory with cp.async, waited for
 // before the tile's consumer barrier, which orders it for every reader): the mainloop is
@@ -52,6 +57,7 @@ struct Sm90BwdBarriers {
     u64 kv_full;                        // K and V, loaded once
     u64 full[STAGES], empty[STAGES];    // a query tile's Q and dO
     u64 dq_full, dq_empty;              // the staged dQ tile: written / read by the copy engine
+    u64 bias_full, bias_empty;          // a sub-tile's bias (MODE_BIAS)
 };
 
 template <typename T, int D, int BLOCK_M, int CONSUMERS, int GRADS, int MODE>
@@ -79,6 +85,12 @@ struct Sm90BwdKVTile {
     static constexpr int PANEL = 64;                 // columns per TMA box (128 bytes, the swizzle span)
     static constexpr bool DQ = GRADS & GRAD_DQ;
     static constexpr bool ORDERED_DQ = GRADS & GRAD_DQ_ORDERED;   // deterministic dQ (bwd.cuh DqTurns)
+    static constexpr bool BIAS = (MODE & MODE_BIAS) != 0;
+    // Softcap with a bias: softcap's pass adds the bias from its stage (bwd.cuh
+    // KeyRowBias). In the deterministic kernels those reads spill (8 bytes at d = 64, 28
+    // at d = 128 with the consumers' 224 registers, build check): the host sends such
+    // calls to the sm80 kernels (cupyflash/_cuda.py _sm90_backward_map_specs).
+    static constexpr bool SOFTCAP_BIAS = BIAS && !ORDERED_DQ;
     // dQ's BLOCK_M x D tile in one 64 x DQ_N piece per warpgroup: DQ_COLS pieces across.
     static constexpr int DQ_N = BLOCK_M * D / (64 * CONSUMERS);
     static constexpr int DQ_COLS = D / DQ_N;
@@ -88,16 +100,18 @@ struct Sm90BwdKVTile {
     // tile goes there in one bulk reduction.
     static constexpr int DQ_LD = D + 8;
     // Shared memory (cupyflash/_kernels.py mirrors it), from a 1024-byte aligned base: K, V,
-    // Q x STAGES, dO x STAGES, dS^T x 2 (with dQ), each a multiple of 1024 bytes; the
-    // staged dQ tile (fp32, with dQ); a tile's lse2 and delta rows, two buffers; the
-    // barriers.
+    // Q x STAGES, dO x STAGES, dS^T x 2 (with dQ), a sub-tile's bias (MODE_BIAS), each a
+    // multiple of 1024 bytes; the staged dQ tile (fp32, with dQ); a tile's lse2 and delta
+    // rows, two buffers; the barriers.
     static constexpr int KV_ELEMS = BLOCK_N * D, QO_ELEMS = BLOCK_M * D;
     static constexpr int DS_ELEMS = DQ ? BLOCK_N * BLOCK_M : 0;
+    static constexpr int BIAS_ELEMS = BIAS ? SUB_M * BLOCK_N : 0;
+    static constexpr u32 BIAS_BYTES = BIAS_ELEMS * sizeof(T);
     static constexpr int DQ_FLOATS = DQ ? BLOCK_M * DQ_LD : 0;
     static constexpr u32 KV_BYTES = 2 * KV_ELEMS * sizeof(T);   // K and V
     static constexpr u32 QO_BYTES = 2 * QO_ELEMS * sizeof(T);   // Q and dO of a stage
     static constexpr int ALIGN = 1024;
-    static constexpr int TILE_BYTES = (2 * KV_ELEMS + 2 * STAGES * QO_ELEMS + 2 * DS_ELEMS) * sizeof(T) +
+    static constexpr int TILE_BYTES = (2 * KV_ELEMS + 2 * STAGES * QO_ELEMS + 2 * DS_ELEMS + BIAS_ELEMS) * sizeof(T) +
                                       (DQ_FLOATS + 2 * 2 * BLOCK_M) * sizeof(float);
     static constexpr int SMEM_BYTES = TILE_BYTES + ALIGN + sizeof(Sm90BwdBarriers<STAGES>);
     // Register budgets after setmaxnreg: the producer keeps 24 a thread (40 with the
@@ -134,7 +148,8 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
     T* sQ = sV + C::KV_ELEMS;                 // STAGES buffers
     T* sdO = sQ + STAGES * C::QO_ELEMS;       // STAGES buffers
     T* sdS = sdO + STAGES * C::QO_ELEMS;      // two buffers (with dQ)
-    float* sdQ = reinterpret_cast<float*>(sdS + 2 * C::DS_ELEMS);
+    T* sBias = sdS + 2 * C::DS_ELEMS;         // one stage (MODE_BIAS)
+    float* sdQ = reinterpret_cast<float*>(sBias + C::BIAS_ELEMS);
     float* sRows = sdQ + C::DQ_FLOATS;        // two buffers of lse2 then delta, BLOCK_M each
     auto& bars = *reinterpret_cast<Sm90BwdBarriers<STAGES>*>(reinterpret_cast<unsigned char*>(sK) + C::TILE_BYTES);
 
@@ -162,6 +177,8 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
         }
         mbar_init(&bars.dq_full, CONSUMERS * 4);
         mbar_init(&bars.dq_empty, 1);
+        mbar_init(&bars.bias_full, 1);
+        mbar_init(&bars.bias_empty, CONSUMERS * 4);
         mbar_init_fence();
     }
     __syncthreads();
@@ -225,6 +242,27 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                 __syncwarp();
             }
             bulk_wait<0>();
+        } else if (role == 2 && C::BIAS) {
+            // Each sub-tile's bias, in the consumers' order, once they gave the stage back.
+            // The host makes the bias map only for a bias with whole rows (Nq, Nk); axes
+            // it broadcasts over (stride 0) are read at 0.
+            if (!p.mods.bias_tma) __trap();   // a host that drifted from this contract
+            int n = 0;
+            for (int it = first(); it < n_iter; it = after(it)) {
+                const int h = pairs.head(it), q0 = pairs.q0(it);
+                for (int sub = 0; sub < C::SUBTILES; ++sub, ++n) {
+                    mbar_wait(&bars.bias_empty, (n & 1) ^ 1);
+                    if (lane == 0) {
+                        mbar_arrive_expect_tx(&bars.bias_full, C::BIAS_BYTES);
+                        #pragma unroll
+                        for (int panel = 0; panel < BLOCK_N / C::PANEL; ++panel)
+                            tma_load_4d(sBias + panel * C::SUB_M * C::PANEL, p.bias_map, &bars.bias_full,
+                                        k0 + panel * C::PANEL, q0 + sub * C::SUB_M, p.mods.bias_sh != 0 ? h : 0,
+                                        p.mods.bias_sb != 0 ? b : 0);
+                    }
+                    __syncwarp();
+                }
+            }
         }
         return;
     }
@@ -286,8 +324,25 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
         for (int sub = 0; sub < C::SUBTILES; ++sub) {
             const int r0 = sub * C::SUB_M;   // the sub-tile's first row in the query tile
             float s[1][QT][4], dp[1][QT][4];
+            if constexpr (C::BIAS) {
+                // S^T's accumulator starts at bias^T / scale, so that the P pass's
+                // S^T scale log2 e has the bias term in log2 units (HeadMods::score_log2)
+                // at no cost per score. Softcap caps the product alone: then it starts at
+                // 0 and the pass adds the bias. Without softcap the stage goes back here.
+                mbar_wait(&bars.bias_full, (step * C::SUBTILES + sub) & 1);
+                if (mods.softcap > 0.f) {
+                    zero_frags(s);
+                } else {
+                    KeyRowBias<T, C::SUB_M> bias(sBias, warp_row0);
+                    const float weight = 1.f / scale;
+                    for_each_score<true>(s, 0, 0, [&](float& x, int, int, int, int nt, int e) {
+                        x = bias.at(nt, e) * weight;
+                    });
+                    release(&bars.bias_empty);
+                }
+            }
             wgmma_fence();
-            Wgmma<T, C::SUB_M>::template ss<false>(s[0], kmajor_desc<T, BLOCK_N>(sK, wg * 64, 0), kmajor_desc<T, BLOCK_M>(sQb, r0, 0));
+            Wgmma<T, C::SUB_M>::template ss<C::BIAS>(s[0], kmajor_desc<T, BLOCK_N>(sK, wg * 64, 0), kmajor_desc<T, BLOCK_M>(sQb, r0, 0));
             #pragma unroll
             for (int ks = 1; ks < C::KSTEPS; ++ks)
                 Wgmma<T, C::SUB_M>::template ss<true>(s[0], kmajor_desc<T, BLOCK_N>(sK, wg * 64, ks), kmajor_desc<T, BLOCK_M>(sQb, r0, ks));
@@ -328,6 +383,12 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                 const float drop_scale = hm.dropout() ? hm.drop_scale : 1.f;
                 const bool alibi = hm.slope_log2 != 0.f;
                 const int kr0 = k0 + warp_row0, qc0 = q0 + r0;
+                // MODE_BIAS with softcap: the bias from its stage in the one pass (above it
+                // rode in S^T's accumulator).
+                auto bias = [&] {
+                    if constexpr (C::SOFTCAP_BIAS) return KeyRowBias<T, C::SUB_M>(sBias, warp_row0);
+                    else return NoBias();
+                }();
                 // BITS: whether the passes select by the bits; false where every score is
                 // shown and kept (bwd.cuh). The choice must be the same for the whole
                 // warpgroup (its wgmma waits are inside): from the tile and the call.
@@ -336,10 +397,10 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
         wgmma_wait<0>();                                                                                    \
         reg_fence(s[0]);                                                                                    \
         reg_fence(dp[0]);                                                                                   \
-        if (alibi) capped_p_and_grad<true, BITS, true>(s, dp, hm, kr0, qc0, lse2_at, delta_at, visible, keep, \
+        if (alibi) capped_p_and_grad<true, BITS, true>(s, dp, hm, kr0, qc0, lse2_at, delta_at, bias, visible, keep, \
                                                        scale_log2, drop_scale);                             \
-        else capped_p_and_grad<false, BITS, true>(s, dp, hm, kr0, qc0, lse2_at, delta_at, visible, keep,     \
-                                                  scale_log2, drop_scale);                                  \
+        else capped_p_and_grad<false, BITS, true>(s, dp, hm, kr0, qc0, lse2_at, delta_at, bias, visible,    \
+                                                  keep, scale_log2, drop_scale);                            \
         _Pragma("unroll") for (int ks = 0; ks < C::QSTEPS; ++ks) {                                          \
             c_to_a_frag<T>(p_frag[ks], s, 0, ks);                                                           \
             c_to_a_frag<T>(ds_frag[ks], dp, 0, ks);                                                         \
@@ -362,6 +423,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                     CUPYFLASH_OPTION_SCORES(true)
                 }
 #undef CUPYFLASH_OPTION_SCORES
+                if (C::BIAS && hm.softcap > 0.f) release(&bars.bias_empty);
             }
 
             // The next tile's rows into the other buffer (its last readers, the tile

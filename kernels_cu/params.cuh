@@ -43,7 +43,7 @@ struct ModsParams {
 
 struct AttnParams {
     TmaMap q_map, k_map, v_map;         // the Hopper kernels' tensor maps (fwd_sm90.cu, bwd_sm90.cu)
-    TmaMap bias_map;                    // the forward's bias, where mods.bias_tma
+    TmaMap bias_map;                    // the bias, where mods.bias_tma (Hopper kernels)
     TmaMap dout_map;                    // the backward's dO
     TensorParams q, k, v, o;            // (B, H, N, d) views; o is written by the forward
     TensorParams dout, dq, dk, dv;      // the backward's gradient views

@@ -22,16 +22,22 @@ import cupyflash  # noqa: E402
 
 # (Nq, Nk, d); (129, 200, 64) has whole tiles that no mask touches, which the Hopper
 # backward at d = 64 runs without the selects when there is no dropout ("terms" below).
-SHAPES = ((1, 1, 32), (17, 33, 72), (33, 47, 64), (129, 65, 128), (65, 129, 256), (129, 200, 64))
+# Where Nk % 8 == 0 (200, 136) the Hopper backward reads a bias by TMA.
+SHAPES = ((1, 1, 32), (17, 33, 72), (33, 47, 64), (129, 65, 128), (65, 129, 256), (129, 200, 64),
+          (65, 136, 128))
 
 
 def _options(kind, nq, nk, rng):
     """The options' kernels: every option at once ("all"); every option but the bias ("no
     bias": on Hopper the bias is a policy of its own, MODE_EXT and MODE_EXT | MODE_BIAS);
-    the score terms alone, without a mask or dropout ("terms")."""
+    the score terms alone, without a mask or dropout ("terms"); a bias with a window and
+    dropout but no softcap ("bias": the Hopper backward starts S^T from it)."""
     slopes = cp.asarray(rng.random(4).astype(np.float32))
     if kind == "terms":
         return dict(alibi_slopes=slopes, softcap=5.0)
+    if kind == "bias":
+        return dict(bias=cp.asarray(rng.standard_normal((4, nq, nk)).astype(np.float32)), window=(40, 7),
+                    dropout_p=0.2, seed=5)
     blocks = rng.random((4, -(-nq // 16), -(-nk // 16))) < 0.7
     options = dict(window=(40, 7), dropout_p=0.2, seed=5, block_mask=blocks, block_size=16,
                    alibi_slopes=slopes, softcap=5.0)
@@ -49,7 +55,8 @@ def main():
         for nq, nk, d in SHAPES:
             for causal, options, deterministic in ((False, None, False), (True, None, False),
                                                    (True, None, True), (True, "all", False),
-                                                   (False, "no bias", False), (False, "terms", False)):
+                                                   (False, "no bias", False), (False, "terms", False),
+                                                   (True, "bias", True)):
                 q = cp.asarray(rng.standard_normal((1, 4, nq, d)).astype(dtype))
                 k, v = (cp.asarray(rng.standard_normal((1, 2, nk, d)).astype(dtype)) for _ in range(2))
                 extra = _options(options, nq, nk, rng) if options else {}

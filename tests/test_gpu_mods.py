@@ -111,13 +111,14 @@ def _ref_options(opts):
     return {k: (v.astype(np.float64) if k == "bias" else v) for k, v in opts.items()}
 
 
-def _forward_backward(fwd, inputs, do, opts, *, backend, backward=True):
+def _forward_backward(fwd, inputs, do, opts, *, backend, backward=True, dbias=True):
     """``fwd(*inputs, **opts)`` (attention_forward or varlen_attention_forward), then
-    attention_backward; every result as a host array, keyed o, lse, dq, dk, dv[, dbias]."""
+    attention_backward; every result as a host array, keyed o, lse, dq, dk, dv[, dbias]
+    (dbias where there is a bias and ``dbias``)."""
     o, ctx = fwd(*inputs, backend=backend, **opts)
     out = {"o": o, "lse": ctx.lse}
     if backward:
-        if opts.get("bias") is not None:
+        if opts.get("bias") is not None and dbias:
             grads = cupyflash.attention_backward(do, ctx, return_dbias=True)
         else:
             grads = cupyflash.attention_backward(do, ctx)
@@ -125,14 +126,15 @@ def _forward_backward(fwd, inputs, do, opts, *, backend, backward=True):
     return {k: _host(v) for k, v in out.items()}
 
 
-def _run_both(fwd, host, opts, *, backward=True):
+def _run_both(fwd, host, opts, *, backward=True, dbias=True):
     """The case on the side under test (inputs and option arrays moved there) and its
     float64 NumPy-backend reference on the same rounded inputs."""
     *inputs, do = host
     got = _forward_backward(fwd, [_dev(x) for x in inputs], _dev(do),
-                            {k: _dev(v) for k, v in opts.items()}, backend=BACKEND, backward=backward)
+                            {k: _dev(v) for k, v in opts.items()}, backend=BACKEND, backward=backward,
+                            dbias=dbias)
     ref = _forward_backward(fwd, [x.astype(np.float64) for x in inputs], do.astype(np.float64),
-                            _ref_options(opts), backend="numpy", backward=backward)
+                            _ref_options(opts), backend="numpy", backward=backward, dbias=dbias)
     return got, ref
 
 
@@ -676,6 +678,56 @@ def test_hopper_path_with_options(rng, monkeypatch, dtype, d, nq, nk, layout, ca
     opts.update(causal=causal, layout=layout)
     got, ref = _run_both(cupyflash.attention_forward, host, opts)
     _check(got, ref, dtype)
+
+
+# The bias on the Hopper backward (bwd_sm90.cu's MODE_BIAS kernels, whole (Nq, Nk) rows
+# whose rows TMA can read, Nk % 8 == 0; no dbias asked for): sizes with partial query
+# tiles, sub-tiles and key blocks, biases broadcast over batch and heads or not, and the
+# options beside it (softcap adds the bias in its pass instead of S^T's accumulator).
+HOPPER_BIAS_CASES = (
+    ("2d", (1, 16), 64, False, lambda r, b, h, nq, nk, t: dict(bias=_bias(r, (nq, nk), t))),
+    ("2d-causal", (129, 1000), 128, True, lambda r, b, h, nq, nk, t: dict(bias=_bias(r, (nq, nk), t))),
+    ("per-head", (1000, 136), 104, False, lambda r, b, h, nq, nk, t: dict(bias=_bias(r, (1, h, nq, nk), t))),
+    ("full-causal", (300, 512), 64, True, lambda r, b, h, nq, nk, t: dict(bias=_bias(r, (b, h, nq, nk), t))),
+    ("softcap", (1000, 1000), 128, False,
+     lambda r, b, h, nq, nk, t: dict(bias=_bias(r, (b, 1, nq, nk), t), softcap=25.0)),
+    ("softcap-d64", (257, 200), 64, True, lambda r, b, h, nq, nk, t: dict(bias=_bias(r, (nq, nk), t), softcap=25.0)),
+    ("everything", (1000, 1000), 64, True, lambda r, b, h, nq, nk, t: dict(
+        bias=_bias(r, (1, h, nq, nk), t), window=(400, 5), seqlens_k=_seqlens(r, b, nk),
+        alibi_slopes=_slopes((h,)), dropout_p=0.2, seed=11)),
+    ("long", (4097, 4096), 128, True, lambda r, b, h, nq, nk, t: dict(bias=_bias(r, (nq, nk), t))),
+)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("name,sizes,d,causal,build", HOPPER_BIAS_CASES, ids=[c[0] for c in HOPPER_BIAS_CASES])
+def test_hopper_backward_with_a_bias(rng, monkeypatch, name, sizes, d, causal, build, deterministic):
+    """dq, dk and dv of a call with a bias (no dbias) from bwd_sm90.cu's MODE_BIAS kernel
+    against the float64 reference; softcap beside a bias in the deterministic mode takes
+    the sm80 kernels (Sm90BwdKVTile::SOFTCAP_BIAS), and so does every call asking for
+    dbias (test_hopper_path_with_options)."""
+    if DRY_RUN:
+        pytest.skip("pins a GPU kernel")
+    import cupy as cp
+    from cupyflash import _cuda, _kernels
+    if _cuda._device_info(cp.cuda.Device().id)[0] != "sm_90a":
+        pytest.skip("not a Hopper GPU")
+    launched = []
+    launch = _cuda._launch
+    monkeypatch.setattr(_cuda, "_launch", lambda variant, *a: (launched.append(variant), launch(variant, *a)))
+    nq, nk = sizes
+    dtype = ("bfloat16", "float16")[(len(name) + deterministic) % 2]
+    batch = 2 if nq * nk <= 10**6 else 1
+    host = _qkv(rng, dtype, d, nq, nk, 2, LAYOUTS[len(name) % 2], batch=batch, kv_heads=1)
+    opts = build(rng, batch, 2, nq, nk, dtype)
+    opts.update(causal=causal, layout=LAYOUTS[len(name) % 2], deterministic=deterministic)
+    got, ref = _run_both(cupyflash.attention_forward, host, opts, dbias=False)
+    _check(got, ref, dtype)
+    hopper = [v for v in launched if v.family is _kernels.BWD_SM90]
+    if deterministic and "softcap" in opts:
+        assert not hopper, "softcap with a bias, deterministic: the sm80 kernels"
+    else:
+        assert hopper and all(v.mode & _kernels.MODE_BIAS for v in hopper), [v.name_expression for v in launched]
 
 
 def test_hopper_bias_tiles_by_tma_where_the_rows_allow():

@@ -102,8 +102,8 @@ def test_hopper_forward_only_where_it_builds(monkeypatch, arch, source):
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_hopper_backward_only_where_it_builds(monkeypatch, arch, source, deterministic):
     # The key-block launch takes bwd_sm90.cu on Hopper at d = 64 and 128, with the options
-    # too (its dQ kernel stays bwd_sm80.cu's); calls with a bias and the split passes of
-    # large head dims never take it.
+    # and the bias too (its dQ kernel stays bwd_sm80.cu's); the split passes of large head
+    # dims never take it.
     monkeypatch.setattr(_cuda, "_device_info", lambda device_id: (arch, HOPPER_SMEM))
 
     def kv_sources(dtype, D, mode=_kernels.MODE_DENSE):
@@ -113,10 +113,36 @@ def test_hopper_backward_only_where_it_builds(monkeypatch, arch, source, determi
     for D in (64, 128):
         assert kv_sources("bfloat16", D) == [source]
         assert kv_sources("bfloat16", D, _kernels.MODE_EXT) == [source]
-        assert kv_sources("bfloat16", D, _kernels.MODE_EXT | _kernels.MODE_BIAS) == ["bwd_sm80.cu"]
+        assert kv_sources("bfloat16", D, _kernels.MODE_EXT | _kernels.MODE_BIAS) == [source]
     assert kv_sources("float16", 256) == ["bwd_sm80.cu", "bwd_sm80.cu"]
     plan = _kernels.backward_plan("float16", 128, deterministic)
     assert plan.dq is None or _cuda._choose(plan.dq, 0).source == "bwd_sm80.cu"
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_hopper_backward_bias_calls_it_cannot_serve_take_the_next_kernel(monkeypatch, deterministic):
+    # bwd_sm90.cu's MODE_BIAS kernel reads the bias through a tensor map of whole (Nq, Nk)
+    # rows (boxes of BWD_SM90_SUB_M queries). A call asking for dbias, a bias broadcast
+    # over queries or keys, and softcap beside a bias in the deterministic kernel get no
+    # specs, so _plan_backward takes the sm80 kernels.
+    from types import SimpleNamespace
+    monkeypatch.setattr(_cuda, "_map_specs", lambda *boxes: tuple(rows for _, rows in boxes))
+    (_, candidates), = _kernels.backward_plan("bfloat16", 128, deterministic,
+                                              _kernels.MODE_EXT | _kernels.MODE_BIAS).kv
+    hopper = candidates[0]
+    assert hopper.family is _kernels.BWD_SM90 and hopper.mode & _kernels.MODE_BIAS
+    q = do = np.zeros((2, 4, 100, 128))
+    k = v = np.zeros((2, 2, 64, 128))
+
+    def specs(bias_shape, softcap=0.0, dbias=None):
+        mods = SimpleNamespace(bias=np.zeros(bias_shape), softcap=softcap)
+        return _cuda._sm90_backward_map_specs(hopper, q, k, v, do, mods, dbias)
+
+    assert specs((1, 1, 100, 64)) == (64, 64, 128, 128, _kernels.BWD_SM90_SUB_M)
+    assert specs((2, 4, 100, 64)) is not None
+    assert specs((1, 1, 1, 64)) is None and specs((1, 1, 100, 1)) is None   # broadcast rows
+    assert specs((1, 1, 100, 64), dbias=np.zeros((1, 1, 100, 64))) is None
+    assert (specs((1, 1, 100, 64), softcap=30.0) is None) == deterministic
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
