@@ -51,18 +51,26 @@ def main(argv=None) -> int:
         print(f"{c.arch:7} {c.registers:4d} {c.spill_stores:5d}/{c.spill_loads:<5d} {c.stack_frame:5d} "
               f"{v.smem_bytes:8d} {c.static_smem:6d}  {v.name_expression}"
               + "".join(f"  <-- {p}" for p in problems))
-    print(f"{len(built)} instantiations built, {failures} with spills where none are allowed "
-          "or more static shared memory than the host reserves")
+    print(f"{len(built)} instantiations built, {failures} with spills where none are allowed, "
+          "serialised warpgroup MMAs or more static shared memory than the host reserves")
     return 1 if failures else 0
 
 
+# ptxas's note (C7514) that it serialises a kernel's warpgroup MMAs, because code reads an
+# accumulator while its product may still run: the kernel is still correct but its
+# products no longer overlap anything, a silent loss of speed.
+WGMMA_SERIALIZED = "C7514"
+
+
 def problems_of(variant: _kernels.Variant, compiled) -> list[str]:
-    """What is wrong with a compiled instantiation: spills where none are allowed, and
-    static shared memory beyond what the host adds to the launch's figure (it would
-    launch with more shared memory than the host checked fits)."""
+    """What is wrong with a compiled instantiation: spills where none are allowed,
+    serialised warpgroup MMAs, and static shared memory beyond what the host adds to the
+    launch's figure (it would launch with more shared memory than the host checked fits)."""
     problems = []
     if must_not_spill(variant) and (compiled.spill_stores or compiled.spill_loads):
         problems.append("SPILLS")
+    if WGMMA_SERIALIZED in compiled.log:
+        problems.append("WGMMA SERIALIZED")
     if compiled.static_smem > variant.static_smem:
         problems.append(f"STATIC SMEM > {variant.static_smem}")
     return problems

@@ -72,11 +72,6 @@ struct Sm90BwdKVTile {
     // whole 128-query tile would not fit the registers beside dK and dV at d = 64).
     static constexpr int SUB_M = 64;
     static constexpr int SUBTILES = BLOCK_M / SUB_M;
-    // With the options, tiles that no mask or dropout touches take passes without the
-    // selects (bwd.cuh BITS): at d = 64, where the passes' work per score weighs most
-    // beside the products. At d = 128 the second copy made NVRTC 12.9 spill a few bytes
-    // (build check).
-    static constexpr bool SELECT_FREE_TILES = D <= 64;
     static constexpr int QT = SUB_M / 8;             // query n-tiles of a sub-tile's S^T, dP^T per warp
     static constexpr int DT = D / 8;                 // n-tiles of dK, dV per warp
     static constexpr int KSTEPS = D / 16;            // k-steps of K Q^T and V dO^T
@@ -91,6 +86,10 @@ struct Sm90BwdKVTile {
     // at d = 128 with the consumers' 224 registers, build check): the host sends such
     // calls to the sm80 kernels (cupyflash/_cuda.py _sm90_backward_map_specs).
     static constexpr bool SOFTCAP_BIAS = BIAS && !ORDERED_DQ;
+    // With the options, tiles that no mask or dropout touches take passes without the
+    // selects (bwd.cuh BITS), but in the deterministic d = 128 kernel with the bias,
+    // where the second copy of the passes spills (48 bytes, NVRTC 12.9 build check).
+    static constexpr bool SELECT_FREE_TILES = D <= 64 || !(BIAS && ORDERED_DQ);
     // dQ's BLOCK_M x D tile in one 64 x DQ_N piece per warpgroup: DQ_COLS pieces across.
     static constexpr int DQ_N = BLOCK_M * D / (64 * CONSUMERS);
     static constexpr int DQ_COLS = D / DQ_N;

@@ -44,6 +44,14 @@ def test_tensor_core_kernels_do_not_spill(built):
     assert not spilled
 
 
+def test_warpgroup_mma_is_not_serialized(built):
+    # ptxas serialises a Hopper kernel's wgmma where code reads an accumulator whose
+    # product may still run (C7514): correct, but the overlap the kernel is built for is
+    # gone.
+    serialized = [(v.name_expression, c.arch) for v, c in built if build_check.WGMMA_SERIALIZED in c.log]
+    assert not serialized
+
+
 def test_static_shared_memory_is_within_the_hosts_reservation(built):
     # The host adds Variant.static_smem to a kernel's dynamic figure when it checks the
     # device's limit; a kernel with more would launch with more than was checked.
