@@ -20,7 +20,8 @@
 //   into shared memory (two buffers, so one consumer barrier per tile suffices) and
 //   compute dQ = dS K over all BLOCK_N keys, the BLOCK_M x D tile split into one
 //   64 x DQ_N piece per warpgroup (A: dS^T read MN-major, i.e. transposed; B: K,
-//   MN-major), and stage it in fp32 in shared memory;
+//   MN-major), issued at the start of the next tile ahead of its S^T, and stage it in
+//   fp32 in shared memory;
 //   producer (the last warpgroup): its first warp loads K and V once and streams each
 //     query tile's Q and dO (TMA) through STAGES stages, each guarded by a "full"
 //     mbarrier and an "empty" one (every consumer warp has finished reading it); its
@@ -300,6 +301,39 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
     cp_async_wait<0>();
     named_barrier(C::CONSUMER_BARRIER, C::CONSUMER_THREADS);
 
+    // A tile's dQ = dS K goes to the tensor cores at the start of the next tile, ahead of
+    // its S^T, and is staged while S^T runs (dP^T is issued after: with it in flight too,
+    // d = 128 spilled, build check). So the tile's tail (waiting for dQ, staging it, the
+    // loop's turn) no longer leaves the tensor cores idle (ncu: the largest stall of the
+    // consumers). Each iteration waits for every product it issues, so that ptxas can
+    // follow the accumulators (with dQ in flight across iterations it serialised the
+    // wgmmas); the first iteration's dQ product reads a dS^T buffer no tile has written
+    // and is not staged. The last tile's dV and dK are done by then too, so that its Q and
+    // dO stage is released there.
+    float dq[1][C::DQ_N / 8][4];
+    auto issue_dq = [&](const T* dS_tile) {
+        Wgmma<T, C::DQ_N>::template ss_mn<false>(dq[0], mnmajor_desc<T, BLOCK_N>(dS_tile, 0, dq_row0), mnmajor_desc<T, BLOCK_N>(sK, 0, dq_col0));
+        #pragma unroll
+        for (int ks = 1; ks < C::NSTEPS; ++ks)
+            Wgmma<T, C::DQ_N>::template ss_mn<true>(dq[0], mnmajor_desc<T, BLOCK_N>(dS_tile, ks, dq_row0), mnmajor_desc<T, BLOCK_N>(sK, ks, dq_col0));
+        wgmma_commit();
+    };
+    // The piece of tile `step` into the staging tile once the copy engine has read the
+    // last one; the producer's second warp adds it into the workspace.
+    auto stage_dq = [&](int dq_step) {
+        reg_fence(dq[0]);
+        mbar_wait(&bars.dq_empty, (dq_step & 1) ^ 1);
+        #pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            float* row = sdQ + (dq_row0 + (warp % 4) * 16 + g + hh * 8) * C::DQ_LD;
+            #pragma unroll
+            for (int nt = 0; nt < C::DQ_N / 8; ++nt)
+                *reinterpret_cast<float2*>(row + dq_col0 + nt * 8 + 2 * t) = make_float2(dq[0][nt][2 * hh], dq[0][nt][2 * hh + 1]);
+        }
+        fence_async_smem();
+        release(&bars.dq_full);
+    };
+
     int step = 0;
     for (int it = first(); it < n_iter; ++step) {
         const int h = pairs.head(it), q0 = pairs.q0(it);
@@ -341,11 +375,19 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                 }
             }
             wgmma_fence();
+            if (C::DQ && sub == 0) issue_dq(sdS + ((step + 1) % 2) * C::DS_ELEMS);   // the last tile's
             Wgmma<T, C::SUB_M>::template ss<C::BIAS>(s[0], kmajor_desc<T, BLOCK_N>(sK, wg * 64, 0), kmajor_desc<T, BLOCK_M>(sQb, r0, 0));
             #pragma unroll
             for (int ks = 1; ks < C::KSTEPS; ++ks)
                 Wgmma<T, C::SUB_M>::template ss<true>(s[0], kmajor_desc<T, BLOCK_N>(sK, wg * 64, ks), kmajor_desc<T, BLOCK_M>(sQb, r0, ks));
             wgmma_commit();
+            if (C::DQ && sub == 0) {
+                wgmma_wait<1>();   // the last tile's dQ, dV and dK (S^T runs on)
+                if (step > 0) {
+                    release(&bars.empty[(step - 1) % STAGES]);
+                    stage_dq(step - 1);
+                }
+            }
             Wgmma<T, C::SUB_M>::template ss<false>(dp[0], kmajor_desc<T, BLOCK_N>(sV, wg * 64, 0), kmajor_desc<T, BLOCK_M>(sdOb, r0, 0));
             #pragma unroll
             for (int ks = 1; ks < C::KSTEPS; ++ks)
@@ -454,30 +496,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
             cp_async_wait<0>();   // the next tile's rows, for the barrier
             fence_async_smem();
             named_barrier(C::CONSUMER_BARRIER, C::CONSUMER_THREADS);
-            // ... then this warpgroup's piece of dQ = dS K over every key of the block.
-            float dq[1][C::DQ_N / 8][4];
-            wgmma_fence();
-            Wgmma<T, C::DQ_N>::template ss_mn<false>(dq[0], mnmajor_desc<T, BLOCK_N>(sdSb, 0, dq_row0), mnmajor_desc<T, BLOCK_N>(sK, 0, dq_col0));
-            #pragma unroll
-            for (int ks = 1; ks < C::NSTEPS; ++ks)
-                Wgmma<T, C::DQ_N>::template ss_mn<true>(dq[0], mnmajor_desc<T, BLOCK_N>(sdSb, ks, dq_row0), mnmajor_desc<T, BLOCK_N>(sK, ks, dq_col0));
-            wgmma_commit();
-            wgmma_wait<1>();   // dV and dK are done with this stage's Q and dO
-            release(&bars.empty[s_]);
-            wgmma_wait<0>();
-            reg_fence(dq[0]);
-            // The piece into the staging tile once the copy engine has read the last one;
-            // the producer's second warp adds it into the workspace.
-            mbar_wait(&bars.dq_empty, (step & 1) ^ 1);
-            #pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-                float* row = sdQ + (dq_row0 + (warp % 4) * 16 + g + hh * 8) * C::DQ_LD;
-                #pragma unroll
-                for (int nt = 0; nt < C::DQ_N / 8; ++nt)
-                    *reinterpret_cast<float2*>(row + dq_col0 + nt * 8 + 2 * t) = make_float2(dq[0][nt][2 * hh], dq[0][nt][2 * hh + 1]);
-            }
-            fence_async_smem();
-            release(&bars.dq_full);
+            wgmma_wait<0>();   // dV and dK (ptxas follows the accumulators within an iteration)
         } else {
             wgmma_wait<0>();
             cp_async_wait<0>();   // the next tile's rows, for the barrier
@@ -489,6 +508,12 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
         it = next;
     }
 
+    if (C::DQ && step > 0) {   // the last tile's dQ
+        wgmma_fence();
+        issue_dq(sdS + ((step + 1) % 2) * C::DS_ELEMS);
+        wgmma_wait<0>();
+        stage_dq(step - 1);
+    }
     // Epilogue as in bwd_sm80.cu, each gradient staged with padded rows over K and V once
     // every warpgroup's products are done with them.
     const Strided<T> dV = tensor<T>(p.dv), dK = tensor<T>(p.dk);
