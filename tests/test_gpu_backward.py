@@ -245,7 +245,7 @@ def test_hopper_backward_reads_through_tensor_maps(rng, d):
     bwd_sm90.cu (TMA, dQ rows padded for its bulk reductions), not the sm80 fallback that
     unaligned rows take (test_strided_inputs_without_alignment)."""
     import cupy as cp
-    from cupyflash import _arrays, _cuda, _kernels
+    from cupyflash import _arrays, _cuda, _kernels, _mods
     device = cp.cuda.Device().id
     if _cuda._device_info(device)[0] != "sm_90a":
         pytest.skip("not a Hopper GPU")
@@ -254,7 +254,7 @@ def test_hopper_backward_reads_through_tensor_maps(rng, d):
     variant = _cuda._choose(candidates, device)
     assert variant.family is _kernels.BWD_SM90 and variant.dq_ld == d + 8
     views = [_arrays.bhsd_view(x, "bhsd") for x in (q, k, v, do)]
-    assert _cuda._sm90_backward_map_specs(variant, *views) is not None
+    assert _cuda._sm90_backward_map_specs(variant, *views, _mods.NONE, None) is not None
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
