@@ -1,28 +1,32 @@
 """Exact attention on host arrays larger than the GPU's memory, streamed through a bounded
 device memory (issue #17).
 
-The queries are cut into chunks of ``c`` rows and the keys into chunks of at most ``c``
-rows. Each (query chunk, key chunk) pair that the masks leave visible is one ordinary call
-of the backend on device copies of the two chunks, and the pairs of a query chunk are
-merged by their log-sum-exps, exactly (`cupyflash.merge`). The backward pass runs the
-backend's backward on each pair with the *global* o and LSE rows of its query chunk: it
+The queries are cut into chunks and so are the keys. Each (query chunk, key chunk) pair
+that the masks leave visible is one ordinary call of the backend on device copies of the
+two chunks. The forward pass runs query chunks outside and key chunks inside, both of one
+size, and merges the pairs of a query chunk by their log-sum-exps, exactly
+(`cupyflash.merge`). The backward pass runs key chunks outside: a key chunk stays on the
+device with its dk and dv sums while the query chunks that see it stream past, each pair
+running the backend's backward with the *global* o and LSE rows of its query chunk. It
 then recomputes the global probabilities P = exp(S - lse) and the global row term
 D = rowsum(dO * o), so that pair's dq, dk and dv are exactly its terms of the sums over
-keys (dq) and over queries (dk, dv).
+keys (dq) and over queries (dk, dv). Its key chunks are a whole number of query chunks,
+longer than them (`backward_chunks` says why).
 
 Causal attention is aligned bottom-right (query i sees key j iff j <= i + Nk - Nq). Key
-chunk boundaries are the query boundaries shifted by Nk - Nq, so a pair is either wholly
-visible (a plain call), wholly hidden (never copied), or the diagonal pair, whose key
-chunk ends where its query chunk's reach ends: the local call is then causal with
-exactly the global alignment (its own Nk - Nq is the global one, whatever the clipping at
-key 0).
+chunk boundaries lie on the query boundaries shifted by Nk - Nq, so a pair is either
+wholly visible (a plain call), wholly hidden (never computed), or holds the keys where
+its query chunk's reach ends: the call then takes the pair's keys up to that end only,
+and is causal with exactly the global alignment (its own Nk - Nq is the global one,
+whatever the clipping at key 0).
 
 `plan` is pure Python (sizes, the order of the pairs, which copies they need, the bytes
 they move and the device memory they take); `forward` and `backward` run a plan on a
-`_Mover`: CuPy with pinned host staging and a copy stream overlapped with the compute
-stream, or NumPy as the "device" (no copies across a bus, no streams), which is how the
-chunking, masking, merging and gradient accumulation are tested without a GPU. The array
-module and the copy mechanics are the only differences between the two.
+`_Mover`: CuPy with copies through a few pinned host buffers on copy streams of their own,
+overlapped with the compute stream, or NumPy as the "device" (no copies across a bus, no
+streams), which is how the chunking, masking, merging and gradient accumulation are tested
+without a GPU. The array module and the copy mechanics are the only differences between
+the two.
 """
 
 from __future__ import annotations

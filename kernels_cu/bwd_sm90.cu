@@ -59,6 +59,7 @@ struct Sm90BwdBarriers {
     u64 full[STAGES], empty[STAGES];    // a query tile's Q and dO
     u64 dq_full, dq_empty;              // the staged dQ tile: written / read by the copy engine
     u64 bias_full, bias_empty;          // a sub-tile's bias (MODE_BIAS)
+    u64 ds_full[2], ds_empty[2];        // a tile's dS^T, for the dbias warp (MODE_BIAS with dbias)
 };
 
 template <typename T, int D, int BLOCK_M, int CONSUMERS, int GRADS, int MODE>
@@ -179,6 +180,11 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
         mbar_init(&bars.dq_empty, 1);
         mbar_init(&bars.bias_full, 1);
         mbar_init(&bars.bias_empty, CONSUMERS * 4);
+        #pragma unroll
+        for (int buf = 0; buf < 2; ++buf) {
+            mbar_init(&bars.ds_full[buf], CONSUMERS * 4);
+            mbar_init(&bars.ds_empty[buf], 1);
+        }
         mbar_init_fence();
     }
     __syncthreads();
@@ -262,6 +268,33 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                     }
                     __syncwarp();
                 }
+            }
+        } else if (role == 3 && C::BIAS && C::DQ && dbias != nullptr) {
+            // dbias: each tile's dS^T (the rounded values dK and dQ take; the host sends
+            // softcap, whose dS^T carries the cap's derivative, to the sm80 kernels) from
+            // its shared-memory buffer into the fp32 accumulator, 4 keys of a query row per
+            // vector reduction (the host's accumulator has contiguous rows of Nk % 8 == 0
+            // keys: whole rows). Lanes take consecutive queries of a key row, so their reads
+            // of a swizzled row fall in distinct banks.
+            if (dbias_sk != 1 || dbias_sq % 4 != 0) __trap();   // a host that drifted from this contract
+            int step = 0;
+            for (int it = first(); it < n_iter; it = after(it), ++step) {
+                const int h = pairs.head(it), q0 = pairs.q0(it), buf = step % 2;
+                mbar_wait(&bars.ds_full[buf], (step / 2) & 1);
+                const T* tile = sdS + buf * C::DS_ELEMS;
+                float* head = dbias + b * dbias_sb + h * dbias_sh;
+                const int rows = min(BLOCK_M, mask.nq - q0), keys = min(BLOCK_N, mask.nk - k0);
+                for (int group = lane; group < BLOCK_M * BLOCK_N / 4; group += 32) {
+                    const int c = group % BLOCK_M, r = (group / BLOCK_M) * 4;   // query, first key
+                    if (c >= rows || r >= keys) continue;
+                    float v[4];
+                    #pragma unroll
+                    for (int u = 0; u < 4; ++u)
+                        v[u] = to_float(Swizzle128<T, BLOCK_N>::at(const_cast<T*>(tile), r + u, c & ~7)[c % 8]);
+                    red_add_v4(head + (i64)(q0 + c) * dbias_sq + k0 + r, v);
+                }
+                __syncwarp();
+                if (lane == 0) mbar_arrive(&bars.ds_empty[buf]);
             }
         }
         return;
@@ -482,6 +515,9 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
             wgmma_commit();
 
             if constexpr (C::DQ) {
+                // With dbias, the dbias warp must have read this buffer's tile of two ago.
+                if (C::BIAS && sub == 0 && dbias != nullptr)
+                    mbar_wait(&bars.ds_empty[step % 2], ((step / 2) & 1) ^ 1);
                 #pragma unroll
                 for (int ks = 0; ks < C::QSTEPS; ++ks)
                     #pragma unroll
@@ -493,6 +529,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
         }
 
         if constexpr (C::DQ) {
+            if (C::BIAS && dbias != nullptr) release(&bars.ds_full[step % 2]);
             cp_async_wait<0>();   // the next tile's rows, for the barrier
             fence_async_smem();
             named_barrier(C::CONSUMER_BARRIER, C::CONSUMER_THREADS);

@@ -654,9 +654,9 @@ def _hopper_params():
 def test_hopper_path_with_options(rng, monkeypatch, dtype, d, nq, nk, layout, causal, build, persistent):
     """The options as policies of the Hopper kernels against the float64 reference: the
     forward (fwd_sm90.cu, MODE_EXT and MODE_BIAS instantiations, with persistent CTAs or
-    one CTA per work tile) and the backward (bwd_sm90.cu's MODE_EXT; with a bias, whose
-    gradient these calls ask for, the mma.sync kernels). The call must take those
-    kernels."""
+    one CTA per work tile) and the backward (bwd_sm90.cu's MODE_EXT, and MODE_BIAS with
+    dbias where the bias has whole rows TMA reads and there is no softcap; else the
+    mma.sync kernels). The call must take those kernels."""
     if DRY_RUN:
         pytest.skip("pins a GPU kernel")
     import cupy as cp
@@ -679,8 +679,9 @@ def test_hopper_path_with_options(rng, monkeypatch, dtype, d, nq, nk, layout, ca
     opts.update(causal=causal, layout=layout)
     got, ref = _run_both(cupyflash.attention_forward, host, opts)
     _check(got, ref, dtype)
-    hopper_backward = any(v.family is _kernels.BWD_SM90 for v in launched)
-    assert hopper_backward == ("bias" not in mods), [v.name_expression for v in launched]
+    # With a bias (whose gradient these calls ask for): whole rows that TMA reads, no softcap.
+    hopper = "bias" not in mods or (mods["bias"].shape[-2:] == (nq, nk) and nk % 8 == 0 and not mods.get("softcap"))
+    assert any(v.family is _kernels.BWD_SM90 for v in launched) == hopper, [v.name_expression for v in launched]
 
 
 # The bias on the Hopper backward (bwd_sm90.cu's MODE_BIAS kernels, whole (Nq, Nk) rows
@@ -702,13 +703,13 @@ HOPPER_BIAS_CASES = (
 )
 
 
+@pytest.mark.parametrize("dbias", [False, True])
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("name,sizes,d,causal,build", HOPPER_BIAS_CASES, ids=[c[0] for c in HOPPER_BIAS_CASES])
-def test_hopper_backward_with_a_bias(rng, monkeypatch, name, sizes, d, causal, build, deterministic):
-    """dq, dk and dv of a call with a bias (no dbias) from bwd_sm90.cu's MODE_BIAS kernel
-    against the float64 reference; softcap beside a bias in the deterministic mode takes
-    the sm80 kernels (Sm90BwdKVTile::SOFTCAP_BIAS), and so does every call asking for
-    dbias (test_hopper_path_with_options)."""
+def test_hopper_backward_with_a_bias(rng, monkeypatch, name, sizes, d, causal, build, deterministic, dbias):
+    """dq, dk, dv (and dbias) of a call with a bias from bwd_sm90.cu's MODE_BIAS kernel
+    against the float64 reference; softcap beside a bias in the deterministic mode or with
+    dbias takes the sm80 kernels (Sm90BwdKVTile::SOFTCAP_BIAS, _cuda._sm90_backward_map_specs)."""
     if DRY_RUN:
         pytest.skip("pins a GPU kernel")
     import cupy as cp
@@ -724,11 +725,11 @@ def test_hopper_backward_with_a_bias(rng, monkeypatch, name, sizes, d, causal, b
     host = _qkv(rng, dtype, d, nq, nk, 2, LAYOUTS[len(name) % 2], batch=batch, kv_heads=1)
     opts = build(rng, batch, 2, nq, nk, dtype)
     opts.update(causal=causal, layout=LAYOUTS[len(name) % 2], deterministic=deterministic)
-    got, ref = _run_both(cupyflash.attention_forward, host, opts, dbias=False)
+    got, ref = _run_both(cupyflash.attention_forward, host, opts, dbias=dbias)
     _check(got, ref, dtype)
     hopper = [v for v in launched if v.family is _kernels.BWD_SM90]
-    if deterministic and "softcap" in opts:
-        assert not hopper, "softcap with a bias, deterministic: the sm80 kernels"
+    if (deterministic or dbias) and "softcap" in opts:
+        assert not hopper, "softcap with a bias, deterministic or with dbias: the sm80 kernels"
     else:
         assert hopper and all(v.mode & _kernels.MODE_BIAS for v in hopper), [v.name_expression for v in launched]
 
