@@ -66,6 +66,10 @@ _ALLOCATION_SLACK = 64 << 10
 # stacked pair, its max, exp, sum and the new LSE, counted generously.
 _MERGE_ROW_TEMPORARIES = 12
 
+# The backward's key chunk is this many query chunks long where the memory allows
+# (`backward_chunks`).
+KEY_CHUNK_QUERY_CHUNKS = 4
+
 
 def check_supported(mods):
     """NotImplementedError naming the first option the streamed path cannot run."""
@@ -119,10 +123,11 @@ class _Geometry:
         return 0 if self.mask_shape is None else math.prod(self.mask_shape)
 
     def row_bytes(self, backward):
-        """Bytes uploaded per query row (of all batch entries and heads)."""
+        """Bytes uploaded per query row (of all batch entries and heads): q, and for the
+        backward dO, the LSE and the row term (`backward`)."""
         g = self
         per = g.head_dim * g.itemsize if not backward else (
-            (g.head_dim + 2 * g.value_dim) * g.itemsize + g.acc_size * (1 + g.dlse))
+            (g.head_dim + g.value_dim) * g.itemsize + 2 * g.acc_size)
         return g.batch * g.q_heads * per
 
     def key_bytes(self):
@@ -132,8 +137,9 @@ class _Geometry:
 
 def device_buffers(g: _Geometry, q_rows: int, k_rows: int, backward: bool) -> dict:
     """Device bytes a streamed pass holds at once, by buffer, for query chunks of ``q_rows``
-    and key chunks of ``k_rows`` rows. Two slots of each input chunk (one computed on, one
-    being filled) and of each output chunk (one being written, one being copied out)."""
+    and key chunks of ``k_rows`` rows. Two slots of each streamed input chunk (one computed
+    on, one being filled) and of each output that goes back per pair or per query chunk
+    (one being written, one being copied out)."""
     R = g.batch * g.q_heads * q_rows          # query rows of a chunk, all heads
     K = g.batch * g.kv_heads * k_rows         # key rows of a chunk, all kv heads
     d, dv, isz, asz = g.head_dim, g.value_dim, g.itemsize, g.acc_size
@@ -154,12 +160,12 @@ def device_buffers(g: _Geometry, q_rows: int, k_rows: int, backward: bool) -> di
         out["merge temporaries"] = R * (dv + _MERGE_ROW_TEMPORARIES) * asz
         out["o, lse out (2 slots)"] = 2 * R * (dv * isz + asz)
     else:
-        out["q, o, dO, lse chunks (2 slots)"] = 2 * R * ((d + 2 * dv) * isz + asz * (1 + g.dlse))
-        out["dq of a pair"] = R * d * isz
-        out["dq accumulator"] = R * d * asz
-        out["dq out (2 slots)"] = 2 * R * d * isz
+        out["q, dO, lse, row term chunks (2 slots)"] = 2 * R * ((d + dv) * isz + 2 * asz)
+        out["zero o (the row term holds D)"] = R * dv * isz
+        out["dq of a pair (2 slots)"] = 2 * R * d * isz
         out["dk, dv of a pair"] = K * (d + dv) * isz
-        out["dk, dv out (2 slots)"] = 2 * K * (d + dv) * asz
+        out["dk, dv sums"] = K * (d + dv) * asz
+        out["dk, dv out"] = K * (d + dv) * isz
         # The backward kernels' workspaces (`_cuda.attention_backward`): the LSE in base 2
         # and the row term D over 128-row padded rows, the fp32 dQ accumulator with rows
         # padded to d + 8, and one turn counter per 64-row query tile.
@@ -190,6 +196,15 @@ def _bounds(n, c, shift=0):
     return tuple((a, b) for a, b in zip(cuts, cuts[1:]) if a < b)
 
 
+def _key_bounds(g, c):
+    """Key chunks of at most ``c`` rows, a multiple of the query chunk's: causal cuts then
+    lie on the query cuts shifted by Nk - Nq, where a query chunk's reach ends. One chunk
+    when all keys fit in one."""
+    if c >= g.k_len:
+        return ((0, g.k_len),) if g.k_len else ()
+    return _bounds(g.k_len, c, shift=(g.k_len - g.q_len) if g.causal else 0)
+
+
 @dataclass(frozen=True)
 class _Step:
     """One (query chunk, key chunk) pair of a plan, in execution order, and its copies."""
@@ -197,9 +212,13 @@ class _Step:
     index: int
     row: int            # query chunk
     key: int            # key chunk
-    causal: bool        # the diagonal pair: the local call is causal
-    first: bool         # first pair of its query chunk
-    last: bool          # last pair of its query chunk
+    key_stop: int       # the pair's keys end here: the key chunk's end, or (causal) where
+    #                     the query chunk's reach ends inside it
+    causal: bool        # the pair's keys run past its first query's reach: the call is causal
+    row_first: bool     # first pair of its query chunk
+    row_last: bool      # last pair of its query chunk
+    key_first: bool     # first pair of its key chunk
+    key_last: bool      # last pair of its key chunk
     row_slot: int
     row_upload: bool
     key_slot: int
@@ -231,10 +250,12 @@ class StreamingPlan:
     Attributes
     ----------
     backward : bool
-        A plan of the backward pass (else the forward).
+        A plan of the backward pass (else the forward). The forward runs query chunks
+        outside, key chunks inside; the backward the other way round.
     query_chunk, key_chunk : int
         Rows per query chunk and the most rows of a key chunk (multiples of 128 unless a
-        chunk holds all the rows; equal for causal attention).
+        chunk holds all the rows). Equal in the forward; in the backward the key chunk is
+        a whole number of query chunks, up to `KEY_CHUNK_QUERY_CHUNKS`, or all the keys.
     query_bounds, key_bounds : tuple of (start, stop)
         The chunks' row ranges.
     pairs : int
@@ -286,59 +307,74 @@ class StreamingPlan:
         return max((b - a for a, b in self.key_bounds), default=0)
 
 
-def _visible_pairs(g, qb, kb, seqlens_k, block_mask):
-    """(query chunk, key chunk, causal) of every pair with something visible, in order."""
+def _visible_pairs(g, qb, kb, seqlens_k, block_mask, *, keys_outside):
+    """(query chunk, key chunk, key stop, causal) of every pair with something visible, in
+    execution order: query chunks outside, or with ``keys_outside`` key chunks outside,
+    each key chunk's causal pairs after its others (`_causal_last`)."""
     off = g.k_len - g.q_len
-    key_stop = g.k_len if seqlens_k is None else int(np.max(seqlens_k, initial=0))
+    key_end = g.k_len if seqlens_k is None else int(np.max(seqlens_k, initial=0))
+    order = ([(i, j) for j in range(len(kb)) for i in range(len(qb))] if keys_outside
+             else [(i, j) for i in range(len(qb)) for j in range(len(kb))])
     pairs = []
-    for i, (q0, q1) in enumerate(qb):
-        for j, (k0, k1) in enumerate(kb):
-            if k0 >= key_stop:
+    for i, j in order:
+        (q0, q1), (k0, k1) = qb[i], kb[j]
+        if k0 >= key_end:
+            continue
+        stop, causal = k1, False
+        if g.causal:
+            if k0 >= q1 + off:          # past the last query's reach
                 continue
-            diagonal = False
-            if g.causal:
-                if k0 >= q1 + off:          # past the last query's reach
-                    continue
-                # Not wholly visible: the last key is past the first query's reach. By the
-                # shifted boundaries that is the pair ending where the chunk's reach ends.
-                diagonal = k1 - 1 > q0 + off
-                assert not diagonal or k1 == q1 + off
-            if block_mask is not None:
-                bq, bk = g.block_size
-                if not block_mask[..., q0 // bq:-(-q1 // bq), k0 // bk:-(-k1 // bk)].any():
-                    continue
-            pairs.append((i, j, diagonal))
-    return pairs
+            stop = min(k1, q1 + off)
+            # Not wholly visible: the last key is past the first query's reach. By the
+            # shifted boundaries the pair's keys then end where the chunk's reach ends.
+            causal = stop - 1 > q0 + off
+            assert not causal or stop == q1 + off
+        if block_mask is not None:
+            bq, bk = g.block_size
+            if not block_mask[..., q0 // bq:-(-q1 // bq), k0 // bk:-(-stop // bk)].any():
+                continue
+        pairs.append((i, j, stop, causal))
+    return _causal_last(pairs) if keys_outside else pairs
+
+
+def _causal_last(pairs):
+    """Key-chunk-ordered pairs with each key chunk's causal pairs (the shorter calls, their
+    keys clipped) after its wholly visible ones: the switch to the next key chunk, when
+    the host uploads its k and v, then comes between long calls (the last causal pair
+    takes the whole key chunk, the next chunk starts with a whole pair where it has one),
+    and the host work the short calls leave exposed does not pile up on it."""
+    return sorted(pairs, key=lambda p: (p[1], p[3]))
 
 
 def _steps(pairs):
-    if not pairs:
-        return ()
-    rows = _slots([i for i, _, _ in pairs])
-    keys = _slots([j for _, j, _ in pairs])
-    steps = []
-    for t, (i, j, diagonal) in enumerate(pairs):
-        first = t == 0 or pairs[t - 1][0] != i
-        last = t == len(pairs) - 1 or pairs[t + 1][0] != i
-        steps.append(_Step(t, i, j, diagonal, first, last, *rows[t], *keys[t]))
-    return tuple(steps)
+    rows, keys = [p[0] for p in pairs], [p[1] for p in pairs]
+    row_slots, key_slots = _slots(rows), _slots(keys)
+    first_row = {i: rows.index(i) for i in set(rows)}
+    last_row = {i: t for t, i in enumerate(rows)}
+    first_key = {j: keys.index(j) for j in set(keys)}
+    last_key = {j: t for t, j in enumerate(keys)}
+    return tuple(
+        _Step(t, i, j, stop, causal, first_row[i] == t, last_row[i] == t, first_key[j] == t,
+              last_key[j] == t, *row_slots[t], *key_slots[t])
+        for t, (i, j, stop, causal) in enumerate(pairs))
 
 
 def _traffic(g, backward, qb, kb, steps):
     """(h2d, d2h, min) bytes of a plan's steps."""
     rows, keys = g.row_bytes(backward), g.key_bytes()
-    asz, isz = g.acc_size, g.itemsize
+    isz, asz = g.itemsize, g.acc_size
     h2d = g.mask_bytes() + 4 * g.batch * g.seqlens
     d2h = 0
     for s in steps:
         (q0, q1), (k0, k1) = qb[s.row], kb[s.key]
         h2d += rows * (q1 - q0) * s.row_upload + keys * (k1 - k0) * s.key_upload
-        h2d += g.bias_bytes(q1 - q0, k1 - k0)
+        h2d += g.bias_bytes(q1 - q0, s.key_stop - k0)
         if backward:
-            d2h += g.batch * g.kv_heads * (k1 - k0) * (g.head_dim + g.value_dim) * asz
-        if s.last:
-            per_row = g.head_dim * isz if backward else g.value_dim * isz + asz
-            d2h += g.batch * g.q_heads * (q1 - q0) * per_row
+            d2h += g.batch * g.q_heads * (q1 - q0) * g.head_dim * isz     # the pair's dq
+            if s.key_last:
+                d2h += keys * (k1 - k0)                                    # the chunk's dk, dv
+        elif s.row_last:
+            d2h += g.batch * g.q_heads * (q1 - q0) * (g.value_dim * isz + asz)
     inputs = (rows * g.q_len + keys * g.k_len + g.bias_bytes(g.q_len, g.k_len)
               + g.mask_bytes() + 4 * g.batch * g.seqlens)
     outputs = g.batch * g.q_heads * g.q_len * (g.head_dim * isz if backward else g.value_dim * isz + asz)
@@ -347,33 +383,81 @@ def _traffic(g, backward, qb, kb, steps):
     return h2d, d2h, inputs + outputs
 
 
+def _largest(fits, most):
+    """The largest m in [1, most] with fits(m), for fits true at 1 and monotone (bisection)."""
+    lo, hi = 1, max(most, 1)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _chunk_step(g):
+    """What chunk sizes are multiples of: 128 rows, and whole blocks of a block mask.
+    NotImplementedError for a causal block mask whose key blocks the shifted key chunks
+    would cut."""
+    if g.mask_shape is None:
+        return ROW_ALIGN
+    bq, bk = g.block_size
+    if g.causal and (g.k_len - g.q_len) % bk:
+        raise NotImplementedError(
+            f"block_mask with causal=True and Nk - Nq = {g.k_len - g.q_len} (not a multiple of "
+            f"the key block size {bk}) is not supported by the streamed path yet: its key "
+            "chunks start at the query chunks' boundaries shifted by Nk - Nq, which would cut "
+            "key blocks")
+    return math.lcm(ROW_ALIGN, bq, bk)
+
+
+def backward_chunks(g: _Geometry, limit: int, step: int) -> tuple:
+    """(query chunk, key chunk) rows of a backward plan within ``limit`` bytes, both
+    multiples of ``step`` (which must fit as one chunk of each).
+
+    The key chunk stays on the device while every query chunk that sees it streams past,
+    so the query chunks cross the bus once per key chunk: the bytes moved fall as the key
+    chunk grows, and the key chunk takes most of the memory. The query chunk still has to
+    be long enough that each pair is one large call: the pair's dk and dv are summed on
+    the device over the whole key chunk (a pass over key-chunk-sized arrays per pair), and
+    each call has its launches and copies. So the query chunk is the largest for which a
+    key chunk `KEY_CHUNK_QUERY_CHUNKS` times longer fits too, and the key chunk then the
+    most whole query chunks that fit (whole, so that causal key chunks end where a query
+    chunk's reach does). Where every key fits in one chunk, the query chunk takes the rest.
+    """
+    def fits(cq, ck):
+        return sum(device_buffers(g, min(cq, g.q_len), min(ck, g.k_len), True).values()) <= limit
+
+    q_steps = -(-g.q_len // step)
+    ratio = KEY_CHUNK_QUERY_CHUNKS
+    cq = step
+    if fits(step, ratio * step):
+        cq = step * _largest(lambda m: fits(m * step, ratio * m * step), q_steps)
+    ck = cq * _largest(lambda m: fits(cq, m * cq), -(-g.k_len // cq))
+    if ck >= g.k_len:
+        cq = step * _largest(lambda m: fits(m * step, g.k_len), q_steps)
+    return cq, ck
+
+
 def plan(g: _Geometry, limit: int, *, backward: bool, seqlens_k=None, block_mask=None) -> StreamingPlan:
     """The plan with the largest chunks whose buffers fit in ``limit`` bytes (larger chunks
-    re-read the keys fewer times: every query chunk reads its visible key chunks once).
+    re-read the other side's chunks fewer times).
 
-    Query and key chunks have one size: a key chunk much shorter than the query chunk
-    would leave each call a few key tiles per query block and the calls launch-bound,
-    and causal pairs need equal sizes to stay wholly visible, hidden or diagonal.
+    Forward: query and key chunks of one size, the largest that fits. A key chunk much
+    shorter than the query chunk would leave each call a few key tiles per query block
+    and the calls launch-bound, and causal pairs need equal sizes to stay wholly visible,
+    hidden or ending where the query chunk's reach ends. Backward: `backward_chunks`.
     ``seqlens_k`` (host, (B,)) and ``block_mask`` (host, compact) only prune pairs.
     Raises ValueError naming ``device_memory_limit`` when one chunk of the smallest size
     does not fit, and NotImplementedError for a causal block mask whose key blocks the
     shifted key chunks would cut.
     """
-    step = ROW_ALIGN
-    if g.mask_shape is not None:
-        bq, bk = g.block_size
-        step = math.lcm(ROW_ALIGN, bq, bk)
-        if g.causal and (g.k_len - g.q_len) % bk:
-            raise NotImplementedError(
-                f"block_mask with causal=True and Nk - Nq = {g.k_len - g.q_len} (not a multiple of "
-                f"the key block size {bk}) is not supported by the streamed path yet: its key "
-                "chunks start at the query chunks' boundaries shifted by Nk - Nq, which would cut "
-                "key blocks")
+    step = _chunk_step(g)
 
-    def need(c):
-        return sum(device_buffers(g, min(c, g.q_len), min(c, g.k_len), backward).values())
+    def need(cq, ck):
+        return sum(device_buffers(g, min(cq, g.q_len), min(ck, g.k_len), backward).values())
 
-    smallest = need(step)
+    smallest = need(step, step)
     if smallest > limit:
         parts = device_buffers(g, min(step, g.q_len), min(step, g.k_len), backward)
         largest = max(parts, key=parts.get)
@@ -381,22 +465,17 @@ def plan(g: _Geometry, limit: int, *, backward: bool, seqlens_k=None, block_mask
             f"device_memory_limit={limit} bytes is too small for this problem: one chunk of "
             f"{step} rows already needs {smallest} bytes of device memory (the largest part: "
             f"{largest}, {parts[largest]} bytes); pass at least {smallest}")
-    # need() grows with c: the largest c that fits, by bisection over multiples of step.
-    lo, hi = 1, -(-max(g.q_len, g.k_len) // step)
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if need(mid * step) <= limit:
-            lo = mid
-        else:
-            hi = mid - 1
-    c = lo * step
-    qb = _bounds(g.q_len, c)
-    kb = _bounds(g.k_len, c, shift=(g.k_len - g.q_len) if g.causal else 0)
-    steps = _steps(_visible_pairs(g, qb, kb, seqlens_k, block_mask))
+    if backward:
+        cq, ck = backward_chunks(g, limit, step)
+    else:
+        cq = ck = step * _largest(lambda m: need(m * step, m * step) <= limit,
+                                  -(-max(g.q_len, g.k_len) // step))
+    qb, kb = _bounds(g.q_len, cq), _key_bounds(g, ck)
+    steps = _steps(_visible_pairs(g, qb, kb, seqlens_k, block_mask, keys_outside=backward))
     h2d, d2h, least = _traffic(g, backward, qb, kb, steps)
-    buffers = device_buffers(g, min(c, g.q_len), min(c, g.k_len), backward)
+    buffers = device_buffers(g, min(cq, g.q_len), min(ck, g.k_len), backward)
     return StreamingPlan(
-        backward=backward, query_chunk=min(c, g.q_len), key_chunk=min(c, g.k_len),
+        backward=backward, query_chunk=min(cq, g.q_len), key_chunk=min(ck, g.k_len),
         query_bounds=qb, key_bounds=kb, device_memory_limit=int(limit),
         device_bytes=sum(buffers.values()), h2d_bytes=h2d, d2h_bytes=d2h, min_bytes=least,
         in_memory_bytes=in_memory_bytes(g, backward), buffers=buffers, steps=steps, _geometry=g)
@@ -463,52 +542,80 @@ def choose(problem, mods, *, backend, kv_heads, causal, limit, backward):
     else:
         check_supported(mods)
     if backward:   # a context's backward pass needs more: refuse its limit now, not then
-        plan_for(dataclasses.replace(g, dlse=True), mods, limit, backward=True)
+        plan_for(g, mods, limit, backward=True)
     return plan_for(g, mods, limit, backward=False)
 
 
 # Moving chunks -------------------------------------------------------------------------------
 
 
-def _host_op(dst, src, add=False):
-    """``dst[...] = src`` (or ``+=``) for (B, H, N[, d]) host arrays, split over the batch
-    and head axes on the NumPy backend's threads when large (NumPy releases the GIL in
-    these loops; one thread copies strided rows at a few GB/s)."""
-    def op(a, b):
-        if add:
-            np.add(a, b, out=a, casting="unsafe")
-        else:
-            np.copyto(a, b, casting="unsafe")
+# Host work on chunks is split into tasks of about this many bytes for the NumPy backend's
+# threads (NumPy releases the GIL in these loops; one thread copies strided rows at a few
+# GB/s, less than a bus moves).
+_HOST_TASK_BYTES = 4 << 20
+# Copies across the bus go through a few pinned host buffers of this size, in turn, so the
+# pinned memory a pass takes is bounded whatever its chunks (pinned chunk-sized staging
+# would take as much host memory as the device buffers, tens of GiB under a large limit).
+_PIECE_BYTES = 64 << 20
+_PIECES = 4
 
-    if dst.nbytes < (8 << 20) or dst.ndim < 3:
-        op(dst, src)
+
+def _copy(dst, src):
+    np.copyto(dst, src, casting="unsafe")
+
+
+def _add(dst, src):
+    np.add(dst, src, out=dst, casting="unsafe")
+
+
+def _host_op(op, dst, *srcs):
+    """``op(dst, *srcs)`` on same-shaped host arrays, split over the NumPy backend's threads
+    into blocks along the second-to-last axis (rows) when large."""
+    if dst.nbytes < 2 * _HOST_TASK_BYTES or dst.ndim < 2:
+        op(dst, *srcs)
         return
-    tasks = [lambda b=b, h=h: op(dst[b, h], src[b, h]) for b, h in np.ndindex(dst.shape[:2])]
-    _cpu_threads.run(tasks)
+    row_bytes = dst.nbytes // max(math.prod(dst.shape[:-1]), 1)
+    per = max(1, _HOST_TASK_BYTES // max(row_bytes, 1))
+    rows = dst.shape[-2]
+    parts = [(*lead, slice(r, r + per)) for lead in np.ndindex(dst.shape[:-2]) for r in range(0, rows, per)]
+    _cpu_threads.run([lambda ix=ix: op(dst[ix], *(x[ix] for x in srcs)) for ix in parts])
+
+
+def _pieces(shape, itemsize):
+    """Index tuples cutting a C-contiguous (B, H, rows[, d]) chunk into parts that are
+    contiguous and at most `_PIECE_BYTES`: runs of whole heads of one batch entry, or row
+    ranges of one head where a head is larger."""
+    batch, heads, rows = shape[:3]
+    row_bytes = math.prod(shape[3:]) * itemsize
+    head_bytes = rows * row_bytes
+    if head_bytes == 0:
+        return []
+    if head_bytes <= _PIECE_BYTES:
+        per = _PIECE_BYTES // head_bytes
+        return [(b, slice(h, min(h + per, heads))) for b in range(batch) for h in range(0, heads, per)]
+    per = _PIECE_BYTES // row_bytes
+    return [(b, h, slice(r, min(r + per, rows)))
+            for b in range(batch) for h in range(heads) for r in range(0, rows, per)]
 
 
 class _Slot:
-    """One device buffer per field, with pinned host staging where copies cross the bus."""
+    """One device buffer per field, and the events that order its copies and its use."""
 
     def __init__(self, mover, fields):
         self.device = {n: mover.xp.empty(count, dtype) for n, (count, dtype) in fields.items()}
-        self.staging = {n: mover.staging(count, dtype) for n, (count, dtype) in fields.items()}
-        self.copied = mover.event()   # the last copy into or out of this slot has finished
+        self.copied = mover.event()   # the last upload into this slot has finished
         self.used = mover.event()     # the compute stream's last work on this slot has finished
-        self.pending = None           # a download's host work, run once `copied`
+        self.pending = False          # a download of this slot is waiting for `reclaim`
 
     def view(self, name, shape):
         return _arrays.flat_view(self.device[name], shape)
 
 
 class _HostMover:
-    """The NumPy backend as the "device": uploads are copies into chunk buffers, nothing
-    is asynchronous."""
+    """The NumPy backend as the "device": uploads are copies into chunk buffers, downloads
+    run their host work at once, nothing is asynchronous."""
 
     xp = np
-
-    def staging(self, count, dtype):
-        return None
 
     def event(self):
         return None
@@ -518,7 +625,7 @@ class _HostMover:
 
     def upload(self, slot, items):
         for name, shape, src in items:
-            _host_op(slot.view(name, shape), src)
+            _host_op(_copy, slot.view(name, shape), src)
 
     def ready(self, slot):
         pass
@@ -526,10 +633,17 @@ class _HostMover:
     def done_with(self, slot):
         pass
 
-    def download(self, slot, items, finish):
-        finish(*(slot.view(name, shape) for name, shape in items))
+    def download(self, slot, items):
+        for name, shape, write in items:
+            write(Ellipsis, slot.view(name, shape))
 
     def reclaim(self, slot):
+        pass
+
+    def carry_out_ready(self):
+        pass
+
+    def flush(self):
         pass
 
     def step_event(self):
@@ -540,19 +654,30 @@ class _HostMover:
 
 
 class _CudaMover:
-    """CuPy: chunks staged through pinned host buffers and copied on a copy stream of
-    their own, ordered against the compute stream (the current one, where the kernels
-    run) by events, so the copies of the next pair overlap the kernels of this one."""
+    """CuPy: chunks copied piece by piece through a few pinned host buffers, uploads and
+    downloads each on a stream of their own (the bus carries both directions at once),
+    ordered against the compute stream (the current one, where the kernels run) by
+    events, so the copies of the next pair overlap the kernels of this one.
+
+    A download is issued after the kernels that write its slot and carried out (copied
+    and its host work done) in the order the downloads were issued, once those kernels
+    are done (`carry_out_ready`, after each step's work is queued) or at the latest when
+    the slot is needed again (`reclaim`): the host does that work while the device
+    computes the pairs queued after them."""
 
     def __init__(self):
         cp = _arrays.cupy_module()
+        import cupyx
         self.xp, self._cp = cp, cp
         self.compute = cp.cuda.get_current_stream()
-        self.copy = cp.cuda.Stream(non_blocking=True)
-
-    def staging(self, count, dtype):
-        import cupyx
-        return cupyx.empty_pinned((count,), dtype)
+        self.uploads = cp.cuda.Stream(non_blocking=True)
+        self.downloads = cp.cuda.Stream(non_blocking=True)
+        # Pinned buffers from CuPy's pinned pool: allocated by the first pass only.
+        self._upload_pieces = [cupyx.empty_pinned((_PIECE_BYTES,), np.uint8) for _ in range(_PIECES)]
+        self._upload_done = [None] * _PIECES
+        self._next_piece = 0
+        self._download_pieces = [cupyx.empty_pinned((_PIECE_BYTES,), np.uint8) for _ in range(_PIECES)]
+        self._pending = collections.deque()   # (slot, items) of issued downloads, in order
 
     def event(self):
         return self._cp.cuda.Event(disable_timing=True)
@@ -560,21 +685,26 @@ class _CudaMover:
     def to_device(self, x):
         return self._cp.asarray(x)
 
-    def _memcpy(self, dst, src, kind):
+    def _memcpy(self, dst, src, kind, stream):
         self._cp.cuda.runtime.memcpyAsync(_arrays.data_pointer(dst), _arrays.data_pointer(src),
-                                          dst.nbytes, kind, self.copy.ptr)
+                                          dst.nbytes, kind, stream.ptr)
 
     def upload(self, slot, items):
-        slot.copied.synchronize()            # the staging's previous upload has left it
-        staged = []
+        self.uploads.wait_event(slot.used)   # the kernels are done with the slot's old chunk
         for name, shape, src in items:
-            stage = _arrays.flat_view(slot.staging[name], shape)
-            _host_op(stage, src)
-            staged.append((slot.view(name, shape), stage))
-        self.copy.wait_event(slot.used)      # the kernels are done with the slot's old chunk
-        for dst, stage in staged:
-            self._memcpy(dst, stage, self._cp.cuda.runtime.memcpyHostToDevice)
-        slot.copied.record(self.copy)
+            chunk = slot.view(name, shape)
+            for index in _pieces(chunk.shape, chunk.itemsize):
+                n = self._next_piece
+                self._next_piece = (n + 1) % _PIECES
+                if self._upload_done[n] is not None:
+                    self._upload_done[n].synchronize()   # its last copy has left the buffer
+                part = chunk[index]
+                stage = _arrays.flat_view(self._upload_pieces[n].view(chunk.dtype), part.shape)
+                _host_op(_copy, stage, src[index])
+                self._memcpy(part, stage, self._cp.cuda.runtime.memcpyHostToDevice, self.uploads)
+                self._upload_done[n] = self.event()
+                self._upload_done[n].record(self.uploads)
+        slot.copied.record(self.uploads)
 
     def ready(self, slot):
         self.compute.wait_event(slot.copied)
@@ -582,24 +712,53 @@ class _CudaMover:
     def done_with(self, slot):
         slot.used.record(self.compute)
 
-    def download(self, slot, items, finish):
+    def download(self, slot, items):
+        """Copy ``items`` ((field, shape, write) triples) of ``slot`` out once the work
+        queued so far on the compute stream is done; ``write(index, part)`` does the host
+        work for the part ``index`` of the (B, H, rows[, d]) chunk."""
         slot.used.record(self.compute)
-        self.copy.wait_event(slot.used)
-        views = []
-        for name, shape in items:
-            stage = _arrays.flat_view(slot.staging[name], shape)
-            self._memcpy(stage, slot.view(name, shape), self._cp.cuda.runtime.memcpyDeviceToHost)
-            views.append(stage)
-        slot.copied.record(self.copy)
-        slot.pending = (finish, views)
+        slot.pending = True
+        self._pending.append((slot, items))
+
+    def _carry_out(self, slot, items):
+        self.downloads.wait_event(slot.used)
+        in_flight = collections.deque()
+
+        def finish_oldest():
+            write, index, stage, copied = in_flight.popleft()
+            copied.synchronize()
+            write(index, stage)
+
+        n = 0
+        for name, shape, write in items:
+            chunk = slot.view(name, shape)
+            for index in _pieces(chunk.shape, chunk.itemsize):
+                if len(in_flight) == _PIECES:
+                    finish_oldest()
+                part = chunk[index]
+                stage = _arrays.flat_view(self._download_pieces[n % _PIECES].view(chunk.dtype), part.shape)
+                n += 1
+                self._memcpy(stage, part, self._cp.cuda.runtime.memcpyDeviceToHost, self.downloads)
+                copied = self.event()
+                copied.record(self.downloads)
+                in_flight.append((write, index, stage, copied))
+        while in_flight:
+            finish_oldest()
+        slot.pending = False
 
     def reclaim(self, slot):
-        """Finish the slot's download (its host work) before the slot is written again."""
-        if slot.pending is not None:
-            finish, views = slot.pending
-            slot.copied.synchronize()
-            slot.pending = None
-            finish(*views)
+        """Carry out the downloads issued up to this slot's, before the slot is written again."""
+        while slot.pending:
+            self._carry_out(*self._pending.popleft())
+
+    def carry_out_ready(self):
+        """Carry out the downloads whose kernels are done, without waiting for any."""
+        while self._pending and self._pending[0][0].used.done:
+            self._carry_out(*self._pending.popleft())
+
+    def flush(self):
+        while self._pending:
+            self._carry_out(*self._pending.popleft())
 
     def step_event(self):
         event = self.event()
@@ -607,7 +766,8 @@ class _CudaMover:
         return event
 
     def synchronize(self):
-        self.copy.synchronize()
+        self.uploads.synchronize()
+        self.downloads.synchronize()
         self.compute.synchronize()
 
 
@@ -686,6 +846,7 @@ class _Pipeline:
             # Issued after this step's kernels: the host stages the next chunks while the
             # device computes, and their copies run beside the kernels.
             self._prefetch(s.index + 1)
+            self.mover.carry_out_ready()
             self.progress.step(s.index + 1, self.mover.step_event())
 
 
@@ -725,8 +886,8 @@ def _bias_bundle(mover, mods, g, plan):
     chunks = _Chunks(mover, {"bias": (count, g.dtype)})
 
     def sources(s):
-        (q0, q1), (k0, k1) = plan.query_bounds[s.row], plan.key_bounds[s.key]
-        part = _bias_slice(mods.bias, q0, q1, k0, k1)
+        (q0, q1), k0 = plan.query_bounds[s.row], plan.key_bounds[s.key][0]
+        part = _bias_slice(mods.bias, q0, q1, k0, s.key_stop)
         return [("bias", part.shape, part)]
 
     return (chunks, lambda s: s.index % 2, lambda s: True, sources)
@@ -745,14 +906,17 @@ def _key_bundle(mover, k, v, plan):
     return (chunks, lambda s: s.key_slot, lambda s: s.key_upload, sources)
 
 
-def _row_bundle(mover, plan, named):
-    """The query chunks' inputs: ``named`` is (field, (B, H, Nq, ...) host array) pairs."""
+def _row_bundle(mover, plan, named, prepare=None):
+    """The query chunks' inputs: ``named`` is (field, (B, H, Nq, ...) host array) pairs;
+    ``prepare(q0, q1)``, where given, runs before a chunk's rows are read."""
     rows = plan.query_rows
     fields = {n: (x.shape[0] * x.shape[1] * rows * math.prod(x.shape[3:]), x.dtype) for n, x in named}
     chunks = _Chunks(mover, fields)
 
     def sources(s):
         q0, q1 = plan.query_bounds[s.row]
+        if prepare is not None:
+            prepare(q0, q1)
         return [(n, (*x.shape[:2], q1 - q0, *x.shape[3:]), x[:, :, q0:q1]) for n, x in named]
 
     return (chunks, lambda s: s.row_slot, lambda s: s.row_upload, sources)
@@ -762,6 +926,27 @@ def _unseen_rows(plan):
     """Query chunks no step computes (every key hidden): their outputs are set on the host."""
     seen = {s.row for s in plan.steps}
     return [b for i, b in enumerate(plan.query_bounds) if i not in seen]
+
+
+def _unseen_keys(plan):
+    """Key chunks no step computes (hidden from every query): their gradients are zero."""
+    seen = {s.key for s in plan.steps}
+    return [b for j, b in enumerate(plan.key_bounds) if j not in seen]
+
+
+def _pair_inputs(s, plan, slots, static, mods):
+    """A step's key and value views (its keys only: a chunk's leading rows, up to the
+    step's key stop) and its modifiers, from the step's slots (rows, keys[, bias])."""
+    kv = slots[1]
+    (q0, q1), (k0, k1) = plan.query_bounds[s.row], plan.key_bounds[s.key]
+    g = plan._geometry
+    chunk = (g.batch, g.kv_heads, k1 - k0)
+    k = kv.view("k", (*chunk, g.head_dim))[:, :, :s.key_stop - k0]
+    v = kv.view("v", (*chunk, g.value_dim))[:, :, :s.key_stop - k0]
+    bias = None
+    if mods.bias is not None:
+        bias = slots[2].view("bias", _bias_slice(mods.bias, q0, q1, k0, s.key_stop).shape)
+    return k, v, static.of_pair(q0, q1, k0, s.key_stop, bias)
 
 
 def _execute(plan, backend, device, progress, what, body):
@@ -805,39 +990,57 @@ def forward(q, k, v, o, lse, *, plan, scale, causal, mods, backend, device, prog
         static = _StaticMods(moving, mods, g)
 
         def compute(s, slots):
-            (q0, q1), (k0, k1) = plan.query_bounds[s.row], plan.key_bounds[s.key]
-            rows, keys = (B, Hq, q1 - q0), (B, v.shape[1], k1 - k0)
-            qs, kv = slots[0], slots[1]
-            pm = static.of_pair(q0, q1, k0, k1, slots[2].view("bias", _bias_slice(
-                mods.bias, q0, q1, k0, k1).shape) if bias else None)
+            q0, q1 = plan.query_bounds[s.row]
+            rows = (B, Hq, q1 - q0)
+            k_pair, v_pair, pm = _pair_inputs(s, plan, slots, static, mods)
             op, lp = _arrays.flat_view(o_pair, (*rows, dv)), _arrays.flat_view(lse_pair, rows)
-            run.attention_forward(qs.view("q", (*rows, d)), kv.view("k", (*keys, d)),
-                                  kv.view("v", (*keys, dv)), op, lp, scale=scale, causal=s.causal,
-                                  mods=pm)
+            run.attention_forward(slots[0].view("q", (*rows, d)), k_pair, v_pair, op, lp,
+                                  scale=scale, causal=s.causal, mods=pm)
             oa, la = _arrays.flat_view(o_acc, (*rows, dv)), _arrays.flat_view(lse_acc, rows)
-            if s.first:
+            if s.row_first:
                 oa[...] = op
                 la[...] = lp
             else:
                 merge.merge_into(oa, la, op, lp, xp)
-            if s.last:
+            if s.row_last:
                 slot = outs.slots[s.row % 2]
                 moving.reclaim(slot)
                 slot.view("o", (*rows, dv))[...] = oa
                 slot.view("lse", rows)[...] = la
-
-                def finish(o_part, lse_part, q0=q0, q1=q1):
-                    _host_op(o[:, :, q0:q1], o_part)
-                    _host_op(lse[:, :, q0:q1], lse_part)
-
-                moving.download(slot, [("o", (*rows, dv)), ("lse", rows)], finish)
+                moving.download(slot, [("o", (*rows, dv), _writer(_copy, o[:, :, q0:q1])),
+                                       ("lse", rows, _writer(_copy, lse[:, :, q0:q1]))])
 
         _Pipeline(moving, plan.steps, bundles, report).run(compute)
-        for slot in outs.slots:
-            moving.reclaim(slot)
+        moving.flush()
 
     if plan.steps:
         _execute(plan, backend, device, progress, "forward", body)
+
+
+def _writer(op, dst, *others):
+    """A download's host work: ``op(dst[index], *(x[index] for x in others), part)`` for
+    each part ``index`` of the chunk (``dst`` and ``others`` are the chunk's host views)."""
+    return lambda index, part: _host_op(op, dst[index], *(x[index] for x in others), part)
+
+
+def _sum_into(dst, partial, part):
+    np.add(partial, part, out=dst, casting="unsafe")
+
+
+def _fill_row_terms(terms, o, do, dlse):
+    """``terms`` := dlse - D, D = rowsum(dO * o), in the dtype of ``terms`` ((B, H, rows)
+    host views, o and dO (B, H, rows, dv); ``dlse`` None is zero), over the threads."""
+    per = max(1, _HOST_TASK_BYTES // (o.shape[-1] * terms.itemsize))
+
+    def rows(index):
+        products = o[index].astype(terms.dtype)
+        np.multiply(products, do[index], out=products, casting="unsafe")
+        np.negative(products.sum(axis=-1), out=terms[index])
+        if dlse is not None:
+            terms[index] += dlse[index]
+
+    _cpu_threads.run([lambda ix=(b, h, slice(r, r + per)): rows(ix)
+                      for b, h in np.ndindex(o.shape[:2]) for r in range(0, o.shape[2], per)])
 
 
 def backward(do, q, k, v, o, lse, dq, dk, dv, *, plan, scale, deterministic, mods, backend,
@@ -845,12 +1048,22 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, plan, scale, deterministic, mod
     """A streamed backward pass: writes ``dq``, ``dk``, ``dv`` ((B, H, N, d) host views)
     from host do, q, k, v and the forward's global o and lse (and ``dlse``).
 
-    Loop order: query chunks outside, key chunks inside, as in the forward. Each query
-    chunk's q, o, dO and LSE rows go up once and its dq is summed on the device; each pair
-    sends its dk, dv terms back to be summed on the host. The other order (key chunks
-    outside, dk/dv summed on the device) would move q, o, dO, LSE up and dq back per pair
-    instead of k, v up and dk, dv back: the same bytes with as many kv heads as query
-    heads, more with grouped-query attention (Hk < Hq), and the LSE rows besides.
+    Loop order: key chunks outside, query chunks inside. A key chunk's k and v go up once,
+    its dk and dv are summed on the device (in the accumulation dtype) over its pairs and
+    come back once, in the inputs' dtype. Each pair uploads its query chunk's q, dO, LSE
+    and row term and sends its dq back as the kernels write it (in the inputs' dtype: nothing
+    is lost by copying it at that size), to be summed on the host in the accumulation
+    dtype; a query chunk with one pair writes dq directly. The other order (query chunks
+    outside, dq summed on the device) sends each pair's dk and dv back, as many bytes
+    with as many kv heads as query heads, but it cannot make the resident chunk longer
+    than the streamed one: a causal pair's rows would then need two calls (the kernels'
+    causal mask is aligned to the end of the keys, so only the keys can be clipped), and
+    its host sums would be over dk and dv, twice the host memory of dq's.
+
+    The row term: the kernels' pre-pass computes each row's D = rowsum(dO * o) and takes
+    ``dlse`` off it. Given o = 0 and dlse - D in place of dlse, it gets the same D - dlse,
+    so o (as many bytes per row as dO) does not cross the bus with every pair: D is
+    computed on the host, once per query chunk, before the chunk's first upload.
     """
     from .api import _backend_module
 
@@ -860,64 +1073,75 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, plan, scale, deterministic, mod
     acc = _arrays.accumulation_dtype(q.dtype)
     for q0, q1 in _unseen_rows(plan):
         dq[:, :, q0:q1] = 0
-    dk_acc = np.zeros(dk.shape, acc)   # summed over query chunks on the host
-    dv_acc = np.zeros(dv.shape, acc)
+    for k0, k1 in _unseen_keys(plan):
+        dk[:, :, k0:k1] = 0
+        dv[:, :, k0:k1] = 0
+    # dq rows that more than one pair adds to are summed here; np.empty maps a large array
+    # lazily, so the rows no sum passes through (query chunks with one pair) take no memory.
+    dq_sum = np.empty(dq.shape, acc) if any(not (s.row_first and s.row_last) for s in plan.steps) else None
+    row_terms = np.empty(lse.shape, acc)
+    filled = set()
+
+    def fill_row_terms(q0, q1):
+        if q0 not in filled:
+            filled.add(q0)
+            rows = (slice(None), slice(None), slice(q0, q1))
+            _fill_row_terms(row_terms[rows], o[rows], do[rows], None if dlse is None else dlse[rows])
+
+    def dq_writer(s, q0, q1):
+        rows = dq[:, :, q0:q1]
+        if s.row_first and s.row_last:
+            return _writer(_copy, rows)
+        partial = dq_sum[:, :, q0:q1]
+        if s.row_first:
+            return _writer(_copy, partial)
+        if not s.row_last:
+            return _writer(_add, partial)
+        return _writer(_sum_into, rows, partial)
 
     def body(moving, report):
         xp, R, K = moving.xp, B * Hq * plan.query_rows, B * Hk * plan.key_rows
-        named = [("q", q), ("o", o), ("do", do), ("lse", lse)] + ([("dlse", dlse)] if dlse is not None else [])
-        bundles = [_row_bundle(moving, plan, named), _key_bundle(moving, k, v, plan)]
+        named = [("q", q), ("do", do), ("lse", lse), ("row_term", row_terms)]
+        bundles = [_row_bundle(moving, plan, named, fill_row_terms), _key_bundle(moving, k, v, plan)]
         bias = _bias_bundle(moving, mods, g, plan)
         bundles += [bias] if bias else []
-        row_outs = _Chunks(moving, {"dq": (R * d, q.dtype)})
-        key_outs = _Chunks(moving, {"dk": (K * d, acc), "dv": (K * dvd, acc)})
-        dq_pair, dq_acc = xp.empty(R * d, q.dtype), xp.empty(R * d, acc)
+        dq_outs = _Chunks(moving, {"dq": (R * d, q.dtype)})
+        key_out = _Slot(moving, {"dk": (K * d, q.dtype), "dv": (K * dvd, q.dtype)})
         dk_pair, dv_pair = xp.empty(K * d, q.dtype), xp.empty(K * dvd, q.dtype)
+        dk_sum, dv_sum = xp.empty(K * d, acc), xp.empty(K * dvd, acc)
+        o_zero = xp.zeros(R * dvd, q.dtype)
         static = _StaticMods(moving, mods, g)
 
         def compute(s, slots):
             (q0, q1), (k0, k1) = plan.query_bounds[s.row], plan.key_bounds[s.key]
-            rows, keys = (B, Hq, q1 - q0), (B, Hk, k1 - k0)
-            rs, kv = slots[0], slots[1]
-            pm = static.of_pair(q0, q1, k0, k1, slots[2].view("bias", _bias_slice(
-                mods.bias, q0, q1, k0, k1).shape) if bias else None)
-            dqp = _arrays.flat_view(dq_pair, (*rows, d))
-            dkp, dvp = _arrays.flat_view(dk_pair, (*keys, d)), _arrays.flat_view(dv_pair, (*keys, dvd))
+            rows, chunk, pair = (B, Hq, q1 - q0), (B, Hk, k1 - k0), (B, Hk, s.key_stop - k0)
+            rs = slots[0]
+            k_pair, v_pair, pm = _pair_inputs(s, plan, slots, static, mods)
+            out = dq_outs.slots[s.index % 2]
+            moving.reclaim(out)
+            dqp = out.view("dq", (*rows, d))
+            dkp, dvp = _arrays.flat_view(dk_pair, (*pair, d)), _arrays.flat_view(dv_pair, (*pair, dvd))
             run.attention_backward(
-                rs.view("do", (*rows, dvd)), rs.view("q", (*rows, d)), kv.view("k", (*keys, d)),
-                kv.view("v", (*keys, dvd)), rs.view("o", (*rows, dvd)), rs.view("lse", rows),
-                dqp, dkp, dvp, scale=scale, causal=s.causal, deterministic=deterministic, mods=pm,
-                dbias=None, dlse=rs.view("dlse", rows) if dlse is not None else None)
-            qa = _arrays.flat_view(dq_acc, (*rows, d))
-            if s.first:
-                qa[...] = dqp
-            else:
-                qa += dqp
-            slot = key_outs.slots[s.index % 2]
-            moving.reclaim(slot)
-            slot.view("dk", (*keys, d))[...] = dkp
-            slot.view("dv", (*keys, dvd))[...] = dvp
-
-            def add(dk_part, dv_part, k0=k0, k1=k1):
-                _host_op(dk_acc[:, :, k0:k1], dk_part, add=True)
-                _host_op(dv_acc[:, :, k0:k1], dv_part, add=True)
-
-            moving.download(slot, [("dk", (*keys, d)), ("dv", (*keys, dvd))], add)
-            if s.last:
-                slot = row_outs.slots[s.row % 2]
-                moving.reclaim(slot)
-                slot.view("dq", (*rows, d))[...] = qa
-
-                def finish(dq_part, q0=q0, q1=q1):
-                    _host_op(dq[:, :, q0:q1], dq_part)
-
-                moving.download(slot, [("dq", (*rows, d))], finish)
+                rs.view("do", (*rows, dvd)), rs.view("q", (*rows, d)), k_pair, v_pair,
+                _arrays.flat_view(o_zero, (*rows, dvd)), rs.view("lse", rows), dqp, dkp, dvp,
+                scale=scale, causal=s.causal, deterministic=deterministic, mods=pm, dbias=None,
+                dlse=rs.view("row_term", rows))
+            moving.download(out, [("dq", (*rows, d), dq_writer(s, q0, q1))])
+            dks, dvs = _arrays.flat_view(dk_sum, (*chunk, d)), _arrays.flat_view(dv_sum, (*chunk, dvd))
+            if s.key_first:   # keys past every pair's stop get no term
+                dks[...] = 0
+                dvs[...] = 0
+            dks[:, :, :s.key_stop - k0] += dkp
+            dvs[:, :, :s.key_stop - k0] += dvp
+            if s.key_last:
+                moving.reclaim(key_out)
+                key_out.view("dk", (*chunk, d))[...] = dks
+                key_out.view("dv", (*chunk, dvd))[...] = dvs
+                moving.download(key_out, [("dk", (*chunk, d), _writer(_copy, dk[:, :, k0:k1])),
+                                          ("dv", (*chunk, dvd), _writer(_copy, dv[:, :, k0:k1]))])
 
         _Pipeline(moving, plan.steps, bundles, report).run(compute)
-        for slot in (*key_outs.slots, *row_outs.slots):
-            moving.reclaim(slot)
+        moving.flush()
 
     if plan.steps:
         _execute(plan, backend, device, progress, "backward", body)
-    _host_op(dk, dk_acc)
-    _host_op(dv, dv_acc)

@@ -3,6 +3,10 @@ and byte counts, its errors, and the streamed result against the in-memory one. 
 tier runs the chunked algorithm on the NumPy backend (the host as the "device"); the GPU
 tests stream host arrays through the GPU with a tiny limit (many chunks)."""
 
+import ctypes
+import sys
+import types
+
 import numpy as np
 import pytest
 
@@ -24,8 +28,9 @@ def _inputs(rng, dtype, *, b=2, hq=4, hk=2, nq=300, nk=517, d=16, dv=24, layout=
 
 def _limit_for(q, k, v, chunk, *, causal=False, layout="bhsd", backward=True, bias_shape=None,
                mask_shape=None, block_size=(128, 128), seqlens=False):
-    """The device_memory_limit whose plan has ``chunk``-row chunks (the backward's need,
-    which a context's forward checks too)."""
+    """The device_memory_limit whose forward plan has ``chunk``-row chunks; with
+    ``backward``, the most of that and what the backward needs for ``chunk``-row query and
+    key chunks (a context's forward checks both; the backward may then pick other sizes)."""
     from cupyflash import _arrays
     views = [_arrays.bhsd_view(x, layout) for x in (q, k, v)]
     block_size = block_size if isinstance(block_size, tuple) else (block_size, block_size)
@@ -36,7 +41,8 @@ def _limit_for(q, k, v, chunk, *, causal=False, layout="bhsd", backward=True, bi
     # With a dlse row per query: what a context's forward checks its backward against.
     g = streaming.geometry(*(x.shape for x in views), q.dtype, mods, causal=causal, dlse=backward)
     rows = lambda n: min(chunk, n)  # noqa: E731
-    need = sum(streaming.device_buffers(g, rows(g.q_len), rows(g.k_len), backward).values())
+    need = max(sum(streaming.device_buffers(g, rows(g.q_len), rows(g.k_len), back).values())
+               for back in {False, backward})
     return need + 1
 
 
@@ -69,14 +75,22 @@ def test_plan_byte_counts(rng):
     assert plan.h2d_bytes == q.nbytes + 3 * (k.nbytes + v.nbytes)
     assert plan.d2h_bytes == b * hq * nq * (dv * 4 + 4)                       # o and lse
     assert plan.min_bytes == q.nbytes + k.nbytes + v.nbytes + b * hq * nq * (dv * 4 + 4)
+    # The backward: per pair its query chunk's q, dO, LSE and row term up and its dq back;
+    # per key chunk k, v up and dk, dv back once.
+    rows_up = q.nbytes + b * hq * nq * (dv + 2) * 4
     back = cf.streaming_plan(q, k, v, device_memory_limit=_limit_for(q, k, v, 256), backward=True)
-    R, K = b * hq * 256, b * hk * 256
-    assert back.buffers["kernel workspaces"] == 2 * R * 4 + R * (d + 8) * 4 + 4 * b * hq * 4
-    assert back.buffers["dk, dv out (2 slots)"] == 2 * K * (d + dv) * 4
-    # Per query chunk q, o, dO, LSE up and dq back once; per pair k, v up and dk, dv back.
-    rows_up = q.nbytes + 2 * b * hq * nq * dv * 4 + b * hq * nq * 4
-    assert back.h2d_bytes == rows_up + 3 * (k.nbytes + v.nbytes)
-    assert back.d2h_bytes == q.nbytes + 3 * (k.nbytes + v.nbytes)
+    assert back.query_bounds == ((0, 128), (128, 256), (256, 384), (384, 512), (512, 640))
+    assert back.key_bounds == ((0, 384), (384, 640)) and back.pairs == 10
+    assert back.h2d_bytes == 2 * rows_up + k.nbytes + v.nbytes
+    assert back.d2h_bytes == 2 * q.nbytes + k.nbytes + v.nbytes
+    assert back.min_bytes == rows_up + q.nbytes + 2 * (k.nbytes + v.nbytes)   # dq, dk, dv once
+    R, K = b * hq * 128, b * hk * 384
+    assert back.buffers["kernel workspaces"] == 2 * R * 4 + R * (d + 8) * 4 + 4 * b * hq * 2
+    assert back.buffers["dk, dv sums"] == K * (d + dv) * 4
+    assert back.buffers["dq of a pair (2 slots)"] == 2 * R * d * 4
+    # All keys in one chunk and every query chunk uploaded once: the least bytes.
+    whole = cf.streaming_plan(q, k, v, device_memory_limit=_limit_for(q, k, v, 384), backward=True)
+    assert whole.key_bounds == ((0, 640),) and whole.h2d_bytes + whole.d2h_bytes == whole.min_bytes
 
 
 @pytest.mark.parametrize("nq, nk", [(640, 640), (640, 1000), (1000, 640), (200, 1000)])
@@ -96,6 +110,62 @@ def test_causal_plan_pairs_are_visible_hidden_or_diagonal(rng, nq, nk):
                 assert computed[(i, j)] is False
             else:   # the diagonal pair: its keys end where the chunk's reach ends
                 assert computed[(i, j)] is True and k1 == q1 + off
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("nq, nk, hq, hk", [(1000, 1000, 4, 4), (700, 1300, 4, 2), (1300, 700, 6, 1),
+                                            (100, 1500, 2, 2)])
+@pytest.mark.parametrize("chunk", [128, 256, 640])
+def test_backward_plan_keeps_key_chunks_resident(rng, causal, nq, nk, hq, hk, chunk):
+    """Key chunks outside, each uploaded once and a whole number of query chunks long (or
+    every key); every visible pair computed once, with its keys clipped where its query
+    chunk's reach ends; the buffers within the limit."""
+    q, k, v, _ = _inputs(rng, np.float32, b=1, hq=hq, hk=hk, nq=nq, nk=nk)
+    limit = _limit_for(q, k, v, chunk, causal=causal)
+    plan = cf.streaming_plan(q, k, v, causal=causal, device_memory_limit=limit, backward=True)
+    assert plan.device_bytes <= limit and plan.device_bytes == sum(plan.buffers.values())
+    if len(plan.query_bounds) > 1 and len(plan.key_bounds) > 1:
+        assert plan.key_chunk % plan.query_chunk == 0
+    keys = [s.key for s in plan.steps]
+    assert keys == sorted(keys) and sum(s.key_upload for s in plan.steps) == len(set(keys))
+    off = nk - nq
+    visible = np.tril(np.ones((nq, nk), bool), k=off) if causal else np.ones((nq, nk), bool)
+    computed = {(s.row, s.key): s for s in plan.steps}
+    assert len(computed) == plan.pairs
+    for i, (q0, q1) in enumerate(plan.query_bounds):
+        for j, (k0, k1) in enumerate(plan.key_bounds):
+            seen = visible[q0:q1, k0:k1]
+            if not seen.any():
+                assert (i, j) not in computed
+                continue
+            s = computed[(i, j)]
+            assert not seen[:, s.key_stop - k0:].any()   # nothing visible past the stop
+            assert s.causal == (not seen[:, :s.key_stop - k0].all())
+            if s.causal:   # the local call's bottom-right alignment is the global one
+                assert s.key_stop == q1 + off
+    # The flags the host sums rely on: each chunk's first and last pair in execution order.
+    for flag_first, flag_last, of in (("row_first", "row_last", "row"), ("key_first", "key_last", "key")):
+        order = [getattr(s, of) for s in plan.steps]
+        for t, s in enumerate(plan.steps):
+            assert getattr(s, flag_first) == (order.index(order[t]) == t)
+            assert getattr(s, flag_last) == (t == len(order) - 1 - order[::-1].index(order[t]))
+
+
+def test_backward_plan_at_a_million_tokens():
+    """bench/streaming.py's N = 1M row (bf16, d = 128, H = 16, causal, limit 1/8 of the
+    in-memory call): the backward moves about 3.2x its least bytes (9.3x when each pair
+    sent its fp32 dk, dv partials back), within the limit."""
+    import ml_dtypes
+    # Only shapes, dtype and strides are read: one element stands for the whole array.
+    x = np.lib.stride_tricks.as_strided(np.zeros(1, ml_dtypes.bfloat16), (1, 16, 1 << 20, 128), (0, 0, 0, 2))
+    unbounded = cf.streaming_plan(x, x, x, causal=True, backward=True, device_memory_limit=2**62)
+    limit = unbounded.in_memory_bytes // 8
+    plan = cf.streaming_plan(x, x, x, causal=True, backward=True, device_memory_limit=limit)
+    assert plan.device_bytes <= limit and plan.key_chunk == 4 * plan.query_chunk
+    assert plan.traffic_ratio < 3.3
+    # dk, dv back once, as few bytes as can be, and each pair's dq in bf16.
+    pair_dq = sum((q1 - q0) * 16 * 128 * 2 for q0, q1 in (plan.query_bounds[s.row] for s in plan.steps))
+    assert plan.d2h_bytes == 2 * x.size * 2 + pair_dq
 
 
 def test_too_small_a_limit_is_named_before_anything_is_allocated(rng, monkeypatch):
@@ -266,6 +336,105 @@ def test_streamed_against_the_oracle(rng):
         assert_close(got, ref, TOL[np.float64])
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("b, hq, hk, nq, nk", [(1, 4, 4, 517, 517), (2, 6, 2, 300, 1000),
+                                               (1, 4, 1, 1000, 300), (1, 2, 2, 100, 1100),
+                                               (2, 2, 1, 1100, 129)],
+                         ids=["square", "gqa-nq<nk", "mqa-nq>nk", "one-query-chunk", "few-keys"])
+def test_streamed_gradients_with_many_chunks_against_the_oracle(rng, causal, b, hq, hk, nq, nk):
+    """Gradients streamed through a limit that leaves chunks of 128-384 rows (many key
+    chunks each passed by many query chunks; a query chunk summed over several key chunks
+    on the host, a key chunk over several query chunks on the device) against float64
+    attention itself."""
+    q, k, v, do = _inputs(rng, np.float64, b=b, hq=hq, hk=hk, nq=nq, nk=nk)
+    limit = _limit_for(q, k, v, 128, causal=causal)
+    back = cf.streaming_plan(q, k, v, causal=causal, device_memory_limit=limit, backward=True)
+    assert back.pairs >= 3
+    o, vjp = cf.attention_vjp(q, k, v, causal=causal, backend="numpy", device_memory_limit=limit)
+    scale = 1 / np.sqrt(q.shape[-1])
+    assert_close(o, naive_attention(q, k, v, scale=scale, causal=causal)[0], TOL[np.float64])
+    grads = vjp(do)
+    for got, ref in zip(grads, naive_attention_grads(do, q, k, v, scale=scale, causal=causal)):
+        assert got.shape == ref.shape
+        assert_close(got, ref, TOL[np.float64])
+
+
+def test_key_chunks_no_query_sees_get_zero_gradients(rng):
+    q, k, v, do = _inputs(rng, np.float64, b=2, nq=300, nk=1000)
+    seqlens = np.array([200, 300])
+    limit = _limit_for(q, k, v, 128, seqlens=True)
+    o, vjp = cf.attention_vjp(q, k, v, seqlens_k=seqlens, backend="numpy", device_memory_limit=limit)
+    plan = cf.streaming_plan(q, k, v, seqlens_k=seqlens, device_memory_limit=limit, backward=True)
+    assert max(plan.key_bounds[s.key][1] for s in plan.steps) < 1000   # the last chunks never run
+    dq, dk, dv = vjp(do)
+    assert not dk[:, :, 300:].any() and not dv[:, :, 300:].any()
+    assert not dk[0, :, 200:].any()
+    ref = naive_attention_grads(do, q, k, v, scale=1 / 4, causal=False, seqlens_k=seqlens)
+    for got, want in zip((dq, dk, dv), ref):
+        assert_close(got, want, TOL[np.float64])
+
+
+def test_pieces_cut_chunks_into_contiguous_parts(monkeypatch):
+    monkeypatch.setattr(streaming, "_PIECE_BYTES", 1024)
+    for shape in [(2, 3, 5, 8), (2, 3, 50, 8), (1, 2, 300), (3, 1, 7), (2, 2, 0, 8)]:
+        chunk = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+        covered = np.zeros(shape, int)
+        for index in streaming._pieces(shape, 4):
+            part = chunk[index]
+            assert part.flags.c_contiguous and 0 < part.nbytes <= 1024
+            covered[index] += 1
+        assert (covered == 1).all()
+
+
+class _FakeCupy(types.ModuleType):
+    """The part of CuPy that `streaming._CudaMover` uses, over NumPy: "device" arrays are
+    host arrays, copies are immediate memmoves between the addresses given, streams and
+    events do nothing; ``events_done`` is what an event's ``done`` says (False: the work
+    never seems finished until waited for). Other names are NumPy's."""
+
+    def __init__(self, events_done):
+        super().__init__("cupy")
+        stream = types.SimpleNamespace(ptr=0, wait_event=lambda event: None, synchronize=lambda: None)
+
+        def memcpy(dst, src, nbytes, kind, stream_ptr):
+            ctypes.memmove(dst, src, nbytes)
+
+        event = lambda **kw: types.SimpleNamespace(record=lambda stream=None: None,  # noqa: E731
+                                                   synchronize=lambda: None, done=events_done)
+        self.cuda = types.SimpleNamespace(
+            get_current_stream=lambda: stream, Stream=lambda **kw: stream, Event=event,
+            runtime=types.SimpleNamespace(memcpyAsync=memcpy, memcpyHostToDevice=1, memcpyDeviceToHost=2))
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+
+@pytest.mark.parametrize("events_done", [True, False], ids=["downloads-at-once", "downloads-at-reclaim"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_copy_path_on_the_cpu(rng, monkeypatch, causal, events_done):
+    """The GPU path's copies (chunks cut into pieces, pinned-buffer rings reused, downloads
+    carried out as soon as ready or when their slot is needed again, in the order issued,
+    their host sums split over threads) run on the CPU through `_FakeCupy`, with tiny
+    pieces: the same results, bit for bit, as the NumPy "device"."""
+    q, k, v, do = _inputs(rng, np.float32, b=2, hq=4, hk=2, nq=700, nk=900, d=16, dv=24)
+    limit = _limit_for(q, k, v, 128, causal=causal)
+
+    def run():
+        o, ctx = cf.attention_forward(q, k, v, causal=causal, backend="numpy", device_memory_limit=limit)
+        return (o, ctx.lse, *cf.attention_backward(do, ctx))
+
+    expected = run()
+    fake = _FakeCupy(events_done)
+    monkeypatch.setattr(streaming._arrays, "cupy_module", lambda: fake)
+    monkeypatch.setitem(sys.modules, "cupyx", types.SimpleNamespace(empty_pinned=np.empty))
+    monkeypatch.setattr(streaming, "mover", lambda backend: streaming._CudaMover())
+    monkeypatch.setattr(streaming, "_PIECE_BYTES", 4000)   # row ranges of a head and runs of heads
+    monkeypatch.setattr(streaming, "_PIECES", 2)
+    monkeypatch.setattr(streaming, "_HOST_TASK_BYTES", 512)
+    for got, want in zip(run(), expected):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_progress_reports_increasing_counts(rng):
     q, k, v, do = _inputs(rng, np.float32, nq=520, nk=520)
     limit = _limit_for(q, k, v, 128, causal=True)
@@ -276,7 +445,8 @@ def test_progress_reports_increasing_counts(rng):
     assert total == 15 and calls == [(n, total) for n in range(1, total + 1)]
     calls.clear()
     cf.attention_backward(do, ctx)
-    assert [c[0] for c in calls] == list(range(1, total + 1))
+    total = cf.streaming_plan(q, k, v, causal=True, device_memory_limit=limit, backward=True).pairs
+    assert calls == [(n, total) for n in range(1, total + 1)]
     calls.clear()
     cf.attention(q, k, v, backend="numpy", progress=lambda *a: calls.append(a))
     assert calls == []   # an in-memory call does not report
