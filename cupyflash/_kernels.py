@@ -354,7 +354,7 @@ BWD_SM80_EXT_Q_TILES = {**BWD_SM80_Q_TILES, 64: ((64, 64, 4),),
 # head dims and GPUs use those. The options (MODE_EXT) take the same tiles, and so does
 # the bias (MODE_EXT | MODE_BIAS: one stage of a 64-query sub-tile's bias beside them, and
 # a warp that adds dS^T into dbias; the calls it cannot serve, a bias without whole rows
-# and softcap with a bias in some cases, take the sm80 kernels: _cuda._plan_backward).
+# and softcap with a bias, take the sm80 kernels: _cuda._plan_backward).
 BWD_SM90_KV_TILES = {
     64: ((128, 2),),
     128: ((64, 2),),
@@ -461,10 +461,10 @@ def _sm90_dkdv(dtype_name: str, D: int, tile, grads: int, mode: int) -> Variant:
     # bwd_sm90.cu Sm90BwdKVTile: K, V, Q and dO per stage, dS^T twice (with dQ), the bias
     # of a sub-tile of BWD_SM90_SUB_M queries (MODE_BIAS), swizzled; the staged fp32 dQ
     # tile with rows of D + 8 (with dQ); a tile's lse2 and delta rows twice; 1024 bytes to
-    # align the tiles; Sm90BwdBarriers (9 + 2 STAGES mbarriers of 8 bytes).
+    # align the tiles; Sm90BwdBarriers (5 + 2 STAGES mbarriers of 8 bytes).
     bias = BWD_SM90_SUB_M * block_n if mode & MODE_BIAS else 0
     smem = ((2 * block_n * D + 2 * stages * block_m * D + 2 * dq * block_n * block_m + bias) * 2
-            + (dq * block_m * (D + 8) + 4 * block_m) * 4 + 1024 + 8 * (9 + 2 * stages))
+            + (dq * block_m * (D + 8) + 4 * block_m) * 4 + 1024 + 8 * (5 + 2 * stages))
     expr = f"flash_bwd_dkdv_sm90<{CPP_TYPE[dtype_name]}, {D}, {block_m}, {consumers}, {grads}, {mode}, {smem}>"
     # + the producer warpgroup; the dQ workspace's rows padded as the staged tile's (DQ_LD)
     return Variant(BWD_SM90, expr, (consumers + 1) * 128, block_n, smem, mode=mode, tile=tuple(tile),

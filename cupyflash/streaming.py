@@ -269,7 +269,9 @@ class StreamingPlan:
     h2d_bytes, d2h_bytes : int
         Bytes the pass copies host to device and device to host.
     min_bytes : int
-        The least any pass moves: every input read once, every output written once.
+        The least any pass moves: every input the device needs read once, every output
+        written once. The backward needs q, k, v, dO, the LSE and one row term per query
+        row (o stays on the host: `backward`).
     in_memory_bytes : int
         Device bytes of the same call without streaming.
     """
