@@ -68,6 +68,8 @@ struct Sm90BwdKVTile {
     static constexpr int CONSUMER_BARRIER = 1;
     static constexpr int CONSUMER_THREADS = CONSUMERS * 128;
     // The consumers' barrier at the end of each tile; with the bias the dbias warp joins it.
+    // A named barrier of its own: every use of an id must count the same threads.
+    static constexpr int TILE_BARRIER = 2;
     static constexpr int TILE_BARRIER_THREADS = CONSUMER_THREADS + ((MODE & MODE_BIAS) != 0 ? 32 : 0);
     static constexpr int THREADS = CONSUMER_THREADS + 128;   // + the producer warpgroup
     static constexpr int BLOCK_N = CONSUMERS * 64;
@@ -265,7 +267,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                     __syncwarp();
                 }
             }
-        } else if (role == 3 && C::BIAS) {
+        } else if (role == 3 && C::BIAS && C::DQ) {
             // dbias: each tile's dS^T (the rounded values dK and dQ take; the host sends
             // softcap, whose dS^T carries the cap's derivative, to the sm80 kernels) from
             // its shared-memory buffer into the fp32 accumulator, 4 keys of a query row per
@@ -280,7 +282,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
             int step = 0;
             for (int it = first(); it < n_iter; it = after(it), ++step) {
                 const int h = pairs.head(it), q0 = pairs.q0(it);
-                named_barrier(C::CONSUMER_BARRIER, C::TILE_BARRIER_THREADS);
+                named_barrier(C::TILE_BARRIER, C::TILE_BARRIER_THREADS);
                 if (dbias == nullptr) continue;   // the call asks for no dbias
                 const T* tile = sdS + (step % 2) * C::DS_ELEMS;
                 float* head = dbias + b * dbias_sb + h * dbias_sh;
@@ -519,7 +521,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
             cp_async_wait<0>();   // the next tile's rows, for the barrier
             fence_async_smem();
             // With the bias the dbias warp joins: it reads this tile's dS^T next.
-            named_barrier(C::CONSUMER_BARRIER, C::TILE_BARRIER_THREADS);
+            named_barrier(C::TILE_BARRIER, C::TILE_BARRIER_THREADS);
             wgmma_wait<0>();   // dV and dK (ptxas follows the accumulators within an iteration)
         } else {
             wgmma_wait<0>();
