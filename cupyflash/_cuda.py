@@ -546,16 +546,16 @@ def _sm90_backward_map_specs(variant: Variant, q, k, v, do, mods, dbias):
     """bwd_sm90.cu's tensor-map specs of q and dO (boxes of its query tile's rows), of k
     and v (its key block's) and with MODE_BIAS of the bias (a query sub-tile's rows); None
     where a map of one of them cannot be made, or for a bias call it does not serve: a
-    bias without whole (Nq, Nk) rows, softcap beside it (Sm90BwdKVTile: the bias starts
-    S^T's accumulator, and the cap applies to the product alone), and dbias with
-    Nk % 4 != 0 (its warp adds 4 keys at a time)."""
+    bias without whole (Nq, Nk) rows, one whose gradient is asked for (the sm80 kernels
+    add dbias with atomics), or softcap beside it in the deterministic kernels
+    (Sm90BwdKVTile::SOFTCAP_BIAS)."""
     block_m, block_n = variant.tile[0], variant.block_m
     boxes = [(q, block_m), (do, block_m), (k, block_n), (v, block_n)]
     if variant.mode & MODE_BIAS:
         bias = mods.bias
         whole_rows = tuple(bias.shape[2:]) == (q.shape[2], k.shape[2])
-        dbias_unserved = dbias is not None and k.shape[2] % 4 != 0
-        if not whole_rows or mods.softcap > 0 or dbias_unserved:
+        softcap_unserved = mods.softcap > 0 and variant.grads & GRAD_DQ_ORDERED
+        if dbias is not None or not whole_rows or softcap_unserved:
             return None
         boxes.append((bias, BWD_SM90_SUB_M))
     return _map_specs(*boxes)

@@ -352,9 +352,9 @@ BWD_SM80_EXT_Q_TILES = {**BWD_SM80_Q_TILES, 64: ((64, 64, 4),),
 # Hopper dK/dV kernel (bwd_sm90.cu, wgmma; sm_90a only), (BLOCK_M, WARPGROUPS): query
 # tile, warpgroups of 64 keys each. Ahead of the sm80 tiles above where it builds; other
 # head dims and GPUs use those. The options (MODE_EXT) take the same tiles, and so does
-# the bias (MODE_EXT | MODE_BIAS: one stage of a 64-query sub-tile's bias beside them, and
-# a warp that adds dS^T into dbias; the calls it cannot serve, a bias without whole rows
-# and softcap with a bias, take the sm80 kernels: _cuda._plan_backward).
+# the bias (MODE_EXT | MODE_BIAS: one stage of a 64-query sub-tile's bias beside them;
+# the calls it cannot serve, a bias gradient or a bias without whole rows, take the sm80
+# kernels: _cuda._plan_backward).
 BWD_SM90_KV_TILES = {
     64: ((128, 2),),
     128: ((64, 2),),

@@ -187,16 +187,25 @@ __device__ __forceinline__ void grad_scores(Acc (&s)[MT][NT][4], const Acc (&dp)
     });
 }
 
-// The bias of a consumer thread's scores in bwd_sm90.cu's key-row layout (for_each_score's
-// KEY_ROWS: keys on the fragment rows, queries on its columns), `at(nt, e)` for element e
-// of n-tile nt, from a shared-memory stage that TMA filled as the bias lies in memory:
-// ROWS queries, panels of 64 keys with the 128-byte swizzle (wgmma.cuh Swizzle128).
-// ldmatrix.trans hands each lane exactly its pairs: matrix m of an x4 is keys
-// key0 + 8 (m % 2) .. of n-tile 2 np + m / 2, and a lane receives (key g, queries 2 t and
-// 2 t + 1) of each. One x4 per pair of n-tiles, issued as a walk in for_each_score's order
-// reaches the pair (element 0 of an even n-tile), so only its 4 words are live.
+// The bias term of capped_p_and_grad below (bwd_sm90.cu's softcap pass; without softcap
+// the bias rides in S^T's accumulator): `at(nt, e)` is the bias of element e of n-tile nt,
+// added in log2 units after softcap and before ALiBi (HeadMods::score_log2's order).
+// NoBias leaves the term out of the code. KeyRowBias reads it, for the key-row layout of
+// bwd_sm90.cu's consumers, from a shared-memory stage that TMA filled as the bias lies in
+// memory: ROWS queries, panels of 64 keys with the 128-byte swizzle (wgmma.cuh
+// Swizzle128). ldmatrix.trans hands each lane exactly its pairs: matrix m of an x4 is
+// keys key0 + 8 (m % 2) .. of n-tile 2 np + m / 2, and a lane receives (key g, queries
+// 2 t and 2 t + 1) of each. One x4 per pair of n-tiles, issued as a pass reaches the pair
+// (element 0 of an even n-tile: the passes walk the scores in for_each_score's order), so
+// only its 4 words are live.
+struct NoBias {
+    static constexpr bool ON = false;
+    __device__ __forceinline__ float at(int, int) { return 0.f; }
+};
+
 template <typename T, int ROWS>
 struct KeyRowBias {
+    static constexpr bool ON = true;
     static constexpr int PANEL = 64;   // keys per 128-byte swizzled row
     const T* lane_row;                 // this lane's ldmatrix row for n-tiles 0 and 1
     u32 words[4];
@@ -263,13 +272,15 @@ __device__ __forceinline__ void grad_pass(Acc (&s)[1][NT][4], const Acc (&dp)[1]
 // With softcap, one pass once both products are in: there are no registers for the
 // derivative 1 - tanh^2 to wait in between, so per score it lives only between its two
 // uses. s becomes the P that multiplies dO (kept_a_frag's values) and dp becomes dS.
-template <bool ALIBI, bool BITS, bool KEY_ROWS, int NT, typename Acc, typename H, typename L, typename Dl>
+template <bool ALIBI, bool BITS, bool KEY_ROWS, int NT, typename Acc, typename H, typename L, typename Dl,
+          typename Bias>
 __device__ __forceinline__ void capped_p_and_grad(Acc (&s)[1][NT][4], Acc (&dp)[1][NT][4], const H& hm, int r0, int c0,
-                                                  L&& lse2_at, Dl&& delta_at, u32 visible, u32 kept, Acc scale_log2,
-                                                  Acc drop_scale) {
+                                                  L&& lse2_at, Dl&& delta_at, Bias& bias, u32 visible, u32 kept,
+                                                  Acc scale_log2, Acc drop_scale) {
     for_each_score<KEY_ROWS>(s, r0, c0, [&](Acc& x, int i, int j, int mt, int nt, int e) {
         Acc dtanh;
         Acc score = hm.capped(x * scale_log2, dtanh);
+        if constexpr (Bias::ON) score = fma(bias.at(nt, e), Acc(LOG2E_D), score);
         if constexpr (ALIBI) score -= hm.alibi(i, j);
         const Acc p = exp2_fast(score - lse2_at(mt, nt, e));
         if constexpr (BITS) {

@@ -32,8 +32,8 @@
 //     SUB_M queries x the block's keys as the bias lies in memory, through one stage (two
 //     do not fit beside dS^T and dQ). The consumers start S^T's accumulator from it
 //     (bias^T / scale, read by ldmatrix.trans: bwd.cuh KeyRowBias) and give the stage
-//     back at once, so the next sub-tile's bias loads while this one's products run; its
-//     fourth warp (MODE_BIAS, where dbias is asked for) adds each tile's dS^T into dbias.
+//     back at once, so the next sub-tile's bias loads while this one's products run;
+//     with softcap, which caps the product alone, the pass adds it after the cap.
 // So the consumers issue no atomics and no loads into registers (each copies one word
 // of the next tile's lse2 or delta rows into shared memory with cp.async, waited for
 // before the tile's consumer barrier, which orders it for every reader): the mainloop is
@@ -67,10 +67,6 @@ struct Sm90BwdKVTile {
     // Named barrier of the consumers alone (0 is __syncthreads').
     static constexpr int CONSUMER_BARRIER = 1;
     static constexpr int CONSUMER_THREADS = CONSUMERS * 128;
-    // The consumers' barrier at the end of each tile; with the bias the dbias warp joins it.
-    // A named barrier of its own: every use of an id must count the same threads.
-    static constexpr int TILE_BARRIER = 2;
-    static constexpr int TILE_BARRIER_THREADS = CONSUMER_THREADS + ((MODE & MODE_BIAS) != 0 ? 32 : 0);
     static constexpr int THREADS = CONSUMER_THREADS + 128;   // + the producer warpgroup
     static constexpr int BLOCK_N = CONSUMERS * 64;
     // The query tile is computed in sub-tiles of SUB_M queries (S^T, dP^T, P^T, dS^T of a
@@ -86,10 +82,11 @@ struct Sm90BwdKVTile {
     static constexpr bool DQ = GRADS & GRAD_DQ;
     static constexpr bool ORDERED_DQ = GRADS & GRAD_DQ_ORDERED;   // deterministic dQ (bwd.cuh DqTurns)
     static constexpr bool BIAS = (MODE & MODE_BIAS) != 0;
-    // The MODE_BIAS kernels serve no softcap: the cap applies to the product alone, so
-    // the bias could not start S^T's accumulator, and reading it in softcap's pass spilled
-    // (build check). The host sends softcap with a bias to the sm80 kernels
-    // (cupyflash/_cuda.py _sm90_backward_map_specs).
+    // Softcap with a bias: softcap's pass adds the bias from its stage (bwd.cuh
+    // KeyRowBias). In the deterministic kernels those reads spill (8 bytes at d = 64, 28
+    // at d = 128 with the consumers' 224 registers, build check): the host sends such
+    // calls to the sm80 kernels (cupyflash/_cuda.py _sm90_backward_map_specs).
+    static constexpr bool SOFTCAP_BIAS = BIAS && !ORDERED_DQ;
     // With the options, tiles that no mask or dropout touches take passes without the
     // selects (bwd.cuh BITS), but in the deterministic d = 128 kernel with the bias,
     // where the second copy of the passes spills (48 bytes, NVRTC 12.9 build check).
@@ -120,10 +117,9 @@ struct Sm90BwdKVTile {
     // Register budgets after setmaxnreg: the producer keeps 24 a thread (40 with the
     // options: with less, the dQ writer's walk of the block mask and its addresses under
     // varlen spill, build check; 56 with the options and ordered dQ, whose turn count
-    // walks the block mask too: 48 spilled, and with the bias, whose dbias warp spilled
-    // at 40), the consumers share the rest of the launch's registers (tma.cuh
-    // WarpgroupRegs: 240, 232 with the options, 224 ordered or with the bias).
-    static constexpr int PRODUCER_REGS = MODE == MODE_DENSE ? 24 : (ORDERED_DQ || BIAS ? 56 : 40);
+    // walks the block mask too: 48 spilled), the consumers share the rest of the launch's
+    // registers (tma.cuh WarpgroupRegs: 240, 232 with the options, 224 ordered).
+    static constexpr int PRODUCER_REGS = MODE == MODE_DENSE ? 24 : (ORDERED_DQ ? 56 : 40);
     static constexpr int CONSUMER_REGS = WarpgroupRegs<THREADS, PRODUCER_REGS>::CONSUMER;
     static_assert((GRADS & (GRAD_DV | GRAD_DK)) == (GRAD_DV | GRAD_DK), "dV and dK in one pass");
     static_assert(DQ || !ORDERED_DQ, "ordered dQ");
@@ -250,7 +246,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
             // Each sub-tile's bias, in the consumers' order, once they gave the stage back.
             // The host makes the bias map only for a bias with whole rows (Nq, Nk); axes
             // it broadcasts over (stride 0) are read at 0.
-            if (!p.mods.bias_tma || p.mods.softcap > 0.f) __trap();   // a host that drifted from this contract
+            if (!p.mods.bias_tma) __trap();   // a host that drifted from this contract
             int n = 0;
             for (int it = first(); it < n_iter; it = after(it)) {
                 const int h = pairs.head(it), q0 = pairs.q0(it);
@@ -265,39 +261,6 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                                         p.mods.bias_sb != 0 ? b : 0);
                     }
                     __syncwarp();
-                }
-            }
-        } else if (role == 3 && C::BIAS && C::DQ) {
-            // dbias: each tile's dS^T (the rounded values dK and dQ take; the host sends
-            // softcap, whose dS^T carries the cap's derivative, to the sm80 kernels) from
-            // its shared-memory buffer into the fp32 accumulator, 4 keys of a query row per
-            // vector reduction (the host sends only accumulators with contiguous rows of a
-            // multiple of 4 keys, 16-byte aligned). The warp joins the consumers' barrier at the end of each tile:
-            // it reads tile t once they have written it and is done with it before the
-            // barrier of tile t + 1, after which they overwrite its buffer. Lanes take
-            // consecutive queries of a key row, so their reads of a swizzled row fall in
-            // distinct banks.
-            if (dbias != nullptr && (dbias_sk != 1 || (dbias_sb | dbias_sh | dbias_sq) % 4 != 0 || mask.nk % 4 != 0))
-                __trap();   // a host that drifted from this contract
-            int step = 0;
-            for (int it = first(); it < n_iter; it = after(it), ++step) {
-                const int h = pairs.head(it), q0 = pairs.q0(it);
-                named_barrier(C::TILE_BARRIER, C::TILE_BARRIER_THREADS);
-                if (dbias == nullptr) continue;   // the call asks for no dbias
-                const T* tile = sdS + (step % 2) * C::DS_ELEMS;
-                float* head = dbias + b * dbias_sb + h * dbias_sh;
-                const int rows = min(BLOCK_M, mask.nq - q0), keys = min(BLOCK_N, mask.nk - k0);
-                for (int c = lane; c < rows; c += 32) {   // query
-                    float* row = head + (i64)(q0 + c) * dbias_sq + k0;
-                    const T* column = tile + (c / 64) * (BLOCK_N * 64) + c % 8;   // Swizzle128's panel
-                    #pragma unroll 1
-                    for (int r = 0; r < keys; r += 4) {   // first key
-                        float v[4];
-                        #pragma unroll
-                        for (int u = 0; u < 4; ++u)
-                            v[u] = to_float(column[(r + u) * 64 + ((((c % 64) / 8) ^ ((r + u) % 8)) * 8)]);
-                        red_add_v4(row + r, v);
-                    }
                 }
             }
         }
@@ -397,14 +360,19 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
             if constexpr (C::BIAS) {
                 // S^T's accumulator starts at bias^T / scale, so that the P pass's
                 // S^T scale log2 e has the bias term in log2 units (HeadMods::score_log2)
-                // at no cost per score; the stage goes back at once.
+                // at no cost per score. Softcap caps the product alone: then it starts at
+                // 0 and the pass adds the bias. Without softcap the stage goes back here.
                 mbar_wait(&bars.bias_full, (step * C::SUBTILES + sub) & 1);
-                KeyRowBias<T, C::SUB_M> bias(sBias, warp_row0);
-                const float weight = 1.f / scale;
-                for_each_score<true>(s, 0, 0, [&](float& x, int, int, int, int nt, int e) {
-                    x = bias.at(nt, e) * weight;
-                });
-                release(&bars.bias_empty);
+                if (mods.softcap > 0.f) {
+                    zero_frags(s);
+                } else {
+                    KeyRowBias<T, C::SUB_M> bias(sBias, warp_row0);
+                    const float weight = 1.f / scale;
+                    for_each_score<true>(s, 0, 0, [&](float& x, int, int, int, int nt, int e) {
+                        x = bias.at(nt, e) * weight;
+                    });
+                    release(&bars.bias_empty);
+                }
             }
             wgmma_fence();
             if (C::DQ && sub == 0) issue_dq(sdS + ((step + 1) % 2) * C::DS_ELEMS);   // the last tile's
@@ -456,18 +424,24 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                 const float drop_scale = hm.dropout() ? hm.drop_scale : 1.f;
                 const bool alibi = hm.slope_log2 != 0.f;
                 const int kr0 = k0 + warp_row0, qc0 = q0 + r0;
+                // MODE_BIAS with softcap: the bias from its stage in the one pass (above it
+                // rode in S^T's accumulator).
+                auto bias = [&] {
+                    if constexpr (C::SOFTCAP_BIAS) return KeyRowBias<T, C::SUB_M>(sBias, warp_row0);
+                    else return NoBias();
+                }();
                 // BITS: whether the passes select by the bits; false where every score is
                 // shown and kept (bwd.cuh). The choice must be the same for the whole
                 // warpgroup (its wgmma waits are inside): from the tile and the call.
 #define CUPYFLASH_OPTION_SCORES(BITS)                                                                       \
-    if (!C::BIAS && hm.softcap > 0.f) {                                                                     \
+    if (hm.softcap > 0.f) {                                                                                 \
         wgmma_wait<0>();                                                                                    \
         reg_fence(s[0]);                                                                                    \
         reg_fence(dp[0]);                                                                                   \
-        if (alibi) capped_p_and_grad<true, BITS, true>(s, dp, hm, kr0, qc0, lse2_at, delta_at, visible, keep,       \
+        if (alibi) capped_p_and_grad<true, BITS, true>(s, dp, hm, kr0, qc0, lse2_at, delta_at, bias, visible, keep, \
                                                        scale_log2, drop_scale);                             \
-        else capped_p_and_grad<false, BITS, true>(s, dp, hm, kr0, qc0, lse2_at, delta_at, visible, keep,    \
-                                                  scale_log2, drop_scale);                                  \
+        else capped_p_and_grad<false, BITS, true>(s, dp, hm, kr0, qc0, lse2_at, delta_at, bias, visible,    \
+                                                  keep, scale_log2, drop_scale);                            \
         _Pragma("unroll") for (int ks = 0; ks < C::QSTEPS; ++ks) {                                          \
             c_to_a_frag<T>(p_frag[ks], s, 0, ks);                                                           \
             c_to_a_frag<T>(ds_frag[ks], dp, 0, ks);                                                         \
@@ -490,6 +464,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                     CUPYFLASH_OPTION_SCORES(true)
                 }
 #undef CUPYFLASH_OPTION_SCORES
+                if (C::BIAS && hm.softcap > 0.f) release(&bars.bias_empty);
             }
 
             // The next tile's rows into the other buffer (its last readers, the tile
@@ -520,8 +495,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
         if constexpr (C::DQ) {
             cp_async_wait<0>();   // the next tile's rows, for the barrier
             fence_async_smem();
-            // With the bias the dbias warp joins: it reads this tile's dS^T next.
-            named_barrier(C::TILE_BARRIER, C::TILE_BARRIER_THREADS);
+            named_barrier(C::CONSUMER_BARRIER, C::CONSUMER_THREADS);
             wgmma_wait<0>();   // dV and dK (ptxas follows the accumulators within an iteration)
         } else {
             wgmma_wait<0>();

@@ -133,9 +133,3 @@ __device__ __forceinline__ void pass_turn(u32* turn) {
     fence_proxy_async_global();
     asm volatile("red.release.gpu.global.add.u32 [%0], 1;\n" :: "l"(turn) : "memory");
 }
-
-// dst[0..3] += v[0..3] in global memory, one vector reduction (sm_90; dst 16-byte aligned).
-__device__ __forceinline__ void red_add_v4(float* dst, const float (&v)[4]) {
-    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n"
-                 :: "l"(dst), "f"(v[0]), "f"(v[1]), "f"(v[2]), "f"(v[3]) : "memory");
-}

@@ -654,9 +654,9 @@ def _hopper_params():
 def test_hopper_path_with_options(rng, monkeypatch, dtype, d, nq, nk, layout, causal, build, persistent):
     """The options as policies of the Hopper kernels against the float64 reference: the
     forward (fwd_sm90.cu, MODE_EXT and MODE_BIAS instantiations, with persistent CTAs or
-    one CTA per work tile) and the backward (bwd_sm90.cu's MODE_EXT, and MODE_BIAS with
-    dbias where the bias has whole rows TMA reads and there is no softcap; else the
-    mma.sync kernels). The call must take those kernels."""
+    one CTA per work tile) and the backward (bwd_sm90.cu's MODE_EXT; with a bias, whose
+    gradient these calls ask for, the mma.sync kernels). The call must take those
+    kernels."""
     if DRY_RUN:
         pytest.skip("pins a GPU kernel")
     import cupy as cp
@@ -679,17 +679,14 @@ def test_hopper_path_with_options(rng, monkeypatch, dtype, d, nq, nk, layout, ca
     opts.update(causal=causal, layout=layout)
     got, ref = _run_both(cupyflash.attention_forward, host, opts)
     _check(got, ref, dtype)
-    # With a bias (whose gradient these calls ask for): whole rows that TMA reads (one query,
-    # or 16-byte rows), Nk % 4 == 0 for dbias, no softcap.
-    whole_rows = mods["bias"].shape[-2:] == (nq, nk) and (nq == 1 or nk % 8 == 0) if "bias" in mods else True
-    hopper = "bias" not in mods or (whole_rows and nk % 4 == 0 and not mods.get("softcap"))
-    assert any(v.family is _kernels.BWD_SM90 for v in launched) == hopper, [v.name_expression for v in launched]
+    hopper_backward = any(v.family is _kernels.BWD_SM90 for v in launched)
+    assert hopper_backward == ("bias" not in mods), [v.name_expression for v in launched]
 
 
 # The bias on the Hopper backward (bwd_sm90.cu's MODE_BIAS kernels, whole (Nq, Nk) rows
 # whose rows TMA can read, Nk % 8 == 0; no dbias asked for): sizes with partial query
 # tiles, sub-tiles and key blocks, biases broadcast over batch and heads or not, and the
-# options beside it (softcap with a bias takes the sm80 kernels).
+# options beside it (softcap adds the bias in its pass instead of S^T's accumulator).
 HOPPER_BIAS_CASES = (
     ("2d", (1, 16), 64, False, lambda r, b, h, nq, nk, t: dict(bias=_bias(r, (nq, nk), t))),
     ("2d-causal", (129, 1000), 128, True, lambda r, b, h, nq, nk, t: dict(bias=_bias(r, (nq, nk), t))),
@@ -709,9 +706,10 @@ HOPPER_BIAS_CASES = (
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("name,sizes,d,causal,build", HOPPER_BIAS_CASES, ids=[c[0] for c in HOPPER_BIAS_CASES])
 def test_hopper_backward_with_a_bias(rng, monkeypatch, name, sizes, d, causal, build, deterministic, dbias):
-    """dq, dk, dv (and dbias) of a call with a bias from bwd_sm90.cu's MODE_BIAS kernel
-    against the float64 reference; softcap beside a bias takes the sm80 kernels
-    (_cuda._sm90_backward_map_specs)."""
+    """dq, dk and dv of a call with a bias from bwd_sm90.cu's MODE_BIAS kernel against the
+    float64 reference; a call asking for dbias, and softcap beside a bias in the
+    deterministic mode, take the sm80 kernels (_cuda._sm90_backward_map_specs), checked
+    against the reference too."""
     if DRY_RUN:
         pytest.skip("pins a GPU kernel")
     import cupy as cp
@@ -730,8 +728,8 @@ def test_hopper_backward_with_a_bias(rng, monkeypatch, name, sizes, d, causal, b
     got, ref = _run_both(cupyflash.attention_forward, host, opts, dbias=dbias)
     _check(got, ref, dtype)
     hopper = [v for v in launched if v.family is _kernels.BWD_SM90]
-    if "softcap" in opts:
-        assert not hopper, "softcap with a bias: the sm80 kernels"
+    if dbias or (deterministic and "softcap" in opts):
+        assert not hopper, "dbias, or softcap with a bias in the deterministic mode: the sm80 kernels"
     else:
         assert hopper and all(v.mode & _kernels.MODE_BIAS for v in hopper), [v.name_expression for v in launched]
 

@@ -122,9 +122,9 @@ def test_hopper_backward_only_where_it_builds(monkeypatch, arch, source, determi
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_hopper_backward_bias_calls_it_cannot_serve_take_the_next_kernel(monkeypatch, deterministic):
     # bwd_sm90.cu's MODE_BIAS kernel reads the bias through a tensor map of whole (Nq, Nk)
-    # rows (boxes of BWD_SM90_SUB_M queries), and adds dbias 4 keys at a time. A bias
-    # broadcast over queries or keys, softcap beside a bias, and dbias with Nk % 4 != 0 get
-    # no specs, so _plan_backward takes the sm80 kernels.
+    # rows (boxes of BWD_SM90_SUB_M queries). A call asking for dbias, a bias broadcast
+    # over queries or keys, and softcap beside a bias in the deterministic kernel get no
+    # specs, so _plan_backward takes the sm80 kernels.
     from types import SimpleNamespace
     monkeypatch.setattr(_cuda, "_map_specs", lambda *boxes: tuple(rows for _, rows in boxes))
     (_, candidates), = _kernels.backward_plan("bfloat16", 128, deterministic,
@@ -141,11 +141,8 @@ def test_hopper_backward_bias_calls_it_cannot_serve_take_the_next_kernel(monkeyp
     assert specs((1, 1, 100, 64)) == (64, 64, 128, 128, _kernels.BWD_SM90_SUB_M)
     assert specs((2, 4, 100, 64)) is not None
     assert specs((1, 1, 1, 64)) is None and specs((1, 1, 100, 1)) is None   # broadcast rows
-    assert specs((1, 1, 100, 64), dbias=np.zeros((1, 1, 100, 64))) is not None
-    assert specs((1, 1, 100, 64), softcap=30.0) is None
-    odd_keys = np.zeros((2, 2, 66, 128))
-    assert _cuda._sm90_backward_map_specs(hopper, q, odd_keys, odd_keys, do, SimpleNamespace(
-        bias=np.zeros((1, 1, 100, 66)), softcap=0.0), np.zeros((1, 1, 100, 66))) is None
+    assert specs((1, 1, 100, 64), dbias=np.zeros((1, 1, 100, 64))) is None
+    assert (specs((1, 1, 100, 64), softcap=30.0) is None) == deterministic
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
