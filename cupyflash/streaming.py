@@ -1133,8 +1133,11 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, plan, scale, deterministic, mod
             if s.key_first:   # keys past every pair's stop get no term
                 dks[...] = 0
                 dvs[...] = 0
-            dks[:, :, :s.key_stop - k0] += dkp
-            dvs[:, :, :s.key_stop - k0] += dvp
+            # In place on one view object: `dks[:, :, :n] += dkp` would end in a __setitem__
+            # of the view onto itself, for which CuPy copies it first (10 GB at N = 4M).
+            for sums, part in ((dks, dkp), (dvs, dvp)):
+                seen = sums[:, :, :s.key_stop - k0]
+                xp.add(seen, part, out=seen)
             if s.key_last:
                 moving.reclaim(key_out)
                 key_out.view("dk", (*chunk, d))[...] = dks
