@@ -730,7 +730,8 @@ def streaming_plan(q, k, v, *, device_memory_limit, causal=False, block_mask=Non
     StreamingPlan
         ``query_chunk``, ``key_chunk``, ``pairs``, ``device_bytes`` (at most the limit)
         and ``buffers`` (what they hold), ``h2d_bytes`` and ``d2h_bytes`` (the copies
-        each way) against ``min_bytes`` (each input read once, each output written once),
+        each way) against ``min_bytes`` (each input the device needs read once, each
+        output written once; the backward keeps o on the host),
         and ``in_memory_bytes`` (the same call without streaming).
 
     Raises
