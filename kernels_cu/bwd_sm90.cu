@@ -361,7 +361,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                 // S^T's accumulator starts at bias^T / scale, so that the P pass's
                 // S^T scale log2 e has the bias term in log2 units (HeadMods::score_log2)
                 // at no cost per score. Softcap caps the product alone: then it starts at
-                // 0 and the pass adds the bias. Without softcap the stage goes back here.
+                // 0 and the pass adds the bias.
                 mbar_wait(&bars.bias_full, (step * C::SUBTILES + sub) & 1);
                 if (mods.softcap > 0.f) {
                     zero_frags(s);
@@ -371,7 +371,6 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                     for_each_score<true>(s, 0, 0, [&](float& x, int, int, int, int nt, int e) {
                         x = bias.at(nt, e) * weight;
                     });
-                    release(&bars.bias_empty);
                 }
             }
             wgmma_fence();
@@ -381,6 +380,13 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
             for (int ks = 1; ks < C::KSTEPS; ++ks)
                 Wgmma<T, C::SUB_M>::template ss<true>(s[0], kmajor_desc<T, BLOCK_N>(sK, wg * 64, ks), kmajor_desc<T, BLOCK_M>(sQb, r0, ks));
             wgmma_commit();
+            // The bias stage goes back only once the values read from it have been used:
+            // its ldmatrix loads may still be in flight after their last instruction, and
+            // the next TMA write (the async proxy) is not ordered after them by the
+            // barrier alone (the d = 64 kernels gave wrong gradients when the stage went
+            // back right after the loads). Here S^T's product, issued on the registers
+            // they fed, has taken them; with softcap, below, once the passes are done.
+            if (C::BIAS && mods.softcap == 0.f) release(&bars.bias_empty);
             if (C::DQ && sub == 0) {
                 wgmma_wait<1>();   // the last tile's dQ, dV and dK (S^T runs on)
                 if (step > 0) {
@@ -464,7 +470,6 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                     CUPYFLASH_OPTION_SCORES(true)
                 }
 #undef CUPYFLASH_OPTION_SCORES
-                if (C::BIAS && hm.softcap > 0.f) release(&bars.bias_empty);
             }
 
             // The next tile's rows into the other buffer (its last readers, the tile
@@ -480,6 +485,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
             for (int ks = 0; ks < C::QSTEPS; ++ks)
                 Wgmma<T, D>::template rs<true>(acc_dk[0], ds_frag[ks], mnmajor_desc<T, BLOCK_M>(sQb, r0 / 16 + ks));
             wgmma_commit();
+            if (C::BIAS && mods.softcap > 0.f) release(&bars.bias_empty);   // see above
 
             if constexpr (C::DQ) {
                 #pragma unroll
