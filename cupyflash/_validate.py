@@ -496,8 +496,8 @@ def snapshot(arrays):
     """Snapshot of the named saved arrays (a dict name -> array)."""
     return Snapshot(
         signatures={name: _arrays.signature(x) for name, x in arrays.items()},
-        fingerprints={name: _arrays.fingerprint(x) for name, x in arrays.items()
-                      if _arrays.kind_of(x) == _arrays.HOST},
+        fingerprints=_arrays.fingerprints({name: x for name, x in arrays.items()
+                                           if _arrays.kind_of(x) == _arrays.HOST}),
     )
 
 
@@ -509,8 +509,9 @@ def check_unchanged(arrays, snap):
                 f"ctx.{name} was replaced or reshaped after attention_forward; the context no "
                 "longer describes that forward pass"
             )
+    now = _arrays.fingerprints({name: arrays[name] for name in snap.fingerprints})
     for name, fp in snap.fingerprints.items():
-        if _arrays.fingerprint(arrays[name]) != fp:
+        if now[name] != fp:
             raise ValueError(
                 f"{name} (saved in ctx.{name}) was modified in place after attention_forward, so "
                 "its gradients would be wrong; keep q, k, v and o unchanged until "
