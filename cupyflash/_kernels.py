@@ -456,19 +456,19 @@ def _sm80_dkdv(dtype_name: str, D: int, tile, grads: int, mode: int) -> Variant:
 def _sm90_dkdv(dtype_name: str, D: int, tile, grads: int, mode: int) -> Variant:
     block_m, consumers = tile
     block_n = 64 * consumers
-    dq = bool(grads & GRAD_DQ)
+    assert grads & GRAD_DQ, "bwd_sm90.cu adds dQ in both modes"
     stages = 2
-    # bwd_sm90.cu Sm90BwdKVTile: K, V, Q and dO per stage, dS^T twice (with dQ), the bias
-    # of a sub-tile of BWD_SM90_SUB_M queries (MODE_BIAS), swizzled; the staged fp32 dQ
-    # tile with rows of D + 8 (with dQ); a tile's lse2 and delta rows twice; 1024 bytes to
-    # align the tiles; Sm90BwdBarriers (5 + 2 STAGES mbarriers of 8 bytes).
+    # bwd_sm90.cu Sm90BwdKVTile: K, V, Q and dO per stage, dS^T twice, the bias of a
+    # sub-tile of BWD_SM90_SUB_M queries (MODE_BIAS), swizzled; the staged fp32 dQ tile
+    # with rows of D + 8; a tile's lse2 and delta rows twice; 1024 bytes to align the
+    # tiles; Sm90BwdBarriers (5 + 2 STAGES mbarriers of 8 bytes).
     bias = BWD_SM90_SUB_M * block_n if mode & MODE_BIAS else 0
-    smem = ((2 * block_n * D + 2 * stages * block_m * D + 2 * dq * block_n * block_m + bias) * 2
-            + (dq * block_m * (D + 8) + 4 * block_m) * 4 + 1024 + 8 * (5 + 2 * stages))
+    smem = ((2 * block_n * D + 2 * stages * block_m * D + 2 * block_n * block_m + bias) * 2
+            + (block_m * (D + 8) + 4 * block_m) * 4 + 1024 + 8 * (5 + 2 * stages))
     expr = f"flash_bwd_dkdv_sm90<{CPP_TYPE[dtype_name]}, {D}, {block_m}, {consumers}, {grads}, {mode}, {smem}>"
     # + the producer warpgroup; the dQ workspace's rows padded as the staged tile's (DQ_LD)
     return Variant(BWD_SM90, expr, (consumers + 1) * 128, block_n, smem, mode=mode, tile=tuple(tile),
-                   dq_ld=(D + 8) if dq else 0, grads=grads)
+                   dq_ld=D + 8, grads=grads)
 
 
 def _sm80_dq(dtype_name: str, D: int, tile, mode: int) -> Variant:

@@ -16,9 +16,8 @@
 //   with dK and dV in registers for the whole key block. The transposed products put the
 //   keys on the accumulator rows, so P^T and dS^T come out of their C fragments directly
 //   as the A operands of the next products (wgmma.cuh: each warp holds 16 rows in the
-//   mma.sync layout). With GRAD_DQ (the non-deterministic mode) they also write dS^T
-//   into shared memory (two buffers, so one consumer barrier per tile suffices) and
-//   compute dQ = dS K over all BLOCK_N keys, the BLOCK_M x D tile split into one
+//   mma.sync layout). They also write dS^T into shared memory (two buffers, so one
+//   consumer barrier per tile suffices) and compute dQ = dS K over all BLOCK_N keys, the BLOCK_M x D tile split into one
 //   64 x DQ_N piece per warpgroup (A: dS^T read MN-major, i.e. transposed; B: K,
 //   MN-major), issued at the start of the next tile ahead of its S^T, and stage it in
 //   fp32 in shared memory;
@@ -79,7 +78,6 @@ struct Sm90BwdKVTile {
     static constexpr int QSTEPS = SUB_M / 16;        // k-steps of a sub-tile's P^T dO and dS^T Q
     static constexpr int NSTEPS = BLOCK_N / 16;      // k-steps of dS K
     static constexpr int PANEL = 64;                 // columns per TMA box (128 bytes, the swizzle span)
-    static constexpr bool DQ = GRADS & GRAD_DQ;
     static constexpr bool ORDERED_DQ = GRADS & GRAD_DQ_ORDERED;   // deterministic dQ (bwd.cuh DqTurns)
     static constexpr bool BIAS = (MODE & MODE_BIAS) != 0;
     // Softcap with a bias: softcap's pass adds the bias from its stage (bwd.cuh
@@ -104,10 +102,10 @@ struct Sm90BwdKVTile {
     // multiple of 1024 bytes; the staged dQ tile (fp32, with dQ); a tile's lse2 and delta
     // rows, two buffers; the barriers.
     static constexpr int KV_ELEMS = BLOCK_N * D, QO_ELEMS = BLOCK_M * D;
-    static constexpr int DS_ELEMS = DQ ? BLOCK_N * BLOCK_M : 0;
+    static constexpr int DS_ELEMS = BLOCK_N * BLOCK_M;
     static constexpr int BIAS_ELEMS = BIAS ? SUB_M * BLOCK_N : 0;
     static constexpr u32 BIAS_BYTES = BIAS_ELEMS * sizeof(T);
-    static constexpr int DQ_FLOATS = DQ ? BLOCK_M * DQ_LD : 0;
+    static constexpr int DQ_FLOATS = BLOCK_M * DQ_LD;
     static constexpr u32 KV_BYTES = 2 * KV_ELEMS * sizeof(T);   // K and V
     static constexpr u32 QO_BYTES = 2 * QO_ELEMS * sizeof(T);   // Q and dO of a stage
     static constexpr int ALIGN = 1024;
@@ -122,7 +120,8 @@ struct Sm90BwdKVTile {
     static constexpr int PRODUCER_REGS = MODE == MODE_DENSE ? 24 : (ORDERED_DQ ? 56 : 40);
     static constexpr int CONSUMER_REGS = WarpgroupRegs<THREADS, PRODUCER_REGS>::CONSUMER;
     static_assert((GRADS & (GRAD_DV | GRAD_DK)) == (GRAD_DV | GRAD_DK), "dV and dK in one pass");
-    static_assert(DQ || !ORDERED_DQ, "ordered dQ");
+    // dQ in both modes (ordered in the deterministic one): the host never asks for less.
+    static_assert((GRADS & GRAD_DQ) != 0, "bwd_sm90.cu adds dQ");
     static_assert(D % PANEL == 0 && D <= 128 && BLOCK_M % 64 == 0 && BLOCK_M <= 128, "tile shape");
     static_assert(DQ_N % 64 == 0 && D % DQ_N == 0 && (BLOCK_M / 64) * DQ_COLS == CONSUMERS, "dQ pieces");
     static_assert(BWD_ROW_PAD % BLOCK_M == 0, "query tiles read the padded row workspaces whole");
@@ -210,7 +209,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                     load_panels(sdO + s * C::QO_ELEMS, p.dout_map, &bars.full[s], BLOCK_M, mods.q_base + q0, h);
                 }
             }
-        } else if (role == 1 && C::DQ) {
+        } else if (role == 1) {
             // The dQ tile's rows (those in the sequence) into the workspace, whose rows
             // the host pads as the staging tile's (dq_ld = DQ_LD): one bulk reduction.
             // Deterministic: each tile's reduction waits for its turn (the key blocks
@@ -374,7 +373,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                 }
             }
             wgmma_fence();
-            if (C::DQ && sub == 0) issue_dq(sdS + ((step + 1) % 2) * C::DS_ELEMS);   // the last tile's
+            if (sub == 0) issue_dq(sdS + ((step + 1) % 2) * C::DS_ELEMS);   // the last tile's
             Wgmma<T, C::SUB_M>::template ss<C::BIAS>(s[0], kmajor_desc<T, BLOCK_N>(sK, wg * 64, 0), kmajor_desc<T, BLOCK_M>(sQb, r0, 0));
             #pragma unroll
             for (int ks = 1; ks < C::KSTEPS; ++ks)
@@ -387,7 +386,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
             // back right after the loads). Here S^T's product, issued on the registers
             // they fed, has taken them; with softcap, below, once the passes are done.
             if (C::BIAS && mods.softcap == 0.f) release(&bars.bias_empty);
-            if (C::DQ && sub == 0) {
+            if (sub == 0) {
                 wgmma_wait<1>();   // the last tile's dQ, dV and dK (S^T runs on)
                 if (step > 0) {
                     release(&bars.empty[(step - 1) % STAGES]);
@@ -487,34 +486,25 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
             wgmma_commit();
             if (C::BIAS && mods.softcap > 0.f) release(&bars.bias_empty);   // see above
 
-            if constexpr (C::DQ) {
+            #pragma unroll
+            for (int ks = 0; ks < C::QSTEPS; ++ks)
                 #pragma unroll
-                for (int ks = 0; ks < C::QSTEPS; ++ks)
-                    #pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        const int col = r0 + ks * 16 + (i / 2) * 8;
-                        *reinterpret_cast<u32*>(Swizzle128<T, BLOCK_N>::at(sdSb, warp_row0 + g + (i % 2) * 8, col) + 2 * t) = ds_frag[ks][i];
-                    }
-            }
+                for (int i = 0; i < 4; ++i) {
+                    const int col = r0 + ks * 16 + (i / 2) * 8;
+                    *reinterpret_cast<u32*>(Swizzle128<T, BLOCK_N>::at(sdSb, warp_row0 + g + (i % 2) * 8, col) + 2 * t) = ds_frag[ks][i];
+                }
         }
 
-        if constexpr (C::DQ) {
-            cp_async_wait<0>();   // the next tile's rows, for the barrier
-            fence_async_smem();
-            named_barrier(C::CONSUMER_BARRIER, C::CONSUMER_THREADS);
-            wgmma_wait<0>();   // dV and dK (ptxas follows the accumulators within an iteration)
-        } else {
-            wgmma_wait<0>();
-            cp_async_wait<0>();   // the next tile's rows, for the barrier
-            named_barrier(C::CONSUMER_BARRIER, C::CONSUMER_THREADS);
-            release(&bars.empty[s_]);
-        }
+        cp_async_wait<0>();   // the next tile's rows, for the barrier
+        fence_async_smem();
+        named_barrier(C::CONSUMER_BARRIER, C::CONSUMER_THREADS);
+        wgmma_wait<0>();   // dV and dK (ptxas follows the accumulators within an iteration)
         reg_fence(acc_dv[0]);
         reg_fence(acc_dk[0]);
         it = next;
     }
 
-    if (C::DQ && step > 0) {   // the last tile's dQ
+    if (step > 0) {   // the last tile's dQ
         wgmma_fence();
         issue_dq(sdS + ((step + 1) % 2) * C::DS_ELEMS);
         wgmma_wait<0>();
