@@ -211,10 +211,14 @@ def fingerprints(arrays: dict) -> dict:
         return {name: fingerprint(x) for name, x in arrays.items()}
     from . import _cpu_threads
 
-    out = {}
-    _cpu_threads.run([functools.partial(lambda n, x: out.__setitem__(n, fingerprint(x)), name, x)
-                      for name, x in arrays.items()])
-    return out
+    names = list(arrays)
+    sums = [None] * len(names)
+
+    def take(i):
+        sums[i] = fingerprint(arrays[names[i]])
+
+    _cpu_threads.run([functools.partial(take, i) for i in range(len(names))])
+    return dict(zip(names, sums))
 
 
 # Layouts ---------------------------------------------------------------------------------
