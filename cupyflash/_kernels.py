@@ -80,6 +80,15 @@ FWD_SM90_BIAS_TILES = {
     192: ((64, 2, 2),),
 }
 _FWD_SM90_TABLES = {MODE_DENSE: FWD_SM90_TILES, MODE_EXT: FWD_SM90_EXT_TILES, MODE_EXT | MODE_BIAS: FWD_SM90_BIAS_TILES}
+# fp32 in the same kernel on TF32 wgmma (3xTF32, fwd_sm90.cu), dense and MODE_EXT (with a
+# bias fp32 runs in fwd_wide.cu): a stage holds K and its low parts, V as loaded, V^T and
+# its low parts, 5 BLOCK_N x d fp32 tiles, so d = 128 takes 32-key tiles to fit two stages
+# beside the 128-row Q tile (224 KB of tiles).
+FWD_SM90_F32_TILES = {
+    64: ((64, 2, 2),),
+    128: ((32, 2, 2),),
+}
+_FWD_SM90_F32_TABLES = {MODE_DENSE: FWD_SM90_F32_TILES, MODE_EXT: FWD_SM90_F32_TILES}
 # The same with the options of _mods (window, dropout, bias, ...; the MODE_EXT kernels):
 # their per-score work and the option state need registers that the dense tiles with 64
 # keys or two m-tiles per warp do not have (build check), so 32-key tiles (16 at d = 192).
@@ -231,12 +240,16 @@ def _sm80_forward(dtype_name: str, D: int, tile, mode: int) -> Variant:
 def _sm90_forward(dtype_name: str, D: int, tile, mode: int) -> Variant:
     block_n, consumers, stages = tile
     block_m = 64 * consumers
-    # fwd_sm90.cu Sm90FwdTile: Q, then K and V STAGES times each, swizzled, and with the
-    # bias a (block_m, block_n) bias tile per stage; 1024 bytes to align them; then
-    # Sm90FwdBarriers (2 + 6 STAGES mbarriers of 8 bytes, then the schedule's STAGES + 1
-    # ints, padded to 8 bytes).
+    item = np.dtype(dtype_name).itemsize
+    # fwd_sm90.cu Sm90FwdTile: Q, then a K tile and a V tile per stage, swizzled (fp32:
+    # K with its low parts, V with V^T and its low parts: 2 and 3 block_n x D tiles), and
+    # with the bias a (block_m, block_n) bias tile per stage; 1024 bytes to align them;
+    # then Sm90FwdBarriers (2 + 8 STAGES mbarriers of 8 bytes, then the schedule's
+    # STAGES + 1 ints, padded to 8 bytes).
+    kv_tiles = 5 if item == 4 else 2
     bias = stages * block_m * block_n if mode & MODE_BIAS else 0
-    smem = ((block_m + 2 * stages * block_n) * D + bias) * 2 + 1024 + 8 * (2 + 6 * stages) + -(-4 * (stages + 1) // 8) * 8
+    smem = (((block_m + kv_tiles * stages * block_n) * D + bias) * item + 1024 + 8 * (2 + 8 * stages)
+            + -(-4 * (stages + 1) // 8) * 8)
     expr = f"flash_fwd_sm90<{CPP_TYPE[dtype_name]}, {D}, {block_n}, {consumers}, {stages}, {mode}, {smem}>"
     return Variant(FWD_SM90, expr, (consumers + 1) * 128, block_m, smem, mode=mode, tile=tuple(tile))
 
@@ -258,9 +271,12 @@ def forward_variants(dtype_name: str, D: int, mode: int = MODE_DENSE) -> list[Va
         mode = _one_ext_mode(mode)   # the other families: one kernel for every option
         tiles = (FWD_SM80_EXT_TILES if mode else FWD_SM80_TILES)[D]
         return hopper + [_sm80_forward(dtype_name, D, tile, mode) for tile in tiles]
+    hopper = []
+    if dtype_name == "float32":
+        hopper = [_sm90_forward(dtype_name, D, tile, mode) for tile in _FWD_SM90_F32_TABLES.get(mode, {}).get(D, ())]
     mode = _one_ext_mode(mode)
     tiles = (FWD_WIDE_EXT_TILES if mode else FWD_WIDE_TILES)[dtype_name][D]
-    return [_wide_forward(dtype_name, D, tile, mode) for tile in tiles]
+    return hopper + [_wide_forward(dtype_name, D, tile, mode) for tile in tiles]
 
 
 def forward_variants_for(dtype_name: str, D: int, mods, *, causal: bool) -> list[Variant]:

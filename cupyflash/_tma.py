@@ -17,13 +17,13 @@ import numpy as np
 from . import _arrays
 
 # CUtensorMapDataType, CUtensorMapSwizzle, CUtensorMapL2promotion (cuda.h).
-_DATA_TYPE = {"float16": 6, "bfloat16": 9}
+_DATA_TYPE = {"float16": 6, "float32": 7, "bfloat16": 9}
 _SWIZZLE_128B = 3
 _L2_PROMOTION_256B = 3
 _INTERLEAVE_NONE = 0
 _OOB_FILL_ZEROS = 0
 MAP_BYTES = 128
-SWIZZLE_BYTES = 128   # a box row spans the swizzle: 64 columns of 16-bit elements
+SWIZZLE_BYTES = 128   # a box row spans the swizzle: 64 columns of 16-bit elements, 32 of fp32
 # The copy engine's limits (CUDA driver API, cuTensorMapEncodeTiled): 16-byte aligned
 # base and strides (arrays.rows_16b_aligned) below 2^40 bytes, boxes of at most 256
 # elements per axis.
@@ -49,7 +49,7 @@ def _encoder():
 
 
 def describable(x) -> bool:
-    """Whether a (B, H, N, d) view of 16-bit elements can be read through a tensor map:
+    """Whether a (B, H, N, d) view of fp16, bf16 or fp32 elements can be read through a tensor map:
     base and every stride of an axis longer than one 16-byte aligned (the last axis is
     contiguous), strides below the engine's limit."""
     if x.dtype.name not in _DATA_TYPE or not _arrays.rows_16b_aligned(x):

@@ -36,6 +36,19 @@
 //     scores' bias), with the heads of a query block side by side in the work order;
 //   - dropout zeroes P after the row sums took it; its keep bits (16 scores per Philox
 //     call) are drawn while S is on the tensor cores.
+// fp32 (T = float) runs on TF32 wgmma at fp32 accuracy (3xTF32, wgmma.cuh tf32_low): a
+// product of fp32 operands is a_lo b + a b_lo + a b, a's and b's high parts being the
+// fp32 elements themselves, which the tensor cores read truncated to TF32. TF32 wgmma
+// reads shared-memory operands K-major only, and a B operand needs its low parts in
+// shared memory too, so three more warps of the producer warpgroup (the split warps)
+// follow the stages: once K has landed they write its low parts below it in the same
+// tile (S's first product is then one wgmma over the keys' high and low rows,
+// [S_hh | S_hl] = Q [K; K_lo]^T, and the second adds Q_lo K^T from registers); once V has
+// landed they write V^T and its low parts (keys in the order of P's registers, below).
+// TF32 accumulates by truncation, so P V of each key tile is summed from zero on the
+// tensor cores and added to O in the FPU, where rounding is to nearest (the same reason
+// as mma_wide.cuh's slices). The consumers issue S, then P V, of each key tile in turn:
+// the registers do not hold both tiles' products at once beside these sums.
 // Varlen reads (1, H, total, d) tensors at the sequence's row offset: rows past a
 // sequence's end belong to the next one (or are zero-filled past the tensor) and are
 // masked or never stored. Tensors TMA cannot describe (rows not 16-byte aligned) run in
@@ -59,6 +72,9 @@
 // the barriers order them, and compute-sanitizer's racecheck, which does not follow
 // mbarrier ordering, then sees no plain write racing the plain reads of a stage's
 // previous round.
+// fp32: the split warps' arrivals (k_split, v_split) follow k_full and v_full, and the
+// consumers wait for them instead; the producer writes the schedule word in every mode,
+// and END there once no work is left, which stops the split warps.
 template <int STAGES>
 struct Sm90FwdBarriers {
     static constexpr int END = -1;
@@ -66,6 +82,7 @@ struct Sm90FwdBarriers {
     u64 k_full[STAGES], v_full[STAGES];
     u64 k_empty[STAGES], v_empty[STAGES];
     u64 bias_full[STAGES], bias_empty[STAGES];   // MODE_BIAS with the bias by TMA
+    u64 k_split[STAGES], v_split[STAGES];         // fp32: the split warps wrote the low parts
     int tile[STAGES];
     int work;   // the work tile whose Q is in flight (END: none left)
 };
@@ -94,38 +111,103 @@ struct Sm90Work {
     }
 };
 
-template <typename T, int D, int BLOCK_N, int CONSUMERS, int STAGES, int MODE>
+template <typename T, int D_, int BLOCK_N_, int CONSUMERS, int STAGES, int MODE>
 struct Sm90FwdTile {
+    static constexpr int D = D_, BLOCK_N = BLOCK_N_, STAGES_ = STAGES;
     // Named barrier of the consumers alone (0 is __syncthreads').
     static constexpr int CONSUMER_BARRIER = 1;
     static constexpr int CONSUMER_THREADS = CONSUMERS * 128;
     static constexpr int THREADS = CONSUMER_THREADS + 128;   // + the producer warpgroup
     static constexpr int BLOCK_M = CONSUMERS * 64;
+    static constexpr bool TF32 = sizeof(T) == 4;    // fp32 as 3xTF32 (above)
     static constexpr int NT = BLOCK_N / 8;          // n-tiles of S per warp
     static constexpr int DT = D / 8;                // n-tiles of O per warp
-    static constexpr int KSTEPS = D / 16;           // k-steps of Q K^T
-    static constexpr int PSTEPS = BLOCK_N / 16;     // k-steps of P V
+    static constexpr int KSTEPS = D / WgmmaK<T>::elems;         // k-steps of Q K^T
+    static constexpr int PSTEPS = BLOCK_N / WgmmaK<T>::elems;   // k-steps of P V
     static constexpr int Q_ELEMS = BLOCK_M * D, KV_ELEMS = BLOCK_N * D;
+    // A stage's K tile: K, and for fp32 its low parts as BLOCK_N more rows (K_ROWS rows in
+    // all, so each panel holds both); its V tile: V, and for fp32 V^T and V^T's low parts.
+    static constexpr int K_ROWS = TF32 ? 2 * BLOCK_N : BLOCK_N;
+    static constexpr int K_TILE_ELEMS = K_ROWS * D, V_TILE_ELEMS = (TF32 ? 3 : 1) * KV_ELEMS;
+    static constexpr int SPLIT_WARPS = 3;           // fp32: the producer warpgroup's warps 1 .. 3
     // MODE_BIAS: a bias tile per stage (BLOCK_M rows, BLOCK_N / 64 panels of 64 keys).
     static constexpr int BIAS_ELEMS = (MODE & MODE_BIAS) != 0 ? BLOCK_M * BLOCK_N : 0;
-    static constexpr int PANEL = 64;                // columns per TMA box (128 bytes, the swizzle span)
+    static constexpr int PANEL = 128 / sizeof(T);   // columns per TMA box (128 bytes, the swizzle span)
     static constexpr u32 Q_BYTES = Q_ELEMS * sizeof(T), KV_BYTES = KV_ELEMS * sizeof(T);
     static constexpr u32 BIAS_BYTES = BIAS_ELEMS * sizeof(T);
     // Shared memory (cupyflash/_kernels.py mirrors it): Q, K x STAGES, V x STAGES, bias x
     // STAGES (MODE_BIAS), each 1024-byte aligned; then the mbarriers and the schedule.
     static constexpr int ALIGN = 1024;
-    static constexpr int TILE_BYTES = (Q_ELEMS + 2 * STAGES * KV_ELEMS + STAGES * BIAS_ELEMS) * sizeof(T);
+    static constexpr int TILE_BYTES = (Q_ELEMS + STAGES * (K_TILE_ELEMS + V_TILE_ELEMS + BIAS_ELEMS)) * sizeof(T);
     // The dynamic shared memory the host must give: the tiles, the slack to align them,
     // the barriers.
     static constexpr int SMEM_BYTES = TILE_BYTES + ALIGN + sizeof(Sm90FwdBarriers<STAGES>);
     // Register budgets after setmaxnreg: the producer keeps 24 a thread (56 where it
-    // walks the options' schedule: with less, its block-mask walk spills); the consumers
-    // share the rest of the launch's registers (tma.cuh WarpgroupRegs).
-    static constexpr int PRODUCER_REGS = MODE == MODE_DENSE ? 24 : 56;
+    // walks the options' schedule: with less, its block-mask walk spills; or splits fp32
+    // tiles); the consumers share the rest of the launch's registers (tma.cuh
+    // WarpgroupRegs).
+    static constexpr int PRODUCER_REGS = TF32 && MODE != MODE_DENSE ? 72 : MODE == MODE_DENSE && !TF32 ? 24 : 56;
     static constexpr int CONSUMER_REGS = WarpgroupRegs<THREADS, PRODUCER_REGS>::CONSUMER;
-    static_assert(D % PANEL == 0 && BLOCK_N % 64 == 0 && BLOCK_N <= 256 && D <= 256 && BLOCK_M <= 256,
+    static_assert(D % PANEL == 0 && BLOCK_N % PANEL == 0 && BLOCK_N <= 256 && D <= 256 && BLOCK_M <= 256,
                   "tile shape (TMA boxes take at most 256 rows)");
+    static_assert(!TF32 || (MODE & MODE_BIAS) == 0, "fp32 with a bias runs in fwd_wide.cu");
 };
+
+// The split warps of an fp32 tile (C::TF32): for each stage the producer fills, in the
+// producer's order, once K has landed its low parts into the K tile's rows BLOCK_N ..
+// (the same swizzle phase: BLOCK_N is a multiple of 8), and once V has landed V^T and its
+// low parts (rows: head-dim columns; columns: keys, each 8-key group's keys in the order
+// 0 2 4 6 1 3 5 7, so that the C fragment of S, keys 2t and 2t + 1 of a thread's rows, is
+// P V's A fragment as it is: a0 a1 a2 a3 = c0 c2 c1 c3, k-slots t and t + 4). Each write
+// is fenced for the wgmmas (async proxy) before the warp's arrival. They stop at a
+// schedule word END.
+template <typename C, typename Bars, typename ReadWord, typename ReleaseBar>
+__device__ __forceinline__ void split_stages(float* sK, float* sV, Bars& bars, ReadWord&& read_word,
+                                             ReleaseBar&& release_bar) {
+    constexpr int BLOCK_N = C::BLOCK_N, D = C::D, STAGES = C::STAGES_;
+    constexpr int SPLIT_THREADS = C::SPLIT_WARPS * 32;
+    const int tid = threadIdx.x - C::CONSUMER_THREADS - 32;
+    typedef Swizzle128<float, BLOCK_N> VLayout;   // V as TMA lays it out: rows are keys
+    typedef Swizzle128<float, D> VtLayout;        // V^T: rows are head-dim columns
+    for (int t = 0;; ++t) {
+        const int s = t % STAGES;
+        const u32 parity = (t / STAGES) & 1;
+        mbar_wait(&bars.k_full[s], parity);
+        if (read_word(&bars.tile[s]) == Bars::END) return;
+        // K's 16-byte chunks, panel by panel: rows 0 .. BLOCK_N - 1 of a K_ROWS-row panel.
+        float* k_tile = sK + s * C::K_TILE_ELEMS;
+        constexpr int CHUNKS = BLOCK_N * 8;   // per panel: 8 chunks of 4 floats a row
+        #pragma unroll 4
+        for (int c = tid; c < (D / 32) * CHUNKS; c += SPLIT_THREADS) {
+            float* chunk = k_tile + (c / CHUNKS) * (C::K_ROWS * 32) + (c % CHUNKS) * 4;
+            *reinterpret_cast<float4*>(chunk + BLOCK_N * 32) = tf32_low(*reinterpret_cast<const float4*>(chunk));
+        }
+        fence_async_smem();
+        release_bar(&bars.k_split[s]);
+
+        mbar_wait(&bars.v_full[s], parity);
+        float* v_tile = sV + s * C::V_TILE_ELEMS;
+        float* vt = v_tile + C::KV_ELEMS;
+        float* vt_low = vt + C::KV_ELEMS;
+        // A thread takes one head-dim column d of an 8-key group: a warp reads 32
+        // neighbouring columns of a key row (128 bytes) and writes 16-byte chunks of 8
+        // neighbouring V^T rows at distinct swizzle positions, so neither side conflicts.
+        #pragma unroll 2
+        for (int u = tid; u < (BLOCK_N / 8) * D; u += SPLIT_THREADS) {
+            const int d = u % D, key0 = (u / D) * 8;
+            float x[8];
+            #pragma unroll
+            for (int i = 0; i < 8; ++i) x[i] = VLayout::at(v_tile, key0 + i, d & ~3)[d & 3];
+            const float4 even = make_float4(x[0], x[2], x[4], x[6]), odd = make_float4(x[1], x[3], x[5], x[7]);
+            *reinterpret_cast<float4*>(VtLayout::at(vt, d, key0)) = even;
+            *reinterpret_cast<float4*>(VtLayout::at(vt, d, key0 + 4)) = odd;
+            *reinterpret_cast<float4*>(VtLayout::at(vt_low, d, key0)) = tf32_low(even);
+            *reinterpret_cast<float4*>(VtLayout::at(vt_low, d, key0 + 4)) = tf32_low(odd);
+        }
+        fence_async_smem();
+        release_bar(&bars.v_split[s]);
+    }
+}
 
 template <typename T, int D, int BLOCK_N, int CONSUMERS, int STAGES, int MODE, int SMEM_BYTES>
 __global__ void __launch_bounds__(Sm90FwdTile<T, D, BLOCK_N, CONSUMERS, STAGES, MODE>::THREADS, 1)
@@ -138,9 +220,9 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
     constexpr bool HEADS_FIRST = (MODE & MODE_BIAS) != 0;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* sQ = reinterpret_cast<T*>(smem_raw + (C::ALIGN - smem_addr(smem_raw) % C::ALIGN) % C::ALIGN);
-    T* sK = sQ + C::Q_ELEMS;                  // STAGES buffers
-    T* sV = sK + STAGES * C::KV_ELEMS;        // STAGES buffers
-    T* sBias = sV + STAGES * C::KV_ELEMS;     // STAGES buffers (MODE_BIAS)
+    T* sK = sQ + C::Q_ELEMS;                    // STAGES K tiles
+    T* sV = sK + STAGES * C::K_TILE_ELEMS;      // STAGES V tiles
+    T* sBias = sV + STAGES * C::V_TILE_ELEMS;   // STAGES buffers (MODE_BIAS)
     auto& bars = *reinterpret_cast<Sm90FwdBarriers<STAGES>*>(reinterpret_cast<unsigned char*>(sQ) + C::TILE_BYTES);
     // The option state of the current work tile (mods.cuh), one copy for the producer
     // thread and one for the consumers, each written and read by its own side (the
@@ -149,6 +231,16 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
     __shared__ ModsT producer_mods, consumer_mods;
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    auto release_bar = [&](u64* bar) {   // one arrival per warp, once all its lanes are done
+        __syncwarp();
+        if (lane == 0) mbar_arrive(bar);
+    };
+    // A shared word the producer wrote before the barrier just waited for.
+    auto read_word = [&](int* word) {
+        int x = 0;
+        if (lane == 0) x = atomicAdd(word, 0);
+        return __shfl_sync(0xffffffffu, x, 0);
+    };
     // MODE_BIAS: the bias tiles come by TMA beside K and V where the bias has whole rows
     // (a tensor map describes it), else each thread loads its scores' bias (bias_tile).
     const bool bias_in_smem = (MODE & MODE_BIAS) != 0 && p.mods.bias_tma;
@@ -164,6 +256,8 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
             mbar_init(&bars.v_empty[s], CONSUMERS * 4);
             mbar_init(&bars.bias_full[s], 1);
             mbar_init(&bars.bias_empty[s], CONSUMERS * 4);
+            mbar_init(&bars.k_split[s], C::SPLIT_WARPS);
+            mbar_init(&bars.v_split[s], C::SPLIT_WARPS);
         }
         mbar_init_fence();
     }
@@ -180,11 +274,12 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
         if (warp == CONSUMERS * 4) {
             const bool leader = lane == 0;
             const ModsT& mods = producer_mods;
-            // Rows in the tensor maps' coordinates: under varlen the sequence's offset.
-            auto load_panels = [&](T* dst, const TmaMap& map, u64* bar, int rows, i64 row0, int head) {
+            // Rows in the tensor maps' coordinates: under varlen the sequence's offset. The
+            // panels of dst have panel_rows rows (the box's, or an fp32 K tile's K_ROWS).
+            auto load_panels = [&](T* dst, const TmaMap& map, u64* bar, int panel_rows, i64 row0, int head) {
                 #pragma unroll
                 for (int panel = 0; panel < D / C::PANEL; ++panel)
-                    tma_load_4d(dst + panel * rows * C::PANEL, map, bar, panel * C::PANEL, int(row0), head, mods.tb);
+                    tma_load_4d(dst + panel * panel_rows * C::PANEL, map, bar, panel * C::PANEL, int(row0), head, mods.tb);
             };
             auto next_work = [&](int w) {
                 if (p.work_counter == nullptr) return w + int(gridDim.x);
@@ -212,6 +307,13 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
                     if (leader) {
                         atomicExch(&bars.work, bars.END);
                         mbar_arrive(&bars.q_full);
+                    }
+                    if constexpr (C::TF32) {   // and stops the split warps at the next stage
+                        mbar_wait(&bars.k_empty[t % STAGES], ((t / STAGES) & 1) ^ 1);
+                        if (leader) {
+                            atomicExch(&bars.tile[t % STAGES], bars.END);
+                            mbar_arrive(&bars.k_full[t % STAGES]);
+                        }
                     }
                     break;
                 }
@@ -274,9 +376,11 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
                             const bool masked = state == 2 || mods.mask.band_needs_mask(q0, q0 + q_rows, j * BLOCK_N,
                                                                                         (j + 1) * BLOCK_N);
                             atomicExch(&bars.tile[s], 4 * j + 2 * (next >= walk_length) + masked);
+                        } else if constexpr (C::TF32) {
+                            atomicExch(&bars.tile[s], 4 * j);   // not END: the split warps go on
                         }
                         mbar_arrive_expect_tx(&bars.k_full[s], C::KV_BYTES);
-                        load_panels(sK + s * C::KV_ELEMS, p.k_map, &bars.k_full[s], BLOCK_N,
+                        load_panels(sK + s * C::K_TILE_ELEMS, p.k_map, &bars.k_full[s], C::K_ROWS,
                                     mods.k_base + (i64)j * BLOCK_N, hk);
                     }
                     if (bias_in_smem) {
@@ -294,13 +398,15 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
                     mbar_wait(&bars.v_empty[s], parity);
                     if (leader) {
                         mbar_arrive_expect_tx(&bars.v_full[s], C::KV_BYTES);
-                        load_panels(sV + s * C::KV_ELEMS, p.v_map, &bars.v_full[s], BLOCK_N,
+                        load_panels(sV + s * C::V_TILE_ELEMS, p.v_map, &bars.v_full[s], BLOCK_N,
                                     mods.k_base + (i64)j * BLOCK_N, hk);
                     }
                     k_pos = next;
                     state = next_state;
                 }
             }
+        } else if constexpr (C::TF32) {
+            split_stages<C>(sK, sV, bars, read_word, release_bar);
         }
         return;
     }
@@ -315,17 +421,10 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
     // them: the t-th is in stage t % STAGES.
     int t = 0;
     auto wait_full = [&](u64* full, int t) { mbar_wait(&full[t % STAGES], (t / STAGES) & 1); };
-    auto release_bar = [&](u64* bar) {
-        __syncwarp();
-        if (lane == 0) mbar_arrive(bar);
-    };
+    // Where the consumers learn that a stage's K or V is ready: fp32 once it is split.
+    u64* const k_ready = C::TF32 ? bars.k_split : bars.k_full;
+    u64* const v_ready = C::TF32 ? bars.v_split : bars.v_full;
     auto release = [&](u64* empty, int t) { release_bar(&empty[t % STAGES]); };
-    // A shared word the producer wrote before the barrier just waited for.
-    auto read_word = [&](int* word) {
-        int x = 0;
-        if (lane == 0) x = atomicAdd(word, 0);
-        return __shfl_sync(0xffffffffu, x, 0);
-    };
     const float scale_log2 = float(p.scale_log2);
 
     for (int k = 0;; ++k) {
@@ -353,25 +452,83 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
         float s[1][NT][4];
         u32 p_frag[C::PSTEPS][4];   // P of the tile whose P V is next, as A fragments
         float alpha[1][2];
+        // fp32: S's products [S_hh | S_hl] (the second half then added to the first), P's
+        // low parts, and one key tile's P V, summed into acc in the FPU.
+        constexpr bool TF32 = C::TF32;
+        float s2[1][TF32 ? 2 * NT : 1][4];
+        u32 p_low[TF32 ? C::PSTEPS : 1][4];
+        float o_tile[1][TF32 ? DT : 1][4];
 
-        // S = Q K^T of the t-th key tile (this warpgroup's 64 rows), one batch.
+        // S = Q K^T of the t-th key tile (this warpgroup's 64 rows), one batch. fp32: into
+        // s2, Q [K; K_lo]^T, then Q_lo K^T (Q_lo from Q's shared tile, in the m16n8k8 A
+        // layout) onto its first half.
         auto issue_s = [&](int t) {
-            const T* sKb = sK + (t % STAGES) * C::KV_ELEMS;
-            wgmma_fence();
-            Wgmma<T, BLOCK_N>::template ss<false>(s[0], kmajor_desc<T, BLOCK_M>(sQ, wg_row0, 0), kmajor_desc<T, BLOCK_N>(sKb, 0, 0));
-            #pragma unroll
-            for (int ks = 1; ks < C::KSTEPS; ++ks)
-                Wgmma<T, BLOCK_N>::template ss<true>(s[0], kmajor_desc<T, BLOCK_M>(sQ, wg_row0, ks), kmajor_desc<T, BLOCK_N>(sKb, 0, ks));
-            wgmma_commit();
+            const T* sKb = sK + (t % STAGES) * C::K_TILE_ELEMS;
+            if constexpr (TF32) {
+                u32 q_low[C::KSTEPS][4];
+                #pragma unroll
+                for (int ks = 0; ks < C::KSTEPS; ++ks)
+                    #pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int row = warp_row0 + g + 8 * (e % 2), col = 8 * ks + t4 + 4 * (e / 2);
+                        q_low[ks][e] = __float_as_uint(tf32_low(Swizzle128<float, BLOCK_M>::at(sQ, row, col & ~3)[col & 3]));
+                    }
+                auto& s_hh = *reinterpret_cast<float (*)[NT][4]>(&s2[0][0][0]);
+                wgmma_fence();
+                Wgmma<float, 2 * BLOCK_N>::template ss<false>(s2[0], kmajor_desc<float, BLOCK_M>(sQ, wg_row0, 0),
+                                                              kmajor_desc<float, C::K_ROWS>(sKb, 0, 0));
+                #pragma unroll
+                for (int ks = 1; ks < C::KSTEPS; ++ks)
+                    Wgmma<float, 2 * BLOCK_N>::template ss<true>(s2[0], kmajor_desc<float, BLOCK_M>(sQ, wg_row0, ks),
+                                                                 kmajor_desc<float, C::K_ROWS>(sKb, 0, ks));
+                #pragma unroll
+                for (int ks = 0; ks < C::KSTEPS; ++ks)
+                    Wgmma<float, BLOCK_N>::template rs<true>(s_hh, q_low[ks], kmajor_desc<float, C::K_ROWS>(sKb, 0, ks));
+                wgmma_commit();
+            } else {
+                wgmma_fence();
+                Wgmma<T, BLOCK_N>::template ss<false>(s[0], kmajor_desc<T, BLOCK_M>(sQ, wg_row0, 0), kmajor_desc<T, BLOCK_N>(sKb, 0, 0));
+                #pragma unroll
+                for (int ks = 1; ks < C::KSTEPS; ++ks)
+                    Wgmma<T, BLOCK_N>::template ss<true>(s[0], kmajor_desc<T, BLOCK_M>(sQ, wg_row0, ks), kmajor_desc<T, BLOCK_N>(sKb, 0, ks));
+                wgmma_commit();
+            }
         };
-        // O += P V of the t-th key tile, one batch.
+        // fp32: S from s2 once it has landed.
+        auto sum_s2 = [&]() {
+            if constexpr (TF32) {
+                #pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+                    #pragma unroll
+                    for (int e = 0; e < 4; ++e) s[0][nt][e] = s2[0][nt][e] + s2[0][NT + nt][e];
+            }
+        };
+        // O += P V of the t-th key tile, one batch. fp32: o_tile = P_lo V + P V_lo + P V
+        // from V^T's tiles (split_stages).
         auto issue_pv = [&](int t) {
-            const T* sVb = sV + (t % STAGES) * C::KV_ELEMS;
-            wgmma_fence();
-            #pragma unroll
-            for (int ks = 0; ks < C::PSTEPS; ++ks)
-                Wgmma<T, D>::template rs<true>(acc[0], p_frag[ks], mnmajor_desc<T, BLOCK_N>(sVb, ks));
-            wgmma_commit();
+            const T* sVb = sV + (t % STAGES) * C::V_TILE_ELEMS;
+            if constexpr (TF32) {
+                const float* vt = sVb + C::KV_ELEMS;
+                const float* vt_low = vt + C::KV_ELEMS;
+                wgmma_fence();
+                Wgmma<float, D>::template rs<false>(o_tile[0], p_low[0], kmajor_desc<float, D>(vt, 0, 0));
+                #pragma unroll
+                for (int ks = 1; ks < C::PSTEPS; ++ks)
+                    Wgmma<float, D>::template rs<true>(o_tile[0], p_low[ks], kmajor_desc<float, D>(vt, 0, ks));
+                #pragma unroll
+                for (int ks = 0; ks < C::PSTEPS; ++ks)
+                    Wgmma<float, D>::template rs<true>(o_tile[0], p_frag[ks], kmajor_desc<float, D>(vt_low, 0, ks));
+                #pragma unroll
+                for (int ks = 0; ks < C::PSTEPS; ++ks)
+                    Wgmma<float, D>::template rs<true>(o_tile[0], p_frag[ks], kmajor_desc<float, D>(vt, 0, ks));
+                wgmma_commit();
+            } else {
+                wgmma_fence();
+                #pragma unroll
+                for (int ks = 0; ks < C::PSTEPS; ++ks)
+                    Wgmma<T, D>::template rs<true>(acc[0], p_frag[ks], mnmajor_desc<T, BLOCK_N>(sVb, ks));
+                wgmma_commit();
+            }
         };
         // The options' per-score state of this head (nothing in dense mode).
         const auto head_mods = mods.at_head(h);
@@ -446,14 +603,16 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
             if (bias_in_smem) release(bars.bias_empty, t);
         };
         auto add_bias = [&](const BiasPairs& pairs, float weight) {
-            #pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
+            if constexpr ((MODE & MODE_BIAS) != 0) {
                 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    T x;
-                    x.bits = u16(pairs[nt][e / 2] >> (16 * (e % 2)));
-                    s[0][nt][e] = fma(to_acc(x), weight, s[0][nt][e]);
-                }
+                for (int nt = 0; nt < NT; ++nt)
+                    #pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        T x;
+                        x.bits = u16(pairs[nt][e / 2] >> (16 * (e % 2)));
+                        s[0][nt][e] = fma(to_acc(x), weight, s[0][nt][e]);
+                    }
+            }
         };
         // The mask and the score terms on the scores of key tile jt (masked: not wholly
         // visible), folded into the softmax state: s becomes P (dropped where `keep` says:
@@ -483,9 +642,22 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
             return grew;
         };
         // P into A fragments; p_frag must not change while a P V that reads it is in flight.
+        // fp32: n-tile ks of S is k-step ks, its keys 2t, 2t + 1 in k-slots t, t + 4
+        // (split_stages' order of V^T), and the low parts beside.
         auto round_p = [&]() {
             #pragma unroll
-            for (int ks = 0; ks < C::PSTEPS; ++ks) c_to_a_frag<T>(p_frag[ks], s, 0, ks);
+            for (int ks = 0; ks < C::PSTEPS; ++ks) {
+                if constexpr (TF32) {
+                    constexpr int SLOT[4] = {0, 2, 1, 3};
+                    #pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        p_frag[ks][i] = __float_as_uint(s[0][ks][SLOT[i]]);
+                        p_low[ks][i] = __float_as_uint(tf32_low(s[0][ks][SLOT[i]]));
+                    }
+                } else {
+                    c_to_a_frag<T>(p_frag[ks], s, 0, ks);
+                }
+            }
         };
 
         // The t-th key tile (counted over the CTA's work tiles): its index, whether it
@@ -502,7 +674,7 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
                 masked = jt >= dense_masked_from;
                 last = jt + 1 >= tiles.y;
             } else {
-                wait_full(bars.k_full, t);
+                wait_full(k_ready, t);
                 const int code = read_word(&bars.tile[t % STAGES]);
                 jt = code >> 2;
                 last = code & 2;
@@ -519,7 +691,37 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
         // soon as the product that reads it has landed. (The issue order is
         // unconditional inside the loop: a wgmma batch issued on one path only would
         // leave register copies between the wgmmas and their wait.)
-        if ((work_word & 1) == 0) {
+        // fp32 (TF32): each key tile's S, then its P V, in turn (see the top); Q goes back
+        // once the last S has landed.
+        if constexpr (TF32) {
+            for (bool last = (work_word & 1) != 0; !last; ++t) {
+                int jt;
+                bool masked;
+                visited(t, jt, masked, last);
+                wait_full(k_ready, t);
+                issue_s(t);
+                const u64 keep = keep_bits(jt);
+                wgmma_wait<0>();
+                reg_fence(s2[0]);
+                if (last) release_bar(&bars.q_empty);
+                release(bars.k_empty, t);
+                sum_s2();
+                BiasPairs bias;
+                const bool grew = softmax_tile(jt, masked, keep, bias);
+                round_p();
+                wait_full(v_ready, t);
+                issue_pv(t);
+                if (grew) softmax.rescale(acc, alpha);
+                wgmma_wait<0>();
+                reg_fence(o_tile[0]);
+                release(bars.v_empty, t);
+                #pragma unroll
+                for (int dt = 0; dt < DT; ++dt)
+                    #pragma unroll
+                    for (int e = 0; e < 4; ++e) acc[0][dt][e] += o_tile[0][dt][e];
+            }
+            if (work_word & 1) release_bar(&bars.q_empty);
+        } else if ((work_word & 1) == 0) {
             int jt;
             bool masked, last;
             visited(t, jt, masked, last);
@@ -580,11 +782,15 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
             if (t4 == 0)
                 static_cast<float*>(p.lse)[((i64)mods.tb * p.grid_heads + h) * p.nq + row] = row_lse[0][hh];
             T* o_row = O.at(mods.tb, h, row) + 2 * t4;
-            if (p.vec && p.dim_v % 2 == 0) {   // pairs 4-byte aligned, whole or wholly outside
+            if (p.vec && p.dim_v % 2 == 0) {   // pairs aligned, whole or wholly outside
                 #pragma unroll
                 for (int dt = 0; dt < DT; ++dt)
-                    if (dt * 8 + 2 * t4 < p.dim_v)
-                        *reinterpret_cast<u32*>(o_row + dt * 8) = pack2<T>(acc[0][dt][2 * hh], acc[0][dt][2 * hh + 1]);
+                    if (dt * 8 + 2 * t4 < p.dim_v) {
+                        if constexpr (TF32)
+                            *reinterpret_cast<float2*>(o_row + dt * 8) = make_float2(acc[0][dt][2 * hh], acc[0][dt][2 * hh + 1]);
+                        else
+                            *reinterpret_cast<u32*>(o_row + dt * 8) = pack2<T>(acc[0][dt][2 * hh], acc[0][dt][2 * hh + 1]);
+                    }
             } else {
                 #pragma unroll
                 for (int dt = 0; dt < DT; ++dt)

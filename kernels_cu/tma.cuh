@@ -40,12 +40,41 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(u64* bar, u32 bytes) {
 // Wait until the phase of parity `parity` has completed. A fresh barrier is in phase 0,
 // so waiting for parity 1 returns at once: that is how a producer finds every stage
 // empty on its first round.
+// Debugging a hang: compiled with -DCUPYFLASH_WATCHDOG, a thread whose wait has spun for
+// ~2^31 clocks records (block, thread, barrier's shared address, parity, its 64-bit state) once into the
+// host-mapped words at mbar_watchdog_log (word 0 counts the records), which the host can
+// read while the kernel hangs; set the pointer through the module's global.
+#ifdef CUPYFLASH_WATCHDOG
+extern "C" __device__ unsigned* mbar_watchdog_log;
+__device__ unsigned* mbar_watchdog_log;
+#endif
 __device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
     u32 done;
+#ifdef CUPYFLASH_WATCHDOG
+    const long long start = clock64();
+    bool logged = false;
+#endif
     do {
         asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
                      "selp.u32 %0, 1, 0, p;\n}\n"
                      : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
+#ifdef CUPYFLASH_WATCHDOG
+        if (!done && !logged && mbar_watchdog_log != nullptr && clock64() - start > (1ll << 31)) {
+            logged = true;
+            const unsigned i = atomicAdd(mbar_watchdog_log, 1u);
+            if (i < 4096) {
+                unsigned* r = mbar_watchdog_log + 1 + 6 * i;
+                r[0] = blockIdx.x;
+                r[1] = threadIdx.x;
+                r[2] = smem_addr(bar);
+                r[3] = parity;
+                const u64 state = *reinterpret_cast<volatile u64*>(bar);   // the barrier's opaque state
+                r[4] = u32(state);
+                r[5] = u32(state >> 32);
+            }
+            __threadfence_system();
+        }
+#endif
     } while (!done);
 }
 

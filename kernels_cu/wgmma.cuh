@@ -1,5 +1,7 @@
-// Hopper (sm_90a) warpgroup MMA: wgmma.mma_async on 16-bit operands with fp32
-// accumulators, and the 128-byte-swizzled shared-memory layout its descriptors read.
+// Hopper (sm_90a) warpgroup MMA: wgmma.mma_async on 16-bit operands (k-steps of 16) and
+// on TF32 operands (fp32 tiles read as TF32, k-steps of 8), both with fp32 accumulators,
+// and the 128-byte-swizzled shared-memory layout their descriptors read. A k-step is 32
+// bytes of a row in either case, so the layout and the descriptors are the same in bytes.
 //
 // A warpgroup (4 consecutive warps, the first a multiple of 4) computes a 64 x n tile.
 // Warp w of the group holds rows 16 w .. 16 w + 15 in the same C fragment layout as
@@ -93,14 +95,17 @@ __device__ __forceinline__ u64 wgmma_desc(const void* start, u32 leading_bytes, 
 // descriptor is computed once and each k-step's is one add of a constant, where the
 // address arithmetic inside wgmma_desc cost ~12 instructions per wgmma.
 
+// Elements of one k-step: 32 bytes of a row (16 for 16-bit types, 8 for TF32).
+template <typename T> struct WgmmaK { static constexpr int elems = 32 / sizeof(T); };
+
 // K-major operand (rows of the tile along m or n, k contiguous: Q and K for S = Q K^T):
-// k-step ks of 16 elements starts at panel ks / 4, byte 32 (ks % 4) of its rows; the
-// 8-row groups are 1024 bytes apart (stride offset); the leading offset is unused.
+// k-step ks starts at panel ks / 4, byte 32 (ks % 4) of its rows; the 8-row groups are
+// 1024 bytes apart (stride offset); the leading offset is unused.
 template <typename T, int ROWS>
 __device__ __forceinline__ u64 kmajor_desc(const T* tile, int row0, int ks) {
     typedef Swizzle128<T, ROWS> L;
-    constexpr int KS_PER_PANEL = L::PANEL_COLS / 16;
-    const u32 offset = ((ks / KS_PER_PANEL) * L::PANEL_ELEMS + row0 * L::PANEL_COLS + (ks % KS_PER_PANEL) * 16) * sizeof(T);
+    constexpr int KE = WgmmaK<T>::elems, KS_PER_PANEL = L::PANEL_COLS / KE;
+    const u32 offset = ((ks / KS_PER_PANEL) * L::PANEL_ELEMS + row0 * L::PANEL_COLS + (ks % KS_PER_PANEL) * KE) * sizeof(T);
     return wgmma_desc(tile, 16, 1024) + (offset >> 4);
 }
 
@@ -113,6 +118,19 @@ __device__ __forceinline__ u64 mnmajor_desc(const T* tile, int ks, int col0 = 0)
     typedef Swizzle128<T, ROWS> L;
     const u32 offset = ((col0 / L::PANEL_COLS) * L::PANEL_ELEMS + ks * 16 * L::PANEL_COLS) * sizeof(T);
     return wgmma_desc(tile, L::PANEL_ELEMS * sizeof(T), 1024) + (offset >> 4);
+}
+
+// The part of x that the tensor cores' TF32 truncation drops, exact in fp32: a product
+// of fp32 operands at fp32 accuracy is three TF32 products, a_lo b + a b_lo + a b (3xTF32,
+// each operand's high part being the operand itself, truncated by the tensor core).
+// The dropped terms (the truncation of each low part and a_lo b_lo) stay below 2^-19 of
+// |a b|; mma_wide.cuh rounds its high parts instead, which these tiles cannot do for the
+// operands that TMA writes to shared memory.
+__device__ __forceinline__ float tf32_low(float x) {
+    return x - __uint_as_float(__float_as_uint(x) & 0xffffe000u);
+}
+__device__ __forceinline__ float4 tf32_low(float4 x) {
+    return make_float4(tf32_low(x.x), tf32_low(x.y), tf32_low(x.z), tf32_low(x.w));
 }
 
 // ---------------------------------------------------------------- ordering
@@ -143,11 +161,12 @@ __device__ __forceinline__ void reg_fence(float (&d)[NT][4]) {
 // such moves would sit between a wgmma and its wait and make ptxas serialize the wgmmas).
 template <typename T, int N> struct Wgmma;
 
-#define WGMMA_ASM(TY, N, KIND, TAIL, CONSTRAINT, ...)                                        \
+#define WGMMA_ASM_K(TY, K, N, KIND, TAIL, CONSTRAINT, ...)                                   \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " WG_N##N##_##KIND##_SCALE ", 0;\n"     \
-                 "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " "              \
+                 "wgmma.mma_async.sync.aligned.m64n" #N "k" #K ".f32." TY "." TY " "          \
                  WG_N##N##_ACC ", " WG_N##N##_##KIND ", p, 1, 1" TAIL ";\n}\n"               \
                  : WG_N##N##_OPS(CONSTRAINT, d) : __VA_ARGS__, "r"(int(ACCUMULATE)) : "memory")
+#define WGMMA_ASM(TY, N, KIND, TAIL, CONSTRAINT, ...) WGMMA_ASM_K(TY, 16, N, KIND, TAIL, CONSTRAINT, __VA_ARGS__)
 
 #define WGMMA_DEFINE(TYPE, TY, N)                                                            \
 template <> struct Wgmma<TYPE, N> {                                                          \
@@ -177,4 +196,29 @@ WGMMA_DEFINE(bfloat16_t, "bf16", 128)
 WGMMA_DEFINE(bfloat16_t, "bf16", 192)
 WGMMA_DEFINE(bfloat16_t, "bf16", 256)
 #undef WGMMA_DEFINE
+
+// TF32 (fp32 tiles; the tensor cores read the top 19 bits of each element, mma_wide.cuh):
+// k-steps of 8, both shared-memory operands K-major (TF32 has no transpose bits, so a
+// B whose k runs along its rows, as V's keys do, must be transposed in shared memory),
+// A in registers in the m16n8k8 A layout (a0: (g, t), a1: (g + 8, t), a2: (g, t + 4),
+// a3: (g + 8, t + 4)).
+#define WGMMA_DEFINE_TF32(N)                                                                 \
+template <> struct Wgmma<float, N> {                                                         \
+    template <bool ACCUMULATE>                                                               \
+    static __device__ __forceinline__ void ss(float (&d)[N / 8][4], u64 a, u64 b) {          \
+        if constexpr (ACCUMULATE) WGMMA_ASM_K("tf32", 8, N, SS, "", "+f", "l"(a), "l"(b));    \
+        else WGMMA_ASM_K("tf32", 8, N, SS, "", "=f", "l"(a), "l"(b));                         \
+    }                                                                                        \
+    template <bool ACCUMULATE>                                                               \
+    static __device__ __forceinline__ void rs(float (&d)[N / 8][4], const u32 (&a)[4], u64 b) { \
+        if constexpr (ACCUMULATE)                                                            \
+            WGMMA_ASM_K("tf32", 8, N, RS, "", "+f", "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b)); \
+        else WGMMA_ASM_K("tf32", 8, N, RS, "", "=f", "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b)); \
+    }                                                                                        \
+};
+WGMMA_DEFINE_TF32(32)
+WGMMA_DEFINE_TF32(64)
+WGMMA_DEFINE_TF32(128)
+#undef WGMMA_DEFINE_TF32
 #undef WGMMA_ASM
+#undef WGMMA_ASM_K

@@ -9,6 +9,15 @@
 // Inline asm needs literal operand numbers, so these are spelled out rather than built.
 #pragma once
 
+#define WG_N32_ACC "{" \
+    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
+#define WG_N32_SS "%16, %17"
+#define WG_N32_SS_SCALE "%18"
+#define WG_N32_RS "{%16, %17, %18, %19}, %20"
+#define WG_N32_RS_SCALE "%21"
+#define WG_N32_OPS(c, d) \
+    c(d[0][0]), c(d[0][1]), c(d[0][2]), c(d[0][3]), c(d[1][0]), c(d[1][1]), c(d[1][2]), c(d[1][3]), \
+    c(d[2][0]), c(d[2][1]), c(d[2][2]), c(d[2][3]), c(d[3][0]), c(d[3][1]), c(d[3][2]), c(d[3][3])
 #define WG_N64_ACC "{" \
     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"

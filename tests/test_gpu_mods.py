@@ -683,6 +683,46 @@ def test_hopper_path_with_options(rng, monkeypatch, dtype, d, nq, nk, layout, ca
     assert hopper_backward == ("bias" not in mods), [v.name_expression for v in launched]
 
 
+def _fp32_hopper_params():
+    options = (("dense", False, lambda *a: {}), ("causal", True, lambda *a: {}),
+               *(o for o in HOPPER_OPTIONS if not o[0].startswith(("bias", "everything"))),
+               ("everything-but-bias", True, lambda r, b, h, nq, nk, t: dict(
+                   window=(500, 3), seqlens_k=_seqlens(r, b, nk), softcap=20.0, alibi_slopes=_slopes((h,)),
+                   dropout_p=0.25, seed=3)))
+    for i, (name, causal, build) in enumerate(options):
+        for j, (nq, nk) in enumerate(HOPPER_SIZES[1:4] if i % 2 else HOPPER_SIZES[3:]):
+            d = (64, 128, 40, 104)[(i + j) % 4]   # 40 and 104: TMA zero-fills the padding columns
+            layout = LAYOUTS[(i + j) % 2]
+            yield pytest.param(d, nq, nk, layout, causal, build, id=f"{name}-d{d}-{nq}x{nk}-{layout}")
+
+
+@pytest.mark.parametrize("d,nq,nk,layout,causal,build", list(_fp32_hopper_params()))
+def test_hopper_fp32_forward_on_tf32_wgmma(rng, monkeypatch, d, nq, nk, layout, causal, build):
+    """fp32 on Hopper's TF32 warpgroup MMA (fwd_sm90.cu, 3xTF32 with the split warps)
+    at fp32's tolerance against the float64 reference, dense and with every option it
+    takes (with a bias fp32 runs in fwd_wide.cu); GQA 2:1. The forward must take that
+    kernel."""
+    if DRY_RUN:
+        pytest.skip("pins a GPU kernel")
+    import cupy as cp
+    from cupyflash import _cuda, _kernels
+    device = cp.cuda.Device().id
+    if _cuda._device_info(device)[0] != "sm_90a":
+        pytest.skip("not a Hopper GPU")
+    batch = 2 if nq * nk <= 10**6 else 1
+    host = _qkv(rng, "float32", d, nq, nk, 2, layout, batch=batch)
+    opts = build(rng, batch, 4, nq, nk, "float32")
+    launched = []
+    launch = _cuda._launch
+    monkeypatch.setattr(_cuda, "_launch", lambda variant, *a: (launched.append(variant), launch(variant, *a)))
+    opts.update(causal=causal, layout=layout)
+    got, ref = _run_both(cupyflash.attention_forward, host, opts)
+    _check(got, ref, "float32")
+    forward = [v for v in launched if v.source.startswith("fwd")]
+    assert forward and all(v.family is _kernels.FWD_SM90 and "<float," in v.name_expression for v in forward), \
+        [v.name_expression for v in launched]
+
+
 # The bias on the Hopper backward (bwd_sm90.cu's MODE_BIAS kernels, whole (Nq, Nk) rows
 # whose rows TMA can read, Nk % 8 == 0; no dbias asked for): sizes with partial query
 # tiles, sub-tiles and key blocks, biases broadcast over batch and heads or not, and the

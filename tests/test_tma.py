@@ -35,12 +35,18 @@ def test_transformer_layout_is_describable():
 @pytest.mark.parametrize("why, view", [
     ("rows of 76 halves are 152 bytes", _view((1, 2, 10, 76), np.float16)),
     ("base not 16-byte aligned", _view((1, 2, 10, 64), ptr=(1 << 20) + 8)),
-    ("no 32-bit tensor maps in the kernels", _view((1, 2, 10, 64), np.float32)),
+    ("no fp64 tensor maps in the kernels", _view((1, 2, 10, 64), np.float64)),
     ("a broadcast (stride 0) head axis", _view((1, 2, 10, 64), strides=(2560, 0, 128, 2))),
 ])
 def test_views_the_copy_engine_cannot_read(why, view):
     assert not _tma.describable(view), why
     assert _tma.tensor_map(view, 64) is None
+
+
+def test_fp32_rows_are_describable():
+    # The fp32 forward on TF32 wgmma reads its tiles through tensor maps: 32 columns a box.
+    assert _tma.describable(_view((1, 2, 10, 64), np.float32))
+    assert not _tma.describable(_view((1, 2, 10, 70), np.float32)), "rows of 280 bytes"
 
 
 def test_axes_of_extent_one_may_have_any_stride():
