@@ -2,7 +2,7 @@
 version's, in one process on the same inputs, beside torch SDPA's cuDNN and flash
 backends (kernel work: a change must not slow the dense call beyond run-to-run noise).
 
-    python bench/ab_versions.py OLD [--backward] [--head-dims 64 128] [--option softcap]
+    python bench/ab_versions.py OLD [--backward] [--head-dims 64 128] [--option softcap] [--dtype float32]
         # OLD: a directory with that version's cupyflash/ and kernels_cu/
         # (git archive <commit> cupyflash kernels_cu | tar -x -C OLD)
 
@@ -74,6 +74,7 @@ def main(argv):
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     p.add_argument("--seqlens", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
     p.add_argument("--option", choices=OPTIONS, default="dense")
+    p.add_argument("--dtype", default="bfloat16", help="fp32/fp64: no peers (torch's flash and cuDNN take 16-bit)")
     a = p.parse_args(argv)
     old = load_version(a.old.resolve())
     pass_ = "bwd" if a.backward else "fwd"
@@ -85,7 +86,7 @@ def main(argv):
         for causal in (False, True):
             for N in a.seqlens:
                 H, B = bench.HIDDEN // d, bench.TOKENS // N
-                (q, k, v, do), (tq, tk, tv, tdo) = bench.make_inputs("bfloat16", (B, H, N, d), N + d)
+                (q, k, v, do), (tq, tk, tv, tdo) = bench.make_inputs(a.dtype, (B, H, N, d), N + d)
                 flop = bench.flops(B, H, N, d, causal, pass_)
                 tf = lambda run: flop / bench.time_ms(run) / 1e9   # noqa: E731
                 options = _option_kwargs(a.option, q)
@@ -93,7 +94,8 @@ def main(argv):
                         "old": _runs(old, q, k, v, do, causal, a.backward, options)}
                 readings = [(name, tf(runs[name])) for name in ("new", "old", "new", "old")]
                 peers = [tf(bench._torch_runs(torch, getattr(SDPBackend, backend), tq, tk, tv, tdo,
-                                              is_causal=causal)[pass_]()) if a.option == "dense" else float("nan")
+                                              is_causal=causal)[pass_]())
+                         if a.option == "dense" and a.dtype in ("bfloat16", "float16") else float("nan")
                          for backend in ("CUDNN_ATTENTION", "FLASH_ATTENTION")]
                 new = max(r for n, r in readings if n == "new")
                 old_best = max(r for n, r in readings if n == "old")

@@ -85,10 +85,16 @@ _FWD_SM90_TABLES = {MODE_DENSE: FWD_SM90_TILES, MODE_EXT: FWD_SM90_EXT_TILES, MO
 # its low parts, 5 BLOCK_N x d fp32 tiles, so d = 128 takes 32-key tiles to fit two stages
 # beside the 128-row Q tile (224 KB of tiles).
 FWD_SM90_F32_TILES = {
+    64: ((64, 3, 2),),
+    128: ((32, 2, 2),),
+}
+# With the options the producer keeps 72 registers (its schedule walk beside the split
+# warps), which leaves three consumer warpgroups too few (108 bytes of spills at d = 64).
+FWD_SM90_F32_EXT_TILES = {
     64: ((64, 2, 2),),
     128: ((32, 2, 2),),
 }
-_FWD_SM90_F32_TABLES = {MODE_DENSE: FWD_SM90_F32_TILES, MODE_EXT: FWD_SM90_F32_TILES}
+_FWD_SM90_F32_TABLES = {MODE_DENSE: FWD_SM90_F32_TILES, MODE_EXT: FWD_SM90_F32_EXT_TILES}
 # The same with the options of _mods (window, dropout, bias, ...; the MODE_EXT kernels):
 # their per-score work and the option state need registers that the dense tiles with 64
 # keys or two m-tiles per warp do not have (build check), so 32-key tiles (16 at d = 192).
