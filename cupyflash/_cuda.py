@@ -19,7 +19,7 @@ import numpy as np
 
 from . import _arrays, _mods, _nvrtc, _params, _philox, _tma
 from ._kernels import (BWD_ROW_PAD, BWD_SM90_SUB_M, CPP_TYPE, FWD_SM90, GRAD_DK, GRAD_DQ, GRAD_DQ_ORDERED,
-                       HEAD_DIMS, MIN_COMPUTE_CAPABILITY, MODE_BIAS, MODE_DENSE, MODES, BackwardPlan,
+                       HEAD_DIMS, MIN_COMPUTE_CAPABILITY, MODE_BIAS, MODE_DENSE, MODE_TF32, MODES, BackwardPlan,
                        Variant, backward_plan, forward_variants, forward_variants_for, kernel_mode,
                        padded_head_dim)
 from ._validate import check_flag
@@ -149,9 +149,11 @@ def precompile(*, dtypes=None, head_dims=None, device=None, workers=None, option
     arch, _ = _device_info(device_id)
     wanted = {}
     for name in names:
+        # fp32: the precision="tf32" kernels beside (MODE_TF32; no bias kernels of it)
+        tf32 = tuple(m | MODE_TF32 for m in modes if not m & MODE_BIAS) if name == "float32" else ()
         for D in dims:
             chosen = []
-            for mode in modes:
+            for mode in modes + tf32:
                 variants = forward_variants(name, D, mode)
                 chosen.append(_choose(variants, device_id))
                 # and the Hopper tiles a block mask may select (forward_variants_for)
@@ -268,12 +270,13 @@ _MAX_PLANS = 256
 
 def _signature(arrays, *, scale: float, causal: bool, mods) -> tuple:
     """Every input of a launch plan's decisions: the device, the options' scalars and the
-    layout of each array and option array (shape, strides, dtype and base alignment, which
-    decides 16-byte copies and tensor maps), but no address, seed or Philox offset."""
+    precision, and the layout of each array and option array (shape, strides, dtype and
+    base alignment, which decides 16-byte copies and tensor maps), but no address, seed
+    or Philox offset."""
     arrays = (*arrays, *(getattr(mods, name) for name in _mods.ARRAY_FIELDS))
     layouts = tuple(None if x is None else (x.shape, x.strides, x.dtype, x.data.ptr % 16) for x in arrays)
     return (arrays[0].device.id, scale, causal, layouts, mods.window, mods.softcap, mods.dropout_p,
-            mods.block_size, mods.max_seqlen_q, mods.max_seqlen_k)
+            mods.block_size, mods.max_seqlen_q, mods.max_seqlen_k, mods.tf32)
 
 
 def _cached_plan(plans: dict, signature: tuple, make):

@@ -21,6 +21,10 @@ HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 # other families compile the bias into MODE_EXT.
 MODE_DENSE, MODE_EXT, MODE_BIAS = 0, 1, 2
 MODES = (MODE_DENSE, MODE_EXT, MODE_EXT | MODE_BIAS)
+# precision="tf32" (mods.cuh MODE_TF32): not an option but a policy of fp32 products in
+# fwd_sm90.cu, one TF32 product instead of three; the other families ignore it.
+MODE_TF32 = 4
+TF32_MODES = (MODE_TF32, MODE_EXT | MODE_TF32)
 
 # Tensor-core forward tiles per head dim, (BLOCK_M, BLOCK_N, WARPS), in order of
 # preference; the first that fits the device's shared memory is used. The later entries
@@ -95,6 +99,16 @@ FWD_SM90_F32_EXT_TILES = {
     128: ((32, 2, 2),),
 }
 _FWD_SM90_F32_TABLES = {MODE_DENSE: FWD_SM90_F32_TILES, MODE_EXT: FWD_SM90_F32_EXT_TILES}
+# precision="tf32": one product, a stage holds K, V and V^T (3 BLOCK_N x d fp32 tiles).
+FWD_SM90_TF32_TILES = {
+    64: ((64, 3, 3),),
+    128: ((32, 2, 3),),
+}
+FWD_SM90_TF32_EXT_TILES = {
+    64: ((64, 2, 3),),
+    128: ((32, 2, 3),),
+}
+_FWD_SM90_TF32_TABLES = {MODE_DENSE: FWD_SM90_TF32_TILES, MODE_EXT: FWD_SM90_TF32_EXT_TILES}
 # The same with the options of _mods (window, dropout, bias, ...; the MODE_EXT kernels):
 # their per-score work and the option state need registers that the dense tiles with 64
 # keys or two m-tiles per warp do not have (build check), so 32-key tiles (16 at d = 192).
@@ -248,11 +262,12 @@ def _sm90_forward(dtype_name: str, D: int, tile, mode: int) -> Variant:
     block_m = 64 * consumers
     item = np.dtype(dtype_name).itemsize
     # fwd_sm90.cu Sm90FwdTile: Q, then a K tile and a V tile per stage, swizzled (fp32:
-    # K with its low parts, V with V^T and its low parts: 2 and 3 block_n x D tiles), and
+    # K with its low parts, V with V^T and its low parts: 2 and 3 block_n x D tiles; with
+    # one product K, and V with V^T), and
     # with the bias a (block_m, block_n) bias tile per stage; 1024 bytes to align them;
     # then Sm90FwdBarriers (2 + 8 STAGES mbarriers of 8 bytes, then the schedule's
     # STAGES + 1 ints, padded to 8 bytes).
-    kv_tiles = 5 if item == 4 else 2
+    kv_tiles = 2 if item == 2 else 3 if mode & MODE_TF32 else 5
     bias = stages * block_m * block_n if mode & MODE_BIAS else 0
     smem = (((block_m + kv_tiles * stages * block_n) * D + bias) * item + 1024 + 8 * (2 + 8 * stages)
             + -(-4 * (stages + 1) // 8) * 8)
@@ -272,6 +287,8 @@ def _wide_forward(dtype_name: str, D: int, tile, mode: int) -> Variant:
 
 def forward_variants(dtype_name: str, D: int, mode: int = MODE_DENSE) -> list[Variant]:
     """Every forward instantiation that may serve (dtype, D, mode), in order of preference."""
+    if dtype_name != "float32":
+        mode &= ~MODE_TF32   # a policy of fp32 products only
     if dtype_name in HALF_DTYPES:
         hopper = [_sm90_forward(dtype_name, D, tile, mode) for tile in _FWD_SM90_TABLES[mode].get(D, ())]
         mode = _one_ext_mode(mode)   # the other families: one kernel for every option
@@ -279,8 +296,9 @@ def forward_variants(dtype_name: str, D: int, mode: int = MODE_DENSE) -> list[Va
         return hopper + [_sm80_forward(dtype_name, D, tile, mode) for tile in tiles]
     hopper = []
     if dtype_name == "float32":
-        hopper = [_sm90_forward(dtype_name, D, tile, mode) for tile in _FWD_SM90_F32_TABLES.get(mode, {}).get(D, ())]
-    mode = _one_ext_mode(mode)
+        tables = _FWD_SM90_TF32_TABLES if mode & MODE_TF32 else _FWD_SM90_F32_TABLES
+        hopper = [_sm90_forward(dtype_name, D, tile, mode) for tile in tables.get(mode & ~MODE_TF32, {}).get(D, ())]
+    mode = _one_ext_mode(mode & ~MODE_TF32)
     tiles = (FWD_WIDE_EXT_TILES if mode else FWD_WIDE_TILES)[dtype_name][D]
     return hopper + [_wide_forward(dtype_name, D, tile, mode) for tile in tiles]
 
@@ -293,7 +311,7 @@ def forward_variants_for(dtype_name: str, D: int, mods, *, causal: bool) -> list
     variants = forward_variants(dtype_name, D, kernel_mode(mods))
 
     def suits(v: Variant) -> bool:
-        if v.family is not FWD_SM90 or v.mode == MODE_DENSE:
+        if v.family is not FWD_SM90 or v.mode & ~MODE_TF32 == MODE_DENSE:
             return True
         if (causal or mods.windowed) and v.block_m > 128:
             return False
@@ -311,15 +329,19 @@ def all_variants() -> list[Variant]:
             for mode in MODES:
                 for v in (*forward_variants(name, D, mode), *backward_variants(name, D, mode)):
                     unique.setdefault((v.source, v.name_expression), v)
+            for mode in TF32_MODES if name == "float32" else ():
+                for v in forward_variants(name, D, mode):
+                    unique.setdefault((v.source, v.name_expression), v)
     return list(unique.values())
 
 
 def kernel_mode(mods) -> int:
     """The policies a call needs: the dense fast path where no option of ``mods`` is on,
-    else MODE_EXT, with MODE_BIAS where it has a bias."""
+    else MODE_EXT, with MODE_BIAS where it has a bias; MODE_TF32 for precision="tf32"."""
+    tf32 = MODE_TF32 if mods.tf32 else 0
     if not mods.active:
-        return MODE_DENSE
-    return MODE_EXT | (MODE_BIAS if mods.bias is not None else 0)
+        return MODE_DENSE | tf32
+    return MODE_EXT | (MODE_BIAS if mods.bias is not None else 0) | tf32
 
 
 def _one_ext_mode(mode: int) -> int:
@@ -533,7 +555,9 @@ def backward_plan(dtype_name: str, D: int, deterministic: bool, mode: int = MODE
     ``cuda_cores`` asks for the CUDA-core kernels instead of the tensor cores' (the
     fallback of `device_backward_plan`)."""
     # bwd_sm90.cu keeps the bias apart (MODE_EXT | MODE_BIAS: a bias stage), as
-    # fwd_sm90.cu; the other families compile every option into MODE_EXT.
+    # fwd_sm90.cu; the other families compile every option into MODE_EXT. The backward
+    # computes fp32 at fp32 accuracy whatever the precision (MODE_TF32).
+    mode &= ~MODE_TF32
     hopper_mode, mode = mode, _one_ext_mode(mode)
     ctype = CPP_TYPE[dtype_name]
     dq_bit = 0 if deterministic else GRAD_DQ

@@ -78,6 +78,9 @@ class Modifiers:
     max_seqlen_q: int = 0           # varlen: longest sequence, sizes the grid
     max_seqlen_k: int = 0
     seqlens_k: object = None
+    # precision="tf32": fp32 products may run as one TF32 product (not an option: `active`
+    # leaves it out; the GPU forward's kernel mode carries it).
+    tf32: bool = False
 
     @property
     def varlen(self) -> bool:

@@ -20,6 +20,7 @@ from . import _arrays
 MAX_HEAD_DIM = 256
 LAYOUTS = ("bhsd", "bshd")
 BACKENDS = ("auto", "cuda", "numpy")
+PRECISIONS = ("highest", "tf32")
 
 _ARRAY_TYPES = "a numpy.ndarray, a cupy.ndarray, or an object with __cuda_array_interface__ or __dlpack__"
 _DTYPE_NAMES = ", ".join(dt.name for dt in _arrays.SUPPORTED_DTYPES)
@@ -47,6 +48,7 @@ class Options:
     seqlens_k: object = None
     device_memory_limit: int | None = None
     progress: object = None
+    precision: str = "highest"
 
 
 @dataclass(frozen=True)
@@ -179,7 +181,7 @@ def check_progress(progress):
 
 def check_options(*, causal, scale, window, dropout_p, seed, block_mask, bias, alibi_slopes,
                   softcap, layout, deterministic, backend, block_size=128, seqlens_k=None,
-                  device_memory_limit=None, progress=None):
+                  device_memory_limit=None, progress=None, precision="highest"):
     """The keyword options, type- and range-checked (scale without its default yet); the
     arrays only for being arrays: `check_modifiers` checks them against the inputs."""
     if scale is not None:
@@ -209,6 +211,7 @@ def check_options(*, causal, scale, window, dropout_p, seed, block_mask, bias, a
         seqlens_k=_check_optional_array(seqlens_k, "seqlens_k"),
         device_memory_limit=check_device_memory_limit(device_memory_limit),
         progress=check_progress(progress),
+        precision=_check_choice(precision, "precision", PRECISIONS),
     )
 
 
@@ -381,6 +384,8 @@ def check_modifiers(options, problem, *, sequences=None):
     mask or key padding; their batch entries are the ``sequences`` packed sequences.
     """
     lead, hq, nq, nk = problem.lead, problem.heads, problem.q_len, problem.k_len
+    if options.precision == "tf32" and problem.dtype != np.float32:
+        raise ValueError(f"precision='tf32' applies to float32 inputs; q, k and v are {problem.dtype}")
     if sequences is not None:
         lead = (sequences,)
         for name in ("block_mask", "bias", "seqlens_k"):

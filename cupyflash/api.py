@@ -102,7 +102,14 @@ progress : callable or "tqdm", optional
     (query chunk, key chunk) pairs completed, increasing, as the device finishes them
     (``done == total`` last); "tqdm" shows a tqdm bar (ImportError without tqdm). The
     context's backward pass reports to it too, from 0 again. Calls that do not stream
-    never call it."""
+    never call it.
+precision : {"highest", "tf32"}, default "highest"
+    float32 inputs only (ValueError for other dtypes). "highest" computes at float32
+    accuracy: on Hopper GPUs each matrix product runs on the tensor cores as three TF32
+    products (3xTF32), elsewhere as the other kernels do. "tf32" lets the Hopper forward
+    pass take one TF32 product instead (operands rounded to 11 significant bits):
+    faster, with relative errors near 1e-3 (``tests/TOLERANCES.md``). The backward
+    pass, other GPUs and the NumPy backend compute at float32 accuracy either way."""
 
 _INPUTS_DOC = """\
 q : array, shape (..., Hq, Nq, d) or (B, Nq, Hq, d)
@@ -343,7 +350,7 @@ def _resolve_modifiers(options, problem, varlen=None):
         options, problem, sequences=None if varlen is None else len(varlen[0]) - 1)
     lead, hq = problem.lead, problem.heads
     fields = {"window": options.window or (-1, -1), "softcap": options.softcap,
-              "block_size": options.block_size}
+              "block_size": options.block_size, "tf32": options.precision == "tf32"}
     if varlen is not None:
         cu_q, cu_k, fields["max_seqlen_q"], fields["max_seqlen_k"] = varlen
         fields.update(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
@@ -484,7 +491,7 @@ def _context(run, options, *, layout, user_arrays=None, varlen=None):
 def attention(q, k, v, *, causal=False, scale=None, window=None, dropout_p=0.0, seed=None,
               block_mask=None, block_size=128, bias=None, alibi_slopes=None, softcap=0.0,
               seqlens_k=None, layout="bhsd", deterministic=False, return_lse=False,
-              backend="auto", device_memory_limit=None, progress=None):
+              backend="auto", device_memory_limit=None, progress=None, precision="highest"):
     """Exact attention ``softmax(scale * q k^T) v``, FlashAttention style.
 
     Parameters
@@ -523,7 +530,8 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, dropout_p=0.0, 
         causal=causal, scale=scale, window=window, dropout_p=dropout_p, seed=seed,
         block_mask=block_mask, bias=bias, alibi_slopes=alibi_slopes, softcap=softcap,
         layout=layout, deterministic=deterministic, backend=backend, block_size=block_size,
-        seqlens_k=seqlens_k, device_memory_limit=device_memory_limit, progress=progress))
+        seqlens_k=seqlens_k, device_memory_limit=device_memory_limit, progress=progress,
+        precision=precision))
     return (run.o, run.lse) if return_lse else run.o
 
 
@@ -531,7 +539,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, dropout_p=0.0, 
 def attention_forward(q, k, v, *, causal=False, scale=None, window=None, dropout_p=0.0,
                       seed=None, block_mask=None, block_size=128, bias=None, alibi_slopes=None,
                       softcap=0.0, seqlens_k=None, layout="bhsd", deterministic=False,
-                      backend="auto", device_memory_limit=None, progress=None):
+                      backend="auto", device_memory_limit=None, progress=None, precision="highest"):
     """Attention forward pass that keeps what `attention_backward` needs.
 
     Parameters
@@ -566,7 +574,8 @@ def attention_forward(q, k, v, *, causal=False, scale=None, window=None, dropout
         causal=causal, scale=scale, window=window, dropout_p=dropout_p, seed=seed,
         block_mask=block_mask, bias=bias, alibi_slopes=alibi_slopes, softcap=softcap,
         layout=layout, deterministic=deterministic, backend=backend, block_size=block_size,
-        seqlens_k=seqlens_k, device_memory_limit=device_memory_limit, progress=progress)
+        seqlens_k=seqlens_k, device_memory_limit=device_memory_limit, progress=progress,
+        precision=precision)
     run = _forward(q, k, v, options, gradients=True)
     ctx = _context(run, options, layout=layout)
     return run.o, ctx
@@ -675,7 +684,7 @@ def _vjp_of(ctx):
 def attention_vjp(q, k, v, *, causal=False, scale=None, window=None, dropout_p=0.0, seed=None,
                   block_mask=None, block_size=128, bias=None, alibi_slopes=None, softcap=0.0,
                   seqlens_k=None, layout="bhsd", deterministic=False, backend="auto",
-                  device_memory_limit=None, progress=None):
+                  device_memory_limit=None, progress=None, precision="highest"):
     """Attention output and its vector-Jacobian product, in the style of ``jax.vjp``.
 
     Parameters
@@ -705,7 +714,8 @@ def attention_vjp(q, k, v, *, causal=False, scale=None, window=None, dropout_p=0
         q, k, v, causal=causal, scale=scale, window=window, dropout_p=dropout_p, seed=seed,
         block_mask=block_mask, block_size=block_size, bias=bias, alibi_slopes=alibi_slopes,
         softcap=softcap, seqlens_k=seqlens_k, layout=layout, deterministic=deterministic,
-        backend=backend, device_memory_limit=device_memory_limit, progress=progress)
+        backend=backend, device_memory_limit=device_memory_limit, progress=progress,
+        precision=precision)
     return o, _vjp_of(ctx)
 
 
@@ -784,7 +794,7 @@ cu_seqlens_q, cu_seqlens_k : 1-D integer array, shape (S + 1,)
     pass NumPy arrays where calls should queue on the GPU without waiting).
 max_seqlen_q, max_seqlen_k : int
     At least the longest query / key sequence (they size the GPU grid).
-causal, scale, window, dropout_p, seed, alibi_slopes, softcap, deterministic, backend
+causal, scale, window, dropout_p, seed, alibi_slopes, softcap, deterministic, backend, precision
     As for `attention`, per sequence: each sequence is its own batch entry with its own
     lengths, so causal and window align at its own bottom-right corner, ALiBi slopes are
     broadcastable to (S, Hq) and the dropout mask counts rows and columns from the
@@ -801,7 +811,7 @@ def _with_varlen_doc(func):
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                      causal=False, scale=None, window=None, dropout_p=0.0, seed=None,
                      alibi_slopes=None, softcap=0.0, deterministic=False, return_lse=False,
-                     backend="auto"):
+                     backend="auto", precision="highest"):
     """Attention over packed sequences of different lengths (flash-attn's varlen API).
 
     Parameters
@@ -828,14 +838,15 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     _, _, (_, _, _, o, lse) = _varlen_forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
         scale=scale, window=window, dropout_p=dropout_p, seed=seed, alibi_slopes=alibi_slopes,
-        softcap=softcap, deterministic=deterministic, backend=backend)
+        softcap=softcap, deterministic=deterministic, backend=backend, precision=precision)
     return (o, lse) if return_lse else o
 
 
 @_with_varlen_doc
 def varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                              *, causal=False, scale=None, window=None, dropout_p=0.0, seed=None,
-                             alibi_slopes=None, softcap=0.0, deterministic=False, backend="auto"):
+                             alibi_slopes=None, softcap=0.0, deterministic=False, backend="auto",
+                             precision="highest"):
     """Varlen attention forward pass that keeps what `attention_backward` needs.
 
     Parameters
@@ -852,7 +863,7 @@ def varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     options, run, arrays = _varlen_forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
         scale=scale, window=window, dropout_p=dropout_p, seed=seed, alibi_slopes=alibi_slopes,
-        softcap=softcap, deterministic=deterministic, backend=backend)
+        softcap=softcap, deterministic=deterministic, backend=backend, precision=precision)
     ctx = _context(run, options, layout="varlen", user_arrays=arrays, varlen=True)
     return arrays[3], ctx
 
@@ -860,7 +871,8 @@ def varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
 @_with_varlen_doc
 def varlen_attention_vjp(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                          causal=False, scale=None, window=None, dropout_p=0.0, seed=None,
-                         alibi_slopes=None, softcap=0.0, deterministic=False, backend="auto"):
+                         alibi_slopes=None, softcap=0.0, deterministic=False, backend="auto",
+                             precision="highest"):
     """Varlen attention output and its vector-Jacobian product.
 
     Parameters
@@ -876,7 +888,7 @@ def varlen_attention_vjp(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
     o, ctx = varlen_attention_forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
         scale=scale, window=window, dropout_p=dropout_p, seed=seed, alibi_slopes=alibi_slopes,
-        softcap=softcap, deterministic=deterministic, backend=backend)
+        softcap=softcap, deterministic=deterministic, backend=backend, precision=precision)
     return o, _vjp_of(ctx)
 
 

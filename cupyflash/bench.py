@@ -1,7 +1,8 @@
 """``python -m cupyflash.bench``: attention speed and memory on this GPU, cupyflash beside its peers.
 
 Grid (flash-attn's benchmark): B*N = 16384 tokens, H*d = 2048, N from 512 to 16384, d in
-{64, 128}, causal on and off, fp16 and bf16, plus fp32/fp64 rows. TFLOP/s counts
+{64, 128}, causal on and off, fp16 and bf16, plus fp32/fp64 rows (fp32 forward also with
+precision="tf32", impl "cupyflash-tf32"). TFLOP/s counts
 4*B*H*N^2*d for the forward (half for causal) and 2.5x that for the backward. Peers are
 measured in the same process on the same GPU: torch SDPA's flash (FlashAttention-2),
 cudnn, efficient and math backends when torch is importable, and a naive CuPy attention.
@@ -227,6 +228,9 @@ def bench_case(dtype, d, causal, N, passes, peers, rows, naive_max_n):
 
     if "fwd" in passes:
         guarded("cupyflash", "fwd", lambda: cupyflash.attention(q, k, v, causal=causal, scale=scale), cupy_peak)
+        if dtype == "float32":   # the forward with precision="tf32" (impl "cupyflash-tf32")
+            guarded("cupyflash-tf32", "fwd",
+                    lambda: cupyflash.attention(q, k, v, causal=causal, scale=scale, precision="tf32"), cupy_peak)
     if "bwd" in passes:
         try:
             o, ctx = cupyflash.attention_forward(q, k, v, causal=causal, scale=scale)

@@ -49,6 +49,10 @@
 // tensor cores and added to O in the FPU, where rounding is to nearest (the same reason
 // as mma_wide.cuh's slices). The consumers issue S, then P V, of each key tile in turn:
 // the registers do not hold both tiles' products at once beside these sums.
+// precision="tf32" (MODE_TF32) keeps one product each, S = Q K^T and O += P V on TF32
+// operands rounded to nearest (the split warps round K in place and V^T as they write
+// it, the consumers their rows of Q and P in registers), O accumulated on the tensor
+// cores as for 16-bit inputs, in the same pipeline.
 // Varlen reads (1, H, total, d) tensors at the sequence's row offset: rows past a
 // sequence's end belong to the next one (or are zero-filled past the tensor) and are
 // masked or never stored. Tensors TMA cannot describe (rows not 16-byte aligned) run in
@@ -120,6 +124,9 @@ struct Sm90FwdTile {
     static constexpr int THREADS = CONSUMER_THREADS + 128;   // + the producer warpgroup
     static constexpr int BLOCK_M = CONSUMERS * 64;
     static constexpr bool TF32 = sizeof(T) == 4;    // fp32 as 3xTF32 (above)
+    static constexpr bool ONE_PRODUCT = TF32 && (MODE & MODE_TF32) != 0;   // precision="tf32"
+    static constexpr bool SPLIT = TF32 && !ONE_PRODUCT;                     // low parts beside
+    static constexpr int OPTIONS = MODE & ~MODE_TF32;   // the option policies (mods.cuh)
     static constexpr int NT = BLOCK_N / 8;          // n-tiles of S per warp
     static constexpr int DT = D / 8;                // n-tiles of O per warp
     static constexpr int KSTEPS = D / WgmmaK<T>::elems;         // k-steps of Q K^T
@@ -127,8 +134,8 @@ struct Sm90FwdTile {
     static constexpr int Q_ELEMS = BLOCK_M * D, KV_ELEMS = BLOCK_N * D;
     // A stage's K tile: K, and for fp32 its low parts as BLOCK_N more rows (K_ROWS rows in
     // all, so each panel holds both); its V tile: V, and for fp32 V^T and V^T's low parts.
-    static constexpr int K_ROWS = TF32 ? 2 * BLOCK_N : BLOCK_N;
-    static constexpr int K_TILE_ELEMS = K_ROWS * D, V_TILE_ELEMS = (TF32 ? 3 : 1) * KV_ELEMS;
+    static constexpr int K_ROWS = SPLIT ? 2 * BLOCK_N : BLOCK_N;
+    static constexpr int K_TILE_ELEMS = K_ROWS * D, V_TILE_ELEMS = (SPLIT ? 3 : TF32 ? 2 : 1) * KV_ELEMS;
     static constexpr int SPLIT_WARPS = 3;           // fp32: the producer warpgroup's warps 1 .. 3
     // MODE_BIAS: a bias tile per stage (BLOCK_M rows, BLOCK_N / 64 panels of 64 keys).
     static constexpr int BIAS_ELEMS = (MODE & MODE_BIAS) != 0 ? BLOCK_M * BLOCK_N : 0;
@@ -142,11 +149,12 @@ struct Sm90FwdTile {
     // The dynamic shared memory the host must give: the tiles, the slack to align them,
     // the barriers.
     static constexpr int SMEM_BYTES = TILE_BYTES + ALIGN + sizeof(Sm90FwdBarriers<STAGES>);
-    // Register budgets after setmaxnreg: the producer keeps 24 a thread (56 where it
-    // walks the options' schedule: with less, its block-mask walk spills; or splits fp32
-    // tiles); the consumers share the rest of the launch's registers (tma.cuh
-    // WarpgroupRegs).
-    static constexpr int PRODUCER_REGS = TF32 && MODE != MODE_DENSE ? 72 : MODE == MODE_DENSE && !TF32 ? 24 : 56;
+    // Register budgets after setmaxnreg: the producer keeps 24 a thread, 56 where it
+    // walks the options' schedule (with less, its block-mask walk spills) or splits fp32
+    // tiles, 72 where it does both or rounds them in place (build check); the consumers
+    // share the rest of the launch's registers (tma.cuh WarpgroupRegs).
+    static constexpr int PRODUCER_REGS = !TF32 ? (OPTIONS == MODE_DENSE ? 24 : 56)
+                                               : (OPTIONS == MODE_DENSE && SPLIT ? 56 : 72);
     static constexpr int CONSUMER_REGS = WarpgroupRegs<THREADS, PRODUCER_REGS>::CONSUMER;
     static_assert(D % PANEL == 0 && BLOCK_N % PANEL == 0 && BLOCK_N <= 256 && D <= 256 && BLOCK_M <= 256,
                   "tile shape (TMA boxes take at most 256 rows)");
@@ -158,7 +166,8 @@ struct Sm90FwdTile {
 // (the same swizzle phase: BLOCK_N is a multiple of 8), and once V has landed V^T and its
 // low parts (rows: head-dim columns; columns: keys, each 8-key group's keys in the order
 // 0 2 4 6 1 3 5 7, so that the C fragment of S, keys 2t and 2t + 1 of a thread's rows, is
-// P V's A fragment as it is: a0 a1 a2 a3 = c0 c2 c1 c3, k-slots t and t + 4). Each write
+// P V's A fragment as it is: a0 a1 a2 a3 = c0 c2 c1 c3, k-slots t and t + 4). With one
+// product (precision="tf32") they round K in place and V^T to TF32 instead. Each write
 // is fenced for the wgmmas (async proxy) before the warp's arrival. They stop at a
 // schedule word END.
 template <typename C, typename Bars, typename ReadWord, typename ReleaseBar>
@@ -174,13 +183,18 @@ __device__ __forceinline__ void split_stages(float* sK, float* sV, Bars& bars, R
         const u32 parity = (t / STAGES) & 1;
         mbar_wait(&bars.k_full[s], parity);
         if (read_word(&bars.tile[s]) == Bars::END) return;
-        // K's 16-byte chunks, panel by panel: rows 0 .. BLOCK_N - 1 of a K_ROWS-row panel.
+        // K's 16-byte chunks, panel by panel: rows 0 .. BLOCK_N - 1 of a K_ROWS-row panel;
+        // their low parts BLOCK_N rows below, or (precision="tf32") K rounded in place.
         float* k_tile = sK + s * C::K_TILE_ELEMS;
         constexpr int CHUNKS = BLOCK_N * 8;   // per panel: 8 chunks of 4 floats a row
         #pragma unroll 4
         for (int c = tid; c < (D / 32) * CHUNKS; c += SPLIT_THREADS) {
             float* chunk = k_tile + (c / CHUNKS) * (C::K_ROWS * 32) + (c % CHUNKS) * 4;
-            *reinterpret_cast<float4*>(chunk + BLOCK_N * 32) = tf32_low(*reinterpret_cast<const float4*>(chunk));
+            const float4 x = *reinterpret_cast<const float4*>(chunk);
+            if constexpr (C::SPLIT)
+                *reinterpret_cast<float4*>(chunk + BLOCK_N * 32) = tf32_low(x);
+            else
+                *reinterpret_cast<float4*>(chunk) = tf32_round(x);
         }
         fence_async_smem();
         release_bar(&bars.k_split[s]);
@@ -199,10 +213,15 @@ __device__ __forceinline__ void split_stages(float* sK, float* sV, Bars& bars, R
             #pragma unroll
             for (int i = 0; i < 8; ++i) x[i] = VLayout::at(v_tile, key0 + i, d & ~3)[d & 3];
             const float4 even = make_float4(x[0], x[2], x[4], x[6]), odd = make_float4(x[1], x[3], x[5], x[7]);
-            *reinterpret_cast<float4*>(VtLayout::at(vt, d, key0)) = even;
-            *reinterpret_cast<float4*>(VtLayout::at(vt, d, key0 + 4)) = odd;
-            *reinterpret_cast<float4*>(VtLayout::at(vt_low, d, key0)) = tf32_low(even);
-            *reinterpret_cast<float4*>(VtLayout::at(vt_low, d, key0 + 4)) = tf32_low(odd);
+            if constexpr (C::SPLIT) {
+                *reinterpret_cast<float4*>(VtLayout::at(vt, d, key0)) = even;
+                *reinterpret_cast<float4*>(VtLayout::at(vt, d, key0 + 4)) = odd;
+                *reinterpret_cast<float4*>(VtLayout::at(vt_low, d, key0)) = tf32_low(even);
+                *reinterpret_cast<float4*>(VtLayout::at(vt_low, d, key0 + 4)) = tf32_low(odd);
+            } else {
+                *reinterpret_cast<float4*>(VtLayout::at(vt, d, key0)) = tf32_round(even);
+                *reinterpret_cast<float4*>(VtLayout::at(vt, d, key0 + 4)) = tf32_round(odd);
+            }
         }
         fence_async_smem();
         release_bar(&bars.v_split[s]);
@@ -214,7 +233,7 @@ __global__ void __launch_bounds__(Sm90FwdTile<T, D, BLOCK_N, CONSUMERS, STAGES, 
 flash_fwd_sm90(const __grid_constant__ AttnParams p)
 {
     typedef Sm90FwdTile<T, D, BLOCK_N, CONSUMERS, STAGES, MODE> C;
-    typedef Mods<T, float, MODE> ModsT;
+    typedef Mods<T, float, C::OPTIONS> ModsT;
     static_assert(SMEM_BYTES == C::SMEM_BYTES, "the host's shared-memory size (cupyflash/_kernels.py)");
     constexpr int BLOCK_M = C::BLOCK_M, NT = C::NT, DT = C::DT;
     constexpr bool HEADS_FIRST = (MODE & MODE_BIAS) != 0;
@@ -330,13 +349,13 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
                 // 32 positions at a time, one per lane, so that a sparse mask costs one
                 // round of loads per 32 tiles rather than one per tile skipped.
                 const int walk_length = tiles.y - tiles.x;
-                auto tile_at = [&](int k_pos) { return MODE == MODE_DENSE ? tiles.x + k_pos : tiles.y - 1 - k_pos; };
+                auto tile_at = [&](int k_pos) { return C::OPTIONS == MODE_DENSE ? tiles.x + k_pos : tiles.y - 1 - k_pos; };
                 int window = -32;      // first position of the window the lanes have read (none yet)
                 int lane_state = 0;    // block_state of the tile at position window + lane
                 u32 window_hits = 0;   // the window's tiles the block mask leaves on
                 auto next_visited = [&](int k_pos, int& state) {
                     state = 1;
-                    if (MODE == MODE_DENSE || mods.mask.blocks == nullptr) return k_pos;
+                    if (C::OPTIONS == MODE_DENSE || mods.mask.blocks == nullptr) return k_pos;
                     for (; k_pos < walk_length; k_pos = window + 32) {
                         if (k_pos < window || k_pos >= window + 32) {
                             window = k_pos;
@@ -370,7 +389,7 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
                     int next_state;
                     const int next = next_visited(k_pos + 1, next_state);
                     if (leader) {
-                        if constexpr (MODE != MODE_DENSE) {
+                        if constexpr (C::OPTIONS != MODE_DENSE) {
                             // The schedule word: 4 j, + 2 on the last tile, + 1 where it needs
                             // the element mask.
                             const bool masked = state == 2 || mods.mask.band_needs_mask(q0, q0 + q_rows, j * BLOCK_N,
@@ -444,6 +463,18 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
         const int q0 = work.m_block * BLOCK_M;
         const int q_rows = min(BLOCK_M, mask.nq - q0);
         const int2 tiles = mask.key_tile_range(q0, q0 + q_rows, BLOCK_N);
+        // precision="tf32": this warpgroup's rows of Q rounded to TF32 in place, fenced for
+        // the wgmmas and published to the warpgroup (named barrier 2 + its index).
+        if constexpr (C::ONE_PRODUCT) {
+            constexpr int CHUNKS = 64 * 8;   // per panel: the warpgroup's 64 rows of 8 chunks
+            #pragma unroll 4
+            for (int c = threadIdx.x % 128; c < (D / 32) * CHUNKS; c += 128) {
+                float4* chunk = reinterpret_cast<float4*>(sQ + (c / CHUNKS) * (BLOCK_M * 32) + wg_row0 * 32 + (c % CHUNKS) * 4);
+                *chunk = tf32_round(*chunk);
+            }
+            fence_async_smem();
+            named_barrier(2 + warp / 4, 128);
+        }
 
         float acc[1][DT][4];
         zero_frags(acc);
@@ -452,19 +483,19 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
         float s[1][NT][4];
         u32 p_frag[C::PSTEPS][4];   // P of the tile whose P V is next, as A fragments
         float alpha[1][2];
-        // fp32: S's products [S_hh | S_hl] (the second half then added to the first), P's
-        // low parts, and one key tile's P V, summed into acc in the FPU.
-        constexpr bool TF32 = C::TF32;
-        float s2[1][TF32 ? 2 * NT : 1][4];
-        u32 p_low[TF32 ? C::PSTEPS : 1][4];
-        float o_tile[1][TF32 ? DT : 1][4];
+        // fp32 (3xTF32): S's products [S_hh | S_hl] (the second half then added to the
+        // first), P's low parts, and one key tile's P V, summed into acc in the FPU.
+        constexpr bool TF32 = C::TF32, SPLIT = C::SPLIT;
+        float s2[1][SPLIT ? 2 * NT : 1][4];
+        u32 p_low[SPLIT ? C::PSTEPS : 1][4];
+        float o_tile[1][SPLIT ? DT : 1][4];
 
         // S = Q K^T of the t-th key tile (this warpgroup's 64 rows), one batch. fp32: into
         // s2, Q [K; K_lo]^T, then Q_lo K^T (Q_lo from Q's shared tile, in the m16n8k8 A
         // layout) onto its first half.
         auto issue_s = [&](int t) {
             const T* sKb = sK + (t % STAGES) * C::K_TILE_ELEMS;
-            if constexpr (TF32) {
+            if constexpr (SPLIT) {
                 u32 q_low[C::KSTEPS][4];
                 #pragma unroll
                 for (int ks = 0; ks < C::KSTEPS; ++ks)
@@ -494,20 +525,30 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
                 wgmma_commit();
             }
         };
-        // fp32: S from s2 once it has landed.
-        auto sum_s2 = [&]() {
-            if constexpr (TF32) {
+        // S once its product has landed (3xTF32: the sum of s2's halves).
+        auto land_s = [&]() {
+            if constexpr (SPLIT) {
+                reg_fence(s2[0]);
                 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt)
                     #pragma unroll
                     for (int e = 0; e < 4; ++e) s[0][nt][e] = s2[0][nt][e] + s2[0][NT + nt][e];
+            } else {
+                reg_fence(s[0]);
             }
         };
-        // O += P V of the t-th key tile, one batch. fp32: o_tile = P_lo V + P V_lo + P V
-        // from V^T's tiles (split_stages).
+        // O += P V of the t-th key tile, one batch. 3xTF32: o_tile = P_lo V + P V_lo + P V
+        // from V^T's tiles (split_stages), added to acc once landed (land_pv); one TF32
+        // product: P V^T into acc.
         auto issue_pv = [&](int t) {
             const T* sVb = sV + (t % STAGES) * C::V_TILE_ELEMS;
-            if constexpr (TF32) {
+            if constexpr (TF32 && !SPLIT) {
+                wgmma_fence();
+                #pragma unroll
+                for (int ks = 0; ks < C::PSTEPS; ++ks)
+                    Wgmma<float, D>::template rs<true>(acc[0], p_frag[ks], kmajor_desc<float, D>(sVb + C::KV_ELEMS, 0, ks));
+                wgmma_commit();
+            } else if constexpr (SPLIT) {
                 const float* vt = sVb + C::KV_ELEMS;
                 const float* vt_low = vt + C::KV_ELEMS;
                 wgmma_fence();
@@ -535,7 +576,7 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
         // Dropout's keep bits of key tile jt's scores (bit 4 nt + e), drawn while its S is
         // being computed (they depend on indices alone), and their use on P.
         auto keep_bits = [&](int jt) {
-            if constexpr (MODE != MODE_DENSE)
+            if constexpr (C::OPTIONS != MODE_DENSE)
                 if (head_mods.dropout())
                     return dropout_keep_bits<NT>(head_mods.seed, head_mods.stream, q0 + warp_row0, jt * BLOCK_N,
                                                  head_mods.threshold);
@@ -623,7 +664,7 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
             const int k0 = jt * BLOCK_N;
             const int r0 = q0 + warp_row0;
             bool grew;
-            if constexpr (MODE != MODE_DENSE) {
+            if constexpr (C::OPTIONS != MODE_DENSE) {
                 if (head_mods.score_terms()) {
                     float shift[1][2];
                     const float fs = head_mods.fold_terms(s, shift, r0, k0, scale_log2, masked, [&](float weight) {
@@ -641,9 +682,21 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
             }
             return grew;
         };
+        auto land_pv = [&]() {
+            if constexpr (SPLIT) {
+                reg_fence(o_tile[0]);
+                #pragma unroll
+                for (int dt = 0; dt < DT; ++dt)
+                    #pragma unroll
+                    for (int e = 0; e < 4; ++e) acc[0][dt][e] += o_tile[0][dt][e];
+            } else {
+                reg_fence(acc[0]);
+            }
+        };
         // P into A fragments; p_frag must not change while a P V that reads it is in flight.
         // fp32: n-tile ks of S is k-step ks, its keys 2t, 2t + 1 in k-slots t, t + 4
-        // (split_stages' order of V^T), and the low parts beside.
+        // (split_stages' order of V^T), and the low parts beside (3xTF32) or P rounded
+        // to TF32 (one product).
         auto round_p = [&]() {
             #pragma unroll
             for (int ks = 0; ks < C::PSTEPS; ++ks) {
@@ -651,8 +704,13 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
                     constexpr int SLOT[4] = {0, 2, 1, 3};
                     #pragma unroll
                     for (int i = 0; i < 4; ++i) {
-                        p_frag[ks][i] = __float_as_uint(s[0][ks][SLOT[i]]);
-                        p_low[ks][i] = __float_as_uint(tf32_low(s[0][ks][SLOT[i]]));
+                        const float x = s[0][ks][SLOT[i]];
+                        if constexpr (SPLIT) {
+                            p_frag[ks][i] = __float_as_uint(x);
+                            p_low[ks][i] = __float_as_uint(tf32_low(x));
+                        } else {
+                            p_frag[ks][i] = __float_as_uint(tf32_round(x));
+                        }
                     }
                 } else {
                     c_to_a_frag<T>(p_frag[ks], s, 0, ks);
@@ -669,7 +727,7 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
         const int dense_masked_from = mask.key_hi(q0) / BLOCK_N;
         const int dense_first = tiles.x - t;
         auto visited = [&](int t, int& jt, bool& masked, bool& last) {
-            if constexpr (MODE == MODE_DENSE) {
+            if constexpr (C::OPTIONS == MODE_DENSE) {
                 jt = dense_first + t;
                 masked = jt >= dense_masked_from;
                 last = jt + 1 >= tiles.y;
@@ -691,9 +749,9 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
         // soon as the product that reads it has landed. (The issue order is
         // unconditional inside the loop: a wgmma batch issued on one path only would
         // leave register copies between the wgmmas and their wait.)
-        // fp32 (TF32): each key tile's S, then its P V, in turn (see the top); Q goes back
-        // once the last S has landed.
-        if constexpr (TF32) {
+        // fp32 as 3xTF32: each key tile's S, then its P V, in turn (see the top); Q goes
+        // back once the last S has landed.
+        if constexpr (SPLIT) {
             for (bool last = (work_word & 1) != 0; !last; ++t) {
                 int jt;
                 bool masked;
@@ -702,10 +760,9 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
                 issue_s(t);
                 const u64 keep = keep_bits(jt);
                 wgmma_wait<0>();
-                reg_fence(s2[0]);
+                land_s();
                 if (last) release_bar(&bars.q_empty);
                 release(bars.k_empty, t);
-                sum_s2();
                 BiasPairs bias;
                 const bool grew = softmax_tile(jt, masked, keep, bias);
                 round_p();
@@ -713,23 +770,19 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
                 issue_pv(t);
                 if (grew) softmax.rescale(acc, alpha);
                 wgmma_wait<0>();
-                reg_fence(o_tile[0]);
+                land_pv();
                 release(bars.v_empty, t);
-                #pragma unroll
-                for (int dt = 0; dt < DT; ++dt)
-                    #pragma unroll
-                    for (int e = 0; e < 4; ++e) acc[0][dt][e] += o_tile[0][dt][e];
             }
             if (work_word & 1) release_bar(&bars.q_empty);
         } else if ((work_word & 1) == 0) {
             int jt;
             bool masked, last;
             visited(t, jt, masked, last);
-            wait_full(bars.k_full, t);
+            wait_full(k_ready, t);
             issue_s(t);
             const u64 keep = keep_bits(jt);
             wgmma_wait<0>();
-            reg_fence(s[0]);
+            land_s();
             release(bars.k_empty, t);
             BiasPairs bias;
             bias_tile(t, jt, bias);
@@ -738,29 +791,29 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
             round_p();
             for (; !last; ++t) {
                 visited(t + 1, jt, masked, last);
-                wait_full(bars.k_full, t + 1);
-                wait_full(bars.v_full, t);
+                wait_full(k_ready, t + 1);
+                wait_full(v_ready, t);
                 issue_s(t + 1);
                 issue_pv(t);
                 const u64 keep = keep_bits(jt);
                 wgmma_wait<1>();   // S of the next tile (P V may still run)
-                reg_fence(s[0]);
+                land_s();
                 release(bars.k_empty, t + 1);
                 BiasPairs bias;
                 bias_tile(t + 1, jt, bias);
                 const bool grew = softmax_tile(jt, masked, keep, bias);
                 release_bias_tile(t + 1);
                 wgmma_wait<0>();
-                reg_fence(acc[0]);
+                land_pv();
                 release(bars.v_empty, t);
                 if (grew) softmax.rescale(acc, alpha);
                 round_p();
             }
             release_bar(&bars.q_empty);
-            wait_full(bars.v_full, t);
+            wait_full(v_ready, t);
             issue_pv(t);
             wgmma_wait<0>();
-            reg_fence(acc[0]);
+            land_pv();
             release(bars.v_empty, t);
             ++t;
         } else {

@@ -9,13 +9,16 @@
 //                 family that keeps the bias apart (fwd_sm90.cu), every option but the
 //                 bias, whose reads take registers its widest tiles do not have;
 //   MODE_EXT | MODE_BIAS   that family's kernel with the bias too (other tiles).
+// MODE_TF32 is not an option but the precision="tf32" policy of fp32 inputs in
+// fwd_sm90.cu (one TF32 product per matrix product instead of three); it combines with
+// the others and is no part of what Mods compiles.
 #pragma once
 #include "elem.cuh"
 #include "mask.cuh"
 #include "params.cuh"
 #include "philox.cuh"
 
-enum { MODE_DENSE = 0, MODE_EXT = 1, MODE_BIAS = 2 };
+enum { MODE_DENSE = 0, MODE_EXT = 1, MODE_BIAS = 2, MODE_TF32 = 4 };
 
 // Declares `mods`, this CTA's Mods, from the contract's AttnParams `p` (params.cuh).
 // The dense path keeps it in registers; the others in shared memory, written once: there

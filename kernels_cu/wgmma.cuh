@@ -132,6 +132,13 @@ __device__ __forceinline__ float tf32_low(float x) {
 __device__ __forceinline__ float4 tf32_low(float4 x) {
     return make_float4(tf32_low(x.x), tf32_low(x.y), tf32_low(x.z), tf32_low(x.w));
 }
+// x with half a TF32 ulp added to its bits: the tensor core's truncation of it is x
+// rounded to nearest TF32 (ties away; precision="tf32"). Within 2^-12 relative of FLT_MAX
+// it rounds to inf.
+__device__ __forceinline__ float tf32_round(float x) { return __uint_as_float(__float_as_uint(x) + 0x1000u); }
+__device__ __forceinline__ float4 tf32_round(float4 x) {
+    return make_float4(tf32_round(x.x), tf32_round(x.y), tf32_round(x.z), tf32_round(x.w));
+}
 
 // ---------------------------------------------------------------- ordering
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }

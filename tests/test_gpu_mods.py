@@ -723,6 +723,41 @@ def test_hopper_fp32_forward_on_tf32_wgmma(rng, monkeypatch, d, nq, nk, layout, 
         [v.name_expression for v in launched]
 
 
+@pytest.mark.parametrize("d,nq,nk,layout,causal,build", [
+    p for i, p in enumerate(_fp32_hopper_params()) if i % 3 == 0])
+def test_hopper_fp32_forward_with_tf32_precision(rng, monkeypatch, d, nq, nk, layout, causal, build):
+    """precision="tf32" on Hopper: the forward's one-product kernels (MODE_TF32) within
+    the documented TF32 tolerance of the float64 reference, the gradients too (the
+    backward is fp32-accurate from the forward's o and LSE)."""
+    if DRY_RUN:
+        pytest.skip("pins a GPU kernel")
+    import cupy as cp
+    from cupyflash import _cuda, _kernels
+    if _cuda._device_info(cp.cuda.Device().id)[0] != "sm_90a":
+        pytest.skip("not a Hopper GPU")
+    batch = 2 if nq * nk <= 10**6 else 1
+    host = _qkv(rng, "float32", d, nq, nk, 2, layout, batch=batch)
+    opts = build(rng, batch, 4, nq, nk, "float32")
+    launched = []
+    launch = _cuda._launch
+    monkeypatch.setattr(_cuda, "_launch", lambda variant, *a: (launched.append(variant), launch(variant, *a)))
+    *inputs, do = host
+    got = _forward_backward(cupyflash.attention_forward, [_dev(x) for x in inputs], _dev(do),
+                            {**{k: _dev(v) for k, v in opts.items()}, "causal": causal, "layout": layout,
+                             "precision": "tf32"}, backend=BACKEND)
+    ref = _forward_backward(cupyflash.attention_forward, [x.astype(np.float64) for x in inputs],
+                            do.astype(np.float64), {**_ref_options(opts), "causal": causal, "layout": layout},
+                            backend="numpy")
+    for name, r in ref.items():
+        g = got[name].astype(np.float64)
+        finite = np.isfinite(r)
+        assert np.array_equal(finite, np.isfinite(g)), name
+        assert rel_err(g[finite], r[finite]) < TOLERANCE["tf32"], name
+    forward = [v for v in launched if v.source.startswith("fwd")]
+    assert forward and all(v.family is _kernels.FWD_SM90 and v.mode & _kernels.MODE_TF32 for v in forward), \
+        [v.name_expression for v in launched]
+
+
 # The bias on the Hopper backward (bwd_sm90.cu's MODE_BIAS kernels, whole (Nq, Nk) rows
 # whose rows TMA can read, Nk % 8 == 0; no dbias asked for): sizes with partial query
 # tiles, sub-tiles and key blocks, biases broadcast over batch and heads or not, and the

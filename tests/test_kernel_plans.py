@@ -171,3 +171,24 @@ def test_hopper_option_tile_at_d64(monkeypatch, block_size, causal, window, rows
         mods = _mods.Modifiers(block_mask=np.ones((1, 1, 4, 4), bool), block_size=block_size)
     chosen = _cuda._choose(_kernels.forward_variants_for("bfloat16", 64, mods, causal=causal), 0)
     assert chosen.family is _kernels.FWD_SM90 and chosen.block_m == rows
+
+
+@pytest.mark.parametrize("tf32", [False, True])
+@pytest.mark.parametrize("options", [False, True])
+@pytest.mark.parametrize("D", [64, 128])
+def test_fp32_forward_on_hopper_and_its_precision(monkeypatch, tf32, options, D):
+    # fp32 runs fwd_sm90.cu on Hopper (3xTF32, or one TF32 product with precision="tf32":
+    # the MODE_TF32 bit in its mode), fwd_wide.cu elsewhere; the backward is the same
+    # fp32-accurate plan either way.
+    mods = _mods.Modifiers(softcap=30.0 if options else 0.0, tf32=tf32)
+    mode = _kernels.kernel_mode(mods)
+    assert bool(mode & _kernels.MODE_TF32) == tf32 and bool(mode & _kernels.MODE_EXT) == options
+    monkeypatch.setattr(_cuda, "_device_info", lambda device_id: ("sm_90a", HOPPER_SMEM))
+    chosen = _cuda._choose(_kernels.forward_variants_for("float32", D, mods, causal=True), 0)
+    assert chosen.family is _kernels.FWD_SM90 and chosen.mode == mode
+    assert chosen.name_expression.startswith(f"flash_fwd_sm90<float, {D}, ")
+    assert _kernels.backward_plan("float32", D, False, mode) == _kernels.backward_plan(
+        "float32", D, False, mode & ~_kernels.MODE_TF32)
+    monkeypatch.setattr(_cuda, "_device_info", lambda device_id: ("sm_80", 163 * 1024))
+    assert _cuda._choose(_kernels.forward_variants_for("float32", D, mods, causal=True), 0).source == "fwd_wide.cu"
+

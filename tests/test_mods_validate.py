@@ -39,6 +39,8 @@ BAD_OPTIONS = [
     ("seqlens_k", np.array([1, NK + 1]), ValueError, r"seqlens_k values must be in \[0, Nk=41\]"),
     ("seqlens_k", np.array([-1, 3]), ValueError, r"seqlens_k values must be in \[0, Nk=41\]"),
     ("seqlens_k", [1, 2], TypeError, "seqlens_k must be None or an array"),
+    ("precision", "fp16", ValueError, "precision must be one of 'highest', 'tf32'"),
+    ("precision", None, TypeError, "precision must be a string"),
 ]
 
 
@@ -53,6 +55,23 @@ def test_bad_options_are_refused_before_allocation(function, option, value, erro
     monkeypatch.setattr("cupyflash._arrays.empty", no_allocation)
     with pytest.raises(error, match="^" + message):
         function(*_qkv(), backend="numpy", **{option: value})
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float64])
+def test_tf32_precision_is_for_float32_inputs(dtype, monkeypatch):
+    def no_allocation(*args, **kwargs):
+        raise AssertionError("allocated before the check")
+    monkeypatch.setattr("cupyflash._arrays.empty", no_allocation)
+    q, k, v = (x.astype(dtype) for x in _qkv())
+    with pytest.raises(ValueError, match="^precision='tf32' applies to float32 inputs"):
+        cf.attention(q, k, v, backend="numpy", precision="tf32")
+
+
+def test_tf32_precision_on_the_numpy_backend_is_float32_accurate():
+    # The NumPy backend has no TF32 products: the permission changes nothing there.
+    q, k, v = _qkv()
+    assert np.array_equal(cf.attention(q, k, v, backend="numpy", precision="tf32"),
+                          cf.attention(q, k, v, backend="numpy"))
 
 
 def test_good_broadcast_shapes_are_accepted():
