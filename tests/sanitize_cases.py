@@ -81,6 +81,16 @@ def main():
                                                     dropout_p=0.1, seed=3, backend="cuda")
             for x in (o, *vjp(cp.asarray(rng.standard_normal(o.shape).astype(dtype)))):
                 bad += bool(cp.isnan(x.astype(np.float32)).any())
+        # fp32 with precision="tf32": the Hopper forward's one-product kernels (d = 64, 128).
+        if dtype == np.float32:
+            for (nq, nk, d), causal, options in (((33, 47, 64), False, None), ((129, 65, 128), True, None),
+                                                 ((129, 200, 64), True, "no bias")):
+                q = cp.asarray(rng.standard_normal((1, 4, nq, d)).astype(dtype))
+                k, v = (cp.asarray(rng.standard_normal((1, 2, nk, d)).astype(dtype)) for _ in range(2))
+                extra = _options(options, nq, nk, rng) if options else {}
+                print(f"case float32 tf32 {nq}x{nk} d={d} causal={causal} options={options}", flush=True)
+                o = cupyflash.attention(q, k, v, causal=causal, precision="tf32", backend="cuda", **extra)
+                bad += bool(cp.isnan(o).any())
     cp.cuda.runtime.deviceSynchronize()
     print(f"sanitize cases done, {bad} outputs with NaN")
     return 1 if bad else 0
