@@ -41,9 +41,10 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(u64* bar, u32 bytes) {
 // so waiting for parity 1 returns at once: that is how a producer finds every stage
 // empty on its first round.
 // Debugging a hang: compiled with -DCUPYFLASH_WATCHDOG, a thread whose wait has spun for
-// ~2^31 clocks records (block, thread, barrier's shared address, parity, its 64-bit state) once into the
-// host-mapped words at mbar_watchdog_log (word 0 counts the records), which the host can
-// read while the kernel hangs; set the pointer through the module's global.
+// ~2^31 clocks records (block, thread, the barrier's shared address, the parity, the
+// barrier's 64-bit state) once into the host-mapped words at mbar_watchdog_log (word 0
+// counts the records), which the host reads while the kernel hangs; the host sets the
+// pointer through the module's global (bench/hang_probe.py does both).
 #ifdef CUPYFLASH_WATCHDOG
 extern "C" __device__ unsigned* mbar_watchdog_log;
 __device__ unsigned* mbar_watchdog_log;
