@@ -51,8 +51,8 @@
 // the registers do not hold both tiles' products at once beside these sums.
 // precision="tf32" (MODE_TF32) keeps one product each, S = Q K^T and O += P V on TF32
 // operands rounded to nearest (the split warps round K in place and V^T as they write
-// it, the consumers their rows of Q and P in registers), O accumulated on the tensor
-// cores as for 16-bit inputs, in the same pipeline.
+// it, the consumers round their rows of Q in place and P in registers), O accumulated on
+// the tensor cores in the 16-bit inputs' pipeline.
 // Varlen reads (1, H, total, d) tensors at the sequence's row offset: rows past a
 // sequence's end belong to the next one (or are zero-filled past the tensor) and are
 // masked or never stored. Tensors TMA cannot describe (rows not 16-byte aligned) run in
@@ -133,7 +133,8 @@ struct Sm90FwdTile {
     static constexpr int PSTEPS = BLOCK_N / WgmmaK<T>::elems;   // k-steps of P V
     static constexpr int Q_ELEMS = BLOCK_M * D, KV_ELEMS = BLOCK_N * D;
     // A stage's K tile: K, and for fp32 its low parts as BLOCK_N more rows (K_ROWS rows in
-    // all, so each panel holds both); its V tile: V, and for fp32 V^T and V^T's low parts.
+    // all, so each panel holds both); its V tile: V, and for fp32 V^T and V^T's low parts
+    // (precision="tf32": K alone, V and V^T).
     static constexpr int K_ROWS = SPLIT ? 2 * BLOCK_N : BLOCK_N;
     static constexpr int K_TILE_ELEMS = K_ROWS * D, V_TILE_ELEMS = (SPLIT ? 3 : TF32 ? 2 : 1) * KV_ELEMS;
     static constexpr int SPLIT_WARPS = 3;           // fp32: the producer warpgroup's warps 1 .. 3
@@ -440,7 +441,8 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
     // them: the t-th is in stage t % STAGES.
     int t = 0;
     auto wait_full = [&](u64* full, int t) { mbar_wait(&full[t % STAGES], (t / STAGES) & 1); };
-    // Where the consumers learn that a stage's K or V is ready: fp32 once it is split.
+    // Where the consumers learn that a stage's K or V is ready: fp32 once the split warps
+    // have written its low parts (or rounded it).
     u64* const k_ready = C::TF32 ? bars.k_split : bars.k_full;
     u64* const v_ready = C::TF32 ? bars.v_split : bars.v_full;
     auto release = [&](u64* empty, int t) { release_bar(&empty[t % STAGES]); };

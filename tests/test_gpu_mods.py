@@ -696,39 +696,16 @@ def _fp32_hopper_params():
             yield pytest.param(d, nq, nk, layout, causal, build, id=f"{name}-d{d}-{nq}x{nk}-{layout}")
 
 
-@pytest.mark.parametrize("d,nq,nk,layout,causal,build", list(_fp32_hopper_params()))
-def test_hopper_fp32_forward_on_tf32_wgmma(rng, monkeypatch, d, nq, nk, layout, causal, build):
-    """fp32 on Hopper's TF32 warpgroup MMA (fwd_sm90.cu, 3xTF32 with the split warps)
-    at fp32's tolerance against the float64 reference, dense and with every option it
-    takes (with a bias fp32 runs in fwd_wide.cu); GQA 2:1. The forward must take that
-    kernel."""
-    if DRY_RUN:
-        pytest.skip("pins a GPU kernel")
-    import cupy as cp
-    from cupyflash import _cuda, _kernels
-    device = cp.cuda.Device().id
-    if _cuda._device_info(device)[0] != "sm_90a":
-        pytest.skip("not a Hopper GPU")
-    batch = 2 if nq * nk <= 10**6 else 1
-    host = _qkv(rng, "float32", d, nq, nk, 2, layout, batch=batch)
-    opts = build(rng, batch, 4, nq, nk, "float32")
-    launched = []
-    launch = _cuda._launch
-    monkeypatch.setattr(_cuda, "_launch", lambda variant, *a: (launched.append(variant), launch(variant, *a)))
-    opts.update(causal=causal, layout=layout)
-    got, ref = _run_both(cupyflash.attention_forward, host, opts)
-    _check(got, ref, "float32")
-    forward = [v for v in launched if v.source.startswith("fwd")]
-    assert forward and all(v.family is _kernels.FWD_SM90 and "<float," in v.name_expression for v in forward), \
-        [v.name_expression for v in launched]
-
-
-@pytest.mark.parametrize("d,nq,nk,layout,causal,build", [
-    p for i, p in enumerate(_fp32_hopper_params()) if i % 3 == 0])
-def test_hopper_fp32_forward_with_tf32_precision(rng, monkeypatch, d, nq, nk, layout, causal, build):
-    """precision="tf32" on Hopper: the forward's one-product kernels (MODE_TF32) within
-    the documented TF32 tolerance of the float64 reference, the gradients too (the
-    backward is fp32-accurate from the forward's o and LSE)."""
+@pytest.mark.parametrize("d,nq,nk,layout,causal,build,precision", [
+    pytest.param(*p.values, precision, id=f"{p.id}-{precision}") for i, p in enumerate(_fp32_hopper_params())
+    for precision in ("highest", "tf32")[:1 + (i % 3 == 0)]])
+def test_hopper_fp32_forward_on_tf32_wgmma(rng, monkeypatch, d, nq, nk, layout, causal, build, precision):
+    """fp32 on Hopper's TF32 warpgroup MMA (fwd_sm90.cu with the split warps) against the
+    float64 reference, dense and with every option it takes (with a bias fp32 runs in
+    fwd_wide.cu); GQA 2:1: at fp32's tolerance (3xTF32), or with precision="tf32" (one
+    product, MODE_TF32) at the documented TF32 tolerance, gradients included (the
+    backward is fp32-accurate from that forward's o and LSE). The forward must take
+    that kernel."""
     if DRY_RUN:
         pytest.skip("pins a GPU kernel")
     import cupy as cp
@@ -741,20 +718,25 @@ def test_hopper_fp32_forward_with_tf32_precision(rng, monkeypatch, d, nq, nk, la
     launched = []
     launch = _cuda._launch
     monkeypatch.setattr(_cuda, "_launch", lambda variant, *a: (launched.append(variant), launch(variant, *a)))
-    *inputs, do = host
-    got = _forward_backward(cupyflash.attention_forward, [_dev(x) for x in inputs], _dev(do),
-                            {**{k: _dev(v) for k, v in opts.items()}, "causal": causal, "layout": layout,
-                             "precision": "tf32"}, backend=BACKEND)
-    ref = _forward_backward(cupyflash.attention_forward, [x.astype(np.float64) for x in inputs],
-                            do.astype(np.float64), {**_ref_options(opts), "causal": causal, "layout": layout},
-                            backend="numpy")
-    for name, r in ref.items():
-        g = got[name].astype(np.float64)
-        finite = np.isfinite(r)
-        assert np.array_equal(finite, np.isfinite(g)), name
-        assert rel_err(g[finite], r[finite]) < TOLERANCE["tf32"], name
+    opts.update(causal=causal, layout=layout)
+    if precision == "highest":
+        got, ref = _run_both(cupyflash.attention_forward, host, opts)
+        _check(got, ref, "float32")
+    else:
+        *inputs, do = host
+        got = _forward_backward(cupyflash.attention_forward, [_dev(x) for x in inputs], _dev(do),
+                                {**{k: _dev(v) for k, v in opts.items()}, "precision": "tf32"}, backend=BACKEND)
+        ref = _forward_backward(cupyflash.attention_forward, [x.astype(np.float64) for x in inputs],
+                                do.astype(np.float64), _ref_options(opts), backend="numpy")
+        for name, r in ref.items():
+            g = got[name].astype(np.float64)
+            finite = np.isfinite(r)
+            assert np.array_equal(finite, np.isfinite(g)), name
+            assert rel_err(g[finite], r[finite]) < TOLERANCE["tf32"], name
     forward = [v for v in launched if v.source.startswith("fwd")]
-    assert forward and all(v.family is _kernels.FWD_SM90 and v.mode & _kernels.MODE_TF32 for v in forward), \
+    tf32 = precision == "tf32"
+    assert forward and all(v.family is _kernels.FWD_SM90 and "<float," in v.name_expression
+                           and bool(v.mode & _kernels.MODE_TF32) == tf32 for v in forward), \
         [v.name_expression for v in launched]
 
 
