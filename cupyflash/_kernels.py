@@ -262,11 +262,10 @@ def _sm90_forward(dtype_name: str, D: int, tile, mode: int) -> Variant:
     block_m = 64 * consumers
     item = np.dtype(dtype_name).itemsize
     # fwd_sm90.cu Sm90FwdTile: Q, then a K tile and a V tile per stage, swizzled (fp32:
-    # K with its low parts, V with V^T and its low parts: 2 and 3 block_n x D tiles; with
-    # one product K, and V with V^T), and
-    # with the bias a (block_m, block_n) bias tile per stage; 1024 bytes to align them;
-    # then Sm90FwdBarriers (2 + 8 STAGES mbarriers of 8 bytes, then the schedule's
-    # STAGES + 1 ints, padded to 8 bytes).
+    # K with its low parts, V with V^T and its low parts, 2 + 3 block_n x D tiles; with one
+    # TF32 product K, and V with V^T), and with the bias a (block_m, block_n) bias tile per
+    # stage; 1024 bytes to align them; then Sm90FwdBarriers (2 + 8 STAGES mbarriers of 8
+    # bytes, then the schedule's STAGES + 1 ints, padded to 8 bytes).
     kv_tiles = 2 if item == 2 else 3 if mode & MODE_TF32 else 5
     bias = stages * block_m * block_n if mode & MODE_BIAS else 0
     smem = (((block_m + kv_tiles * stages * block_n) * D + bias) * item + 1024 + 8 * (2 + 8 * stages)
