@@ -149,8 +149,8 @@ def precompile(*, dtypes=None, head_dims=None, device=None, workers=None, option
     arch, _ = _device_info(device_id)
     wanted = {}
     for name in names:
-        # fp32: the precision="tf32" kernels beside (MODE_TF32; no bias kernels of it)
-        tf32 = tuple(m | MODE_TF32 for m in modes if not m & MODE_BIAS) if name == "float32" else ()
+        # fp32: the precision="tf32" kernels beside (MODE_TF32)
+        tf32 = tuple(m | MODE_TF32 for m in modes) if name == "float32" else ()
         for D in dims:
             chosen = []
             for mode in modes + tf32:
@@ -384,9 +384,11 @@ def _sm_count(device_id: int) -> int:
 
 def _sm90_bias_spec(variant: Variant, bias, nq: int, nk: int):
     """The tensor-map spec through which fwd_sm90.cu loads bias tiles beside K and V:
-    for a bias with whole rows (not broadcast over queries or keys) that TMA can
-    describe; else None, and each thread loads its scores' bias itself."""
-    if bias is None or not variant.mode & MODE_BIAS or tuple(bias.shape[2:]) != (nq, nk):
+    for a 16-bit bias with whole rows (not broadcast over queries or keys) that TMA can
+    describe; else None, and each thread loads its scores' bias itself (fp32 always)."""
+    if bias is None or not variant.mode & MODE_BIAS or bias.dtype.itemsize != 2:
+        return None
+    if tuple(bias.shape[2:]) != (nq, nk):
         return None
     return _tma.map_spec(bias, variant.block_m)
 

@@ -24,7 +24,7 @@ MODES = (MODE_DENSE, MODE_EXT, MODE_EXT | MODE_BIAS)
 # precision="tf32" (mods.cuh MODE_TF32): not an option but a policy of fp32 products in
 # fwd_sm90.cu, one TF32 product instead of three; the other families ignore it.
 MODE_TF32 = 4
-TF32_MODES = (MODE_TF32, MODE_EXT | MODE_TF32)
+TF32_MODES = tuple(mode | MODE_TF32 for mode in MODES)
 
 # Tensor-core forward tiles per head dim, (BLOCK_M, BLOCK_N, WARPS), in order of
 # preference; the first that fits the device's shared memory is used. The later entries
@@ -84,8 +84,8 @@ FWD_SM90_BIAS_TILES = {
     192: ((64, 2, 2),),
 }
 _FWD_SM90_TABLES = {MODE_DENSE: FWD_SM90_TILES, MODE_EXT: FWD_SM90_EXT_TILES, MODE_EXT | MODE_BIAS: FWD_SM90_BIAS_TILES}
-# fp32 in the same kernel on TF32 wgmma (3xTF32, fwd_sm90.cu), dense and MODE_EXT (with a
-# bias fp32 runs in fwd_wide.cu): a stage holds K and its low parts, V as loaded, V^T and
+# fp32 in the same kernel on TF32 wgmma (3xTF32, fwd_sm90.cu), every mode (the bias read
+# from global memory, no bias stage): a stage holds K and its low parts, V as loaded, V^T and
 # its low parts, 5 BLOCK_N x d fp32 tiles, so d = 128 takes 32-key tiles to fit two stages
 # beside the 128-row Q tile (224 KB of tiles).
 FWD_SM90_F32_TILES = {
@@ -98,7 +98,8 @@ FWD_SM90_F32_EXT_TILES = {
     64: ((64, 2, 2),),
     128: ((32, 2, 2),),
 }
-_FWD_SM90_F32_TABLES = {MODE_DENSE: FWD_SM90_F32_TILES, MODE_EXT: FWD_SM90_F32_EXT_TILES}
+_FWD_SM90_F32_TABLES = {MODE_DENSE: FWD_SM90_F32_TILES, MODE_EXT: FWD_SM90_F32_EXT_TILES,
+                        MODE_EXT | MODE_BIAS: FWD_SM90_F32_EXT_TILES}
 # precision="tf32": one product, a stage holds K, V and V^T (3 BLOCK_N x d fp32 tiles).
 FWD_SM90_TF32_TILES = {
     64: ((64, 3, 3),),
@@ -108,7 +109,8 @@ FWD_SM90_TF32_EXT_TILES = {
     64: ((64, 2, 3),),
     128: ((32, 2, 3),),
 }
-_FWD_SM90_TF32_TABLES = {MODE_DENSE: FWD_SM90_TF32_TILES, MODE_EXT: FWD_SM90_TF32_EXT_TILES}
+_FWD_SM90_TF32_TABLES = {MODE_DENSE: FWD_SM90_TF32_TILES, MODE_EXT: FWD_SM90_TF32_EXT_TILES,
+                         MODE_EXT | MODE_BIAS: FWD_SM90_TF32_EXT_TILES}
 # The same with the options of _mods (window, dropout, bias, ...; the MODE_EXT kernels):
 # their per-score work and the option state need registers that the dense tiles with 64
 # keys or two m-tiles per warp do not have (build check), so 32-key tiles (16 at d = 192).
@@ -267,7 +269,7 @@ def _sm90_forward(dtype_name: str, D: int, tile, mode: int) -> Variant:
     # stage; 1024 bytes to align them; then Sm90FwdBarriers (2 + 8 STAGES mbarriers of 8
     # bytes, then the schedule's STAGES + 1 ints, padded to 8 bytes).
     kv_tiles = 2 if item == 2 else 3 if mode & MODE_TF32 else 5
-    bias = stages * block_m * block_n if mode & MODE_BIAS else 0
+    bias = stages * block_m * block_n if mode & MODE_BIAS and item == 2 else 0   # fp32: no bias stage
     smem = (((block_m + kv_tiles * stages * block_n) * D + bias) * item + 1024 + 8 * (2 + 8 * stages)
             + -(-4 * (stages + 1) // 8) * 8)
     expr = f"flash_fwd_sm90<{CPP_TYPE[dtype_name]}, {D}, {block_n}, {consumers}, {stages}, {mode}, {smem}>"

@@ -138,8 +138,9 @@ struct Sm90FwdTile {
     static constexpr int K_ROWS = SPLIT ? 2 * BLOCK_N : BLOCK_N;
     static constexpr int K_TILE_ELEMS = K_ROWS * D, V_TILE_ELEMS = (SPLIT ? 3 : TF32 ? 2 : 1) * KV_ELEMS;
     static constexpr int SPLIT_WARPS = 3;           // fp32: the producer warpgroup's warps 1 .. 3
-    // MODE_BIAS: a bias tile per stage (BLOCK_M rows, BLOCK_N / 64 panels of 64 keys).
-    static constexpr int BIAS_ELEMS = (MODE & MODE_BIAS) != 0 ? BLOCK_M * BLOCK_N : 0;
+    // MODE_BIAS: a bias tile per stage (BLOCK_M rows, BLOCK_N / 64 panels of 64 keys);
+    // none for fp32, whose bias the consumers load from global memory.
+    static constexpr int BIAS_ELEMS = (MODE & MODE_BIAS) != 0 && !TF32 ? BLOCK_M * BLOCK_N : 0;
     static constexpr int PANEL = 128 / sizeof(T);   // columns per TMA box (128 bytes, the swizzle span)
     static constexpr u32 Q_BYTES = Q_ELEMS * sizeof(T), KV_BYTES = KV_ELEMS * sizeof(T);
     static constexpr u32 BIAS_BYTES = BIAS_ELEMS * sizeof(T);
@@ -159,7 +160,6 @@ struct Sm90FwdTile {
     static constexpr int CONSUMER_REGS = WarpgroupRegs<THREADS, PRODUCER_REGS>::CONSUMER;
     static_assert(D % PANEL == 0 && BLOCK_N % PANEL == 0 && BLOCK_N <= 256 && D <= 256 && BLOCK_M <= 256,
                   "tile shape (TMA boxes take at most 256 rows)");
-    static_assert(!TF32 || (MODE & MODE_BIAS) == 0, "fp32 with a bias runs in fwd_wide.cu");
 };
 
 // The split warps of an fp32 tile (C::TF32): for each stage the producer fills, in the
@@ -263,7 +263,7 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
     };
     // MODE_BIAS: the bias tiles come by TMA beside K and V where the bias has whole rows
     // (a tensor map describes it), else each thread loads its scores' bias (bias_tile).
-    const bool bias_in_smem = (MODE & MODE_BIAS) != 0 && p.mods.bias_tma;
+    const bool bias_in_smem = (MODE & MODE_BIAS) != 0 && !C::TF32 && p.mods.bias_tma;
     const int work_tiles = p.grid_m * p.grid_heads * p.grid_batch;
     if (threadIdx.x == 0) {
         mbar_init(&bars.q_full, 1);
@@ -598,10 +598,34 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
         // by ldmatrix: matrix m of an x4 is rows 8 (m % 2) .. of the warp's 16 and n-tile
         // nt + m / 2, so each lane receives exactly its pairs. Else from global memory, a
         // pair as one 32-bit load where the rows allow (keys contiguous, rows 4-byte
-        // aligned), zeros past the sequence.
-        typedef u32 BiasPairs[NT][2];
+        // aligned), zeros past the sequence. A 16-bit pair is one word, [nt][half]; fp32
+        // biases come from global memory only, a pair as two words, [nt][e] in the
+        // fragment's order (one 8-byte load where the rows allow).
+        typedef u32 BiasPairs[NT][TF32 ? 4 : 2];
         auto bias_tile = [&](int t, int jt, BiasPairs& pairs) {
-            if constexpr ((MODE & MODE_BIAS) != 0) {
+            if constexpr ((MODE & MODE_BIAS) != 0 && TF32) {
+                const int k0 = jt * BLOCK_N + 2 * t4;
+                const bool wide = head_mods.bias_sk == 1 && head_mods.bias_sq % 2 == 0 &&
+                                  reinterpret_cast<u64>(head_mods.bias) % 8 == 0;
+                #pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const int i = q0 + warp_row0 + g + 8 * half;
+                    const T* row = head_mods.bias + (i64)min(i, mask.nq - 1) * head_mods.bias_sq;
+                    #pragma unroll
+                    for (int nt = 0; nt < NT; ++nt) {
+                        const int j = k0 + nt * 8;
+                        float2 v = make_float2(0.f, 0.f);
+                        if (i < mask.nq && j + 1 < mask.nk && wide) {
+                            v = *reinterpret_cast<const float2*>(row + j);
+                        } else if (i < mask.nq && j < mask.nk) {
+                            v.x = row[j * head_mods.bias_sk];
+                            if (j + 1 < mask.nk) v.y = row[(j + 1) * head_mods.bias_sk];
+                        }
+                        pairs[nt][2 * half] = __float_as_uint(v.x);
+                        pairs[nt][2 * half + 1] = __float_as_uint(v.y);
+                    }
+                }
+            } else if constexpr ((MODE & MODE_BIAS) != 0) {
                 if (bias_in_smem) {
                     wait_full(bars.bias_full, t);
                     const T* stage = sBias + (t % STAGES) * C::BIAS_ELEMS;
@@ -646,7 +670,12 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
             if (bias_in_smem) release(bars.bias_empty, t);
         };
         auto add_bias = [&](const BiasPairs& pairs, float weight) {
-            if constexpr ((MODE & MODE_BIAS) != 0) {
+            if constexpr ((MODE & MODE_BIAS) != 0 && TF32) {
+                #pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+                    #pragma unroll
+                    for (int e = 0; e < 4; ++e) s[0][nt][e] = fma(__uint_as_float(pairs[nt][e]), weight, s[0][nt][e]);
+            } else if constexpr ((MODE & MODE_BIAS) != 0) {
                 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt)
                     #pragma unroll
@@ -766,6 +795,7 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
                 if (last) release_bar(&bars.q_empty);
                 release(bars.k_empty, t);
                 BiasPairs bias;
+                bias_tile(t, jt, bias);
                 const bool grew = softmax_tile(jt, masked, keep, bias);
                 round_p();
                 wait_full(v_ready, t);

@@ -684,11 +684,8 @@ def test_hopper_path_with_options(rng, monkeypatch, dtype, d, nq, nk, layout, ca
 
 
 def _fp32_hopper_params():
-    options = (("dense", False, lambda *a: {}), ("causal", True, lambda *a: {}),
-               *(o for o in HOPPER_OPTIONS if not o[0].startswith(("bias", "everything"))),
-               ("everything-but-bias", True, lambda r, b, h, nq, nk, t: dict(
-                   window=(500, 3), seqlens_k=_seqlens(r, b, nk), softcap=20.0, alibi_slopes=_slopes((h,)),
-                   dropout_p=0.25, seed=3)))
+    options = (("dense", False, lambda *a: {}), ("causal", True, lambda *a: {}), *HOPPER_OPTIONS,
+               ("bias-per-head-causal", True, lambda r, b, h, nq, nk, t: dict(bias=_bias(r, (b, h, nq, nk), t))))
     for i, (name, causal, build) in enumerate(options):
         for j, (nq, nk) in enumerate(HOPPER_SIZES[1:4] if i % 2 else HOPPER_SIZES[3:]):
             d = (64, 128, 40, 104)[(i + j) % 4]   # 40 and 104: TMA zero-fills the padding columns
@@ -701,8 +698,8 @@ def _fp32_hopper_params():
     for precision in ("highest", "tf32")[:1 + (i % 3 == 0)]])
 def test_hopper_fp32_forward_on_tf32_wgmma(rng, monkeypatch, d, nq, nk, layout, causal, build, precision):
     """fp32 on Hopper's TF32 warpgroup MMA (fwd_sm90.cu with the split warps) against the
-    float64 reference, dense and with every option it takes (with a bias fp32 runs in
-    fwd_wide.cu); GQA 2:1: at fp32's tolerance (3xTF32), or with precision="tf32" (one
+    float64 reference, dense and with every option (the bias read from global memory);
+    GQA 2:1: at fp32's tolerance (3xTF32), or with precision="tf32" (one
     product, MODE_TF32) at the documented TF32 tolerance, gradients included (the
     backward is fp32-accurate from that forward's o and LSE). The forward must take
     that kernel."""
