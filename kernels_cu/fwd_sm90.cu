@@ -115,9 +115,38 @@ struct Sm90Work {
     }
 };
 
-template <typename T, int D_, int BLOCK_N_, int CONSUMERS, int STAGES, int MODE>
+// A bias pair (keys j and j + 1 of a row) in the N words a consumer keeps it in: one u32
+// of two 16-bit halves, or two u32 of fp32 bits. load: the pair from one aligned load;
+// set: its element e (0 or 1) into zeroed words; value: the e-th of the 4 scores a thread
+// holds of an n-tile, from that n-tile's two pairs (rows g, g + 8), as a float.
+template <typename T, int SIZE = sizeof(T)>
+struct BiasWords {
+    static constexpr int N = 1;
+    __device__ static __forceinline__ void load(u32 (&v)[N], const T* pair) {
+        v[0] = *reinterpret_cast<const u32*>(pair);
+    }
+    __device__ static __forceinline__ void set(u32 (&v)[N], int e, T x) { v[0] |= u32(x.bits) << (16 * e); }
+    __device__ static __forceinline__ float value(const u32* words, int e) {
+        T x;
+        x.bits = u16(words[e / 2] >> (16 * (e % 2)));
+        return to_acc(x);
+    }
+};
+template <typename T>
+struct BiasWords<T, 4> {
+    static constexpr int N = 2;
+    __device__ static __forceinline__ void load(u32 (&v)[N], const T* pair) {
+        const float2 w = *reinterpret_cast<const float2*>(pair);
+        v[0] = __float_as_uint(w.x);
+        v[1] = __float_as_uint(w.y);
+    }
+    __device__ static __forceinline__ void set(u32 (&v)[N], int e, T x) { v[e] = __float_as_uint(x); }
+    __device__ static __forceinline__ float value(const u32* words, int e) { return __uint_as_float(words[e]); }
+};
+
+template <typename T, int D_, int BLOCK_N_, int CONSUMERS, int STAGES_, int MODE>
 struct Sm90FwdTile {
-    static constexpr int D = D_, BLOCK_N = BLOCK_N_, STAGES_ = STAGES;
+    static constexpr int D = D_, BLOCK_N = BLOCK_N_, STAGES = STAGES_;
     // Named barrier of the consumers alone (0 is __syncthreads').
     static constexpr int CONSUMER_BARRIER = 1;
     static constexpr int CONSUMER_THREADS = CONSUMERS * 128;
@@ -174,7 +203,7 @@ struct Sm90FwdTile {
 template <typename C, typename Bars, typename ReadWord, typename ReleaseBar>
 __device__ __forceinline__ void split_stages(float* sK, float* sV, Bars& bars, ReadWord&& read_word,
                                              ReleaseBar&& release_bar) {
-    constexpr int BLOCK_N = C::BLOCK_N, D = C::D, STAGES = C::STAGES_;
+    constexpr int BLOCK_N = C::BLOCK_N, D = C::D, STAGES = C::STAGES;
     constexpr int SPLIT_THREADS = C::SPLIT_WARPS * 32;
     const int tid = threadIdx.x - C::CONSUMER_THREADS - 32;
     typedef Swizzle128<float, BLOCK_N> VLayout;   // V as TMA lays it out: rows are keys
@@ -598,15 +627,34 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
         // by ldmatrix: matrix m of an x4 is rows 8 (m % 2) .. of the warp's 16 and n-tile
         // nt + m / 2, so each lane receives exactly its pairs. Else from global memory, a
         // pair as one 32-bit load where the rows allow (keys contiguous, rows 4-byte
-        // aligned), zeros past the sequence. A 16-bit pair is one word, [nt][half]; fp32
-        // biases come from global memory only, a pair as two words, [nt][e] in the
-        // fragment's order (one 8-byte load where the rows allow).
-        typedef u32 BiasPairs[NT][TF32 ? 4 : 2];
+        // aligned; one 8-byte load for fp32), zeros past the sequence. fp32 biases come
+        // from global memory only (BiasWords: a pair is one word, or two for fp32).
+        typedef BiasWords<T> Words;
+        typedef u32 BiasPairs[NT][2 * Words::N];
         auto bias_tile = [&](int t, int jt, BiasPairs& pairs) {
-            if constexpr ((MODE & MODE_BIAS) != 0 && TF32) {
+            if constexpr ((MODE & MODE_BIAS) != 0) {
+                if constexpr (!TF32) {
+                    if (bias_in_smem) {
+                        wait_full(bars.bias_full, t);
+                        const T* stage = sBias + (t % STAGES) * C::BIAS_ELEMS;
+                        const int m = lane / 8, row = warp_row0 + (m % 2) * 8 + lane % 8;
+                        #pragma unroll
+                        for (int nt = 0; nt < NT; nt += 2) {
+                            const int chunk = nt + m / 2;   // 8 keys
+                            u32 r[4];
+                            ldmatrix_x4(r, stage + (chunk / 8) * (BLOCK_M * C::PANEL) + row * C::PANEL +
+                                               ((chunk % 8) ^ (row % 8)) * 8);
+                            pairs[nt][0] = r[0];
+                            pairs[nt][1] = r[1];
+                            pairs[nt + 1][0] = r[2];
+                            pairs[nt + 1][1] = r[3];
+                        }
+                        return;
+                    }
+                }
                 const int k0 = jt * BLOCK_N + 2 * t4;
                 const bool wide = head_mods.bias_sk == 1 && head_mods.bias_sq % 2 == 0 &&
-                                  reinterpret_cast<u64>(head_mods.bias) % 8 == 0;
+                                  reinterpret_cast<u64>(head_mods.bias) % (2 * sizeof(T)) == 0;
                 #pragma unroll
                 for (int half = 0; half < 2; ++half) {
                     const int i = q0 + warp_row0 + g + 8 * half;
@@ -614,53 +662,15 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
                     #pragma unroll
                     for (int nt = 0; nt < NT; ++nt) {
                         const int j = k0 + nt * 8;
-                        float2 v = make_float2(0.f, 0.f);
+                        u32 v[Words::N] = {};
                         if (i < mask.nq && j + 1 < mask.nk && wide) {
-                            v = *reinterpret_cast<const float2*>(row + j);
+                            Words::load(v, row + j);
                         } else if (i < mask.nq && j < mask.nk) {
-                            v.x = row[j * head_mods.bias_sk];
-                            if (j + 1 < mask.nk) v.y = row[(j + 1) * head_mods.bias_sk];
+                            Words::set(v, 0, row[j * head_mods.bias_sk]);
+                            if (j + 1 < mask.nk) Words::set(v, 1, row[(j + 1) * head_mods.bias_sk]);
                         }
-                        pairs[nt][2 * half] = __float_as_uint(v.x);
-                        pairs[nt][2 * half + 1] = __float_as_uint(v.y);
-                    }
-                }
-            } else if constexpr ((MODE & MODE_BIAS) != 0) {
-                if (bias_in_smem) {
-                    wait_full(bars.bias_full, t);
-                    const T* stage = sBias + (t % STAGES) * C::BIAS_ELEMS;
-                    const int m = lane / 8, row = warp_row0 + (m % 2) * 8 + lane % 8;
-                    #pragma unroll
-                    for (int nt = 0; nt < NT; nt += 2) {
-                        const int chunk = nt + m / 2;   // 8 keys
-                        u32 r[4];
-                        ldmatrix_x4(r, stage + (chunk / 8) * (BLOCK_M * C::PANEL) + row * C::PANEL +
-                                           ((chunk % 8) ^ (row % 8)) * 8);
-                        pairs[nt][0] = r[0];
-                        pairs[nt][1] = r[1];
-                        pairs[nt + 1][0] = r[2];
-                        pairs[nt + 1][1] = r[3];
-                    }
-                    return;
-                }
-                const int k0 = jt * BLOCK_N + 2 * t4;
-                const bool wide = head_mods.bias_sk == 1 && head_mods.bias_sq % 2 == 0 &&
-                                  reinterpret_cast<u64>(head_mods.bias) % 4 == 0;
-                #pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    const int i = q0 + warp_row0 + g + 8 * half;
-                    const T* row = head_mods.bias + (i64)min(i, mask.nq - 1) * head_mods.bias_sq;
-                    #pragma unroll
-                    for (int nt = 0; nt < NT; ++nt) {
-                        const int j = k0 + nt * 8;
-                        u32 v = 0;
-                        if (i < mask.nq && j + 1 < mask.nk && wide) {
-                            v = *reinterpret_cast<const u32*>(row + j);
-                        } else if (i < mask.nq && j < mask.nk) {
-                            v = row[j * head_mods.bias_sk].bits;
-                            if (j + 1 < mask.nk) v |= u32(row[(j + 1) * head_mods.bias_sk].bits) << 16;
-                        }
-                        pairs[nt][half] = v;
+                        #pragma unroll
+                        for (int w = 0; w < Words::N; ++w) pairs[nt][Words::N * half + w] = v[w];
                     }
                 }
             }
@@ -670,20 +680,11 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
             if (bias_in_smem) release(bars.bias_empty, t);
         };
         auto add_bias = [&](const BiasPairs& pairs, float weight) {
-            if constexpr ((MODE & MODE_BIAS) != 0 && TF32) {
+            if constexpr ((MODE & MODE_BIAS) != 0) {
                 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt)
                     #pragma unroll
-                    for (int e = 0; e < 4; ++e) s[0][nt][e] = fma(__uint_as_float(pairs[nt][e]), weight, s[0][nt][e]);
-            } else if constexpr ((MODE & MODE_BIAS) != 0) {
-                #pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
-                    #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        T x;
-                        x.bits = u16(pairs[nt][e / 2] >> (16 * (e % 2)));
-                        s[0][nt][e] = fma(to_acc(x), weight, s[0][nt][e]);
-                    }
+                    for (int e = 0; e < 4; ++e) s[0][nt][e] = fma(Words::value(pairs[nt], e), weight, s[0][nt][e]);
             }
         };
         // The mask and the score terms on the scores of key tile jt (masked: not wholly
