@@ -413,34 +413,32 @@ BWD_SPLIT_MIN_HEAD_DIM = 192
 # fp32 (3xTF32) and fp64 (DMMA) tensor-core backward (bwd_wide.cu), per dtype and head dim,
 # in order of preference as above: the first entries fill H100/H200's 227 KB per block,
 # then ~160 KB (A100); where none fits a ~100 KB GPU, device_backward_plan takes the
-# CUDA-core kernels. dK/dV kernel, (BLOCK_M, BLOCK_N, WARPS, SLICE): query tile, key
-# block, warps (16 keys each), queries whose S^T and dP^T are live at once; dK and dV of a
-# warp's keys stay in registers, in one launch below BWD_WIDE_SPLIT_MIN_HEAD_DIM and in a
-# dV and a dK launch from there. These kernels run at ptxas' 255 registers from d = 96
-# (fp32) or 64 (fp64), and SLICE (8 or 16) is the one with the fewest spill bytes under
-# NVRTC 12.9 (build check): 0 for the first entries up to d = 96, 4-16 bytes for most at
-# d = 128-256 in fp32, up to 80 bytes (fp32 d = 192's dQ kernel, the 2-warp fallbacks).
-# H100, same run as torch (bench/results/h100-2026-11-23-fc1b479-wide.json), N = 4096:
-# fp32 d = 64 49 TFLOP/s (1.39x torch's efficient backward), d = 128 40 (1.10x); fp64
-# d = 64 24 (1.07x torch's math backward), d = 128 17 (0.48x: two launches, 4 warps of 16
-# keys with 128 registers of dK or dV each).
+# CUDA-core kernels. dK/dV kernel, (BLOCK_M, BLOCK_N, WARPS, SLICE, HALVES): query tile,
+# key block, warps, queries whose S^T and dP^T are live at once, and the warps that share
+# each 16-key m-tile (1, or 2 where a warp's dK and dV would not fit its registers: each
+# holds half of their columns; S^T and dP^T are computed once and traded). These kernels
+# run at ptxas' 255 registers from d = 96 (fp32) or 64 (fp64), and SLICE (8 or 16) is the
+# one with the fewest spill bytes under NVRTC 12.9 (build check).
+# H100, same run as torch (bench/results/h100-2026-11-23-fc1b479-wide.json), N = 4096,
+# before the swizzled tiles and the halves: fp32 d = 64 49 TFLOP/s (1.39x torch's efficient
+# backward), d = 128 40 (1.10x); fp64 d = 64 24 (1.07x torch's math backward), d = 128 17
+# (0.48x: then a dV and a dK launch of 4 warps).
 BWD_WIDE_KV_TILES = {
     "float32": {
-        32: ((64, 128, 8, 16), (32, 64, 4, 16), (16, 64, 4, 16)),
-        64: ((64, 128, 8, 16), (32, 64, 4, 16), (16, 64, 4, 16)),
-        96: ((32, 128, 8, 8), (16, 64, 4, 8), (16, 32, 2, 8)),
-        128: ((32, 128, 8, 8), (16, 64, 4, 8), (16, 32, 2, 8)),
-        192: ((16, 64, 4, 16), (16, 32, 2, 16)),
-        256: ((16, 64, 4, 16), (16, 32, 2, 16)),
+        32: ((64, 128, 8, 16, 1), (32, 64, 4, 16, 1), (16, 64, 4, 16, 1)),
+        64: ((64, 128, 8, 16, 1), (32, 64, 4, 16, 1), (16, 64, 4, 16, 1)),
+        96: ((32, 128, 8, 8, 1), (16, 64, 4, 8, 1), (16, 32, 2, 8, 1)),
+        128: ((32, 128, 8, 8, 1), (16, 64, 4, 8, 1), (16, 32, 2, 8, 1)),
+        192: ((16, 64, 8, 16, 2), (16, 32, 4, 16, 2), (16, 16, 2, 16, 2)),
+        256: ((16, 64, 8, 16, 2), (16, 32, 4, 16, 2)),
     },
     "float64": {
-        32: ((32, 128, 8, 16), (16, 64, 4, 16), (16, 32, 2, 16)),
-        64: ((16, 128, 8, 8), (16, 64, 4, 8), (16, 32, 2, 8)),
-        96: ((16, 64, 4, 8), (16, 32, 2, 8)),
-        128: ((16, 64, 4, 8), (16, 32, 2, 8)),
+        32: ((32, 128, 8, 16, 1), (16, 64, 4, 16, 1), (16, 32, 2, 16, 1)),
+        64: ((16, 128, 8, 8, 1), (16, 64, 4, 8, 1), (16, 32, 2, 8, 1)),
+        96: ((16, 64, 8, 8, 2), (16, 32, 4, 8, 2)),
+        128: ((16, 64, 8, 8, 2), (16, 32, 4, 8, 2)),
     },
 }
-BWD_WIDE_SPLIT_MIN_HEAD_DIM = {"float32": 192, "float64": 96}
 # Deterministic dQ kernel, (BLOCK_M, BLOCK_N, WARPS, SLICE): query block (16 rows per
 # warp), key tile, keys whose S and dP are live at once.
 BWD_WIDE_Q_TILES = {
@@ -454,8 +452,8 @@ BWD_WIDE_Q_TILES = {
     },
     "float64": {
         32: ((128, 32, 8, 16), (64, 16, 4, 16)),
-        64: ((128, 16, 8, 16), (64, 16, 4, 16), (32, 16, 2, 16)),
-        96: ((64, 16, 4, 8), (32, 16, 2, 8)),
+        64: ((128, 16, 8, 16), (64, 16, 4, 16), (32, 16, 2, 8)),
+        96: ((64, 16, 4, 16), (32, 16, 2, 8)),
         128: ((64, 16, 4, 8), (32, 16, 2, 8)),
     },
 }
@@ -523,22 +521,31 @@ def _sm80_dq(dtype_name: str, D: int, tile, mode: int) -> Variant:
     return Variant(BWD_SM80, expr, warps * 32, block_m, smem, mode=mode)
 
 
+def _both_ways_elems(dtype_name: str, rows: int, cols: int) -> int:
+    """Elements of a rows x cols tile laid out as mma_wide.cuh BothWaysRows: rows of
+    cols + 8, and for fp64 (PairRowsStaggered) 12 more elements per group of 8 rows."""
+    return rows * (cols + 8) + (rows // 8 * 12 if dtype_name == "float64" else 0)
+
+
 def _wide_dkdv(dtype_name: str, D: int, tile, grads: int, mode: int) -> Variant:
-    block_m, block_n, warps, slice_ = tile
-    ld = D + 8   # mma_wide.cuh PairRows
+    block_m, block_n, warps, slice_, halves = tile
     dk, dq = bool(grads & GRAD_DK), bool(grads & GRAD_DQ)
-    # bwd_wide.cu WideBwdKVTile: K, V (with dK), Q and dO twice, dS (with dQ); lse2 (and delta) twice.
-    elems = block_n * ld * (1 + dk) + 4 * block_m * ld + dq * block_m * (block_n + 8) + (4 if dk else 2) * block_m
+    # bwd_wide.cu WideBwdKVTile: K, V (with dK), Q and dO twice, dS (with dQ), the halves'
+    # trading slots (a slice's S^T or dP^T per warp); lse2 (and delta) twice.
+    trade = warps * (block_n // (warps // halves)) * slice_ if halves == 2 else 0
+    elems = (_both_ways_elems(dtype_name, block_n, D) * (1 + dk) + 4 * _both_ways_elems(dtype_name, block_m, D)
+             + dq * _both_ways_elems(dtype_name, block_m, block_n) + trade + (4 if dk else 2) * block_m)
     smem = elems * np.dtype(dtype_name).itemsize
     expr = (f"flash_bwd_dkdv_wide<{CPP_TYPE[dtype_name]}, {D}, {block_m}, {block_n}, {warps}, {slice_}, "
-            f"{grads}, {mode}, {smem}>")
+            f"{grads}, {halves}, {mode}, {smem}>")
     return Variant(BWD_WIDE, expr, warps * 32, block_n, smem, mode=mode, grads=grads)
 
 
 def _wide_dq(dtype_name: str, D: int, tile, mode: int) -> Variant:
     block_m, block_n, warps, slice_ = tile
-    # bwd_wide.cu WideBwdQTile: Q, dO, K and V twice, rows of D + 8.
-    smem = (2 * block_m + 4 * block_n) * (D + 8) * np.dtype(dtype_name).itemsize
+    # bwd_wide.cu WideBwdQTile: Q, dO, K and V twice.
+    elems = 2 * _both_ways_elems(dtype_name, block_m, D) + 4 * _both_ways_elems(dtype_name, block_n, D)
+    smem = elems * np.dtype(dtype_name).itemsize
     expr = f"flash_bwd_dq_wide<{CPP_TYPE[dtype_name]}, {D}, {block_m}, {block_n}, {warps}, {slice_}, {mode}, {smem}>"
     return Variant(BWD_WIDE, expr, warps * 32, block_m, smem, mode=mode)
 
@@ -578,10 +585,8 @@ def backward_plan(dtype_name: str, D: int, deterministic: bool, mode: int = MODE
         q_tiles = (BWD_SM80_EXT_Q_TILES if mode else BWD_SM80_Q_TILES)[D]
         dq = [_sm80_dq(dtype_name, D, t, mode) for t in q_tiles] if deterministic else None
     elif D in BWD_WIDE_KV_TILES[dtype_name] and not cuda_cores:
-        passes = ((GRAD_DV, GRAD_DK | dq_bit) if D >= BWD_WIDE_SPLIT_MIN_HEAD_DIM[dtype_name]
-                  else (GRAD_DV | GRAD_DK | dq_bit,))
-        kv = tuple((grads, [_wide_dkdv(dtype_name, D, t, grads, mode) for t in BWD_WIDE_KV_TILES[dtype_name][D]])
-                   for grads in passes)
+        grads = GRAD_DV | GRAD_DK | dq_bit
+        kv = ((grads, [_wide_dkdv(dtype_name, D, t, grads, mode) for t in BWD_WIDE_KV_TILES[dtype_name][D]]),)
         dq = [_wide_dq(dtype_name, D, t, mode) for t in BWD_WIDE_Q_TILES[dtype_name][D]] if deterministic else None
     else:
         grads = GRAD_DV | GRAD_DK | dq_bit

@@ -8,19 +8,24 @@
 //   sees them (bwd.cuh KeyBlockPairs), Q, dO and the row workspaces double-buffered by
 //   cp.async. S^T = K Q^T and dP^T = V dO^T are key-major, so their C fragments are the
 //   A operands of dV += P^T dO and dK += dS^T Q as they stand (mma_wide.cuh: the k index
-//   of a step is a label). dK and dV stay in registers; where both do not fit, the host
-//   runs a dV launch and a dK launch (GRADS). With GRAD_DQ the warps also write dS,
-//   query-major, to shared memory and add dQ = dS K over the whole key block into the
-//   workspace with atomics, each (query m-tile, 16 columns) job a complete sum.
+//   of a step is a label). dK and dV stay in registers. Where those of a warp's keys do
+//   not fit (fp64 from d = 96, fp32 from d = 192: HALVES = 2), two warps share each
+//   16-key m-tile, half h holding columns [h D/2, (h + 1) D/2) of both; per query slice
+//   half 0 computes S^T and half 1 dP^T, over all of d, and they trade them through
+//   shared memory (trade_halves), so no product is computed twice. With GRAD_DQ the
+//   warps also write dS, query-major, to shared memory and add dQ = dS K over the whole
+//   key block into the workspace with atomics, each (query m-tile, 16 columns) job a
+//   complete sum.
 //
 // flash_bwd_dq_wide (the deterministic mode): a CTA owns BLOCK_M query rows of one head
 //   and streams the key tiles its rows see, recomputing S, P, dP and dS per tile with dQ
 //   in registers; no atomics, bitwise reproducible.
 //
-// Every tile sits in shared memory with PairRows' stride (D + 8 elements), conflict-free
-// for the A and B^T operand reads (pairs along a row). Q and dO (dK/dV kernel) and K (both
-// kernels) are also read as B operands with k as their row (load_b_pair), which that
-// stride serves with two-way bank conflicts.
+// Every tile sits in shared memory as BothWaysRows (rows of D + 8 elements, for fp64
+// shifted by a few 32-byte chunks within each group of 8): Q, dO and K are read both as
+// A or B^T operands (pairs along a row) and as B operands with k as their row
+// (load_b_pair), which that layout serves without bank conflicts for fp64 and with
+// 2-way conflicts down the rows for fp32 (mma_wide.cuh).
 //
 // For fp32 the products that sum over a sequence (dV, dK, dQ) are summed per query slice
 // or key slice from zero in the tensor cores and added in the FPU (wide_mm_AB), as the
@@ -33,46 +38,82 @@
 #include "bwd.cuh"
 
 // SLICE: queries of S^T and dP^T live at once beside the accumulators (8 or 16: the
-// tile table picks the larger where it does not spill).
-template <typename T, int D, int BLOCK_M, int BLOCK_N, int WARPS, int SLICE, int GRADS>
+// tile table picks the larger where it does not spill). HALVES: 1, or 2 where dK and dV
+// of a warp's keys do not fit its registers whole (see the top of this file).
+template <typename T, int D, int BLOCK_M, int BLOCK_N, int WARPS, int SLICE, int GRADS, int HALVES>
 struct WideBwdKVTile {
     static constexpr int THREADS = WARPS * 32;
-    static constexpr int MT = BLOCK_N / WARPS / 16;   // key m-tiles per warp
+    static constexpr int KEY_WARPS = WARPS / HALVES;  // warps with distinct keys
+    static constexpr int MT = BLOCK_N / KEY_WARPS / 16;   // key m-tiles per warp
     static constexpr int SNT = SLICE / 8;
     static constexpr int KSTEPS = D / 8;
-    static constexpr int DT = D / 8;                  // n-tiles of dK, dV
-    static constexpr int LD = PairRows<T, D>::stride;
-    static constexpr int LDS = PairRows<T, BLOCK_N>::stride;   // dS, query-major
+    static constexpr int COLS = D / HALVES;           // columns of dK, dV per warp
+    static constexpr int DT = COLS / 8;               // their n-tiles
+    typedef typename BothWaysRows<T, D>::type Rows;          // K, V, Q, dO
+    typedef typename BothWaysRows<T, BLOCK_N>::type DSRows;  // dS, query-major
     static constexpr bool DV = GRADS & GRAD_DV, DK = GRADS & GRAD_DK, DQ = GRADS & GRAD_DQ;
     // Shared memory, in this order (cupyflash/_kernels.py mirrors the sizes):
-    static constexpr int K_ELEMS = BLOCK_N * LD;
-    static constexpr int V_ELEMS = DK ? BLOCK_N * LD : 0;     // dP needs V; dV alone does not
-    static constexpr int QDO_ELEMS = 4 * BLOCK_M * LD;        // Q and dO, two buffers each
-    static constexpr int DS_ELEMS = DQ ? BLOCK_M * LDS : 0;
+    static constexpr int K_ELEMS = Rows::size(BLOCK_N);
+    static constexpr int V_ELEMS = DK ? Rows::size(BLOCK_N) : 0;   // dP needs V; dV alone does not
+    static constexpr int QDO_ELEMS = 4 * Rows::size(BLOCK_M);      // Q and dO, two buffers each
+    static constexpr int DS_ELEMS = DQ ? DSRows::size(BLOCK_M) : 0;
+    static constexpr int TRADE_ELEMS = HALVES == 2 ? WARPS * MT * SNT * 4 * 32 : 0;   // a slice's S^T or dP^T a warp
     static constexpr int ROW_ELEMS = (DK ? 4 : 2) * BLOCK_M;  // lse2 (and delta), two buffers each
-    static constexpr int SMEM_BYTES = (K_ELEMS + V_ELEMS + QDO_ELEMS + DS_ELEMS + ROW_ELEMS) * sizeof(T);
-    static_assert(BLOCK_N % (16 * WARPS) == 0 && BLOCK_M % SLICE == 0 && D % 32 == 0, "tile shape");
+    static constexpr int SMEM_BYTES = (K_ELEMS + V_ELEMS + QDO_ELEMS + DS_ELEMS + TRADE_ELEMS + ROW_ELEMS) * sizeof(T);
+    static_assert(BLOCK_N % (16 * KEY_WARPS) == 0 && BLOCK_M % SLICE == 0 && COLS % 16 == 0, "tile shape");
     static_assert(GRADS != 0 && (!DQ || DK), "dQ comes with dK (both need dS)");
+    static_assert(HALVES == 1 || (HALVES == 2 && DV && DK), "the halves trade S^T for dP^T");
     static_assert(BWD_ROW_PAD % BLOCK_M == 0, "query tiles read the padded row workspaces whole");
 };
 
+// The two halves of a key pair trade their products of a slice: half 0 computed S^T into
+// s, half 1 dP^T into dp, and each gets the other's through its warp's slot of `trade`
+// (lane-major, conflict-free). Both leave with the same s and dp, bit for bit.
+template <typename T, int MT, int NT>
+__device__ __forceinline__ void trade_halves(T (&s)[MT][NT][4], T (&dp)[MT][NT][4], T* trade, int warp,
+                                             int key_warps, int half) {
+    constexpr int PER_WARP = MT * NT * 4 * 32;
+    const int lane = threadIdx.x % 32, partner = half == 0 ? warp + key_warps : warp - key_warps;
+    const int barrier = 1 + warp % key_warps;   // named barrier of the pair (0 is __syncthreads')
+    T* mine = trade + warp * PER_WARP;
+    const T* theirs = trade + partner * PER_WARP;
+    // Fully unrolled, each branch naming its own array: a select between s and dp would
+    // index registers at run time (local memory).
+    #pragma unroll
+    for (int i = 0; i < MT * NT * 4; ++i) {
+        if (half == 0) mine[i * 32 + lane] = s[i / (NT * 4)][i / 4 % NT][i % 4];
+        else mine[i * 32 + lane] = dp[i / (NT * 4)][i / 4 % NT][i % 4];
+    }
+    named_barrier(barrier, 64);
+    #pragma unroll
+    for (int i = 0; i < MT * NT * 4; ++i) {
+        if (half == 0) dp[i / (NT * 4)][i / 4 % NT][i % 4] = theirs[i * 32 + lane];
+        else s[i / (NT * 4)][i / 4 % NT][i % 4] = theirs[i * 32 + lane];
+    }
+    named_barrier(barrier, 64);   // the partner has read this slot before the next slice refills it
+}
+
 // Minimum one CTA per SM: without it ptxas aims at more resident CTAs than shared memory
 // allows and spills (as in fwd_wide.cu).
-template <typename T, int D, int BLOCK_M, int BLOCK_N, int WARPS, int SLICE, int GRADS, int MODE, int SMEM_BYTES>
+template <typename T, int D, int BLOCK_M, int BLOCK_N, int WARPS, int SLICE, int GRADS, int HALVES, int MODE,
+          int SMEM_BYTES>
 __global__ void __launch_bounds__(WARPS * 32, 1)
 flash_bwd_dkdv_wide(const __grid_constant__ AttnParams p)
 {
-    typedef WideBwdKVTile<T, D, BLOCK_M, BLOCK_N, WARPS, SLICE, GRADS> C;
+    typedef WideBwdKVTile<T, D, BLOCK_M, BLOCK_N, WARPS, SLICE, GRADS, HALVES> C;
+    typedef typename C::Rows Rows;
+    typedef typename C::DSRows DSRows;
     static_assert(SMEM_BYTES == C::SMEM_BYTES, "the host's shared-memory size (cupyflash/_kernels.py)");
     BWD_SCALARS(p, T);
-    constexpr int MT = C::MT, SNT = C::SNT, DT = C::DT, LD = C::LD;
+    constexpr int MT = C::MT, SNT = C::SNT, DT = C::DT, Q_TILE = Rows::size(BLOCK_M);
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* sK = reinterpret_cast<T*>(smem_raw);
     T* sV = sK + C::K_ELEMS;
     T* sQ = sV + C::V_ELEMS;                  // two buffers
-    T* sdO = sQ + 2 * BLOCK_M * LD;           // two buffers
-    T* sdS = sdO + 2 * BLOCK_M * LD;
-    T* sLse = sdS + C::DS_ELEMS;              // two buffers
+    T* sdO = sQ + 2 * Q_TILE;                 // two buffers
+    T* sdS = sdO + 2 * Q_TILE;
+    T* sTrade = sdS + C::DS_ELEMS;
+    T* sLse = sTrade + C::TRADE_ELEMS;        // two buffers
     T* sDelta = sLse + 2 * BLOCK_M;           // two buffers (DK only)
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -86,13 +127,16 @@ flash_bwd_dkdv_wide(const __grid_constant__ AttnParams p)
     if (k_rows <= 0) return;   // varlen: the grid covers the longest sequence
     const KeyBlockPairs pairs(mask, hk, group, k0, BLOCK_N, BLOCK_M);
     const int n_iter = pairs.count();
-    T* dbias_b = MODE != MODE_DENSE && dbias != nullptr ? dbias + b * dbias_sb : nullptr;
+    // The halves compute the same dS: one of them adds the bias gradient and writes dS.
+    const int half = HALVES == 1 ? 0 : warp / C::KEY_WARPS;
+    T* dbias_b = MODE != MODE_DENSE && dbias != nullptr && half == 0 ? dbias + b * dbias_sb : nullptr;
 
     const Strided<const T> Q = tensor<const T>(p.q), K = tensor<const T>(p.k), V = tensor<const T>(p.v);
     const Strided<const T> dO = tensor<const T>(p.dout);
 
-    load_tile<T, BLOCK_N, D, C::THREADS, LD>(sK, K.at(mods.tb, hk, mods.k_base + k0), K.row, k_rows, d, vec);
-    if constexpr (C::DK) load_tile<T, BLOCK_N, D, C::THREADS, LD>(sV, V.at(mods.tb, hk, mods.k_base + k0), V.row, k_rows, dim_v, vec);
+    load_tile_as<T, BLOCK_N, D, C::THREADS, Rows>(sK, K.at(mods.tb, hk, mods.k_base + k0), K.row, k_rows, d, vec);
+    if constexpr (C::DK)
+        load_tile_as<T, BLOCK_N, D, C::THREADS, Rows>(sV, V.at(mods.tb, hk, mods.k_base + k0), V.row, k_rows, dim_v, vec);
 
     // Q, dO, lse2 (and delta) of iteration `it` into buffer `buf` (as in bwd_sm80.cu: the
     // row workspaces are padded; under varlen the 16-byte copies need the start aligned).
@@ -100,8 +144,8 @@ flash_bwd_dkdv_wide(const __grid_constant__ AttnParams p)
     auto load_query_tile = [&](int it, int buf) {
         const int h = pairs.head(it), q0 = pairs.q0(it);
         const int rows = min(BLOCK_M, mask.nq - q0);
-        load_tile<T, BLOCK_M, D, C::THREADS, LD>(sQ + buf * BLOCK_M * LD, Q.at(mods.tb, h, mods.q_base + q0), Q.row, rows, d, vec);
-        load_tile<T, BLOCK_M, D, C::THREADS, LD>(sdO + buf * BLOCK_M * LD, dO.at(mods.tb, h, mods.q_base + q0), dO.row, rows, dim_v, vec);
+        load_tile_as<T, BLOCK_M, D, C::THREADS, Rows>(sQ + buf * Q_TILE, Q.at(mods.tb, h, mods.q_base + q0), Q.row, rows, d, vec);
+        load_tile_as<T, BLOCK_M, D, C::THREADS, Rows>(sdO + buf * Q_TILE, dO.at(mods.tb, h, mods.q_base + q0), dO.row, rows, dim_v, vec);
         const i64 at = row_workspace_offset(mods.tb, h, hq, nq_pad) + mods.q_base + q0;
         load_tile<T, 1, BLOCK_M, C::THREADS, BLOCK_M>(sLse + buf * BLOCK_M, lse2 + at, 0, 1, BLOCK_M, rows_vec);
         if constexpr (C::DK) load_tile<T, 1, BLOCK_M, C::THREADS, BLOCK_M>(sDelta + buf * BLOCK_M, delta + at, 0, 1, BLOCK_M, rows_vec);
@@ -111,7 +155,8 @@ flash_bwd_dkdv_wide(const __grid_constant__ AttnParams p)
     if (it < n_iter) load_query_tile(it, 0);
     cp_async_commit();
 
-    const int warp_row0 = warp * MT * 16;
+    const int warp_row0 = warp % C::KEY_WARPS * MT * 16;
+    const int col0 = half * C::COLS;   // this warp's columns of dK and dV
     T acc_dv[C::DV ? MT : 1][C::DV ? DT : 1][4];
     T acc_dk[C::DK ? MT : 1][C::DK ? DT : 1][4];
     zero_frags(acc_dv);
@@ -121,8 +166,8 @@ flash_bwd_dkdv_wide(const __grid_constant__ AttnParams p)
         const int h = pairs.head(it), q0 = pairs.q0(it);
         const int next = pairs.next(it + 1, mask);
         const int buf = step % 2;
-        const T* sQb = sQ + buf * BLOCK_M * LD;
-        const T* sdOb = sdO + buf * BLOCK_M * LD;
+        const T* sQb = sQ + buf * Q_TILE;
+        const T* sdOb = sdO + buf * Q_TILE;
         const T* sLseb = sLse + buf * BLOCK_M;
         const T* sDeltab = sDelta + buf * BLOCK_M;
         cp_async_wait<0>();   // this iteration's tiles (and K, V) have landed
@@ -132,43 +177,54 @@ flash_bwd_dkdv_wide(const __grid_constant__ AttnParams p)
         const bool needs_mask = mask.tile_needs_mask(q0, q0 + BLOCK_M, k0, k0 + BLOCK_N, h);
         #pragma unroll 1
         for (int q_s = 0; q_s < BLOCK_M; q_s += SLICE) {
-            const T* sQs = sQb + q_s * LD;
-            const T* sdOs = sdOb + q_s * LD;
-            // S^T = K Q^T, then P^T = exp2(S^T scale log2 e - lse2[query]), 0 where hidden.
+            const T* sQs = sQb + Rows::block(q_s, 0);
+            const T* sdOs = sdOb + Rows::block(q_s, 0);
+            // S^T = K Q^T (and dP^T = V dO^T: with two halves each computes one and they
+            // trade), then P^T = exp2(S^T scale log2 e - lse2[query]), 0 where hidden.
             T s[MT][SNT][4];
+            T dp[C::DK ? MT : 1][C::DK ? SNT : 1][4];
             T dtanh[MODE == MODE_EXT ? MT : 1][MODE == MODE_EXT ? SNT : 1][4];
             zero_frags(s);
-            wide_mm_ABt<T, LD, MT, SNT, C::KSTEPS>(s, sK, warp_row0, sQs);
+            if constexpr (HALVES == 2) {
+                zero_frags(dp);
+                if (half == 0) wide_mm_ABt<Rows, C::KSTEPS>(s, sK, warp_row0, sQs);
+                else wide_mm_ABt<Rows, C::KSTEPS>(dp, sV, warp_row0, sdOs);
+                trade_halves(s, dp, sTrade, warp, C::KEY_WARPS, half);
+            } else {
+                wide_mm_ABt<Rows, C::KSTEPS>(s, sK, warp_row0, sQs);
+            }
             recompute_p<MODE, true>(s, dtanh, mods, mods.at_head(h), k0 + warp_row0, q0 + q_s,
                                     [&](int, int nt, int e) { return sLseb[q_s + nt * 8 + 2 * t + (e % 2)]; },
                                     scale_log2, needs_mask);
 
             if constexpr (C::DV) {
                 if constexpr (MODE == MODE_DENSE) {
-                    wide_mm_AB<T, LD>(acc_dv, s, sdOs);
+                    wide_mm_AB<Rows>(acc_dv, s, sdOs + col0);
                 } else {   // dropout: the P that multiplies dO (bwd.cuh kept_p)
                     const bool dropout = mods.dropout();
                     const T drop_scale = mods.drop_scale;
-                    wide_mm_AB<T, LD>(acc_dv, s, sdOs, [=](T p) { return dropout ? kept_p(p, drop_scale) : p; });
+                    wide_mm_AB<Rows>(acc_dv, s, sdOs + col0, [=](T p) { return dropout ? kept_p(p, drop_scale) : p; });
                 }
             }
 
             if constexpr (C::DK) {
                 // dP^T = V dO^T; dS^T = P^T o (dP^T - delta[query]), in place of P^T.
-                T dp[MT][SNT][4];
-                zero_frags(dp);
-                wide_mm_ABt<T, LD, MT, SNT, C::KSTEPS>(dp, sV, warp_row0, sdOs);
+                if constexpr (HALVES == 1) {
+                    zero_frags(dp);
+                    wide_mm_ABt<Rows, C::KSTEPS>(dp, sV, warp_row0, sdOs);
+                }
                 grad_scores<MODE, true>(s, dp, dtanh, mods, mods.at_head(h), k0 + warp_row0, q0 + q_s,
                                         [&](int, int nt, int e) { return sDeltab[q_s + nt * 8 + 2 * t + (e % 2)]; },
                                         dbias_b, dbias_sh, dbias_sq, dbias_sk);
-                wide_mm_AB<T, LD>(acc_dk, s, sQs);
+                wide_mm_AB<Rows>(acc_dk, s, sQs + col0);
             }
 
             if constexpr (C::DQ) {
                 // dS into shared memory, query-major (its key pairs adjacent for load_a).
-                for_each_score<true>(s, k0 + warp_row0, q0 + q_s, [&](T& x, int i, int j, int, int, int) {
-                    sdS[(i - q0) * C::LDS + j - k0] = x;
-                });
+                if (half == 0)
+                    for_each_score<true>(s, k0 + warp_row0, q0 + q_s, [&](T& x, int i, int j, int, int, int) {
+                        sdS[DSRows::at(i - q0, j - k0)] = x;
+                    });
             }
         }
 
@@ -179,22 +235,22 @@ flash_bwd_dkdv_wide(const __grid_constant__ AttnParams p)
             constexpr int JOBS = (BLOCK_M / 16) * (D / 16);
             T* dq_head = dq_accum + (((i64)mods.tb * hq + h) * nq + mods.q_base) * (i64)dq_ld;
             for (int job = warp; job < JOBS; job += WARPS) {
-                const int mq = job % (BLOCK_M / 16), col0 = (job / (BLOCK_M / 16)) * 16;
-                if (col0 >= d) continue;   // padding columns: dQ is 0 there
+                const int mq = job % (BLOCK_M / 16), job_col0 = (job / (BLOCK_M / 16)) * 16;
+                if (job_col0 >= d) continue;   // padding columns: dQ is 0 there
                 T part[1][2][4];
                 zero_frags(part);
-                wide_mm_AB_from<T, LD, 1, BLOCK_N / 8>(part, [&](Operand<T, 4>& a, int, int ks) {
-                    load_a<T, C::LDS>(a, sdS, mq * 16, ks * 8);
-                }, sK + col0);
+                wide_mm_AB_from<Rows, BLOCK_N / 8>(part, [&](Operand<T, 4>& a, int, int ks) {
+                    load_a<DSRows>(a, sdS, mq * 16, ks * 8);
+                }, sK + job_col0);
                 #pragma unroll
                 for (int hh = 0; hh < 2; ++hh) {
                     const int row = q0 + mq * 16 + g + hh * 8;
                     if (row >= mask.nq) continue;
-                    T x[4];   // columns col0 + 4 t .. + 3 of the row
+                    T x[4];   // columns job_col0 + 4 t .. + 3 of the row
                     paired_row(x, part[0][0], part[0][1], hh, T(1));
                     #pragma unroll
                     for (int i = 0; i < 4; ++i)
-                        if (col0 + 4 * t + i < d) atomicAdd(dq_head + (i64)row * dq_ld + col0 + 4 * t + i, x[i]);
+                        if (job_col0 + 4 * t + i < d) atomicAdd(dq_head + (i64)row * dq_ld + job_col0 + 4 * t + i, x[i]);
                 }
             }
         }
@@ -210,16 +266,16 @@ flash_bwd_dkdv_wide(const __grid_constant__ AttnParams p)
             const int r = warp_row0 + mt * 16 + g + hh * 8;
             if (r >= k_rows) continue;
             if constexpr (C::DV) {
-                T* out = tensor<T>(p.dv).at(mods.tb, hk, mods.k_base + k0 + r);
+                T* out = tensor<T>(p.dv).at(mods.tb, hk, mods.k_base + k0 + r) + col0;
                 #pragma unroll
                 for (int dp = 0; dp < DT / 2; ++dp)
-                    store_o_row(out + dp * 16, acc_dv[mt][2 * dp], acc_dv[mt][2 * dp + 1], hh, dim_v - dp * 16, vec);
+                    store_o_row(out + dp * 16, acc_dv[mt][2 * dp], acc_dv[mt][2 * dp + 1], hh, dim_v - col0 - dp * 16, vec);
             }
             if constexpr (C::DK) {
-                T* out = tensor<T>(p.dk).at(mods.tb, hk, mods.k_base + k0 + r);
+                T* out = tensor<T>(p.dk).at(mods.tb, hk, mods.k_base + k0 + r) + col0;
                 #pragma unroll
                 for (int dp = 0; dp < DT / 2; ++dp)
-                    store_o_row(out + dp * 16, acc_dk[mt][2 * dp], acc_dk[mt][2 * dp + 1], hh, d - dp * 16, vec, scale);
+                    store_o_row(out + dp * 16, acc_dk[mt][2 * dp], acc_dk[mt][2 * dp + 1], hh, d - col0 - dp * 16, vec, scale);
             }
         }
     }
@@ -233,9 +289,9 @@ struct WideBwdQTile {
     static constexpr int SNT = SLICE / 8;
     static constexpr int KSTEPS = D / 8;
     static constexpr int DT = D / 8;                  // n-tiles of dQ
-    static constexpr int LD = PairRows<T, D>::stride;
+    typedef typename BothWaysRows<T, D>::type Rows;   // Q, dO, K, V
     // Shared memory: Q, dO, then K and V with two buffers each (cupyflash/_kernels.py mirrors it).
-    static constexpr int SMEM_BYTES = (2 * BLOCK_M + 4 * BLOCK_N) * LD * sizeof(T);
+    static constexpr int SMEM_BYTES = (2 * Rows::size(BLOCK_M) + 4 * Rows::size(BLOCK_N)) * sizeof(T);
     static_assert(BLOCK_M % (16 * WARPS) == 0 && BLOCK_N % SLICE == 0 && D % 32 == 0, "tile shape");
     static_assert(BWD_ROW_PAD % BLOCK_M == 0, "query blocks read the padded row workspaces whole");
 };
@@ -245,14 +301,15 @@ __global__ void __launch_bounds__(WARPS * 32, 1)
 flash_bwd_dq_wide(const __grid_constant__ AttnParams p)
 {
     typedef WideBwdQTile<T, D, BLOCK_M, BLOCK_N, WARPS, SLICE> C;
+    typedef typename C::Rows Rows;
     static_assert(SMEM_BYTES == C::SMEM_BYTES, "the host's shared-memory size (cupyflash/_kernels.py)");
     BWD_SCALARS(p, T);
-    constexpr int MT = C::MT, SNT = C::SNT, DT = C::DT, LD = C::LD;
+    constexpr int MT = C::MT, SNT = C::SNT, DT = C::DT, KEY_TILE = Rows::size(BLOCK_N);
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* sQ = reinterpret_cast<T*>(smem_raw);
-    T* sdO = sQ + BLOCK_M * LD;
-    T* sK = sdO + BLOCK_M * LD;          // two buffers
-    T* sV = sK + 2 * BLOCK_N * LD;       // two buffers
+    T* sdO = sQ + Rows::size(BLOCK_M);
+    T* sK = sdO + Rows::size(BLOCK_M);   // two buffers
+    T* sV = sK + 2 * KEY_TILE;           // two buffers
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4;
@@ -271,12 +328,12 @@ flash_bwd_dq_wide(const __grid_constant__ AttnParams p)
     const T* k_head = K.at(mods.tb, hk, mods.k_base);
     const T* v_head = V.at(mods.tb, hk, mods.k_base);
 
-    load_tile<T, BLOCK_M, D, C::THREADS, LD>(sQ, Q.at(mods.tb, h, mods.q_base + q0), Q.row, q_rows, d, vec);
-    load_tile<T, BLOCK_M, D, C::THREADS, LD>(sdO, dO.at(mods.tb, h, mods.q_base + q0), dO.row, q_rows, dim_v, vec);
+    load_tile_as<T, BLOCK_M, D, C::THREADS, Rows>(sQ, Q.at(mods.tb, h, mods.q_base + q0), Q.row, q_rows, d, vec);
+    load_tile_as<T, BLOCK_M, D, C::THREADS, Rows>(sdO, dO.at(mods.tb, h, mods.q_base + q0), dO.row, q_rows, dim_v, vec);
     auto load_key_tile = [&](int j, int buf) {
         const int rows = min(BLOCK_N, key_rows - j * BLOCK_N);
-        load_tile<T, BLOCK_N, D, C::THREADS, LD>(sK + buf * BLOCK_N * LD, k_head + (i64)j * BLOCK_N * K.row, K.row, rows, d, vec);
-        load_tile<T, BLOCK_N, D, C::THREADS, LD>(sV + buf * BLOCK_N * LD, v_head + (i64)j * BLOCK_N * V.row, V.row, rows, dim_v, vec);
+        load_tile_as<T, BLOCK_N, D, C::THREADS, Rows>(sK + buf * KEY_TILE, k_head + (i64)j * BLOCK_N * K.row, K.row, rows, d, vec);
+        load_tile_as<T, BLOCK_N, D, C::THREADS, Rows>(sV + buf * KEY_TILE, v_head + (i64)j * BLOCK_N * V.row, V.row, rows, dim_v, vec);
         cp_async_commit();
     };
     int j = mask.next_key_tile(tiles.x, tiles.y, q0, q0 + q_rows, BLOCK_N, h);
@@ -302,8 +359,8 @@ flash_bwd_dq_wide(const __grid_constant__ AttnParams p)
     for (int step = 0; j < tiles.y; ++step) {
         const int k0 = j * BLOCK_N;
         const int next = mask.next_key_tile(j + 1, tiles.y, q0, q0 + q_rows, BLOCK_N, h);
-        const T* sKj = sK + (step % 2) * BLOCK_N * LD;
-        const T* sVj = sV + (step % 2) * BLOCK_N * LD;
+        const T* sKj = sK + (step % 2) * KEY_TILE;
+        const T* sVj = sV + (step % 2) * KEY_TILE;
         cp_async_wait<0>();   // Q, dO and tile j have landed
         __syncthreads();      // ... for every thread, and the previous tile's buffers are free
         if (next < tiles.y) load_key_tile(next, (step + 1) % 2);
@@ -311,13 +368,13 @@ flash_bwd_dq_wide(const __grid_constant__ AttnParams p)
         const bool needs_mask = mask.tile_needs_mask(q0, q0 + BLOCK_M, k0, k0 + BLOCK_N, h);
         #pragma unroll 1
         for (int k_s = 0; k_s < BLOCK_N; k_s += SLICE) {
-            const T* sKs = sKj + k_s * LD;
-            const T* sVs = sVj + k_s * LD;
+            const T* sKs = sKj + Rows::block(k_s, 0);
+            const T* sVs = sVj + Rows::block(k_s, 0);
             // S = Q K^T, then P = exp2(S scale log2 e - lse2[row]), 0 where hidden.
             T s[MT][SNT][4];
             T dtanh[MODE == MODE_EXT ? MT : 1][MODE == MODE_EXT ? SNT : 1][4];
             zero_frags(s);
-            wide_mm_ABt<T, LD, MT, SNT, C::KSTEPS>(s, sQ, warp_row0, sKs);
+            wide_mm_ABt<Rows, C::KSTEPS>(s, sQ, warp_row0, sKs);
             recompute_p<MODE, false>(s, dtanh, mods, mods.at_head(h), q0 + warp_row0, k0 + k_s,
                                      [&](int mt, int, int e) { return row_lse[mt][e / 2]; },
                                      scale_log2, needs_mask);
@@ -326,11 +383,11 @@ flash_bwd_dq_wide(const __grid_constant__ AttnParams p)
             // key-block kernel adds the bias gradient.)
             T dp[MT][SNT][4];
             zero_frags(dp);
-            wide_mm_ABt<T, LD, MT, SNT, C::KSTEPS>(dp, sdO, warp_row0, sVs);
+            wide_mm_ABt<Rows, C::KSTEPS>(dp, sdO, warp_row0, sVs);
             grad_scores<MODE, false>(s, dp, dtanh, mods, mods.at_head(h), q0 + warp_row0, k0 + k_s,
                                      [&](int mt, int, int e) { return row_delta[mt][e / 2]; },
                                      nullptr, 0, 0, 0);
-            wide_mm_AB<T, LD>(acc, s, sKs);
+            wide_mm_AB<Rows>(acc, s, sKs);
         }
         j = next;
     }

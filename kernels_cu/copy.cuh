@@ -13,6 +13,15 @@ template <typename T> struct Chunk { static constexpr int elems = 16 / sizeof(T)
 template <typename T, int COLS>
 struct SmemTile { static constexpr int stride = COLS + Chunk<T>::elems; };
 
+// A shared tile's layout: where element (row, col) lies, and the elements of a tile of
+// `rows` rows (mma_wide.cuh has others and says more). Rows STRIDE elements apart.
+template <int STRIDE> struct RowMajor {
+    static constexpr int stride = STRIDE;
+    __device__ __forceinline__ static constexpr int at(int row, int col) { return row * STRIDE + col; }
+    __device__ __forceinline__ static constexpr int block(int row, int col) { return at(row, col); }
+    __host__ __device__ static constexpr int size(int rows) { return rows * STRIDE; }
+};
+
 // Shared-memory address of a generic pointer. The builtin (unlike a cvta in inline asm)
 // lets the compiler fold constant tile offsets into the ldmatrix/cp.async immediates.
 __device__ __forceinline__ u32 smem_addr(const void* p) {
@@ -33,17 +42,23 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" :: "n"(N));
 }
 
-// Load a ROWS x COLS tile starting at `src` (row stride `ld` elements) into `dst`
-// (row stride LDS elements, a multiple of 16 bytes: other fragment reads than ldmatrix
-// want other paddings, see mma_wide.cuh).
+// A barrier among `threads` threads (whole warps) that use the same id (id 0 is
+// __syncthreads'): the Hopper consumers without their producer, or a pair of warps.
+__device__ __forceinline__ void named_barrier(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
+}
+
+// Load a ROWS x COLS tile starting at `src` (row stride `ld` elements) into `dst`, laid
+// out as L (rows a multiple of 16 bytes apart: other fragment reads than ldmatrix want
+// other paddings, see mma_wide.cuh; a layout may permute a row's 16-byte chunks).
 // `vec` says every row start is 16-byte aligned (base pointer and stride), which
 // allows cp.async; otherwise elements are copied one by one, synchronously. Either
 // way the data is visible after the caller's cp_async_wait + __syncthreads.
-template <typename T, int ROWS, int COLS, int NTHREADS, int LDS = SmemTile<T, COLS>::stride>
-__device__ __forceinline__ void load_tile(T* dst, const T* src, i64 ld, int rows, int cols, bool vec) {
+template <typename T, int ROWS, int COLS, int NTHREADS, typename L>
+__device__ __forceinline__ void load_tile_as(T* dst, const T* src, i64 ld, int rows, int cols, bool vec) {
     constexpr int CE = Chunk<T>::elems;
     constexpr int CHUNKS_PER_ROW = COLS / CE;
-    static_assert(LDS % CE == 0 && LDS >= COLS, "16-byte aligned rows");
+    static_assert(L::stride % CE == 0 && L::stride >= COLS, "16-byte aligned rows");
     // Each thread moves the same column chunk of every ROW_STEP-th row (when the thread
     // count allows), so its addresses advance by a constant and cost few registers.
     constexpr bool FIXED_COL = NTHREADS % CHUNKS_PER_ROW == 0;
@@ -54,11 +69,10 @@ __device__ __forceinline__ void load_tile(T* dst, const T* src, i64 ld, int rows
         // A whole tile (every tile but a sequence's last): no bounds, no zero-fill.
         const int r0 = threadIdx.x / CHUNKS_PER_ROW, col = (threadIdx.x % CHUNKS_PER_ROW) * CE;
         const T* s = src + r0 * ld + col;
-        T* d = dst + r0 * LDS + col;
         #pragma unroll
         for (int i = 0; i < ITERS; ++i)
             if (r0 + i * ROW_STEP < ROWS)
-                cp_async_16(d + i * ROW_STEP * LDS, s + i * ROW_STEP * ld, 16);
+                cp_async_16(dst + L::at(r0 + i * ROW_STEP, col), s + i * ROW_STEP * ld, 16);
         return;
     }
     #pragma unroll
@@ -67,7 +81,7 @@ __device__ __forceinline__ void load_tile(T* dst, const T* src, i64 ld, int rows
         const int r = FIXED_COL ? threadIdx.x / CHUNKS_PER_ROW + i * ROW_STEP : c / CHUNKS_PER_ROW;
         const int col = (c % CHUNKS_PER_ROW) * CE;
         if (r >= ROWS) break;
-        T* d = dst + r * LDS + col;
+        T* d = dst + L::at(r, col);
         const int n = (r < rows) ? max(0, min(CE, cols - col)) : 0;
         const T* s = src + r * ld + col;
         if (vec) {
@@ -81,6 +95,12 @@ __device__ __forceinline__ void load_tile(T* dst, const T* src, i64 ld, int rows
             }
         }
     }
+}
+
+// The same into rows LDS elements apart.
+template <typename T, int ROWS, int COLS, int NTHREADS, int LDS = SmemTile<T, COLS>::stride>
+__device__ __forceinline__ void load_tile(T* dst, const T* src, i64 ld, int rows, int cols, bool vec) {
+    load_tile_as<T, ROWS, COLS, NTHREADS, RowMajor<LDS>>(dst, src, ld, rows, cols, vec);
 }
 
 // Store the first `rows` x `cols` of a shared-memory tile to global memory.

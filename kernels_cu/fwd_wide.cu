@@ -36,8 +36,9 @@ struct WideFwdTile {
     static constexpr int NT = SUB_N / 8;            // n-tiles of S, k-steps of P V
     static constexpr int KSTEPS = D / 8;            // k-steps of Q K^T
     static constexpr int DT = DV_TILE / 8;          // n-tiles of O in one column pass
-    static constexpr int LDQ = PairRows<T, D>::stride;         // Q and K
-    static constexpr int LDV = SmemTile<T, DV_TILE>::stride;
+    typedef PairRows<T, D> QKRows;                             // Q and K
+    typedef RowMajor<SmemTile<T, DV_TILE>::stride> VRows;
+    static constexpr int LDQ = QKRows::stride, LDV = VRows::stride;
     // Q's operands (split into TF32 pairs for fp32) stay in registers when they fit beside
     // S, P and O; otherwise each warp re-reads its own Q rows for every sub-tile.
     static constexpr bool Q_IN_REGS = MT * D <= 64;
@@ -119,7 +120,7 @@ flash_fwd_wide(const __grid_constant__ AttnParams p)
             for (int mt = 0; mt < MT; ++mt)
                 #pragma unroll
                 for (int ks = 0; ks < C::KSTEPS; ++ks)
-                    load_a<T, LDQ>(q_frag[C::Q_IN_REGS ? mt : 0][C::Q_IN_REGS ? ks : 0], sQ, warp_row0 + mt * 16, ks * 8);
+                    load_a<typename C::QKRows>(q_frag[C::Q_IN_REGS ? mt : 0][C::Q_IN_REGS ? ks : 0], sQ, warp_row0 + mt * 16, ks * 8);
         }
 
         #pragma unroll 1
@@ -132,9 +133,9 @@ flash_fwd_wide(const __grid_constant__ AttnParams p)
             // S = Q K_sub^T
             T s[MT][NT][4];
             zero_frags(s);
-            wide_mm_ABt_from<T, LDQ, MT, NT, C::KSTEPS>(s, [&](Operand<T, 4>& a, int mt, int ks) {
+            wide_mm_ABt_from<typename C::QKRows, C::KSTEPS>(s, [&](Operand<T, 4>& a, int mt, int ks) {
                 if (C::Q_IN_REGS) a = q_frag[C::Q_IN_REGS ? mt : 0][C::Q_IN_REGS ? ks : 0];
-                else load_a<T, LDQ>(a, sQ, warp_row0 + mt * 16, ks * 8);
+                else load_a<typename C::QKRows>(a, sQ, warp_row0 + mt * 16, ks * 8);
             }, sKs);
 
             // The predicate runs only on sub-tiles that are not wholly visible.
@@ -154,7 +155,7 @@ flash_fwd_wide(const __grid_constant__ AttnParams p)
             }
 
             // O += P V_sub.
-            wide_mm_AB<T, LDV>(acc, s, sVs);
+            wide_mm_AB<typename C::VRows>(acc, s, sVs);
         }
         j = next;
     }

@@ -31,12 +31,47 @@
 //   V (k-rows 2t along n): rows 0, 2, 4, 6 of the step, each 8 fp32 / 4 fp64 wide,
 //     conflict-free with the usual 16 bytes of padding (SmemTile) and a width that is a
 //     multiple of 16.
+// A tile read both ways (the backward's Q, dO, K: S^T reads them along k, dV, dK and dQ
+// down k) meets the second pattern on the first's stride, where rows 0, 2, 4, 6 share
+// banks (4-way for fp64, 2-way for fp32); for fp64, PairRowsStaggered shifts rows so
+// that both ways are conflict-free (BothWaysRows says why fp32 keeps the 2-way).
 #pragma once
 #include "elem.cuh"
 #include "copy.cuh"
 
-// Row stride of tiles read as A operands or as K (pairs along k); see above.
-template <typename T, int COLS> struct PairRows { static constexpr int stride = COLS + 8; };
+// Layouts of shared tiles: at(row, col) is where an element lies, size(rows) the
+// elements of a tile (rows a multiple of 8), and for R a multiple of 8, at(R + r, c) =
+// block(R, 0) + at(r, c): the loaders below add a lane's part (r < 8, a value or two a
+// thread, computed once) to a block's offset (an immediate, or a row register). A tile
+// pointer moved by block(R, C) keeps the layout. copy.cuh RowMajor is the plain one.
+//
+// PairRows: tiles read along their rows only, as A operands or as K (pairs along k).
+template <typename T, int COLS> struct PairRows : RowMajor<COLS + 8> {};
+
+// PairRowsStaggered (fp64): PairRows' stride within groups of 8 rows, and row r of a
+// group shifted right by (r >> 1) & 3 32-byte chunks (the groups spaced 12 elements
+// apart to make room). A read down the rows (load_b_pair) touches rows 0, 2, 4, 6 of a
+// group at the same columns, which PairRows' stride puts on one bank group (4-way
+// conflicts); the shifts spread them over the four, and a read along the rows touches
+// rows that share a shift, so it stays conflict-free. Being a shift rather than a
+// permutation of chunks, it keeps column offsets additive (immediates).
+template <typename T, int COLS> struct PairRowsStaggered {
+    static_assert(sizeof(T) == 8, "fp64 elements");
+    static constexpr int stride = COLS + 8;
+    static constexpr int GROUP = 8 * stride + 12;   // 8 rows, a multiple of 16 bytes
+    __host__ __device__ static constexpr int size(int rows) { return rows / 8 * GROUP; }
+    __device__ __forceinline__ static constexpr int at(int row, int col) {
+        return (row >> 3) * GROUP + (row & 7) * stride + ((row & 7) >> 1) * 4 + col;
+    }
+    __device__ __forceinline__ static constexpr int block(int row, int col) { return (row >> 3) * GROUP + col; }
+};
+
+// Tiles read both ways (the backward's Q, dO, K): staggered for fp64. fp32 keeps
+// PairRows: its stride gives 2-way conflicts down the rows, and the same stagger (a
+// 32-byte shift of rows 4-7) made the fp32 backward 0.94-0.98x as fast on an H100, where
+// it made fp64's 1.3-1.55x faster.
+template <typename T, int COLS> struct BothWaysRows { typedef PairRowsStaggered<T, COLS> type; };
+template <int COLS> struct BothWaysRows<float, COLS> { typedef PairRows<float, COLS> type; };
 
 // Operand registers of one 16x8x8 step (N = 4 for A, 2 for B), filled element by element.
 template <typename T, int N> struct Operand;
@@ -120,12 +155,12 @@ __device__ __forceinline__ double2 load_pair(const double* p) {
     return r;
 }
 
-// A operand: the 16x8 block at (row0, k0) of a row-major tile with row stride LD.
-template <typename T, int LD>
+// A operand: the 16x8 block at (row0, k0) of a tile laid out as L.
+template <typename L, typename T>
 __device__ __forceinline__ void load_a(Operand<T, 4>& a, const T* tile, int row0, int k0) {
     const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    const auto top = load_pair(tile + (row0 + g) * LD + k0 + 2 * t);
-    const auto bottom = load_pair(tile + (row0 + g + 8) * LD + k0 + 2 * t);
+    const auto top = load_pair(tile + L::block(row0, k0) + L::at(g, 2 * t));   // row0: a multiple of 8
+    const auto bottom = load_pair(tile + L::block(row0 + 8, k0) + L::at(g, 2 * t));
     a.set(0, top.x);
     a.set(2, top.y);
     a.set(1, bottom.x);
@@ -133,22 +168,22 @@ __device__ __forceinline__ void load_a(Operand<T, 4>& a, const T* tile, int row0
 }
 
 // B operand of X^T for the n-tile n0..n0+7 and k slice k0..k0+7, X row-major with n as
-// its row (K for S = Q K^T).
-template <typename T, int LD>
+// its row (K for S = Q K^T), laid out as L.
+template <typename L, typename T>
 __device__ __forceinline__ void load_bt(Operand<T, 2>& b, const T* tile, int n0, int k0) {
     const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    const auto p = load_pair(tile + (n0 + g) * LD + k0 + 2 * t);
+    const auto p = load_pair(tile + L::block(n0, k0) + L::at(g, 2 * t));
     b.set(0, p.x);
     b.set(1, p.y);
 }
 
 // B operands of X for the two n-tiles of columns n0..n0+15 and k slice k0..k0+7, X
-// row-major with k as its row (V for O = P V): b[j] is n-tile j of the pair.
-template <typename T, int LD>
+// row-major with k as its row (V for O = P V), laid out as L: b[j] is n-tile j of the pair.
+template <typename L, typename T>
 __device__ __forceinline__ void load_b_pair(Operand<T, 2> (&b)[2], const T* tile, int k0, int n0) {
     const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    const auto even = load_pair(tile + (k0 + 2 * t) * LD + n0 + 2 * g);
-    const auto odd = load_pair(tile + (k0 + 2 * t + 1) * LD + n0 + 2 * g);
+    const auto even = load_pair(tile + L::block(k0, n0) + L::at(2 * t, 2 * g));   // k0: a multiple of 8
+    const auto odd = load_pair(tile + L::block(k0, n0) + L::at(2 * t + 1, 2 * g));
     b[0].set(0, even.x);
     b[0].set(1, odd.x);
     b[1].set(0, even.y);
@@ -202,9 +237,9 @@ __device__ __forceinline__ void store_o_row(T* row, const T (&c)[4], const T (&d
 //   wide_mm_AB_from:  C += A B, B row-major with k as its row (P V, dS K), the result in
 //                     the paired column layout of load_b_pair (store_o_row writes it).
 
-// C[MT][NT] += A B^T over 8 KSTEPS columns, B rows [0, 8 NT) of a PairRows tile with
-// stride LD; load_a(a, mt, ks) fills A's operand of m-tile mt, k-step ks.
-template <typename T, int LD, int MT, int NT, int KSTEPS, typename LoadA>
+// C[MT][NT] += A B^T over 8 KSTEPS columns, B rows [0, 8 NT) of a tile laid out as LB;
+// load_a(a, mt, ks) fills A's operand of m-tile mt, k-step ks.
+template <typename LB, int KSTEPS, typename T, int MT, int NT, typename LoadA>
 __device__ __forceinline__ void wide_mm_ABt_from(T (&c)[MT][NT][4], LoadA&& load_a, const T* sB) {
     #pragma unroll
     for (int ks = 0; ks < KSTEPS; ++ks) {
@@ -214,26 +249,26 @@ __device__ __forceinline__ void wide_mm_ABt_from(T (&c)[MT][NT][4], LoadA&& load
         #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
             Operand<T, 2> b;
-            load_bt<T, LD>(b, sB, nt * 8, ks * 8);
+            load_bt<LB>(b, sB, nt * 8, ks * 8);
             #pragma unroll
             for (int mt = 0; mt < MT; ++mt) mma_16x8x8(c[mt][nt], a[mt], b);
         }
     }
 }
 
-// The same with A rows a_row0 + [0, 16 MT) of a PairRows tile of stride LD.
-template <typename T, int LD, int MT, int NT, int KSTEPS>
+// The same with A rows a_row0 + [0, 16 MT) of a tile laid out as L, as B is.
+template <typename L, int KSTEPS, typename T, int MT, int NT>
 __device__ __forceinline__ void wide_mm_ABt(T (&c)[MT][NT][4], const T* sA, int a_row0, const T* sB) {
-    wide_mm_ABt_from<T, LD, MT, NT, KSTEPS>(
-        c, [&](Operand<T, 4>& a, int mt, int ks) { load_a<T, LD>(a, sA, a_row0 + mt * 16, ks * 8); }, sB);
+    wide_mm_ABt_from<L, KSTEPS>(
+        c, [&](Operand<T, 4>& a, int mt, int ks) { load_a<L>(a, sA, a_row0 + mt * 16, ks * 8); }, sB);
 }
 
-// C[MT][NT] += A B over 8 KT rows of B (stride LDB), columns [0, 8 NT), 16 at a time;
+// C[MT][NT] += A B over 8 KT rows of B (laid out as LB), columns [0, 8 NT), 16 at a time;
 // load_a(a, mt, kt) fills A's operand of m-tile mt, k-step kt. For fp32 every 16-column
 // pair is summed from zero in the tensor cores and added into C in the FPU: TF32 MMAs
 // truncate as they accumulate, and over a long sequence of calls that bias would grow
 // (fwd_wide.cu, tests/test_tf32_split.py). DMMA rounds to nearest and accumulates into C.
-template <typename T, int LDB, int MT, int KT, int NT, typename LoadA>
+template <typename LB, int KT, typename T, int MT, int NT, typename LoadA>
 __device__ __forceinline__ void wide_mm_AB_from(T (&c)[MT][NT][4], LoadA&& load_a, const T* sB) {
     constexpr bool FRESH = !Operand<T, 4>::ACCUMULATE_EXACT;
     static_assert(NT % 2 == 0, "B operands come in pairs of n-tiles");
@@ -244,7 +279,7 @@ __device__ __forceinline__ void wide_mm_AB_from(T (&c)[MT][NT][4], LoadA&& load_
         #pragma unroll
         for (int kt = 0; kt < KT; ++kt) {
             Operand<T, 2> b[2];
-            load_b_pair<T, LDB>(b, sB, kt * 8, dp * 16);
+            load_b_pair<LB>(b, sB, kt * 8, dp * 16);
             #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
                 Operand<T, 4> a;
@@ -270,7 +305,7 @@ __device__ __forceinline__ void wide_mm_AB_from(T (&c)[MT][NT][4], LoadA&& load_
 // (split, for fp32) once for all column pairs.
 struct Identity { template <typename X> __device__ __forceinline__ X operator()(X x) const { return x; } };
 
-template <typename T, int LDB, int MT, int KT, int NT, typename F = Identity>
+template <typename LB, typename T, int MT, int KT, int NT, typename F = Identity>
 __device__ __forceinline__ void wide_mm_AB(T (&c)[MT][NT][4], const T (&x)[MT][KT][4], const T* sB, F f = F()) {
     Operand<T, 4> ops[MT][KT];
     #pragma unroll
@@ -282,5 +317,5 @@ __device__ __forceinline__ void wide_mm_AB(T (&c)[MT][NT][4], const T (&x)[MT][K
             ops[mt][kt].set(1, f(x[mt][kt][2]));
             ops[mt][kt].set(3, f(x[mt][kt][3]));
         }
-    wide_mm_AB_from<T, LDB, MT, KT, NT>(c, [&](Operand<T, 4>& a, int mt, int kt) { a = ops[mt][kt]; }, sB);
+    wide_mm_AB_from<LB, KT>(c, [&](Operand<T, 4>& a, int mt, int kt) { a = ops[mt][kt]; }, sB);
 }

@@ -111,12 +111,6 @@ struct WarpgroupRegs {
     static_assert(PRODUCER_REGS <= LAUNCH && CONSUMER >= LAUNCH, "a producer that gives registers back");
 };
 
-// A barrier among the first `threads` threads of the CTA (id 0 is __syncthreads'), for
-// the consumer warpgroups without the producer.
-__device__ __forceinline__ void named_barrier(int id, int threads) {
-    asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
-}
-
 // Bulk reductions from shared to global memory (sm_90): one thread adds `bytes` (a
 // multiple of 16; both addresses 16-byte aligned) of floats at `src` into `dst`, in L2,
 // without the SM waiting. The copy engine reads the source asynchronously: the writers

@@ -36,6 +36,21 @@ def test_first_tiles_fit_hopper_and_last_fit_100kb(dtype, D):
         assert candidates[-1].total_smem <= _kernels.PORTABLE_SMEM, candidates[-1].name_expression
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_wide_backward_is_one_launch_at_every_head_dim(dtype, deterministic):
+    # dK and dV come from one key-block launch; where a warp's dK and dV do not fit its
+    # registers (fp64 from d = 96, fp32 from 192), two warps hold half of their columns
+    # each (bwd_wide.cu HALVES) instead of a second launch recomputing P.
+    G = _kernels
+    for D, tiles in G.BWD_WIDE_KV_TILES[dtype].items():
+        (grads, candidates), = G.backward_plan(dtype, D, deterministic).kv
+        assert grads & (G.GRAD_DK | G.GRAD_DV) == G.GRAD_DK | G.GRAD_DV
+        halves = {tile[-1] for tile in tiles}
+        assert halves == ({2} if D >= {"float32": 192, "float64": 96}[dtype] else {1}), (D, tiles)
+        assert all(f", {grads}, {tiles[i][-1]}, " in v.name_expression for i, v in enumerate(candidates))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_deterministic_plans_add_dq_only_in_order(dtype):
     """A deterministic plan's key-block candidates either add dQ in turns (the Hopper
