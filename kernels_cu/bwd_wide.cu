@@ -10,7 +10,9 @@
 //   A operands of dV += P^T dO and dK += dS^T Q as they stand (mma_wide.cuh: the k index
 //   of a step is a label). dK and dV stay in registers. Where those of a warp's keys do
 //   not fit (fp64 from d = 96, fp32 from d = 192: HALVES = 2), two warps share each
-//   16-key m-tile, half h holding columns [h D/2, (h + 1) D/2) of both; per query slice
+//   16-key m-tile (warps 2i and 2i + 1, which current GPUs put on different schedulers,
+//   warp % 4, so that a scheduler's two warps come from different pairs and their phases
+//   interleave), half h holding columns [h D/2, (h + 1) D/2) of both; per query slice
 //   half 0 computes S^T and half 1 dP^T, over all of d, and they trade them through
 //   shared memory (trade_halves), so no product is computed twice. With GRAD_DQ the
 //   warps also write dS, query-major, to shared memory and add dQ = dS K over the whole
@@ -43,7 +45,7 @@
 template <typename T, int D, int BLOCK_M, int BLOCK_N, int WARPS, int SLICE, int GRADS, int HALVES>
 struct WideBwdKVTile {
     static constexpr int THREADS = WARPS * 32;
-    static constexpr int KEY_WARPS = WARPS / HALVES;  // warps with distinct keys
+    static constexpr int KEY_WARPS = WARPS / HALVES;  // warps with distinct keys (warp / HALVES)
     static constexpr int MT = BLOCK_N / KEY_WARPS / 16;   // key m-tiles per warp
     static constexpr int SNT = SLICE / 8;
     static constexpr int KSTEPS = D / 8;
@@ -71,10 +73,10 @@ struct WideBwdKVTile {
 // (lane-major, conflict-free). Both leave with the same s and dp, bit for bit.
 template <typename T, int MT, int NT>
 __device__ __forceinline__ void trade_halves(T (&s)[MT][NT][4], T (&dp)[MT][NT][4], T* trade, int warp,
-                                             int key_warps, int half) {
+                                             int half) {
     constexpr int PER_WARP = MT * NT * 4 * 32;
-    const int lane = threadIdx.x % 32, partner = half == 0 ? warp + key_warps : warp - key_warps;
-    const int barrier = 1 + warp % key_warps;   // named barrier of the pair (0 is __syncthreads')
+    const int lane = threadIdx.x % 32, partner = warp ^ 1;
+    const int barrier = 1 + warp / 2;   // named barrier of the pair (0 is __syncthreads')
     T* mine = trade + warp * PER_WARP;
     const T* theirs = trade + partner * PER_WARP;
     // Fully unrolled, each branch naming its own array: a select between s and dp would
@@ -128,7 +130,7 @@ flash_bwd_dkdv_wide(const __grid_constant__ AttnParams p)
     const KeyBlockPairs pairs(mask, hk, group, k0, BLOCK_N, BLOCK_M);
     const int n_iter = pairs.count();
     // The halves compute the same dS: one of them adds the bias gradient and writes dS.
-    const int half = HALVES == 1 ? 0 : warp / C::KEY_WARPS;
+    const int half = HALVES == 1 ? 0 : warp % 2;
     T* dbias_b = MODE != MODE_DENSE && dbias != nullptr && half == 0 ? dbias + b * dbias_sb : nullptr;
 
     const Strided<const T> Q = tensor<const T>(p.q), K = tensor<const T>(p.k), V = tensor<const T>(p.v);
@@ -155,7 +157,7 @@ flash_bwd_dkdv_wide(const __grid_constant__ AttnParams p)
     if (it < n_iter) load_query_tile(it, 0);
     cp_async_commit();
 
-    const int warp_row0 = warp % C::KEY_WARPS * MT * 16;
+    const int warp_row0 = warp / HALVES * MT * 16;
     const int col0 = half * C::COLS;   // this warp's columns of dK and dV
     T acc_dv[C::DV ? MT : 1][C::DV ? DT : 1][4];
     T acc_dk[C::DK ? MT : 1][C::DK ? DT : 1][4];
@@ -189,7 +191,7 @@ flash_bwd_dkdv_wide(const __grid_constant__ AttnParams p)
                 zero_frags(dp);
                 if (half == 0) wide_mm_ABt<Rows, C::KSTEPS>(s, sK, warp_row0, sQs);
                 else wide_mm_ABt<Rows, C::KSTEPS>(dp, sV, warp_row0, sdOs);
-                trade_halves(s, dp, sTrade, warp, C::KEY_WARPS, half);
+                trade_halves(s, dp, sTrade, warp, half);
             } else {
                 wide_mm_ABt<Rows, C::KSTEPS>(s, sK, warp_row0, sQs);
             }
