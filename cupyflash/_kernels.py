@@ -435,8 +435,8 @@ BWD_WIDE_KV_TILES = {
     "float64": {
         32: ((32, 128, 8, 16, 1), (16, 64, 4, 16, 1), (16, 32, 2, 16, 1)),
         64: ((16, 128, 8, 8, 1), (16, 64, 4, 8, 1), (16, 32, 2, 8, 1)),
-        96: ((16, 64, 8, 8, 2), (16, 32, 4, 8, 2)),
-        128: ((16, 64, 8, 8, 2), (16, 32, 4, 8, 2)),
+        96: ((16, 64, 8, 16, 2), (16, 32, 4, 16, 2)),
+        128: ((16, 64, 8, 16, 2), (16, 32, 4, 16, 2)),
     },
 }
 # Deterministic dQ kernel, (BLOCK_M, BLOCK_N, WARPS, SLICE): query block (16 rows per
@@ -531,10 +531,13 @@ def _wide_dkdv(dtype_name: str, D: int, tile, grads: int, mode: int) -> Variant:
     block_m, block_n, warps, slice_, halves = tile
     dk, dq = bool(grads & GRAD_DK), bool(grads & GRAD_DQ)
     # bwd_wide.cu WideBwdKVTile: K, V (with dK), Q and dO twice, dS (with dQ), the halves'
-    # trading slots (a slice's S^T or dP^T per warp); lse2 (and delta) twice.
+    # trading slots (a slice's S^T or dP^T per warp; in dS's buffer with one slice a tile);
+    # lse2 (and delta) twice.
     trade = warps * (block_n // (warps // halves)) * slice_ if halves == 2 else 0
+    ds = dq * _both_ways_elems(dtype_name, block_m, block_n)
+    ds_trade = max(ds, trade) if halves == 2 and slice_ == block_m else ds + trade
     elems = (_both_ways_elems(dtype_name, block_n, D) * (1 + dk) + 4 * _both_ways_elems(dtype_name, block_m, D)
-             + dq * _both_ways_elems(dtype_name, block_m, block_n) + trade + (4 if dk else 2) * block_m)
+             + ds_trade + (4 if dk else 2) * block_m)
     smem = elems * np.dtype(dtype_name).itemsize
     expr = (f"flash_bwd_dkdv_wide<{CPP_TYPE[dtype_name]}, {D}, {block_m}, {block_n}, {warps}, {slice_}, "
             f"{grads}, {halves}, {mode}, {smem}>")

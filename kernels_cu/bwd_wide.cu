@@ -60,8 +60,14 @@ struct WideBwdKVTile {
     static constexpr int QDO_ELEMS = 4 * Rows::size(BLOCK_M);      // Q and dO, two buffers each
     static constexpr int DS_ELEMS = DQ ? DSRows::size(BLOCK_M) : 0;
     static constexpr int TRADE_ELEMS = HALVES == 2 ? WARPS * MT * SNT * 4 * 32 : 0;   // a slice's S^T or dP^T a warp
+    // With one slice a query tile, the trading slots share dS's buffer: each tile's trade
+    // ends with a CTA barrier before dS is written (and the tile's first barrier orders
+    // the dQ pass's reads of dS before the next trade).
+    static constexpr bool TRADE_IN_DS = HALVES == 2 && SLICE == BLOCK_M;
+    static constexpr int DS_TRADE_ELEMS = TRADE_IN_DS ? (DS_ELEMS > TRADE_ELEMS ? DS_ELEMS : TRADE_ELEMS)
+                                                      : DS_ELEMS + TRADE_ELEMS;
     static constexpr int ROW_ELEMS = (DK ? 4 : 2) * BLOCK_M;  // lse2 (and delta), two buffers each
-    static constexpr int SMEM_BYTES = (K_ELEMS + V_ELEMS + QDO_ELEMS + DS_ELEMS + TRADE_ELEMS + ROW_ELEMS) * sizeof(T);
+    static constexpr int SMEM_BYTES = (K_ELEMS + V_ELEMS + QDO_ELEMS + DS_TRADE_ELEMS + ROW_ELEMS) * sizeof(T);
     static_assert(BLOCK_N % (16 * KEY_WARPS) == 0 && BLOCK_M % SLICE == 0 && COLS % 16 == 0, "tile shape");
     static_assert(GRADS != 0 && (!DQ || DK), "dQ comes with dK (both need dS)");
     static_assert(HALVES == 1 || (HALVES == 2 && DV && DK), "the halves trade S^T for dP^T");
@@ -71,7 +77,9 @@ struct WideBwdKVTile {
 // The two halves of a key pair trade their products of a slice: half 0 computed S^T into
 // s, half 1 dP^T into dp, and each gets the other's through its warp's slot of `trade`
 // (lane-major, conflict-free). Both leave with the same s and dp, bit for bit.
-template <typename T, int MT, int NT>
+// CTA_DONE: end with a barrier of the whole CTA (the slots share a buffer that is
+// written next) instead of the pair's.
+template <bool CTA_DONE, typename T, int MT, int NT>
 __device__ __forceinline__ void trade_halves(T (&s)[MT][NT][4], T (&dp)[MT][NT][4], T* trade, int warp,
                                              int half) {
     constexpr int PER_WARP = MT * NT * 4 * 32;
@@ -92,7 +100,8 @@ __device__ __forceinline__ void trade_halves(T (&s)[MT][NT][4], T (&dp)[MT][NT][
         if (half == 0) dp[i / (NT * 4)][i / 4 % NT][i % 4] = theirs[i * 32 + lane];
         else s[i / (NT * 4)][i / 4 % NT][i % 4] = theirs[i * 32 + lane];
     }
-    named_barrier(barrier, 64);   // the partner has read this slot before the next slice refills it
+    if constexpr (CTA_DONE) __syncthreads();
+    else named_barrier(barrier, 64);   // the partner has read this slot before the next slice refills it
 }
 
 // Minimum one CTA per SM: without it ptxas aims at more resident CTAs than shared memory
@@ -114,8 +123,8 @@ flash_bwd_dkdv_wide(const __grid_constant__ AttnParams p)
     T* sQ = sV + C::V_ELEMS;                  // two buffers
     T* sdO = sQ + 2 * Q_TILE;                 // two buffers
     T* sdS = sdO + 2 * Q_TILE;
-    T* sTrade = sdS + C::DS_ELEMS;
-    T* sLse = sTrade + C::TRADE_ELEMS;        // two buffers
+    T* sTrade = C::TRADE_IN_DS ? sdS : sdS + C::DS_ELEMS;
+    T* sLse = sdS + C::DS_TRADE_ELEMS;        // two buffers
     T* sDelta = sLse + 2 * BLOCK_M;           // two buffers (DK only)
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -191,7 +200,7 @@ flash_bwd_dkdv_wide(const __grid_constant__ AttnParams p)
                 zero_frags(dp);
                 if (half == 0) wide_mm_ABt<Rows, C::KSTEPS>(s, sK, warp_row0, sQs);
                 else wide_mm_ABt<Rows, C::KSTEPS>(dp, sV, warp_row0, sdOs);
-                trade_halves(s, dp, sTrade, warp, half);
+                trade_halves<C::TRADE_IN_DS>(s, dp, sTrade, warp, half);
             } else {
                 wide_mm_ABt<Rows, C::KSTEPS>(s, sK, warp_row0, sQs);
             }
