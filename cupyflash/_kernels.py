@@ -418,7 +418,9 @@ BWD_SPLIT_MIN_HEAD_DIM = 192
 # each 16-key m-tile (1, or 2 where a warp's dK and dV would not fit its registers: each
 # holds half of their columns; S^T and dP^T are computed once and traded). These kernels
 # run at ptxas' 255 registers from d = 96 (fp32) or 64 (fp64), and SLICE (8 or 16) is the
-# one with the fewest spill bytes under NVRTC 12.9 (build check).
+# one with the fewest spill bytes under NVRTC 12.9 (build check), except where 16 measured
+# faster (fp64 d = 64: 1.08x over 8, whose option kernel spills 12 bytes; d = 96/128, where
+# a slice of 16 is the whole query tile and the trading slots fit in dS's buffer).
 # H100, same run as torch (bench/results/h100-2026-11-23-fc1b479-wide.json), N = 4096,
 # before the swizzled tiles and the halves: fp32 d = 64 49 TFLOP/s (1.39x torch's efficient
 # backward), d = 128 40 (1.10x); fp64 d = 64 24 (1.07x torch's math backward), d = 128 17
@@ -434,7 +436,7 @@ BWD_WIDE_KV_TILES = {
     },
     "float64": {
         32: ((32, 128, 8, 16, 1), (16, 64, 4, 16, 1), (16, 32, 2, 16, 1)),
-        64: ((16, 128, 8, 8, 1), (16, 64, 4, 8, 1), (16, 32, 2, 8, 1)),
+        64: ((16, 128, 8, 16, 1), (16, 64, 4, 8, 1), (16, 32, 2, 8, 1)),
         96: ((16, 64, 8, 16, 2), (16, 32, 4, 16, 2)),
         128: ((16, 64, 8, 16, 2), (16, 32, 4, 16, 2)),
     },
