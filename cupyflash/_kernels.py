@@ -421,10 +421,10 @@ BWD_SPLIT_MIN_HEAD_DIM = 192
 # one with the fewest spill bytes under NVRTC 12.9 (build check), except where 16 measured
 # faster (fp64 d = 64: 1.08x over 8, whose option kernel spills 12 bytes; d = 96/128, where
 # a slice of 16 is the whole query tile and the trading slots fit in dS's buffer).
-# H100, same run as torch (bench/results/h100-2026-11-23-fc1b479-wide.json), N = 4096,
-# before the swizzled tiles and the halves: fp32 d = 64 49 TFLOP/s (1.39x torch's efficient
-# backward), d = 128 40 (1.10x); fp64 d = 64 24 (1.07x torch's math backward), d = 128 17
-# (0.48x: then a dV and a dK launch of 4 warps).
+# H100, same run as torch (bench/results/h100-2026-11-24-5644760-wide.json), N = 4096:
+# fp32 d = 64 49 TFLOP/s (1.40x torch's efficient backward), d = 128 39 (1.08x); fp64
+# d = 64 35 (1.55x torch's math backward), d = 128 30 (0.88x; 17 with a dV and a dK launch
+# of 4 warps before the halves and the staggered tiles).
 BWD_WIDE_KV_TILES = {
     "float32": {
         32: ((64, 128, 8, 16, 1), (32, 64, 4, 16, 1), (16, 64, 4, 16, 1)),
