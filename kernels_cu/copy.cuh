@@ -50,7 +50,7 @@ __device__ __forceinline__ void named_barrier(int id, int threads) {
 
 // Load a ROWS x COLS tile starting at `src` (row stride `ld` elements) into `dst`, laid
 // out as L (rows a multiple of 16 bytes apart: other fragment reads than ldmatrix want
-// other paddings, see mma_wide.cuh; a layout may permute a row's 16-byte chunks).
+// other paddings, see mma_wide.cuh; a layout may shift rows by whole 16-byte chunks).
 // `vec` says every row start is 16-byte aligned (base pointer and stride), which
 // allows cp.async; otherwise elements are copied one by one, synchronously. Either
 // way the data is visible after the caller's cp_async_wait + __syncthreads.
