@@ -67,9 +67,9 @@ template <typename T, int COLS> struct PairRowsStaggered {
 };
 
 // Tiles read both ways (the backward's Q, dO, K): staggered for fp64. fp32 keeps
-// PairRows: its stride gives 2-way conflicts down the rows, and the same stagger (a
-// 32-byte shift of rows 4-7) made the fp32 backward 0.94-0.98x as fast on an H100, where
-// it made fp64's 1.3-1.55x faster.
+// PairRows: its stride gives 2-way conflicts down the rows, and the fp32 stagger (a
+// 32-byte shift of rows 4-7 of each group) made the fp32 backward 0.93-0.95x as fast at
+// d = 64 on an H100 (1.00x at d = 128), where fp64's made it 1.3-1.55x faster.
 template <typename T, int COLS> struct BothWaysRows { typedef PairRowsStaggered<T, COLS> type; };
 template <int COLS> struct BothWaysRows<float, COLS> { typedef PairRows<float, COLS> type; };
 
