@@ -17,6 +17,7 @@ struct SmemTile { static constexpr int stride = COLS + Chunk<T>::elems; };
 // `rows` rows (mma_wide.cuh has others and says more). Rows STRIDE elements apart.
 template <int STRIDE> struct RowMajor {
     static constexpr int stride = STRIDE;
+    static constexpr bool PLAIN = true;   // at() is row * stride + col
     __device__ __forceinline__ static constexpr int at(int row, int col) { return row * STRIDE + col; }
     __device__ __forceinline__ static constexpr int block(int row, int col) { return at(row, col); }
     __host__ __device__ static constexpr int size(int rows) { return rows * STRIDE; }

@@ -58,6 +58,7 @@ template <typename T, int COLS> struct PairRows : RowMajor<COLS + 8> {};
 template <typename T, int COLS> struct PairRowsStaggered {
     static_assert(sizeof(T) == 8, "fp64 elements");
     static constexpr int stride = COLS + 8;
+    static constexpr bool PLAIN = false;
     static constexpr int GROUP = 8 * stride + 12;   // 8 rows, a multiple of 16 bytes
     __host__ __device__ static constexpr int size(int rows) { return rows / 8 * GROUP; }
     __device__ __forceinline__ static constexpr int at(int row, int col) {
@@ -70,8 +71,14 @@ template <typename T, int COLS> struct PairRowsStaggered {
 // PairRows: its stride gives 2-way conflicts down the rows, and the fp32 stagger (a
 // 32-byte shift of rows 4-7 of each group) made the fp32 backward 0.93-0.95x as fast at
 // d = 64 on an H100 (1.00x at d = 128), where fp64's made it 1.3-1.55x faster.
+//
+// PairRowsByBlock is PairRows addressed as the staggered rows are (a block's offset plus a
+// lane's): the same addresses, but ptxas, at 255 registers, allocates the fp32 backward
+// better from that form and the forward from the plain one (NVRTC 12.9 build check: each
+// spilled in the other form).
+template <typename T, int COLS> struct PairRowsByBlock : PairRows<T, COLS> { static constexpr bool PLAIN = false; };
 template <typename T, int COLS> struct BothWaysRows { typedef PairRowsStaggered<T, COLS> type; };
-template <int COLS> struct BothWaysRows<float, COLS> { typedef PairRows<float, COLS> type; };
+template <int COLS> struct BothWaysRows<float, COLS> { typedef PairRowsByBlock<float, COLS> type; };
 
 // Operand registers of one 16x8x8 step (N = 4 for A, 2 for B), filled element by element.
 template <typename T, int N> struct Operand;
@@ -155,12 +162,21 @@ __device__ __forceinline__ double2 load_pair(const double* p) {
     return r;
 }
 
+// Element (R + r, C + c) of a tile laid out as L, R a multiple of 8 and (r, c) a lane's
+// part: plain rows as one product, the others as the block's offset plus the lane's
+// (computed once a thread; see PairRowsByBlock).
+template <typename L, typename T>
+__device__ __forceinline__ const T* element(const T* tile, int R, int C, int r, int c) {
+    if constexpr (L::PLAIN) return tile + L::at(R + r, C + c);
+    else return tile + L::block(R, C) + L::at(r, c);
+}
+
 // A operand: the 16x8 block at (row0, k0) of a tile laid out as L.
 template <typename L, typename T>
 __device__ __forceinline__ void load_a(Operand<T, 4>& a, const T* tile, int row0, int k0) {
     const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    const auto top = load_pair(tile + L::block(row0, k0) + L::at(g, 2 * t));   // row0: a multiple of 8
-    const auto bottom = load_pair(tile + L::block(row0 + 8, k0) + L::at(g, 2 * t));
+    const auto top = load_pair(element<L>(tile, row0, k0, g, 2 * t));   // row0: a multiple of 8
+    const auto bottom = load_pair(element<L>(tile, row0 + 8, k0, g, 2 * t));
     a.set(0, top.x);
     a.set(2, top.y);
     a.set(1, bottom.x);
@@ -172,7 +188,7 @@ __device__ __forceinline__ void load_a(Operand<T, 4>& a, const T* tile, int row0
 template <typename L, typename T>
 __device__ __forceinline__ void load_bt(Operand<T, 2>& b, const T* tile, int n0, int k0) {
     const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    const auto p = load_pair(tile + L::block(n0, k0) + L::at(g, 2 * t));
+    const auto p = load_pair(element<L>(tile, n0, k0, g, 2 * t));
     b.set(0, p.x);
     b.set(1, p.y);
 }
@@ -182,8 +198,8 @@ __device__ __forceinline__ void load_bt(Operand<T, 2>& b, const T* tile, int n0,
 template <typename L, typename T>
 __device__ __forceinline__ void load_b_pair(Operand<T, 2> (&b)[2], const T* tile, int k0, int n0) {
     const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    const auto even = load_pair(tile + L::block(k0, n0) + L::at(2 * t, 2 * g));   // k0: a multiple of 8
-    const auto odd = load_pair(tile + L::block(k0, n0) + L::at(2 * t + 1, 2 * g));
+    const auto even = load_pair(element<L>(tile, k0, n0, 2 * t, 2 * g));   // k0: a multiple of 8
+    const auto odd = load_pair(element<L>(tile, k0, n0, 2 * t + 1, 2 * g));
     b[0].set(0, even.x);
     b[0].set(1, odd.x);
     b[1].set(0, even.y);
