@@ -43,7 +43,8 @@
 // elements of a tile (rows a multiple of 8), and for R a multiple of 8, at(R + r, c) =
 // block(R, 0) + at(r, c): the loaders below add a lane's part (r < 8, a value or two a
 // thread, computed once) to a block's offset (an immediate, or a row register). A tile
-// pointer moved by block(R, C) keeps the layout. copy.cuh RowMajor is the plain one.
+// pointer moved by block(R, C) keeps the layout. PLAIN: at() is row * stride + col
+// (copy.cuh RowMajor, the plain one), which element() below writes as one product.
 //
 // PairRows: tiles read along their rows only, as A operands or as K (pairs along k).
 template <typename T, int COLS> struct PairRows : RowMajor<COLS + 8> {};
