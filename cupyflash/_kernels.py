@@ -422,7 +422,7 @@ BWD_SPLIT_MIN_HEAD_DIM = 192
 # run at ptxas' 255 registers from d = 96 (fp32) or 64 (fp64), and SLICE (8 or 16) is the
 # one with the fewest spill bytes under NVRTC 12.9 (build check), except where 16 measured
 # faster (fp64 d = 64: 1.08x over 8, whose option kernel spills 12 bytes; d = 96/128, where
-# a slice of 16 is the whole query tile and the trading slots fit in dS's buffer).
+# a slice of 16 is the whole query tile and the trading slots share dS's buffer).
 # H100, same run as torch (bench/results/h100-2026-11-24-5644760-wide.json), N = 4096:
 # fp32 d = 64 49 TFLOP/s (1.40x torch's efficient backward), d = 128 39 (1.08x); fp64
 # d = 64 35 (1.55x torch's math backward), d = 128 30 (0.88x; 17 with a dV and a dK launch

@@ -10,9 +10,10 @@
 //   A operands of dV += P^T dO and dK += dS^T Q as they stand (mma_wide.cuh: the k index
 //   of a step is a label). dK and dV stay in registers. Where those of a warp's keys do
 //   not fit (fp64 from d = 96, fp32 from d = 192: HALVES = 2), two warps share each
-//   16-key m-tile (warps 2i and 2i + 1, which current GPUs put on different schedulers,
-//   warp % 4, so that a scheduler's two warps come from different pairs and their phases
-//   interleave), half h holding columns [h D/2, (h + 1) D/2) of both; per query slice
+//   16-key m-tile (warps 2i and 2i + 1: current GPUs schedule warp w on scheduler w % 4,
+//   so a scheduler's two warps belong to different pairs and do not wait at each other's
+//   trade; 1.015-1.03x over pairs w, w + 4), half h holding columns [h D/2, (h + 1) D/2)
+//   of both; per query slice
 //   half 0 computes S^T and half 1 dP^T, over all of d, and they trade them through
 //   shared memory (trade_halves), so no product is computed twice. With GRAD_DQ the
 //   warps also write dS, query-major, to shared memory and add dQ = dS K over the whole
@@ -39,9 +40,10 @@
 #include "tensor.cuh"
 #include "bwd.cuh"
 
-// SLICE: queries of S^T and dP^T live at once beside the accumulators (8 or 16: the
-// tile table picks the larger where it does not spill). HALVES: 1, or 2 where dK and dV
-// of a warp's keys do not fit its registers whole (see the top of this file).
+// SLICE: queries of S^T and dP^T live at once beside the accumulators (8 or 16, per the
+// tile table: spills and measurements). HALVES: 1, or 2 where dK and dV of a warp's keys
+// do not fit its registers whole (see the top of this file). The plans launch GRADS =
+// dV | dK (| dQ); a GRADS without dK remains possible (no V tile, no dS).
 template <typename T, int D, int BLOCK_M, int BLOCK_N, int WARPS, int SLICE, int GRADS, int HALVES>
 struct WideBwdKVTile {
     static constexpr int THREADS = WARPS * 32;
@@ -70,7 +72,8 @@ struct WideBwdKVTile {
     static constexpr int SMEM_BYTES = (K_ELEMS + V_ELEMS + QDO_ELEMS + DS_TRADE_ELEMS + ROW_ELEMS) * sizeof(T);
     static_assert(BLOCK_N % (16 * KEY_WARPS) == 0 && BLOCK_M % SLICE == 0 && COLS % 16 == 0, "tile shape");
     static_assert(GRADS != 0 && (!DQ || DK), "dQ comes with dK (both need dS)");
-    static_assert(HALVES == 1 || (HALVES == 2 && DV && DK), "the halves trade S^T for dP^T");
+    static_assert(HALVES == 1 || (HALVES == 2 && DV && DK && WARPS % 2 == 0), "the halves trade S^T for dP^T");
+    static_assert(HALVES == 1 || WARPS / 2 < 16, "a pair's named barrier id, 1 + warp / 2, is at most 15");
     static_assert(BWD_ROW_PAD % BLOCK_M == 0, "query tiles read the padded row workspaces whole");
 };
 
