@@ -46,23 +46,16 @@ _nvrtc.BASE_OPTIONS = _nvrtc.BASE_OPTIONS + ("-DCUPYFLASH_WATCHDOG",)   # a buil
 log = cp.cuda.alloc_pinned_memory(4 * (1 + WORDS * RECORDS))
 words = np.frombuffer(log, np.uint32, 1 + WORDS * RECORDS)
 words[:] = 0
-modules = []
 
 
 def load(variant, device_id):
-    """_cuda._load, keeping the module to point its watchdog at the host log."""
-    arch, _ = _cuda._device_info(device_id)
-    compiled = _nvrtc.compile_kernel(variant.source, variant.name_expression, arch)
+    """_cuda._load, pointing the module's watchdog at the host log."""
+    module, kernel = _cuda._load_module(variant, device_id)
     with cp.cuda.Device(device_id):
-        module = cp.RawModule(path=str(compiled.binary_path))
-        kernel = module.get_function(compiled.lowered_name)
-        if variant.total_smem > 48 * 1024:
-            kernel.max_dynamic_shared_size_bytes = variant.smem_bytes
         try:
             module.get_global("mbar_watchdog_log").copy_from_host(np.array([log.ptr], np.uint64).ctypes.data, 8)
         except Exception:   # a kernel without mbarriers has no watchdog
             pass
-    modules.append(module)
     return kernel
 
 

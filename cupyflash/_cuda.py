@@ -80,16 +80,22 @@ def _device_info(device_id: int) -> tuple[str, int]:
 
 
 @functools.lru_cache(maxsize=None)
-def _load(variant: Variant, device_id: int):
+def _load_module(variant: Variant, device_id: int):
+    """The variant's cubin loaded on the device: its module and its kernel, ready to launch."""
     import cupy
 
     arch, _ = _device_info(device_id)
     compiled = _nvrtc.compile_kernel(variant.source, variant.name_expression, arch)
     with cupy.cuda.Device(device_id):
-        kernel = cupy.RawModule(path=str(compiled.binary_path)).get_function(compiled.lowered_name)
+        module = cupy.RawModule(path=str(compiled.binary_path))
+        kernel = module.get_function(compiled.lowered_name)
         if variant.total_smem > 48 * 1024:   # static + dynamic past the default needs the opt-in
             kernel.max_dynamic_shared_size_bytes = variant.smem_bytes
-    return kernel
+    return module, kernel
+
+
+def _load(variant: Variant, device_id: int):
+    return _load_module(variant, device_id)[1]
 
 
 def _choose(variants: list[Variant], device_id: int) -> Variant:

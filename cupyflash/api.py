@@ -873,7 +873,7 @@ def varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
 def varlen_attention_vjp(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                          causal=False, scale=None, window=None, dropout_p=0.0, seed=None,
                          alibi_slopes=None, softcap=0.0, deterministic=False, backend="auto",
-                             precision="highest"):
+                         precision="highest"):
     """Varlen attention output and its vector-Jacobian product.
 
     Parameters

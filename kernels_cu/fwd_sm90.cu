@@ -36,7 +36,7 @@
 //     scores' bias), with the heads of a query block side by side in the work order;
 //   - dropout zeroes P after the row sums took it; its keep bits (16 scores per Philox
 //     call) are drawn while S is on the tensor cores.
-// fp32 (T = float) runs on TF32 wgmma at fp32 accuracy (3xTF32, wgmma.cuh tf32_low): a
+// fp32 (T = float) runs on TF32 wgmma at fp32 accuracy (3xTF32, elem.cuh tf32_low): a
 // product of fp32 operands is a_lo b + a b_lo + a b, a's and b's high parts being the
 // fp32 elements themselves, which the tensor cores read truncated to TF32. TF32 wgmma
 // reads shared-memory operands K-major only, and a B operand needs its low parts in
@@ -526,8 +526,8 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
         // layout) onto its first half.
         auto issue_s = [&](int t) {
             const T* sKb = sK + (t % STAGES) * C::K_TILE_ELEMS;
+            u32 q_low[SPLIT ? C::KSTEPS : 1][4];
             if constexpr (SPLIT) {
-                u32 q_low[C::KSTEPS][4];
                 #pragma unroll
                 for (int ks = 0; ks < C::KSTEPS; ++ks)
                     #pragma unroll
@@ -535,8 +535,10 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
                         const int row = warp_row0 + g + 8 * (e % 2), col = 8 * ks + t4 + 4 * (e / 2);
                         q_low[ks][e] = __float_as_uint(tf32_low(Swizzle128<float, BLOCK_M>::at(sQ, row, col & ~3)[col & 3]));
                     }
+            }
+            wgmma_fence();
+            if constexpr (SPLIT) {
                 auto& s_hh = *reinterpret_cast<float (*)[NT][4]>(&s2[0][0][0]);
-                wgmma_fence();
                 Wgmma<float, 2 * BLOCK_N>::template ss<false>(s2[0], kmajor_desc<float, BLOCK_M>(sQ, wg_row0, 0),
                                                               kmajor_desc<float, C::K_ROWS>(sKb, 0, 0));
                 #pragma unroll
@@ -546,15 +548,13 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
                 #pragma unroll
                 for (int ks = 0; ks < C::KSTEPS; ++ks)
                     Wgmma<float, BLOCK_N>::template rs<true>(s_hh, q_low[ks], kmajor_desc<float, C::K_ROWS>(sKb, 0, ks));
-                wgmma_commit();
             } else {
-                wgmma_fence();
                 Wgmma<T, BLOCK_N>::template ss<false>(s[0], kmajor_desc<T, BLOCK_M>(sQ, wg_row0, 0), kmajor_desc<T, BLOCK_N>(sKb, 0, 0));
                 #pragma unroll
                 for (int ks = 1; ks < C::KSTEPS; ++ks)
                     Wgmma<T, BLOCK_N>::template ss<true>(s[0], kmajor_desc<T, BLOCK_M>(sQ, wg_row0, ks), kmajor_desc<T, BLOCK_N>(sKb, 0, ks));
-                wgmma_commit();
             }
+            wgmma_commit();
         };
         // S once its product has landed (3xTF32: the sum of s2's halves).
         auto land_s = [&]() {
@@ -573,16 +573,14 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
         // product: P V^T into acc.
         auto issue_pv = [&](int t) {
             const T* sVb = sV + (t % STAGES) * C::V_TILE_ELEMS;
+            wgmma_fence();
             if constexpr (TF32 && !SPLIT) {
-                wgmma_fence();
                 #pragma unroll
                 for (int ks = 0; ks < C::PSTEPS; ++ks)
                     Wgmma<float, D>::template rs<true>(acc[0], p_frag[ks], kmajor_desc<float, D>(sVb + C::KV_ELEMS, 0, ks));
-                wgmma_commit();
             } else if constexpr (SPLIT) {
                 const float* vt = sVb + C::KV_ELEMS;
                 const float* vt_low = vt + C::KV_ELEMS;
-                wgmma_fence();
                 Wgmma<float, D>::template rs<false>(o_tile[0], p_low[0], kmajor_desc<float, D>(vt, 0, 0));
                 #pragma unroll
                 for (int ks = 1; ks < C::PSTEPS; ++ks)
@@ -593,14 +591,12 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
                 #pragma unroll
                 for (int ks = 0; ks < C::PSTEPS; ++ks)
                     Wgmma<float, D>::template rs<true>(o_tile[0], p_frag[ks], kmajor_desc<float, D>(vt, 0, ks));
-                wgmma_commit();
             } else {
-                wgmma_fence();
                 #pragma unroll
                 for (int ks = 0; ks < C::PSTEPS; ++ks)
                     Wgmma<T, D>::template rs<true>(acc[0], p_frag[ks], mnmajor_desc<T, BLOCK_N>(sVb, ks));
-                wgmma_commit();
             }
+            wgmma_commit();
         };
         // The options' per-score state of this head (nothing in dense mode).
         const auto head_mods = mods.at_head(h);

@@ -108,7 +108,7 @@ template <int N> struct Operand<float, N> {
     static constexpr bool ACCUMULATE_EXACT = false;
     u32 big[N], small[N];
     __device__ __forceinline__ void set(int i, float v) {
-        big[i] = __float_as_uint(v) + 0x1000u;
+        big[i] = __float_as_uint(tf32_round(v));   // elem.cuh
         small[i] = __float_as_uint(v - __uint_as_float(big[i] & 0xffffe000u));
     }
 };

@@ -120,26 +120,6 @@ __device__ __forceinline__ u64 mnmajor_desc(const T* tile, int ks, int col0 = 0)
     return wgmma_desc(tile, L::PANEL_ELEMS * sizeof(T), 1024) + (offset >> 4);
 }
 
-// The part of x that the tensor cores' TF32 truncation drops, exact in fp32: a product
-// of fp32 operands at fp32 accuracy is three TF32 products, a_lo b + a b_lo + a b (3xTF32,
-// each operand's high part being the operand itself, truncated by the tensor core).
-// The dropped terms (the truncation of each low part and a_lo b_lo) stay below 2^-19 of
-// |a b|; mma_wide.cuh rounds its high parts instead, which these tiles cannot do for the
-// operands that TMA writes to shared memory.
-__device__ __forceinline__ float tf32_low(float x) {
-    return x - __uint_as_float(__float_as_uint(x) & 0xffffe000u);
-}
-__device__ __forceinline__ float4 tf32_low(float4 x) {
-    return make_float4(tf32_low(x.x), tf32_low(x.y), tf32_low(x.z), tf32_low(x.w));
-}
-// x with half a TF32 ulp added to its bits: the tensor core's truncation of it is x
-// rounded to nearest TF32 (ties away; precision="tf32"). Within 2^-12 relative of FLT_MAX
-// it rounds to inf.
-__device__ __forceinline__ float tf32_round(float x) { return __uint_as_float(__float_as_uint(x) + 0x1000u); }
-__device__ __forceinline__ float4 tf32_round(float4 x) {
-    return make_float4(tf32_round(x.x), tf32_round(x.y), tf32_round(x.z), tf32_round(x.w));
-}
-
 // ---------------------------------------------------------------- ordering
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
