@@ -89,6 +89,14 @@ struct Sm90BwdKVTile {
     // selects (bwd.cuh BITS), but in the deterministic d = 128 kernel with the bias,
     // where the second copy of the passes spills (48 bytes, NVRTC 12.9 build check).
     static constexpr bool SELECT_FREE_TILES = D <= 64 || !(BIAS && ORDERED_DQ);
+    // Forms that take fewer instructions but keep more registers live, where they do not
+    // spill (NVRTC 12.9, build check; the option kernels at d = 128 have 232 or 224
+    // registers a consumer thread): the warpgroup index as the compiler can see it is
+    // warp-uniform (wgmma.cuh warp_uniform), so that the descriptors stay in uniform
+    // registers; a query pair's lse2 and delta as one 8-byte load; dS^T stored by
+    // stmatrix.
+    static constexpr bool UNIFORM_WG = !BIAS || D <= 64;
+    static constexpr bool LEAN_PASSES = MODE == MODE_DENSE || D <= 64;
     // dQ's BLOCK_M x D tile in one 64 x DQ_N piece per warpgroup: DQ_COLS pieces across.
     static constexpr int DQ_N = BLOCK_M * D / (64 * CONSUMERS);
     static constexpr int DQ_COLS = D / DQ_N;
@@ -269,7 +277,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
     // ------------------------------------------------------------------ consumers
     warpgroup_claim_regs<C::CONSUMER_REGS>();
     const int g = lane / 4, t = lane % 4;
-    const int wg = warp / 4;
+    const int wg = C::UNIFORM_WG ? warp_uniform(warp / 4) : warp / 4;   // the descriptors' operand rows
     const int warp_row0 = warp * 16;        // this warp's keys in the block
     auto release = [&](u64* bar) {
         __syncwarp();
@@ -400,15 +408,32 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
             wgmma_commit();
 
             const bool needs_mask = mask.tile_needs_mask(q0 + r0, q0 + r0 + C::SUB_M, k0, k0 + BLOCK_N, h);
-            auto lse2_at = [&](int, int nt, int e) { return sLseb[r0 + nt * 8 + 2 * t + (e % 2)]; };
-            auto delta_at = [&](int, int nt, int e) { return sDeltab[r0 + nt * 8 + 2 * t + (e % 2)]; };
+            // A query pair's rows as one 8-byte load (the passes read each pair twice, for
+            // keys g and g + 8: the compiler reuses the load).
+            auto pair_at = [&](const float* rows, int nt, int e) {
+                const float2 pair = *reinterpret_cast<const float2*>(rows + r0 + nt * 8 + 2 * t);
+                return e % 2 ? pair.y : pair.x;
+            };
+            auto lse2_at = [&](int, int nt, int e) {
+                return C::LEAN_PASSES ? pair_at(sLseb, nt, e) : sLseb[r0 + nt * 8 + 2 * t + (e % 2)];
+            };
+            auto delta_at = [&](int, int nt, int e) {
+                return C::LEAN_PASSES ? pair_at(sDeltab, nt, e) : sDeltab[r0 + nt * 8 + 2 * t + (e % 2)];
+            };
             u32 p_frag[C::QSTEPS][4], ds_frag[C::QSTEPS][4];
             if constexpr (MODE == MODE_DENSE) {
                 float unused_dtanh[1][1][4];
                 wgmma_wait<1>();
                 reg_fence(s[0]);
-                recompute_p<MODE, true>(s, unused_dtanh, mods, mods.at_head(h), k0 + warp_row0, q0 + r0, lse2_at,
-                                        scale_log2, needs_mask);
+                // A copy of the pass per case: with the flag at run time ptxas worked out
+                // every score's visibility and selected on it (~150 instructions a tile
+                // that no mask touches, ncu at 7f8a6b4).
+                if (needs_mask)
+                    recompute_p<MODE, true>(s, unused_dtanh, mods, mods.at_head(h), k0 + warp_row0, q0 + r0, lse2_at,
+                                            scale_log2, true);
+                else
+                    recompute_p<MODE, true>(s, unused_dtanh, mods, mods.at_head(h), k0 + warp_row0, q0 + r0, lse2_at,
+                                            scale_log2, false);
                 #pragma unroll
                 for (int ks = 0; ks < C::QSTEPS; ++ks) c_to_a_frag<T>(p_frag[ks], s, 0, ks);
                 wgmma_wait<0>();
@@ -486,13 +511,24 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
             wgmma_commit();
             if (C::BIAS && mods.softcap > 0.f) release(&bars.bias_empty);   // see above
 
+            // dS^T into shared memory for dQ: each k-step's A fragment with one stmatrix
+            // (quarter lane / 8 of the fragment at lane % 8's row), or word by word.
             #pragma unroll
-            for (int ks = 0; ks < C::QSTEPS; ++ks)
-                #pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const int col = r0 + ks * 16 + (i / 2) * 8;
-                    *reinterpret_cast<u32*>(Swizzle128<T, BLOCK_N>::at(sdSb, warp_row0 + g + (i % 2) * 8, col) + 2 * t) = ds_frag[ks][i];
+            for (int ks = 0; ks < C::QSTEPS; ++ks) {
+                if constexpr (C::LEAN_PASSES) {
+                    const int quarter = lane / 8;
+                    stmatrix_x4(Swizzle128<T, BLOCK_N>::at(sdSb, warp_row0 + lane % 8 + (quarter % 2) * 8,
+                                                            r0 + ks * 16 + (quarter / 2) * 8),
+                                ds_frag[ks]);
+                } else {
+                    #pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        const int col = r0 + ks * 16 + (i / 2) * 8;
+                        *reinterpret_cast<u32*>(Swizzle128<T, BLOCK_N>::at(sdSb, warp_row0 + g + (i % 2) * 8, col) +
+                                                2 * t) = ds_frag[ks][i];
+                    }
                 }
+            }
         }
 
         cp_async_wait<0>();   // the next tile's rows, for the barrier

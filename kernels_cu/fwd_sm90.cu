@@ -464,7 +464,7 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
     warpgroup_claim_regs<C::CONSUMER_REGS>();
     const ModsT& mods = consumer_mods;
     const int g = lane / 4, t4 = lane % 4;
-    const int wg_row0 = (warp / 4) * 64;   // this warpgroup's rows of the query tile
+    const int wg_row0 = warp_uniform(warp / 4) * 64;   // this warpgroup's rows of the query tile (wgmma.cuh)
     const int warp_row0 = warp * 16;       // this warp's m-tile
     // Key tiles are counted over every work tile of the CTA, as the producer counts
     // them: the t-th is in stage t % STAGES.

@@ -77,7 +77,25 @@ __device__ __forceinline__ void load_tile_swizzled(T* dst, const T* src, i64 ld,
     }
 }
 
+// Four 8x8 matrices of 16-bit elements from registers to shared memory (sm_90): lane l
+// gives the row address of matrix l / 8, register j holds its pair (l / 4, 2 (l % 4)) of
+// matrix j, as in ldmatrix (mma.cuh). An m16n8k16 A fragment a0..a3 is the four 8x8
+// quarters (rows 0-7 / 8-15, columns 0-7 / 8-15 in that order): one instruction a
+// fragment instead of four 4-byte stores.
+__device__ __forceinline__ void stmatrix_x4(void* row_ptr, const u32 (&r)[4]) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1,%2,%3,%4};\n"
+                 :: "r"(smem_addr(row_ptr)), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+}
+
 // ---------------------------------------------------------------- descriptors
+// A warpgroup's index (or anything derived from threadIdx that is the same across a
+// warp) as the compiler can see it is warp-uniform: a shuffle from lane 0. Descriptors
+// built from it then stay in uniform registers, one uniform add per k-step; built from
+// threadIdx / 128 as such, ptxas computed every descriptor in per-thread registers (two
+// 64-bit adds, four moves to uniform registers: ~15 instructions a wgmma, a fifth of the
+// Hopper backward's instructions, ncu at 7f8a6b4).
+__device__ __forceinline__ int warp_uniform(int x) { return __shfl_sync(0xffffffffu, x, 0); }
+
 // Matrix descriptor of an operand in a Swizzle128 tile (PTX ISA, "Matrix Descriptor
 // Format"): start address, leading and stride byte offsets (all >> 4), swizzle mode 1
 // (128-byte). Base offset 0: every operand starts in a 1024-byte-aligned atom row 0, or
