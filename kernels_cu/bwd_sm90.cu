@@ -345,6 +345,12 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
     for (int it = first(); it < n_iter; ++step) {
         const int h = pairs.head(it), q0 = pairs.q0(it);
         const int next = after(it);
+        // The next tile's rows into the other buffer (its last readers, the tile before
+        // this one, passed the barrier at its end), a whole tile ahead of the barrier at
+        // this one's end that waits for them (issued before the dV and dK products, the
+        // copies' latency held up that barrier: ncu at 6576e99). Here, before any product
+        // of the tile, only dK and dV hold registers.
+        if (next < n_iter) copy_rows(next, (step + 1) % 2);
         const int s_ = step % STAGES;
         const T* sQb = sQ + s_ * C::QO_ELEMS;
         const T* sdOb = sdO + s_ * C::QO_ELEMS;
@@ -496,11 +502,6 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
 #undef CUPYFLASH_OPTION_SCORES
             }
 
-            // The next tile's rows into the other buffer (its last readers, the tile
-            // before this one, passed the barrier below since); here, before the first
-            // dV and dK products, the copy needs no register at the peak (NVRTC 12.9
-            // spilled d = 128 elsewhere: build check).
-            if (sub == 0 && next < n_iter) copy_rows(next, (step + 1) % 2);
             wgmma_fence();
             #pragma unroll
             for (int ks = 0; ks < C::QSTEPS; ++ks)
