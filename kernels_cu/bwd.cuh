@@ -42,6 +42,15 @@ struct KeyBlockPairs {
     __device__ __forceinline__ int count() const { return group * m_count; }
     __device__ __forceinline__ int head(int it) const { return hk * group + it / m_count; }
     __device__ __forceinline__ int q0(int it) const { return (m_first + it % m_count) * block_m; }
+    // head() and q0() of pair it + 1 from those of pair it, without head()'s division:
+    // the next query tile, or the first tile of the next head.
+    __device__ __forceinline__ void following(int& h, int& q) const {
+        q += block_m;
+        if (q == (m_first + m_count) * block_m) {
+            q = m_first * block_m;
+            ++h;
+        }
+    }
     // The first pair from `it` on that the block mask leaves on.
     template <bool EXT>
     __device__ __forceinline__ int next(int it, const MaskInfo<EXT>& mask) const {

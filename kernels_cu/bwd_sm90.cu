@@ -295,16 +295,23 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
     // buffer `buf`: one word per thread (lse2 from thread 0, delta from BLOCK_M) by
     // cp.async, so that no register holds it across the tile; waited for before the
     // tile's consumer barrier, which orders it for every reader.
-    auto copy_rows = [&](int it, int buf) {
+    auto copy_rows = [&](int h, int q0, int buf) {
         if (threadIdx.x < 2 * BLOCK_M) {
             const float* ws = threadIdx.x < BLOCK_M ? lse2 : delta;
             cp_async_4(sRows + buf * 2 * BLOCK_M + threadIdx.x,
-                       ws + row_workspace_offset(mods.tb, pairs.head(it), hq, nq_pad) + mods.q_base + pairs.q0(it) +
-                           threadIdx.x % BLOCK_M);
+                       ws + row_workspace_offset(mods.tb, h, hq, nq_pad) + mods.q_base + q0 + threadIdx.x % BLOCK_M);
         }
         cp_async_commit();
     };
-    if (first() < n_iter) copy_rows(first(), 0);
+    // The pair's head and first query row, carried from one tile to the next: in dense
+    // mode (no block mask: pair it + 1 follows pair it) without head()'s division, which
+    // cost ~25 instructions at the top of every tile (ncu at 6576e99).
+    int h = 0, q0 = 0;
+    if (first() < n_iter) {
+        h = pairs.head(first());
+        q0 = pairs.q0(first());
+        copy_rows(h, q0, 0);
+    }
     cp_async_wait<0>();
     named_barrier(C::CONSUMER_BARRIER, C::CONSUMER_THREADS);
 
@@ -343,14 +350,20 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
 
     int step = 0;
     for (int it = first(); it < n_iter; ++step) {
-        const int h = pairs.head(it), q0 = pairs.q0(it);
         const int next = after(it);
+        int h_next = h, q0_next = q0;
+        if constexpr (MODE == MODE_DENSE) {
+            pairs.following(h_next, q0_next);
+        } else {
+            h_next = pairs.head(next);
+            q0_next = pairs.q0(next);
+        }
         // The next tile's rows into the other buffer (its last readers, the tile before
         // this one, passed the barrier at its end), a whole tile ahead of the barrier at
         // this one's end that waits for them (issued before the dV and dK products, the
         // copies' latency held up that barrier: ncu at 6576e99). Here, before any product
         // of the tile, only dK and dV hold registers.
-        if (next < n_iter) copy_rows(next, (step + 1) % 2);
+        if (next < n_iter) copy_rows(h_next, q0_next, (step + 1) % 2);
         const int s_ = step % STAGES;
         const T* sQb = sQ + s_ * C::QO_ELEMS;
         const T* sdOb = sdO + s_ * C::QO_ELEMS;
@@ -539,6 +552,8 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
         reg_fence(acc_dv[0]);
         reg_fence(acc_dk[0]);
         it = next;
+        h = h_next;
+        q0 = q0_next;
     }
 
     if (step > 0) {   // the last tile's dQ
