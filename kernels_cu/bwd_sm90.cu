@@ -94,9 +94,10 @@ struct Sm90BwdKVTile {
     // registers a consumer thread): the warpgroup index as the compiler can see it is
     // warp-uniform (wgmma.cuh warp_uniform), so that the descriptors stay in uniform
     // registers; a query pair's lse2 and delta as one 8-byte load; dS^T stored by
-    // stmatrix.
+    // stmatrix (but for the deterministic option kernels at d = 128).
     static constexpr bool UNIFORM_WG = !BIAS || D <= 64;
     static constexpr bool LEAN_PASSES = MODE == MODE_DENSE || D <= 64;
+    static constexpr bool STMATRIX_DS = LEAN_PASSES || !ORDERED_DQ;
     // dQ's BLOCK_M x D tile in one 64 x DQ_N piece per warpgroup: DQ_COLS pieces across.
     static constexpr int DQ_N = BLOCK_M * D / (64 * CONSUMERS);
     static constexpr int DQ_COLS = D / DQ_N;
@@ -529,7 +530,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
             // (quarter lane / 8 of the fragment at lane % 8's row), or word by word.
             #pragma unroll
             for (int ks = 0; ks < C::QSTEPS; ++ks) {
-                if constexpr (C::LEAN_PASSES) {
+                if constexpr (C::STMATRIX_DS) {
                     const int quarter = lane / 8;
                     stmatrix_x4(Swizzle128<T, BLOCK_N>::at(sdSb, warp_row0 + lane % 8 + (quarter % 2) * 8,
                                                             r0 + ks * 16 + (quarter / 2) * 8),
