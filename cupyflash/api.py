@@ -91,11 +91,11 @@ device_memory_limit : int, optional
     and only for the options the streamed path supports; otherwise nothing changes. With
     a bound too small for one 128-row chunk, ValueError names it before anything is
     allocated. Streamed: causal, GQA, window, alibi_slopes, dropout_p (the same mask as
-    the in-memory call with that seed, which advances the RNG as one call does), bias,
-    block_mask (chunks are multiples of its block size), seqlens_k, softcap, scale,
-    deterministic; each pair's call takes the whole problem's rows and keys, and pairs
-    that the masks leave empty are never copied. Not yet (NotImplementedError): the bias
-    gradient. GPU (CuPy) inputs with a
+    the in-memory call with that seed; without one the RNG advances as for one call),
+    bias, block_mask (chunks are multiples of its block size), seqlens_k, softcap, scale,
+    deterministic: each pair's call takes the whole problem's rows, keys and diagonal,
+    and pairs that the masks leave empty are never copied. Not yet (NotImplementedError):
+    the bias gradient. GPU (CuPy) inputs with a
     limit raise ValueError (they are on the device already). On the NumPy backend a limit
     runs the same chunked algorithm on the host (how it is tested without a GPU). The
     context of a streamed `attention_forward` streams its backward pass too, under the
