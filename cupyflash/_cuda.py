@@ -220,13 +220,16 @@ def _mods_scalars(params: _params.Params, mods) -> None:
 
 
 def _mods_addresses(params: _params.Params, mods) -> None:
-    """The ModsParams fields of one call: its option arrays' addresses (on the device)
-    and its Philox streams."""
+    """The ModsParams fields of one call: its option arrays' addresses (on the device),
+    its Philox streams and, for a chunk pair of a streamed call, its place in the
+    problem (the plan's fields say the call is its own problem: `_problem_scalars`)."""
     params.mods(
         cu_q=_params.address(mods.cu_seqlens_q), cu_k=_params.address(mods.cu_seqlens_k),
         seqlens_k=_params.address(mods.seqlens_k), bmask=_params.address(mods.block_mask),
         bias=_params.address(mods.bias), alibi=_params.address(mods.alibi_slopes),
         rng_seed=mods.seed, rng_offset=mods.rng_offset)
+    if mods.diagonal is not None:
+        params.mods(row0=mods.row0, key0=mods.key0, diag=mods.diagonal)
 
 
 def _problem_scalars(q, k, v, *, scale: float, causal: bool, mods) -> _params.Params:
@@ -241,6 +244,10 @@ def _problem_scalars(q, k, v, *, scale: float, causal: bool, mods) -> _params.Pa
         group=Hq // Hk, nq=q.shape[2], nk=k.shape[2], d=q.shape[3], dim_v=v.shape[3],
         scale=scale, scale_log2=scale_log2, causal=int(bool(causal)))
     _mods_scalars(params, mods)
+    # The call as its own problem, diagonal at its bottom-right corner (varlen sequences
+    # take their own corners in the kernels and leave this 0).
+    if not mods.varlen:
+        params.mods(diag=k.shape[2] - q.shape[2])
     return params
 
 
@@ -281,8 +288,10 @@ def _signature(arrays, *, scale: float, causal: bool, mods) -> tuple:
     or Philox offset."""
     arrays = (*arrays, *(getattr(mods, name) for name in _mods.ARRAY_FIELDS))
     layouts = tuple(None if x is None else (x.shape, x.strides, x.dtype, x.data.ptr % 16) for x in arrays)
+    # A placed call (a streamed chunk pair) runs the general kernels where the same call
+    # unplaced may run the dense ones; its place itself is per call (`_mods_addresses`).
     return (arrays[0].device.id, scale, causal, layouts, mods.window, mods.softcap, mods.dropout_p,
-            mods.block_size, mods.max_seqlen_q, mods.max_seqlen_k, mods.tf32)
+            mods.block_size, mods.max_seqlen_q, mods.max_seqlen_k, mods.tf32, mods.diagonal is not None)
 
 
 def _cached_plan(plans: dict, signature: tuple, make):

@@ -23,8 +23,10 @@ The window is aligned the same way: row ``i`` sees ``i + off - left <= j <= i + 
 right`` with ``off = nk - nq``, a side of -1 being unbounded; with ``causal`` both hold,
 so causal wins over ``right >= 0``. ``key_stop`` (at most ``nk``) hides the columns
 ``j >= key_stop`` without moving that alignment, which always uses ``nk``: it is the
-per-sequence key length of a padded batch (``seqlens_k``). These are the rules of
-`cupyflash._mods`.
+per-sequence key length of a padded batch (``seqlens_k``). ``diagonal`` replaces ``off``
+where the rows and columns are a part of a larger problem (a chunk pair of the streamed
+path: ``diagonal`` is the problem's ``Nk - Nq`` moved to the part's own indices,
+`cupyflash._mods.Modifiers.call_diagonal`). These are the rules of `cupyflash._mods`.
 """
 
 from __future__ import annotations
@@ -45,10 +47,12 @@ _RULES_DOC = """\
     causal : bool
         Bottom-right aligned causal mask.
     window : (int, int), default (-1, -1)
-        ``(left, right)`` extents of the sliding window around the diagonal
-        ``i + nk - nq``; -1 leaves that side unbounded.
+        ``(left, right)`` extents of the sliding window around the diagonal (below);
+        -1 leaves that side unbounded.
     key_stop : int, optional
-        Columns ``>= key_stop`` are hidden (key padding); at most `nk`, default `nk`."""
+        Columns ``>= key_stop`` are hidden (key padding); at most `nk`, default `nk`.
+    diagonal : int, optional
+        The diagonal key of row ``i`` is ``i + diagonal``; default ``nk - nq``."""
 
 
 def _with_rules_doc(func):
@@ -58,7 +62,7 @@ def _with_rules_doc(func):
 
 @_with_rules_doc
 def visible_key_span(rows, nq: int, nk: int, *, causal: bool, window=(-1, -1),
-                     key_stop=None):
+                     key_stop=None, diagonal=None):
     """Half-open span of key columns that query rows see.
 
     Parameters
@@ -77,22 +81,22 @@ def visible_key_span(rows, nq: int, nk: int, *, causal: bool, window=(-1, -1),
     """
     rows = np.asarray(rows)
     stop = nk if key_stop is None else key_stop
-    diagonal = rows + (nk - nq)
+    on_diagonal = rows + (nk - nq if diagonal is None else diagonal)
     left, right = window
     lo = np.zeros_like(rows)
     hi = np.full_like(rows, stop)
     if left >= 0:
-        lo = diagonal - left
+        lo = on_diagonal - left
     if causal:
-        hi = np.minimum(hi, diagonal + 1)
+        hi = np.minimum(hi, on_diagonal + 1)
     if right >= 0:
-        hi = np.minimum(hi, diagonal + right + 1)
+        hi = np.minimum(hi, on_diagonal + right + 1)
     return np.clip(lo, 0, stop), np.clip(hi, 0, stop)
 
 
 @_with_rules_doc
 def visible_query_span(cols, nq: int, nk: int, *, causal: bool, window=(-1, -1),
-                       key_stop=None):
+                       key_stop=None, diagonal=None):
     """Half-open span of query rows that see key columns: the inverse of `visible_key_span`.
 
     The backward pass walks key blocks and asks which query blocks see them; a closed
@@ -115,7 +119,7 @@ def visible_query_span(cols, nq: int, nk: int, *, causal: bool, window=(-1, -1),
     cols = np.asarray(cols)
     stop = nk if key_stop is None else key_stop
     # Row i sees column j iff j - off lies in [i - right, i + left] (causal: right = 0).
-    row_of_col = cols - (nk - nq)
+    row_of_col = cols - (nk - nq if diagonal is None else diagonal)
     left, right = window
     lo = np.zeros_like(cols)
     hi = np.full_like(cols, nq)
@@ -134,7 +138,7 @@ def visible_query_span(cols, nq: int, nk: int, *, causal: bool, window=(-1, -1),
 
 @_with_rules_doc
 def visible(rows, cols, nq: int, nk: int, *, causal: bool, window=(-1, -1),
-            key_stop=None) -> np.ndarray:
+            key_stop=None, diagonal=None) -> np.ndarray:
     """Elementwise visibility of key columns to query rows.
 
     Parameters
@@ -152,7 +156,8 @@ def visible(rows, cols, nq: int, nk: int, *, causal: bool, window=(-1, -1),
     ndarray of bool
         The broadcast shape of `rows` and `cols`; True where the row sees the column.
     """
-    lo, hi = visible_key_span(rows, nq, nk, causal=causal, window=window, key_stop=key_stop)
+    lo, hi = visible_key_span(rows, nq, nk, causal=causal, window=window, key_stop=key_stop,
+                              diagonal=diagonal)
     cols = np.asarray(cols)
     return (cols >= lo) & (cols < hi)
 
@@ -179,7 +184,7 @@ def _tile_range(span, start, stop, n, block, nq, nk, rules):
 
 @_with_rules_doc
 def key_block_range(q_start: int, q_stop: int, nq: int, nk: int, block_k: int, *,
-                    causal: bool, window=(-1, -1), key_stop=None) -> tuple[int, int]:
+                    causal: bool, window=(-1, -1), key_stop=None, diagonal=None) -> tuple[int, int]:
     """Key tiles that the query rows ``[q_start, q_stop)`` must visit.
 
     Parameters
@@ -199,13 +204,13 @@ def key_block_range(q_start: int, q_stop: int, nq: int, nk: int, block_k: int, *
         sees some key; wholly invisible tiles are skipped. ``first == stop`` when no row
         of the block sees any key.
     """
-    rules = dict(causal=causal, window=window, key_stop=key_stop)
+    rules = dict(causal=causal, window=window, key_stop=key_stop, diagonal=diagonal)
     return _tile_range(visible_key_span, q_start, q_stop, nq, block_k, nq, nk, rules)
 
 
 @_with_rules_doc
 def query_block_range(k_start: int, k_stop: int, nq: int, nk: int, block_q: int, *,
-                      causal: bool, window=(-1, -1), key_stop=None) -> tuple[int, int]:
+                      causal: bool, window=(-1, -1), key_stop=None, diagonal=None) -> tuple[int, int]:
     """Query tiles that see some key of ``[k_start, k_stop)``: the backward's inner loop.
 
     Parameters
@@ -224,7 +229,7 @@ def query_block_range(k_start: int, k_stop: int, nq: int, nk: int, block_q: int,
         The query tiles ``first <= t < stop`` are exactly those in which some row sees
         some key of the block; ``first == stop`` when no row sees any of them.
     """
-    rules = dict(causal=causal, window=window, key_stop=key_stop)
+    rules = dict(causal=causal, window=window, key_stop=key_stop, diagonal=diagonal)
     # Hidden keys end the block early: a span of them (seen by no row) after keys seen by
     # no row either would otherwise look like a non-empty union.
     k_stop = min(k_stop, nk if key_stop is None else key_stop)
@@ -235,7 +240,7 @@ def query_block_range(k_start: int, k_stop: int, nq: int, nk: int, block_q: int,
 
 @_with_rules_doc
 def tile_needs_mask(q_start: int, q_stop: int, k_start: int, k_stop: int, nq: int, nk: int,
-                    *, causal: bool, window=(-1, -1), key_stop=None) -> bool:
+                    *, causal: bool, window=(-1, -1), key_stop=None, diagonal=None) -> bool:
     """Whether a tile needs the elementwise mask, i.e. is not wholly visible.
 
     Only tiles that cross an edge of the causal/window band, or run past the last
@@ -259,7 +264,7 @@ def tile_needs_mask(q_start: int, q_stop: int, k_start: int, k_stop: int, nq: in
     """
     # Wholly visible iff the tightest row on each side still covers the tile: the last
     # row has the largest lo, the first row the smallest hi.
-    rules = dict(causal=causal, window=window, key_stop=key_stop)
+    rules = dict(causal=causal, window=window, key_stop=key_stop, diagonal=diagonal)
     _, hi_first = visible_key_span(q_start, nq, nk, **rules)
     lo_last, _ = visible_key_span(_last_row(q_start, q_stop, nq), nq, nk, **rules)
     return bool(k_start < lo_last or k_stop > hi_first)

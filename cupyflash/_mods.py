@@ -10,6 +10,13 @@ For batch entry ``b`` (a sequence, for varlen), query head ``h``, query row ``i`
 column ``j``, with ``nq``, ``nk`` the lengths of that batch entry (the arrays' N, or a
 varlen sequence's own lengths) and ``off = nk - nq`` (bottom-right alignment):
 
+(A call may instead be one (query chunk, key chunk) pair of a larger problem: the
+streamed path, `cupyflash.streaming`, runs each pair as a call of its own. ``row0`` and
+``key0`` are then the problem's indices of the call's row 0 and key 0 and ``diagonal`` the
+problem's ``Nk - Nq``: the call's ``off`` is ``diagonal + row0 - key0``, so the band and
+ALiBi below are the problem's, and dropout draws the bits of the problem's row
+``row0 + i`` and key ``key0 + j``. `Modifiers.call_diagonal` is that ``off``.)
+
 visibility, all of:
     ``i < nq`` and ``j < key_stop``, where ``key_stop`` is ``seqlens_k[b]`` when given,
     else ``nk``. (``seqlens_k`` is a key-padding mask: it hides keys, it does not move
@@ -81,6 +88,23 @@ class Modifiers:
     # precision="tf32": fp32 products may run as one TF32 product (not an option: `active`
     # leaves it out; the GPU forward's kernel mode carries it).
     tf32: bool = False
+    # Where the call lies in a larger problem (the module docstring): None for a call that
+    # is its own problem. row0 and key0 are multiples of `ORIGIN_ALIGN`.
+    diagonal: int | None = None
+    row0: int = 0
+    key0: int = 0
+
+    def __post_init__(self):
+        # The streamed path sets these, never a user; the checks hold the contract: the
+        # kernels' dropout counts on aligned origins (kernels_cu/params.cuh), and varlen
+        # sequences are always their own problems.
+        if self.diagonal is None and (self.row0 or self.key0):
+            raise ValueError("row0 and key0 place a call in a larger problem, which needs its diagonal")
+        if self.row0 % ORIGIN_ALIGN or self.key0 % ORIGIN_ALIGN or min(self.row0, self.key0) < 0:
+            raise ValueError(f"row0 and key0 must be non-negative multiples of {ORIGIN_ALIGN}, "
+                             f"got {self.row0} and {self.key0}")
+        if self.diagonal is not None and self.varlen:
+            raise ValueError("a varlen call cannot be placed in a larger problem: each sequence is its own")
 
     @property
     def varlen(self) -> bool:
@@ -92,10 +116,24 @@ class Modifiers:
 
     @property
     def active(self) -> bool:
+        # A call placed in a larger problem runs the general kernels: the dense ones
+        # align the causal diagonal at the call's own corner.
         return (self.windowed or self.softcap > 0 or self.dropout_p > 0 or self.varlen
+                or self.diagonal is not None
                 or any(x is not None for x in (self.block_mask, self.bias,
                                                 self.alibi_slopes, self.seqlens_k)))
 
+    def call_diagonal(self, nq: int, nk: int) -> int:
+        """``off`` of a batch entry of ``nq`` rows and ``nk`` keys in this call's own
+        indices: the diagonal key of row ``i`` is ``i + off``."""
+        return nk - nq if self.diagonal is None else self.diagonal + self.row0 - self.key0
+
+
+# row0 and key0 are multiples of this: the kernels draw dropout in blocks of 16 rows x 32
+# keys (kernels_cu/philox.cuh dropout_counter_base), so an aligned origin adds to the Philox
+# counters and leaves a tile's arithmetic as it is. The streamed path's chunks are
+# multiples of 128.
+ORIGIN_ALIGN = 32
 
 NONE = Modifiers()
 

@@ -53,6 +53,7 @@ MODS = _struct([
     ("softcap", "f64"), ("drop_scale", "f64"),
     ("win_left", "i32"), ("win_right", "i32"), ("block_q", "i32"), ("block_k", "i32"),
     ("drop_threshold", "u32"), ("bias_tma", "i32"),
+    ("row0", "i32"), ("key0", "i32"), ("diag", "i32"),
 ])
 ATTN = _struct([
     ("q_map", TMA_MAP), ("k_map", TMA_MAP), ("v_map", TMA_MAP), ("bias_map", TMA_MAP), ("dout_map", TMA_MAP),

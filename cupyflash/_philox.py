@@ -28,7 +28,10 @@ them with a single call), and a thread needs nothing but its own indices. The pa
 with the byte is a bijection of (row, col) for rows < 2**32 and columns < 2**34, and the
 stream counts (batch, head) pairs: a call that draws the masks of B batch entries x H heads
 uses streams offset .. offset + B*H - 1, so the next call under the same seed starts at
-offset + B*H (as torch advances its Philox offset) and never repeats a counter.
+offset + B*H (as torch advances its Philox offset) and never repeats a counter. Rows and
+columns are the whole problem's: a kernel that computes a part of it from the origin
+(row0, col0), multiples of 16 and 32, adds `counter_base` (row0, col0) to the counters of
+its own indices and draws the same bits.
 
 The draw has 8-bit resolution, as FlashAttention's: a score is dropped with probability
 ``threshold / 256`` (``dropout_p`` rounded to the nearest multiple of 1/256) and a kept
@@ -154,6 +157,19 @@ def _counter_x(col):
 
 def _counter_y(row):
     return (row >> 4) * 8 + (row & 7)
+
+
+def counter_base(row0, col0) -> tuple[int, int]:
+    """The counter words ``(x, y)`` of an origin ``(row0, col0)``, row0 a multiple of 16
+    and col0 of 32 (mirror: ``dropout_counter_base``): score ``(row0 + r, col0 + c)`` has
+    the counter of ``(r, c)`` plus these and the same byte. A kernel that runs one part of
+    a larger problem (a chunk pair of `cupyflash.streaming`) indexes its scores from its
+    own origin and adds these to its counters, and so draws the problem's bits."""
+    row0 = _check_int_in(row0, "row0", 0, MAX_ROWS, hi_text="2**32")
+    col0 = _check_int_in(col0, "col0", 0, MAX_COLS, hi_text="2**34")
+    if row0 % 16 or col0 % 32:
+        raise ValueError(f"row0 must be a multiple of 16 and col0 of 32, got {row0} and {col0}")
+    return int(_counter_x(col0)), int(_counter_y(row0))
 
 
 def _draw_bytes(words: np.ndarray) -> np.ndarray:

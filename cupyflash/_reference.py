@@ -111,7 +111,11 @@ class _Rules:
         self.nq, self.nk, self.hq = nq, nk, hq
         group = hq // hk
         self.heads = range(kv_head * group, (kv_head + 1) * group)
-        self.span_rules = dict(causal=causal, window=mods.window, key_stop=piece.key_stop)
+        # The band's diagonal in the piece's indices: its own corner, or a streamed chunk
+        # pair's place in its problem (`_mods.Modifiers.call_diagonal`).
+        self.diagonal = mods.call_diagonal(nq, nk)
+        self.span_rules = dict(causal=causal, window=mods.window, key_stop=piece.key_stop,
+                               diagonal=self.diagonal)
         self._plain_span = not mods.windowed and piece.key_stop is None
         self.scale_log2 = dtype.type(scale * _LOG2E)
         self.block_mask = self._select(mods.block_mask)
@@ -189,7 +193,7 @@ class _Rules:
             return False   # tiles end at nk: every key of one is visible to every row
         # Each row sees a prefix at least as long as the row above's: the tile is whole
         # when its first row sees its last key.
-        return cols[1] - 1 > rows[0] + (self.nk - self.nq)
+        return cols[1] - 1 > rows[0] + self.diagonal
 
     def _additive(self, rows, cols):
         """Bias plus ALiBi of one tile in natural units, or None without either."""
@@ -200,7 +204,7 @@ class _Rules:
                   slice(*cols) if b.shape[2] > 1 else slice(None)]
             total = np.asarray(b).astype(self.dtype, copy=False)
         if self.alibi is not None:
-            distance = np.abs(np.arange(*rows)[:, None] + (self.nk - self.nq)
+            distance = np.abs(np.arange(*rows)[:, None] + self.diagonal
                               - np.arange(*cols)[None, :]).astype(self.dtype)
             term = -self.alibi * distance
             total = term if total is None else total + term
@@ -210,15 +214,17 @@ class _Rules:
         """``keep * dropout_scale(p)`` (``keep / (1 - p)`` at the drawn p) of one tile,
         ``(G, r, c)``; None without dropout.
 
-        Rows and columns count from the start of the piece, which for varlen is the
-        sequence's own start, as the Philox mapping requires.
+        Rows and columns are the problem's: they count from the start of the piece,
+        which for varlen is the sequence's own start, as the Philox mapping requires, and
+        a streamed chunk pair adds its place in the problem (``row0``, ``key0``).
         """
         p = self.mods.dropout_p
         if p == 0:
             return None
+        row0, key0 = self.mods.row0, self.mods.key0
         keep = np.stack([dropout_keep_mask(self.mods.seed, self.mods.rng_offset,
-                                           self.piece.entry, h, np.arange(*rows),
-                                           np.arange(*cols), p=p, heads=self.hq)
+                                           self.piece.entry, h, np.arange(rows[0] + row0, rows[1] + row0),
+                                           np.arange(cols[0] + key0, cols[1] + key0), p=p, heads=self.hq)
                          for h in self.heads])
         return keep * self.dtype.type(dropout_scale(p))
 

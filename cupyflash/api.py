@@ -90,9 +90,12 @@ device_memory_limit : int, optional
     only when the in-memory call would not fit in the free device memory (with a margin),
     and only for the options the streamed path supports; otherwise nothing changes. With
     a bound too small for one 128-row chunk, ValueError names it before anything is
-    allocated. Streamed: causal, GQA, bias, block_mask (chunks are multiples of its
-    block size), seqlens_k, softcap, scale, deterministic; not yet (NotImplementedError):
-    window, alibi_slopes, dropout_p > 0, and the bias gradient. GPU (CuPy) inputs with a
+    allocated. Streamed: causal, GQA, window, alibi_slopes, dropout_p (the same mask as
+    the in-memory call with that seed; without one the RNG advances as for one call),
+    bias, block_mask (chunks are multiples of its block size), seqlens_k, softcap, scale,
+    deterministic: each pair's call takes the whole problem's rows, keys and diagonal,
+    and pairs that the masks leave empty are never copied. Not yet (NotImplementedError):
+    the bias gradient. GPU (CuPy) inputs with a
     limit raise ValueError (they are on the device already). On the NumPy backend a limit
     runs the same chunked algorithm on the host (how it is tested without a GPU). The
     context of a streamed `attention_forward` streams its backward pass too, under the
@@ -720,8 +723,9 @@ def attention_vjp(q, k, v, *, causal=False, scale=None, window=None, dropout_p=0
     return o, _vjp_of(ctx)
 
 
-def streaming_plan(q, k, v, *, device_memory_limit, causal=False, block_mask=None, block_size=128,
-                   bias=None, seqlens_k=None, layout="bhsd", backward=False):
+def streaming_plan(q, k, v, *, device_memory_limit, causal=False, window=None, block_mask=None,
+                   block_size=128, bias=None, alibi_slopes=None, dropout_p=0.0, softcap=0.0,
+                   seqlens_k=None, layout="bhsd", backward=False):
     """The chunks, device memory and copies of a streamed call, without running it.
 
     Parameters
@@ -731,8 +735,10 @@ def streaming_plan(q, k, v, *, device_memory_limit, causal=False, block_mask=Non
         ``seqlens_k`` and ``block_mask``, which decide the pairs that are skipped).
     device_memory_limit : int
         The bound, in bytes.
-    causal, block_mask, block_size, bias, seqlens_k, layout
-        As for `attention`.
+    causal, window, block_mask, block_size, bias, alibi_slopes, dropout_p, softcap, seqlens_k, layout
+        As for `attention`. A causal call with any other option cuts its key chunks
+        where its query chunks start, one without where each query chunk's reach ends
+        (`cupyflash.streaming`), so the options the call will take belong here too.
     backward : bool, default False
         The plan of the backward pass (without a ``dlse``) instead of the forward's.
 
@@ -749,14 +755,13 @@ def streaming_plan(q, k, v, *, device_memory_limit, causal=False, block_mask=Non
     ------
     TypeError, ValueError
         Bad arguments, or a limit too small for one chunk (naming ``device_memory_limit``).
-    NotImplementedError
-        A causal block mask whose key blocks the key chunks would cut.
     """
     if device_memory_limit is None:
         raise TypeError("device_memory_limit must be a number of bytes, got None")
+    # seed=0: a plan draws nothing, and must not advance the RNG (`manual_seed`).
     options = _validate.check_options(
-        causal=causal, scale=None, window=None, dropout_p=0.0, seed=None, block_mask=block_mask,
-        bias=bias, alibi_slopes=None, softcap=0.0, layout=layout, deterministic=False,
+        causal=causal, scale=None, window=window, dropout_p=dropout_p, seed=0, block_mask=block_mask,
+        bias=bias, alibi_slopes=alibi_slopes, softcap=softcap, layout=layout, deterministic=False,
         backend="auto", block_size=block_size, seqlens_k=seqlens_k,
         device_memory_limit=device_memory_limit)
     backward = _validate.check_flag(backward, "backward")

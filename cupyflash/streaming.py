@@ -13,12 +13,22 @@ D = rowsum(dO * o), so that pair's dq, dk and dv are exactly its terms of the su
 keys (dq) and over queries (dk, dv). Its key chunks are a whole number of query chunks,
 longer than them (`backward_chunks` says why).
 
-Causal attention is aligned bottom-right (query i sees key j iff j <= i + Nk - Nq). Key
-chunk boundaries lie on the query boundaries shifted by Nk - Nq, so a pair is either
-wholly visible (a plain call), wholly hidden (never computed), or holds the keys where
-its query chunk's reach ends: the call then takes the pair's keys up to that end only,
-and is causal with exactly the global alignment (its own Nk - Nq is the global one,
-whatever the clipping at key 0).
+Causal attention is aligned bottom-right (query i sees key j iff j <= i + Nk - Nq), and
+so is a window. A pair's call is told where it lies in the problem (`_mods.Modifiers`
+``row0``, ``key0``, ``diagonal``): its band (causal, window) and ALiBi take the problem's
+diagonal, and dropout draws the bits of the problem's rows and keys from the call's one
+RNG offset, so every pair computes exactly its part of the whole call. Such a call runs
+the kernels' general path. A call with no option beyond causal runs the dense kernels,
+whose diagonal is the call's own bottom-right corner; for it the key chunk boundaries lie
+on the query boundaries shifted by Nk - Nq, so that a pair is either wholly visible (a
+plain call), wholly hidden, or holds the keys where its query chunk's reach ends: the call
+then takes the pair's keys up to that end only, and is causal with exactly the global
+alignment (its own Nk - Nq is the global one, whatever the clipping at key 0). With an
+option the key chunks start on the 128-row multiples the query chunks start on (the
+origins the kernels' dropout draws need, `_mods.ORIGIN_ALIGN`, and whole block-mask
+blocks). Either way a pair that the band, the key padding or the block mask leaves
+empty is never computed and its chunks never copied for it, and a pair's keys end where
+its query chunk's reach does.
 
 `plan` is pure Python (sizes, the order of the pairs, which copies they need, the bytes
 they move and the device memory they take); `forward` and `backward` run a plan on a
@@ -38,20 +48,19 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import _arrays, _cpu_threads, merge
+from . import _arrays, _cpu_threads, _masks, _mods, merge
 
 __all__ = ["StreamingPlan", "UNSUPPORTED", "ROW_ALIGN"]
 
 # Chunk sizes are multiples of the kernels' 128-row tiles, so every call but the last of
-# a row or key range runs whole tiles.
+# a row or key range runs whole tiles (and chunk origins are aligned as dropout needs).
 ROW_ALIGN = 128
+assert ROW_ALIGN % _mods.ORIGIN_ALIGN == 0
 
-# Options whose meaning depends on global row/key coordinates that a call on a chunk cannot
-# express yet (the kernels take no row or key offset): the streamed path refuses them.
+# What the streamed path refuses. Varlen: its packed sequences would need chunks cut per
+# sequence (a chunk's call takes one whole problem's cu_seqlens).
 UNSUPPORTED = {
-    "window": lambda m: m.windowed,
-    "alibi_slopes": lambda m: m.alibi_slopes is not None,
-    "dropout_p": lambda m: m.dropout_p > 0,
+    "varlen": lambda m: m.varlen,
 }
 
 # With device_memory_limit=None a call streams when the in-memory call would take more
@@ -77,9 +86,8 @@ def check_supported(mods):
         if active(mods):
             raise NotImplementedError(
                 f"{name} is not supported by the streamed path (device_memory_limit, or host "
-                "arrays larger than the free device memory) yet: its terms depend on global row "
-                "and key positions that a call on one chunk cannot express; run without "
-                "device_memory_limit on arrays that fit, or drop the option")
+                "arrays larger than the free device memory) yet; run it in memory on arrays "
+                "that fit")
 
 
 # Planning ----------------------------------------------------------------------------------
@@ -98,8 +106,13 @@ class _Geometry:
     value_dim: int
     dtype: np.dtype
     causal: bool
+    window: tuple = (-1, -1)
+    # The pairs' calls have an option beyond causal: they run the kernels' general path,
+    # told where they lie in the problem, and the key chunks are not shifted (module doc).
+    placed: bool = False
     bias_shape: tuple | None = None      # the compact (Bb, Hb, Nqb, Nkb) bias
     mask_shape: tuple | None = None      # the compact (Bm, Hm, nbq, nbk) block mask
+    alibi_shape: tuple | None = None     # the compact (Ba, Hq) ALiBi slopes
     block_size: tuple = (128, 128)
     seqlens: bool = False
     dlse: bool = False                   # backward with a gradient of the LSE
@@ -121,6 +134,12 @@ class _Geometry:
 
     def mask_bytes(self):
         return 0 if self.mask_shape is None else math.prod(self.mask_shape)
+
+    def static_bytes(self):
+        """Bytes of the option arrays that go up once, whole: the block mask, the ALiBi
+        slopes and seqlens_k."""
+        alibi = 0 if self.alibi_shape is None else math.prod(self.alibi_shape) * self.acc_size
+        return self.mask_bytes() + alibi + 4 * self.batch * self.seqlens
 
     def row_bytes(self, backward):
         """Bytes uploaded per query row (of all batch entries and heads): q, and for the
@@ -153,6 +172,8 @@ def device_buffers(g: _Geometry, q_rows: int, k_rows: int, backward: bool) -> di
             g.mask_bytes() + bm * hm * -(-q_rows // bq) * -(-k_rows // bk))
     if g.seqlens:
         out["seqlens_k (whole, and a chunk's)"] = 2 * 4 * g.batch
+    if g.alibi_shape is not None:
+        out["ALiBi slopes"] = math.prod(g.alibi_shape) * asz
     if not backward:
         out["q chunks (2 slots)"] = 2 * R * d * isz
         out["o, lse of a pair"] = R * (dv * isz + asz)
@@ -182,7 +203,7 @@ def in_memory_bytes(g: _Geometry, backward: bool) -> int:
     d, dv, isz, asz = g.head_dim, g.value_dim, g.itemsize, g.acc_size
     rows, keys = g.batch * g.q_heads * g.q_len, g.batch * g.kv_heads * g.k_len
     total = (rows * (d + dv) * isz + keys * (d + dv) * isz + rows * asz
-             + g.bias_bytes(g.q_len, g.k_len) + g.mask_bytes() + 4 * g.batch * g.seqlens)
+             + g.bias_bytes(g.q_len, g.k_len) + g.static_bytes())
     if backward:
         padded = g.batch * g.q_heads * -(-g.q_len // ROW_ALIGN) * ROW_ALIGN
         total += (rows * (dv + d) * isz + keys * (d + dv) * isz + rows * asz * g.dlse
@@ -197,12 +218,13 @@ def _bounds(n, c, shift=0):
 
 
 def _key_bounds(g, c):
-    """Key chunks of at most ``c`` rows, a multiple of the query chunk's: causal cuts then
-    lie on the query cuts shifted by Nk - Nq, where a query chunk's reach ends. One chunk
-    when all keys fit in one."""
+    """Key chunks of at most ``c`` rows, a multiple of the query chunk's: for the dense
+    kernels' causal calls the cuts lie on the query cuts shifted by Nk - Nq, where a
+    query chunk's reach ends; placed calls (`_Geometry.placed`) cut where the query
+    chunks do. One chunk when all keys fit in one."""
     if c >= g.k_len:
         return ((0, g.k_len),) if g.k_len else ()
-    return _bounds(g.k_len, c, shift=(g.k_len - g.q_len) if g.causal else 0)
+    return _bounds(g.k_len, c, shift=(g.k_len - g.q_len) if g.causal and not g.placed else 0)
 
 
 @dataclass(frozen=True)
@@ -212,8 +234,8 @@ class _Step:
     index: int
     row: int            # query chunk
     key: int            # key chunk
-    key_stop: int       # the pair's keys end here: the key chunk's end, or (causal) where
-    #                     the query chunk's reach ends inside it
+    key_stop: int       # the pair's keys end here: the key chunk's end, or (causal, a
+    #                     window's right side) where the query chunk's reach ends inside it
     causal: bool        # the pair's keys run past its first query's reach: the call is causal
     row_first: bool     # first pair of its query chunk
     row_last: bool      # last pair of its query chunk
@@ -259,8 +281,8 @@ class StreamingPlan:
     query_bounds, key_bounds : tuple of (start, stop)
         The chunks' row ranges.
     pairs : int
-        The (query chunk, key chunk) pairs computed; hidden pairs (causal, key padding, an
-        empty block-mask region) are skipped and never copied.
+        The (query chunk, key chunk) pairs computed; hidden pairs (causal, outside the
+        window, key padding, an empty block-mask region) are skipped and never copied.
     device_memory_limit : int
         The bound the plan was made for, in bytes.
     device_bytes : int
@@ -320,17 +342,18 @@ def _visible_pairs(g, qb, kb, seqlens_k, block_mask, *, keys_outside):
     pairs = []
     for i, j in order:
         (q0, q1), (k0, k1) = qb[i], kb[j]
-        if k0 >= key_end:
+        # The keys the chunk's rows see run from its first row's first to its last row's
+        # last (the band's bounds grow with the row, `cupyflash._masks`).
+        lo, _ = _masks.visible_key_span(q0, g.q_len, g.k_len, causal=g.causal, window=g.window)
+        _, hi = _masks.visible_key_span(q1 - 1, g.q_len, g.k_len, causal=g.causal, window=g.window)
+        if k0 >= min(key_end, hi) or k1 <= lo:
             continue
-        stop, causal = k1, False
-        if g.causal:
-            if k0 >= q1 + off:          # past the last query's reach
-                continue
-            stop = min(k1, q1 + off)
-            # Not wholly visible: the last key is past the first query's reach. By the
-            # shifted boundaries the pair's keys then end where the chunk's reach ends.
-            causal = stop - 1 > q0 + off
-            assert not causal or stop == q1 + off
+        stop = min(k1, int(hi))
+        # Not wholly visible to the first row: the call is causal.
+        causal = g.causal and stop - 1 > q0 + off
+        # The dense kernels' diagonal is the call's corner: by the shifted boundaries the
+        # pair's keys then end where the chunk's reach ends.
+        assert g.placed or not causal or stop == q1 + off
         if block_mask is not None:
             bq, bk = g.block_size
             if not block_mask[..., q0 // bq:-(-q1 // bq), k0 // bk:-(-stop // bk)].any():
@@ -365,7 +388,7 @@ def _traffic(g, backward, qb, kb, steps):
     """(h2d, d2h, min) bytes of a plan's steps."""
     rows, keys = g.row_bytes(backward), g.key_bytes()
     isz, asz = g.itemsize, g.acc_size
-    h2d = g.mask_bytes() + 4 * g.batch * g.seqlens
+    h2d = g.static_bytes()
     d2h = 0
     for s in steps:
         (q0, q1), (k0, k1) = qb[s.row], kb[s.key]
@@ -377,8 +400,7 @@ def _traffic(g, backward, qb, kb, steps):
                 d2h += keys * (k1 - k0)                                    # the chunk's dk, dv
         elif s.row_last:
             d2h += g.batch * g.q_heads * (q1 - q0) * (g.value_dim * isz + asz)
-    inputs = (rows * g.q_len + keys * g.k_len + g.bias_bytes(g.q_len, g.k_len)
-              + g.mask_bytes() + 4 * g.batch * g.seqlens)
+    inputs = rows * g.q_len + keys * g.k_len + g.bias_bytes(g.q_len, g.k_len) + g.static_bytes()
     outputs = g.batch * g.q_heads * g.q_len * (g.head_dim * isz if backward else g.value_dim * isz + asz)
     if backward:
         outputs += keys * g.k_len
@@ -398,18 +420,12 @@ def _largest(fits, most):
 
 
 def _chunk_step(g):
-    """What chunk sizes are multiples of: 128 rows, and whole blocks of a block mask.
-    NotImplementedError for a causal block mask whose key blocks the shifted key chunks
-    would cut."""
+    """What chunk sizes are multiples of: 128 rows, and whole blocks of a block mask (whose
+    calls are placed, so that key chunks start on these multiples too)."""
     if g.mask_shape is None:
         return ROW_ALIGN
+    assert g.placed
     bq, bk = g.block_size
-    if g.causal and (g.k_len - g.q_len) % bk:
-        raise NotImplementedError(
-            f"block_mask with causal=True and Nk - Nq = {g.k_len - g.q_len} (not a multiple of "
-            f"the key block size {bk}) is not supported by the streamed path yet: its key "
-            "chunks start at the query chunks' boundaries shifted by Nk - Nq, which would cut "
-            "key blocks")
     return math.lcm(ROW_ALIGN, bq, bk)
 
 
@@ -451,8 +467,7 @@ def plan(g: _Geometry, limit: int, *, backward: bool, seqlens_k=None, block_mask
     hidden or ending where the query chunk's reach ends. Backward: `backward_chunks`.
     ``seqlens_k`` (host, (B,)) and ``block_mask`` (host, compact) only prune pairs.
     Raises ValueError naming ``device_memory_limit`` when one chunk of the smallest size
-    does not fit, and NotImplementedError for a causal block mask whose key blocks the
-    shifted key chunks would cut.
+    does not fit.
     """
     step = _chunk_step(g)
 
@@ -488,9 +503,10 @@ def geometry(q_shape, k_shape, v_shape, dtype, mods, *, causal, dlse=False) -> _
     (batch, hq, nq, d), (_, hk, nk, _), dv = q_shape, k_shape, v_shape[-1]
     return _Geometry(
         batch=batch, q_heads=hq, kv_heads=hk, q_len=nq, k_len=nk, head_dim=d, value_dim=dv,
-        dtype=np.dtype(dtype), causal=bool(causal),
+        dtype=np.dtype(dtype), causal=bool(causal), window=tuple(mods.window), placed=mods.active,
         bias_shape=None if mods.bias is None else tuple(mods.bias.shape),
         mask_shape=None if mods.block_mask is None else tuple(mods.block_mask.shape),
+        alibi_shape=None if mods.alibi_slopes is None else tuple(mods.alibi_slopes.shape),
         block_size=tuple(mods.block_size), seqlens=mods.seqlens_k is not None, dlse=bool(dlse))
 
 
@@ -853,15 +869,23 @@ class _Pipeline:
 
 
 class _StaticMods:
-    """A pass's option arrays on the device once, and each pair's slice of them."""
+    """A pass's option arrays on the device once, and each pair's slice of them and place
+    in the problem."""
 
     def __init__(self, mover, mods, g):
-        self.mods, self.g, self.xp = mods, g, mover.xp
+        self.g, self.xp = g, mover.xp
         self.mask = None if mods.block_mask is None else mover.to_device(mods.block_mask)
         self.seqlens = None if mods.seqlens_k is None else mover.to_device(mods.seqlens_k)
+        # The slopes are per (batch entry, head), the same for every pair: on the device
+        # whole. The seed and the RNG offset are the call's, unchanged: a pair's dropout
+        # differs from another's by its place alone.
+        alibi = None if mods.alibi_slopes is None else mover.to_device(mods.alibi_slopes)
+        self.mods = dataclasses.replace(mods, alibi_slopes=alibi)
 
     def of_pair(self, q0, q1, k0, k1, bias=None):
         changes = {}
+        if self.g.placed:
+            changes.update(row0=q0, key0=k0, diagonal=self.g.k_len - self.g.q_len)
         if self.mask is not None:
             bq, bk = self.g.block_size
             changes["block_mask"] = self.xp.ascontiguousarray(

@@ -467,8 +467,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                 // while the products run; then P and dS as in dense mode, or with softcap
                 // in one pass once both products are in.
                 const auto hm = mods.at_head(h);
-                const u32 keep = hm.dropout() ? dropout_keep_bits_key_rows<QT>(hm.seed, hm.stream, k0 + warp_row0,
-                                                                               q0 + r0, hm.threshold) : ~0u;
+                const u32 keep = hm.dropout() ? hm.template keep_bits_key_rows<QT>(k0 + warp_row0, q0 + r0) : ~0u;
                 const u32 visible = needs_mask ? mask.template visible_bits<true, QT>(k0 + warp_row0, q0 + r0, h)
                                                : ~0u;
                 const float drop_scale = hm.dropout() ? hm.drop_scale : 1.f;

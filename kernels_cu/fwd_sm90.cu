@@ -605,8 +605,7 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
         auto keep_bits = [&](int jt) {
             if constexpr (C::OPTIONS != MODE_DENSE)
                 if (head_mods.dropout())
-                    return dropout_keep_bits<NT>(head_mods.seed, head_mods.stream, q0 + warp_row0, jt * BLOCK_N,
-                                                 head_mods.threshold);
+                    return head_mods.template keep_bits<NT>(q0 + warp_row0, jt * BLOCK_N);
             return ~0ull;
         };
         auto drop = [&](u64 keep) {

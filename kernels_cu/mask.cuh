@@ -2,11 +2,15 @@
 // Mirrors cupyflash/_masks.py (the rules) and cupyflash/_mods.py (the options).
 //
 // Everything here is in coordinates relative to one batch entry (one sequence for
-// varlen): rows 0 .. nq-1, keys 0 .. nk-1, off = nk - nq. A row's visible keys form the
+// varlen): rows 0 .. nq-1, keys 0 .. nk-1, and the band's diagonal key of row i is
+// i + off(). A call that is its own problem is aligned at its bottom-right corner, off =
+// nk - nq; a chunk pair of a streamed call (params.cuh ModsParams row0, key0, diag) takes
+// its problem's diagonal, off = diag + row0 - key0 in its own coordinates, so that the
+// band and ALiBi's distance (mods.cuh) are the problem's. A row's visible keys form the
 // half-open span [key_lo(i), key_hi(i)) of the causal/window band, both bounds
 // non-decreasing in i, so a tile range is read off the corner rows; the block-sparse mask
-// then filters single tiles, and a tile is masked element by element only when it is
-// not wholly visible.
+// then filters single tiles, and a tile is masked element by element only when it is not
+// wholly visible.
 //
 // EXT = false is the dense fast path (causal and the sequence end only); its extra fields
 // are never read, so the compiler drops them.
@@ -68,8 +72,10 @@ struct MaskInfo {
     const unsigned char* blocks;        // this batch entry's block mask, or null
     i64 blocks_head, blocks_row;        // its head and row strides (0 for a broadcast head)
     int block_q, block_k;
+    int diagonal;                       // off(), worked out once (Mods::set_bounds)
 
-    __device__ __forceinline__ int off() const { return nk - nq; }
+    // The dense path is always its own problem (the host gives it no coordinates).
+    __device__ __forceinline__ int off() const { return EXT ? diagonal : nk - nq; }
     __device__ __forceinline__ int stop() const { return EXT ? key_stop : nk; }
     // Right extent of the band relative to the diagonal i + off (causal: 0).
     __device__ __forceinline__ int right_extent() const {

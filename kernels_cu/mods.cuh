@@ -51,8 +51,11 @@ template <typename T> __device__ __forceinline__ double tanh_acc(double x) { ret
 template <typename T, typename Acc, bool EXT> struct HeadMods {};   // dense: nothing
 template <typename T, typename Acc>
 struct HeadMods<T, Acc, true> {
+    // The mask (the CTA's, in shared memory). ALiBi's diagonal is read from it where a
+    // distance is formed (MaskInfo::off), not copied here: a copy held a register across
+    // a tile's products, which spilled bwd_sm90.cu's d = 128 tiles (build check).
     const MaskInfo<true>* mask;
-    int h, off;
+    int h;
     Acc softcap;         // 0: off
     Acc softcap_in;      // ln 2 / softcap: a log2-unit score times it is the tanh's argument
     const T* bias;       // this head's bias rows, or null
@@ -61,6 +64,7 @@ struct HeadMods<T, Acc, true> {
     u64 seed, stream;    // Dropout: keep (row, key) iff its Philox draw >= threshold;
     u32 threshold;       // 0: off. Kept scores are scaled by drop_scale.
     Acc drop_scale;
+    uint2 drop_base;     // the counters of the call's origin in its problem (Mods)
 
     __device__ __forceinline__ bool dropout() const { return threshold != 0; }
     // Whether a term changes the scores (else a kernel may fold the scale into its exp2).
@@ -68,7 +72,17 @@ struct HeadMods<T, Acc, true> {
         return softcap > Acc(0) || bias != nullptr || slope_log2 != Acc(0);
     }
     __device__ __forceinline__ bool keep(int i, int j) const {
-        return !dropout() || dropout_keep(seed, stream, i, j, threshold);
+        return !dropout() || dropout_keep(seed, stream, i, j, threshold, drop_base);
+    }
+    // philox.cuh dropout_keep_bits of the m-tile at row r0, keys from c0.
+    template <int NT>
+    __device__ __forceinline__ u64 keep_bits(int r0, int c0) const {
+        return dropout_keep_bits<NT>(seed, stream, r0, c0, threshold, drop_base);
+    }
+    // philox.cuh dropout_keep_bits_key_rows of the keys from k0 and queries from q0.
+    template <int NT>
+    __device__ __forceinline__ u32 keep_bits_key_rows(int k0, int q0) const {
+        return dropout_keep_bits_key_rows<NT>(seed, stream, k0, q0, threshold, drop_base);
     }
 
     // The score of (row i, key j) in log2 units from the raw product s = q_i . k_j:
@@ -108,7 +122,7 @@ struct HeadMods<T, Acc, true> {
             // quarter of the FMA rate. (Elsewhere the one register it takes spills the
             // backward's dQ tile, build check.)
             if constexpr (QuerySlots<KEY_ROWS, MT, NT>::CACHED) {
-                const int lane = threadIdx.x % 32;
+                const int lane = threadIdx.x % 32, off = mask->off();
                 const int first_i = KEY_ROWS ? c0 + 2 * (lane % 4) : r0 + lane / 4;
                 const int first_j = KEY_ROWS ? r0 + lane / 4 : c0 + 2 * (lane % 4);
                 const Acc first = Acc(first_i + off - first_j);
@@ -154,6 +168,7 @@ struct HeadMods<T, Acc, true> {
         if (bias != nullptr) add_bias(Acc(LOG2E_D) / fs);
         if (slope_log2 != Acc(0)) {
             const Acc per_key = slope_log2 / fs;
+            const int off = mask->off();
             const int d_min = r0 + off - (c0 + 8 * NT - 1), d_max = r0 + 16 * MT - 1 + off - c0;
             if (d_min >= 0 || d_max <= 0) {
                 const Acc sign = d_min >= 0 ? Acc(1) : Acc(-1), key_step = sign * per_key;
@@ -212,7 +227,7 @@ struct HeadMods<T, Acc, true> {
         return i < mask->nq && j < mask->nk ? to_acc(bias[i * bias_sq + j * bias_sk]) * Acc(LOG2E_D) : Acc(0);
     }
     __device__ __forceinline__ Acc alibi(int i, int j) const {
-        const int dist = i + off - j;
+        const int dist = i + mask->off() - j;
         return slope_log2 * Acc(dist < 0 ? -dist : dist);
     }
 };
@@ -236,6 +251,12 @@ struct Mods {
     u64 seed, stream0;   // stream0: the stream of head 0 of this batch entry
     u32 threshold;
     Acc drop_scale;
+    // The Philox counters of the call's row 0 and key 0 in its problem (params.cuh
+    // ModsParams row0, key0; philox.cuh dropout_counter_base): a chunk pair of a streamed
+    // call draws the whole call's bits. Folded into the counters rather than added to the
+    // indices: the indices keep their known low bits (tile origins are multiples of the
+    // tiles), which the per-score draws' arithmetic relies on to stay cheap.
+    uint2 drop_base;
 
     __device__ __forceinline__ static Mods make(const AttnParams& p, int b, int heads) {
         Mods m;
@@ -255,12 +276,14 @@ struct Mods {
         mask.causal = p.causal;
         if constexpr (EXT) {
             const ModsParams& o = p.mods;
+            mask.diagonal = o.diag + o.row0 - o.key0;   // the problem's diagonal, in this call's keys
             if (o.cu_q != nullptr) {
                 tb = 0;
                 q_base = o.cu_q[b];
                 k_base = o.cu_k[b];
                 mask.nq = o.cu_q[b + 1] - o.cu_q[b];
                 mask.nk = o.cu_k[b + 1] - o.cu_k[b];
+                mask.diagonal = mask.nk - mask.nq;   // each sequence at its own corner
             }
             mask.key_stop = o.seqlens_k != nullptr ? min(o.seqlens_k[b], mask.nk) : mask.nk;
             mask.left = o.win_left;
@@ -285,6 +308,7 @@ struct Mods {
             stream0 = dropout_stream(o.rng_offset, b, 0, heads);
             threshold = o.drop_threshold;
             drop_scale = Acc(o.drop_scale);
+            drop_base = dropout_counter_base(o.row0, o.key0);
         }
     }
 
@@ -296,7 +320,6 @@ struct Mods {
             HeadMods<T, Acc, EXT> m;
             m.mask = &mask;
             m.h = h;
-            m.off = mask.off();
             m.softcap = softcap;
             m.softcap_in = softcap > Acc(0) ? Acc(LN2_D) / softcap : Acc(0);
             m.bias = bias != nullptr ? bias + h * bias_sh : nullptr;
@@ -307,6 +330,7 @@ struct Mods {
             m.stream = stream0 + h;
             m.threshold = threshold;
             m.drop_scale = drop_scale;
+            m.drop_base = drop_base;
             return m;
         } else {
             return {};

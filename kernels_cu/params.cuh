@@ -39,6 +39,16 @@ struct ModsParams {
     int block_q, block_k;               // the block mask's block size
     u32 drop_threshold;                 // philox.cuh: 0 = no dropout, else the byte threshold
     int bias_tma;                       // 1: AttnParams::bias_map describes the bias (whole rows)
+    // Where the call lies in its problem (mask.cuh MaskInfo::off, mods.cuh Mods::drop_base):
+    // a chunk pair of a streamed call (cupyflash/streaming.py) is a call of its own, but
+    // its band, ALiBi and dropout are the whole problem's. row0 and key0 are the problem's
+    // coordinates of the call's query row 0 and key 0, multiples of 32 (dropout is drawn
+    // in whole Philox blocks of 16 rows x 32 keys, philox.cuh); diag is the problem's
+    // Nk - Nq. A call that is its own problem has 0, 0 and its own nk - nq. Varlen
+    // sequences are their own problems: each takes its own corner and these are 0. Only
+    // the MODE_EXT kernels read them; the host gives a placed call no dense kernel.
+    int row0, key0;
+    int diag;
 };
 
 struct AttnParams {

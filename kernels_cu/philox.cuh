@@ -46,7 +46,20 @@ __device__ __forceinline__ u64 dropout_stream(u64 offset, u32 batch, u32 head, u
 //   counter (x, y) = ((j >> 5) * 4 + ((j >> 1) & 3), (i >> 4) * 8 + (i & 7)),
 //   byte ((i >> 3) & 1) * 8 + ((j >> 3) & 3) * 2 + (j & 1) of the call's 16 (word byte / 4,
 //   bits 8 (byte % 4) and up),
-// and is kept iff that byte >= threshold (1 .. 255, _philox.dropout_threshold).
+// and is kept iff that byte >= threshold (1 .. 255, _philox.dropout_threshold). (i, j)
+// are the problem's row and key: a chunk pair of a streamed call counts from its origin
+// and adds the origin's counters (dropout_counter_base), so it draws what the whole call
+// would.
+
+// _philox.counter_base: the counter words of an origin (row0, key0) in a larger problem,
+// row0 a multiple of 16 and key0 of 32 (a chunk pair of a streamed call, params.cuh). The
+// score (row0 + r, key0 + c) has the counter (x, y) of (r, c) plus these, and the same
+// byte (the byte reads the row's bit 3 and the key's bits 0, 3 and 4, which the origin
+// leaves alone): a kernel indexes its scores from its own row and key 0 as before and
+// adds the base to its counters, once per Philox call.
+__device__ __forceinline__ uint2 dropout_counter_base(u32 row0, u32 key0) {
+    return make_uint2((key0 >> 5) * 4, (row0 >> 4) * 8);
+}
 
 // _philox._dropout_words: the four words of counter (x, y) of one stream.
 __device__ __forceinline__ uint4 dropout_words(u64 seed, u64 stream, u32 x, u32 y) {
@@ -63,27 +76,28 @@ __device__ __forceinline__ u32 dropout_byte(uint4 w, u32 b) {
 
 // _philox.dropout_keep: does score (row, col) survive? One call per score: for kernels
 // whose threads hold scores in another layout (the backward's transposed products).
-__device__ __forceinline__ bool dropout_keep(u64 seed, u64 stream, u64 row, u64 col, u32 threshold) {
-    const u32 x = static_cast<u32>((col >> 5) * 4 + ((col >> 1) & 3));
-    const u32 y = static_cast<u32>((row >> 4) * 8 + (row & 7));
+// (row, col) count from the origin whose counters are `base` (dropout_counter_base).
+__device__ __forceinline__ bool dropout_keep(u64 seed, u64 stream, u64 row, u64 col, u32 threshold, uint2 base) {
+    const u32 x = base.x + static_cast<u32>((col >> 5) * 4 + ((col >> 1) & 3));
+    const u32 y = base.y + static_cast<u32>((row >> 4) * 8 + (row & 7));
     const u32 b = static_cast<u32>(((row >> 3) & 1) * 8 + ((col >> 3) & 3) * 2 + (col & 1));
     return dropout_byte(dropout_words(seed, stream, x, y), b) >= threshold;
 }
 
 // The keep bits of one 16-row m-tile of scores held as mma C fragments [NT][4]
 // (for_each_score's layout) whose rows start at r0 (a multiple of 16) and columns at c0
-// (a multiple of 32): bit 4 nt + e for element e of n-tile nt, one Philox call per 4
-// n-tiles. They depend on indices alone, so a kernel draws them while the tensor cores
-// compute the scores.
+// (a multiple of 32), counted from the origin of `base`: bit 4 nt + e for element e of
+// n-tile nt, one Philox call per 4 n-tiles. They depend on indices alone, so a kernel
+// draws them while the tensor cores compute the scores.
 template <int NT>
-__device__ __forceinline__ u64 dropout_keep_bits(u64 seed, u64 stream, int r0, int c0, u32 threshold) {
+__device__ __forceinline__ u64 dropout_keep_bits(u64 seed, u64 stream, int r0, int c0, u32 threshold, uint2 base) {
     static_assert(NT % 4 == 0 && 4 * NT <= 64, "whole 32-column blocks, at most 64 scores");
     const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    const u32 y = static_cast<u32>((r0 >> 4) * 8 + g);
+    const u32 y = base.y + static_cast<u32>((r0 >> 4) * 8 + g);
     u64 bits = 0;
     #pragma unroll
     for (int blk = 0; blk < NT / 4; ++blk) {
-        const uint4 w = dropout_words(seed, stream, static_cast<u32>(((c0 >> 5) + blk) * 4 + t), y);
+        const uint4 w = dropout_words(seed, stream, base.x + static_cast<u32>(((c0 >> 5) + blk) * 4 + t), y);
         #pragma unroll
         for (int nt = 0; nt < 4; ++nt)
             #pragma unroll
@@ -102,21 +116,23 @@ __device__ __forceinline__ u64 dropout_keep_bits(u64 seed, u64 stream, int r0, i
 // 4 (g ^ 1) + t, which differ in key bit 0 alone. So the two lanes split the calls: each
 // draws the counters of one u for both lanes' keys and hands the other lane its bits by
 // one shuffle. One call gives 8 of the pair's scores (the forward's layout gets 16): 4
-// calls for a thread's 32 scores instead of 32.
+// calls for a thread's 32 scores instead of 32. Keys and queries count from the origin of
+// `base`.
 template <int NT>
-__device__ __forceinline__ u32 dropout_keep_bits_key_rows(u64 seed, u64 stream, int key0, int q0, u32 threshold) {
+__device__ __forceinline__ u32 dropout_keep_bits_key_rows(u64 seed, u64 stream, int key0, int q0, u32 threshold,
+                                                          uint2 base) {
     static_assert(NT % 2 == 0 && 4 * NT <= 32, "pairs of query n-tiles, at most 32 scores");
     const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int j = key0 + g;
     const int u = g & 1;   // the query this lane draws for: its own key bit 0
-    const u32 x = static_cast<u32>((j >> 5) * 4 + ((j >> 1) & 3));
+    const u32 x = base.x + static_cast<u32>((j >> 5) * 4 + ((j >> 1) & 3));
     const u32 pair_byte = static_cast<u32>(((j >> 3) & 3) * 2);   // + key bit 0; key g + 8's is 2 more
     // Bit 4 nt + 2 kh + b of `drawn`: query u's score of the key with bit 0 = b, i.e. this
     // lane's bits where b = u, and where b != u the partner's, which it moves to its u.
     u32 drawn = 0;
     #pragma unroll
     for (int m = 0; m < NT / 2; ++m) {
-        const uint4 w = dropout_words(seed, stream, x, static_cast<u32>(((q0 >> 4) + m) * 8 + 2 * t + u));
+        const uint4 w = dropout_words(seed, stream, x, base.y + static_cast<u32>(((q0 >> 4) + m) * 8 + 2 * t + u));
         #pragma unroll
         for (int half = 0; half < 2; ++half)            // n-tile 2 m + half: query bit 3
             #pragma unroll

@@ -9,25 +9,29 @@ __global__ void philox4x32_kernel(const uint4* counters, const uint2* keys, uint
     if (i < n) out[i] = philox4x32<ROUNDS>(counters[i], keys[i]);
 }
 
-// keep[i] = dropout_keep(...) of score (rows[i], cols[i]) of one (batch, head), each thread
-// evaluating its own element as an attention kernel's thread would.
+// keep[i] = dropout_keep(...) of score (row0 + rows[i], key0 + cols[i]) of one (batch,
+// head), each thread evaluating its own element as an attention kernel's thread would,
+// from its indices and the origin's counters.
 __global__ void dropout_keep_kernel(u64 seed, u64 offset, u32 batch, u32 head, u32 heads,
-                                    const u32* rows, const u64* cols, u32 threshold,
+                                    const u32* rows, const u64* cols, u32 row0, u32 key0, u32 threshold,
                                     unsigned char* keep, int n) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) {
         const u64 stream = dropout_stream(offset, batch, head, heads);
-        keep[i] = dropout_keep(seed, stream, rows[i], cols[i], threshold);
+        keep[i] = dropout_keep(seed, stream, rows[i], cols[i], threshold, dropout_counter_base(row0, key0));
     }
 }
 
 // keep[(key - key0) * nq_tile + (q - q0)] of a warp's 16 keys from key0 by NT * 8 queries
-// from q0, from dropout_keep_bits_key_rows as the backward's threads hold them (bit 4 nt +
-// e of lane 4 g + t: key g + 8 (e / 2), query 8 nt + 2 t + e % 2); one warp per block.
+// from q0, counted from the origin (row_origin, key_origin), from dropout_keep_bits_key_rows
+// as the backward's threads hold them (bit 4 nt + e of lane 4 g + t: key g + 8 (e / 2),
+// query 8 nt + 2 t + e % 2); one warp per block.
 template <int NT>
-__global__ void dropout_key_rows_kernel(u64 seed, u64 stream, int key0, int q0, u32 threshold, unsigned char* keep) {
+__global__ void dropout_key_rows_kernel(u64 seed, u64 stream, int key0, int q0, u32 row_origin, u32 key_origin,
+                                        u32 threshold, unsigned char* keep) {
     const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    const u32 bits = dropout_keep_bits_key_rows<NT>(seed, stream, key0, q0, threshold);
+    const u32 bits = dropout_keep_bits_key_rows<NT>(seed, stream, key0, q0, threshold,
+                                                    dropout_counter_base(row_origin, key_origin));
     for (int nt = 0; nt < NT; ++nt)
         for (int e = 0; e < 4; ++e)
             keep[(g + 8 * (e / 2)) * (NT * 8) + 8 * nt + 2 * t + e % 2] = (bits >> (4 * nt + e)) & 1u;

@@ -29,34 +29,56 @@ DTYPES = pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["fp64",
 WINDOWS = [(-1, -1), (0, 0), (2, -1), (-1, 1), (3, 2), (0, 5)]
 
 
+def _check_rules(seen, nq, nk, rules):
+    """Spans, tile ranges and the tile-mask test under ``rules`` against ``seen``, the
+    (nq, nk) visibility element by element: ranges visit exactly the tiles with a visible
+    element."""
+    got = _masks.visible(np.arange(nq)[:, None], np.arange(nk)[None, :], nq, nk, **rules)
+    np.testing.assert_array_equal(got, seen)
+    for span, n in ((_masks.visible_key_span, nq), (_masks.visible_query_span, nk)):
+        lo, hi = span(np.arange(n), nq, nk, **rules)
+        assert (np.diff(lo) >= 0).all() and (np.diff(hi) >= 0).all()
+    for bq, bk in [(1, 1), (3, 4), (4, 3), (16, 16)]:
+        tiles_q, tiles_k = -(-nq // bq), -(-nk // bk)
+        hit = np.array([[seen[t * bq:(t + 1) * bq, u * bk:(u + 1) * bk].any()
+                         for u in range(tiles_k)] for t in range(tiles_q)])
+        for t in range(tiles_q):
+            first, stop = _masks.key_block_range(t * bq, (t + 1) * bq, nq, nk, bk, **rules)
+            assert list(range(first, stop)) == list(np.flatnonzero(hit[t]))
+            for u in range(tiles_k):
+                whole = seen[t * bq:(t + 1) * bq, u * bk:(u + 1) * bk].all() and (u + 1) * bk <= nk
+                assert _masks.tile_needs_mask(t * bq, (t + 1) * bq, u * bk, (u + 1) * bk,
+                                              nq, nk, **rules) == (not whole)
+        for u in range(tiles_k):
+            first, stop = _masks.query_block_range(u * bk, (u + 1) * bk, nq, nk, bq, **rules)
+            assert list(range(first, stop)) == list(np.flatnonzero(hit[:, u]))
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("window", WINDOWS, ids=str)
 def test_mask_rules_brute_force(causal, window):
-    """Spans, tile ranges and the tile-mask test agree with the rule element by element,
-    for every key stop: ranges visit exactly the tiles with a visible element."""
+    """The rules of a whole problem, for every key stop."""
     for nq, nk in itertools.product([1, 2, 3, 5, 8, 13], repeat=2):
         for key_stop in sorted({0, 1, nk // 2, nk}):
-            rules = dict(causal=causal, window=window, key_stop=key_stop)
             seen = naive_visible(nq, nk, causal=causal, window=window, key_stop=key_stop)
-            got = _masks.visible(np.arange(nq)[:, None], np.arange(nk)[None, :], nq, nk, **rules)
-            np.testing.assert_array_equal(got, seen)
-            for span, n in ((_masks.visible_key_span, nq), (_masks.visible_query_span, nk)):
-                lo, hi = span(np.arange(n), nq, nk, **rules)
-                assert (np.diff(lo) >= 0).all() and (np.diff(hi) >= 0).all()
-            for bq, bk in [(1, 1), (3, 4), (4, 3), (16, 16)]:
-                tiles_q, tiles_k = -(-nq // bq), -(-nk // bk)
-                hit = np.array([[seen[t * bq:(t + 1) * bq, u * bk:(u + 1) * bk].any()
-                                 for u in range(tiles_k)] for t in range(tiles_q)])
-                for t in range(tiles_q):
-                    first, stop = _masks.key_block_range(t * bq, (t + 1) * bq, nq, nk, bk, **rules)
-                    assert list(range(first, stop)) == list(np.flatnonzero(hit[t]))
-                    for u in range(tiles_k):
-                        whole = seen[t * bq:(t + 1) * bq, u * bk:(u + 1) * bk].all() and (u + 1) * bk <= nk
-                        assert _masks.tile_needs_mask(t * bq, (t + 1) * bq, u * bk, (u + 1) * bk,
-                                                      nq, nk, **rules) == (not whole)
-                for u in range(tiles_k):
-                    first, stop = _masks.query_block_range(u * bk, (u + 1) * bk, nq, nk, bq, **rules)
-                    assert list(range(first, stop)) == list(np.flatnonzero(hit[:, u]))
+            _check_rules(seen, nq, nk, dict(causal=causal, window=window, key_stop=key_stop))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("window", WINDOWS, ids=str)
+def test_mask_rules_of_a_part_of_a_problem(causal, window):
+    """A block of rows [r0, r0 + nq) and keys [k0, k0 + nk) of a larger problem (a chunk
+    pair of the streamed path) with the problem's diagonal in its own indices sees what
+    the problem sees there."""
+    for big_q, big_k in [(13, 13), (8, 21), (21, 8)]:
+        whole = naive_visible(big_q, big_k, causal=causal, window=window)
+        for r0, nq in [(0, 5), (3, 7), (8, 5)]:
+            for k0, nk in [(0, 8), (5, 3), (4, 4)]:
+                if r0 + nq > big_q or k0 + nk > big_k:
+                    continue
+                diagonal = big_k - big_q + r0 - k0
+                _check_rules(whole[r0:r0 + nq, k0:k0 + nk], nq, nk,
+                             dict(causal=causal, window=window, diagonal=diagonal))
 
 
 def test_block_mask_tiles_skips_zero_blocks():
@@ -301,6 +323,57 @@ def test_varlen_equals_per_sequence_oracle(causal, dtype, rng):
     for s in range(len(lk)):
         if lq[s] == 0:   # keys no query sees get zero gradients
             assert not dk[:, :, cu_k[s]:cu_k[s + 1]].any()
+
+
+# --------------------------------------------------------------------------- placed calls
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("window", [(40, 30), (-1, -1), (60, 0)], ids=str)
+def test_a_placed_call_is_its_part_of_the_problem(causal, window, rng):
+    """A call on rows [r0, r1) and keys [k0, k1) of a larger problem, told where it lies
+    (row0, key0, the problem's diagonal: a chunk pair of the streamed path), computes
+    the problem restricted to those keys: the oracle on the whole problem with every
+    other key hidden (a block mask of single elements), the same band, ALiBi distances
+    and dropout bits; its gradients are that restricted problem's."""
+    b, hq, hk, big_q, big_k, d = 2, 4, 2, 150, 230, 8
+    r0, r1, k0, k1 = 64, 119, 96, 171
+    p, seed, offset = 0.25, 2**33 + 9, 40
+    q, k, v, _ = make(rng, b, hq, hk, big_q, big_k, d, d + 3, np.float64)
+    do = rng.standard_normal((b, hq, big_q, d + 3))
+    slopes = rng.uniform(0.05, 0.3, (b, hq))
+    part = np.zeros((big_q, big_k), bool)
+    part[r0:r1, k0:k1] = True
+    do[:, :, ~part.any(axis=1)] = 0   # rows outside the part add nothing to dk, dv
+    opts = dict(window=window, alibi_slopes=slopes, dropout_p=p,
+                keep=keep_mask(seed, offset, b, hq, big_q, big_k, p), block_mask=part, block_size=(1, 1))
+    scale = 1 / math.sqrt(d)
+    o_ref, lse_ref = naive_attention(q, k, v, scale=scale, causal=causal, **opts)
+    grads_ref = naive_attention_grads(do, q, k, v, scale=scale, causal=causal, **opts)
+    mods = _mods.Modifiers(window=window, alibi_slopes=slopes, dropout_p=p, seed=seed, rng_offset=offset,
+                           row0=r0, key0=k0, diagonal=big_k - big_q)
+    qp, kp, vp, dop = q[:, :, r0:r1], k[:, :, k0:k1], v[:, :, k0:k1], do[:, :, r0:r1]
+    o, lse = attention_forward(qp, kp, vp, scale=scale, causal=causal, mods=mods, block_q=16, block_k=32)
+    assert_close(o, o_ref[:, :, r0:r1], TOL[np.float64])
+    assert_close(lse, lse_ref[:, :, r0:r1], TOL[np.float64])
+    grads = attention_backward(dop, qp, kp, vp, o, lse, scale=scale, causal=causal, mods=mods,
+                               block_q=32, block_k=16)
+    for got, ref in zip(grads, (grads_ref[0][:, :, r0:r1], grads_ref[1][:, :, k0:k1], grads_ref[2][:, :, k0:k1])):
+        assert_grad_close(got, ref, TOL[np.float64])
+
+
+def test_placed_modifiers_hold_the_contract():
+    """row0 and key0 need the problem's diagonal and the kernels' alignment, and a varlen
+    call is never placed."""
+    assert _mods.Modifiers(row0=64, key0=96, diagonal=5).call_diagonal(10, 20) == 5 + 64 - 96
+    assert _mods.Modifiers().call_diagonal(10, 20) == 10
+    with pytest.raises(ValueError, match="diagonal"):
+        _mods.Modifiers(row0=64)
+    with pytest.raises(ValueError, match="multiples of 32"):
+        _mods.Modifiers(row0=16, diagonal=0)
+    cu = np.array([0, 4], np.int32)
+    with pytest.raises(ValueError, match="varlen"):
+        _mods.Modifiers(cu_seqlens_q=cu, cu_seqlens_k=cu, diagonal=0)
 
 
 # --------------------------------------------------------------------------- dropout

@@ -240,6 +240,31 @@ def test_dropout_arguments_are_checked(change, error, match):
         _philox.dropout_keep_mask(**{**kw, **change})
 
 
+@pytest.mark.parametrize("row0, col0", [(0, 0), (16, 32), (128, 384), (2**20 + 48, 2**30 + 96),
+                                        (2**32 - 64, 2**34 - 128)])
+def test_counter_base_moves_a_tile_to_its_origin(row0, col0):
+    """The identity the kernels' chunk pairs draw by (philox.cuh dropout_counter_base): the
+    bits of the problem's scores (row0 + r, col0 + c) are those of (r, c) drawn with the
+    origin's counters added, bytes unchanged."""
+    seed, offset, batch, head, heads, p = 2**63 + 5, 77, 1, 2, 3, 0.4
+    rows, cols = np.arange(48), np.arange(96)
+    x0, y0 = _philox.counter_base(row0, col0)
+    stream = _philox.dropout_stream(offset, batch, head, heads=heads)
+    words = _philox._dropout_words(seed, stream, _philox._counter_x(cols)[None, :] + x0,
+                                   _philox._counter_y(rows)[:, None] + y0)
+    draws = _philox._draw_bytes(words)
+    byte = _philox._byte_index(rows[:, None], cols[None, :])
+    local = np.take_along_axis(draws, byte[..., None], axis=-1)[..., 0] >= _philox.dropout_threshold(p)
+    problem = _philox.dropout_keep_mask(seed, offset, batch, head, rows + row0, cols + col0, p=p, heads=heads)
+    np.testing.assert_array_equal(local, problem)
+
+
+@pytest.mark.parametrize("row0, col0", [(8, 0), (0, 16), (-16, 0), (2**32, 0)])
+def test_counter_base_refuses_unaligned_origins(row0, col0):
+    with pytest.raises(ValueError, match="row0|col0"):
+        _philox.counter_base(row0, col0)
+
+
 def test_single_element_arguments_are_checked():
     kw = dict(seed=0, offset=0, batch=0, head=0, p=0.5, heads=1)
     with pytest.raises(ValueError, match="row"):
@@ -299,37 +324,46 @@ def test_gpu_philox_matches_numpy(rounds, rng):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("p", [0.0, 0.1, 0.5, 1 - 1 / 256])
-def test_gpu_dropout_keep_matches_numpy(p, rng):
+@pytest.mark.parametrize("row0, key0", [(0, 0), (4096 + 128, 2**20 + 96)])
+def test_gpu_dropout_keep_matches_numpy(p, row0, key0, rng):
+    """Per-score draws of the scores (row0 + row, key0 + col): a chunk pair's, from its own
+    indices and its origin's counters."""
     import cupy
 
     seed, offset, batch, head, heads = 2**64 - 3, 2**64 - 2, 3, 5, 6   # the stream wraps
-    rows = np.concatenate([np.repeat(np.arange(64), 97), rng.integers(0, 2**32, 5000)])
-    cols = np.concatenate([np.tile(np.arange(97), 64), rng.integers(0, 2**34, 5000)])
+    rows = np.concatenate([np.repeat(np.arange(64), 97), rng.integers(0, 2**32 - row0, 5000)])
+    cols = np.concatenate([np.tile(np.arange(97), 64), rng.integers(0, 2**34 - key0, 5000)])
     keep = cupy.full(rows.shape, 7, dtype=cupy.uint8)   # poisoned
     kernel = _gpu_kernel("dropout_keep_kernel")
     kernel(((len(rows) + 255) // 256,), (256,),
            (np.uint64(seed), np.uint64(offset), np.uint32(batch), np.uint32(head), np.uint32(heads),
             cupy.asarray(rows, dtype=cupy.uint32), cupy.asarray(cols, dtype=cupy.uint64),
-            np.uint32(_philox.dropout_threshold(p)), keep, np.int32(len(rows))))
-    expected = _philox.dropout_keep(seed, offset, batch, head, rows, cols, p=p, heads=heads)
+            np.uint32(row0), np.uint32(key0), np.uint32(_philox.dropout_threshold(p)), keep,
+            np.int32(len(rows))))
+    expected = _philox.dropout_keep(seed, offset, batch, head, rows + row0, cols + key0, p=p, heads=heads)
     np.testing.assert_array_equal(cupy.asnumpy(keep), expected.astype(np.uint8))
-    grid = _philox.dropout_keep_mask(seed, offset, batch, head, 64, 97, p=p, heads=heads)
+    grid = _philox.dropout_keep_mask(seed, offset, batch, head, np.arange(row0, row0 + 64),
+                                     np.arange(key0, key0 + 97), p=p, heads=heads)
     np.testing.assert_array_equal(cupy.asnumpy(keep[:64 * 97]).reshape(64, 97), grid.astype(np.uint8))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("p", [0.1, 0.5])
 @pytest.mark.parametrize("key0,q0", [(0, 0), (16, 64), (48, 4096 + 16), (2**20 + 32, 2**21 + 48)])
-def test_gpu_key_rows_bits_match_numpy(p, key0, q0):
+@pytest.mark.parametrize("row_origin, key_origin", [(0, 0), (384, 2**20 + 160)])
+def test_gpu_key_rows_bits_match_numpy(p, key0, q0, row_origin, key_origin):
     """The backward's keep bits (two lanes sharing each Philox call, bwd_sm90.cu) against
-    the per-score draw of the NumPy twin, over a warp's 16 keys x 64 queries."""
+    the per-score draw of the NumPy twin, over a warp's 16 keys x 64 queries, counted from
+    an origin (a chunk pair's) or from 0."""
     import cupy
 
     seed, stream = 2**63 + 12345, 77
     keep = cupy.full((16, 64), 7, dtype=cupy.uint8)   # poisoned
     kernel = _gpu_kernel("dropout_key_rows_kernel<8>")
     kernel((1,), (32,), (np.uint64(seed), np.uint64(stream), np.int32(key0), np.int32(q0),
+                         np.uint32(row_origin), np.uint32(key_origin),
                          np.uint32(_philox.dropout_threshold(p)), keep))
-    keys, queries = np.meshgrid(np.arange(key0, key0 + 16), np.arange(q0, q0 + 64), indexing="ij")
+    keys, queries = np.meshgrid(np.arange(key_origin + key0, key_origin + key0 + 16),
+                                np.arange(row_origin + q0, row_origin + q0 + 64), indexing="ij")
     expected = _philox.dropout_keep(seed, stream, 0, 0, queries.ravel(), keys.ravel(), p=p, heads=1)
     np.testing.assert_array_equal(cupy.asnumpy(keep), expected.reshape(16, 64).astype(np.uint8))

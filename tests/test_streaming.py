@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import cupyflash as cf
-from cupyflash import _mods, streaming
-from oracle import naive_attention, naive_attention_grads
+from cupyflash import _mods, _philox, _rng, streaming
+from oracle import naive_attention, naive_attention_grads, naive_visible
 from test_reference import assert_close
 
 TOL = {np.float64: 1e-12, np.float32: 1e-5}  # tests/TOLERANCES.md
@@ -27,7 +27,7 @@ def _inputs(rng, dtype, *, b=2, hq=4, hk=2, nq=300, nk=517, d=16, dv=24, layout=
 
 
 def _limit_for(q, k, v, chunk, *, causal=False, layout="bhsd", backward=True, bias_shape=None,
-               mask_shape=None, block_size=(128, 128), seqlens=False):
+               mask_shape=None, block_size=(128, 128), seqlens=False, alibi_shape=None):
     """The device_memory_limit whose forward plan has ``chunk``-row chunks; with
     ``backward``, the most of that and what the backward needs for ``chunk``-row query and
     key chunks (a context's forward checks both; the backward may then pick other sizes)."""
@@ -37,7 +37,8 @@ def _limit_for(q, k, v, chunk, *, causal=False, layout="bhsd", backward=True, bi
     mods = _mods.Modifiers(block_size=block_size,
                            bias=None if bias_shape is None else np.empty(bias_shape, q.dtype),
                            block_mask=None if mask_shape is None else np.empty(mask_shape, np.uint8),
-                           seqlens_k=np.empty(1, np.int32) if seqlens else None)
+                           seqlens_k=np.empty(1, np.int32) if seqlens else None,
+                           alibi_slopes=None if alibi_shape is None else np.empty(alibi_shape))
     # With a dlse row per query: what a context's forward checks its backward against.
     g = streaming.geometry(*(x.shape for x in views), q.dtype, mods, causal=causal, dlse=backward)
     rows = lambda n: min(chunk, n)  # noqa: E731
@@ -151,6 +152,67 @@ def test_backward_plan_keeps_key_chunks_resident(rng, causal, nq, nk, hq, hk, ch
             assert getattr(s, flag_last) == (t == len(order) - 1 - order[::-1].index(order[t]))
 
 
+@pytest.mark.parametrize("causal, window", [(True, (100, 0)), (True, (200, 300)), (False, (0, 150)),
+                                            (False, (200, 50)), (False, (40, 40)), (True, (0, 0))])
+@pytest.mark.parametrize("nq, nk", [(640, 640), (300, 1000), (1000, 300)])
+@pytest.mark.parametrize("backward", [False, True])
+def test_window_plan_skips_empty_pairs(rng, causal, window, nq, nk, backward):
+    """Pairs the band leaves empty are never computed, and their chunks never copied for
+    them; a computed pair's keys end where its query chunk's reach does."""
+    q, k, v, _ = _inputs(rng, np.float32, b=1, nq=nq, nk=nk)
+    limit = _limit_for(q, k, v, 128, causal=causal, backward=backward)
+    plan = cf.streaming_plan(q, k, v, causal=causal, window=window, device_memory_limit=limit,
+                             backward=backward)
+    seen = naive_visible(nq, nk, causal=causal, window=window)
+    below_diagonal = naive_visible(nq, nk, causal=True)
+    computed = {(s.row, s.key): s for s in plan.steps}
+    assert len(computed) == plan.pairs < len(plan.query_bounds) * len(plan.key_bounds)
+    for i, (q0, q1) in enumerate(plan.query_bounds):
+        for j, (k0, k1) in enumerate(plan.key_bounds):
+            part = seen[q0:q1, k0:k1]
+            if not part.any():
+                assert (i, j) not in computed
+                continue
+            s = computed[(i, j)]
+            assert not part[:, s.key_stop - k0:].any() and part[:, s.key_stop - k0 - 1].any()
+            # A causal call where the diagonal crosses the pair's keys.
+            assert s.causal == (causal and not below_diagonal[q0:q1, k0:s.key_stop].all())
+    # The calls take the problem's coordinates, so keys are cut where queries are.
+    assert all(k0 % 128 == 0 for k0, _ in plan.key_bounds)
+    # Chunks go up for the steps that use them only: the same cuts without the window
+    # (one wider than both lengths) compute every pair it skips, and move no fewer bytes
+    # (a skipped pair saves its key chunk's upload unless a neighbour keeps it resident).
+    wide = cf.streaming_plan(q, k, v, causal=causal, window=(nq + nk, nq + nk), device_memory_limit=limit,
+                             backward=backward)
+    assert wide.key_bounds == plan.key_bounds and wide.query_bounds == plan.query_bounds
+    assert {(s.row, s.key) for s in wide.steps} >= computed.keys()
+    assert plan.h2d_bytes <= wide.h2d_bytes
+    assert {s.key for s in plan.steps if s.key_upload} == {s.key for s in plan.steps}
+
+
+def test_options_cut_causal_keys_where_the_queries_are_cut(rng):
+    """A causal call without options runs the dense kernels, whose diagonal is the call's
+    own corner: its key cuts follow each query chunk's reach (shifted by Nk - Nq). With
+    an option the calls are placed in the problem and the keys are cut on the 128-row
+    multiples the query chunks start on (dropout's Philox blocks need aligned origins)."""
+    q, k, v, _ = _inputs(rng, np.float32, nq=300, nk=517)
+    limit = _limit_for(q, k, v, 128, causal=True, backward=False, alibi_shape=(1, 4))
+    dense = cf.streaming_plan(q, k, v, causal=True, device_memory_limit=limit)
+    assert [k0 for k0, _ in dense.key_bounds] == [0, 89, 217, 345, 473]   # 517 - 300 = 217
+    for options in (dict(softcap=2.0), dict(dropout_p=0.1), dict(alibi_slopes=np.ones(4)),
+                    dict(window=(50, 0)), dict(seqlens_k=np.array([517, 400]))):
+        placed = cf.streaming_plan(q, k, v, causal=True, device_memory_limit=limit, **options)
+        assert [k0 for k0, _ in placed.key_bounds] == [0, 128, 256, 384, 512], options
+
+
+def test_a_plan_draws_no_random_streams(rng):
+    q, k, v, _ = _inputs(rng, np.float32, nq=64, nk=64)
+    cf.manual_seed(5)
+    before = _rng.claim_streams(0)
+    cf.streaming_plan(q, k, v, dropout_p=0.3, device_memory_limit=10**8)
+    assert _rng.claim_streams(0) == before
+
+
 def test_backward_plan_at_a_million_tokens():
     """bench/streaming.py's N = 1M row (bf16, d = 128, H = 16, causal, limit 1/8 of the
     in-memory call), within the limit: the backward moves about 90 GiB, 3.2x its least
@@ -205,14 +267,14 @@ def test_bad_progress_is_named(rng, monkeypatch):
         cf.attention(q, k, v, backend="numpy", device_memory_limit=10**8, progress="tqdm")
 
 
-@pytest.mark.parametrize("option, value", [("window", (16, 0)), ("alibi_slopes", np.ones(4)),
-                                           ("dropout_p", 0.1)])
-def test_unsupported_options_raise_not_implemented(rng, option, value):
-    q, k, v, _ = _inputs(rng, np.float32, nq=64, nk=64)
-    with pytest.raises(NotImplementedError, match=f"{option} is not supported by the streamed path"):
-        cf.attention(q, k, v, backend="numpy", device_memory_limit=10**8, **{option: value})
-    # Without a limit nothing changes.
-    cf.attention(q, k, v, backend="numpy", **{option: value})
+def test_varlen_is_not_streamed():
+    """Packed sequences are refused by the streamed path (a chunk's call takes one whole
+    problem's cu_seqlens), so a varlen call too large for the free device memory runs in
+    memory (`streaming.choose` falls back) rather than streaming wrongly."""
+    cu = np.array([0, 5, 9], np.int32)
+    with pytest.raises(NotImplementedError, match="varlen is not supported by the streamed path"):
+        streaming.check_supported(_mods.Modifiers(cu_seqlens_q=cu, cu_seqlens_k=cu))
+    streaming.check_supported(_mods.Modifiers(window=(3, 0), dropout_p=0.1, alibi_slopes=np.ones((1, 2))))
 
 
 def test_bias_gradient_is_not_streamed_yet(rng):
@@ -223,11 +285,6 @@ def test_bias_gradient_is_not_streamed_yet(rng):
         cf.attention_backward(do, ctx, return_dbias=True)
 
 
-def test_causal_block_mask_that_chunks_would_cut_is_refused(rng):
-    q, k, v, _ = _inputs(rng, np.float32, nq=256, nk=300)
-    mask = np.ones((2, 3), bool)
-    with pytest.raises(NotImplementedError, match="block_mask with causal=True"):
-        cf.attention(q, k, v, causal=True, block_mask=mask, backend="numpy", device_memory_limit=10**8)
 
 
 # Streamed == in memory (NumPy backend) ---------------------------------------------------------
@@ -239,11 +296,13 @@ def _compare(rng, dtype, *, chunk=128, layout="bhsd", dlse=False, shapes=None, *
     before = [x.copy() for x in (q, k, v, do)]
     bias = options.get("bias")
     mask = options.get("block_mask")
+    slopes = options.get("alibi_slopes")
     limit = _limit_for(q, k, v, chunk, causal=options.get("causal", False), layout=layout,
                        bias_shape=None if bias is None else (1,) * (4 - bias.ndim) + bias.shape,
                        mask_shape=None if mask is None else (1,) * (4 - mask.ndim) + mask.shape,
                        block_size=options.get("block_size", (128, 128)),
-                       seqlens="seqlens_k" in options)
+                       seqlens="seqlens_k" in options,
+                       alibi_shape=None if slopes is None else (1,) * (2 - slopes.ndim) + slopes.shape)
     o_ref, ctx_ref = cf.attention_forward(q, k, v, layout=layout, backend="numpy", **options)
     o, ctx = cf.attention_forward(q, k, v, layout=layout, backend="numpy",
                                   device_memory_limit=limit, **options)
@@ -314,6 +373,103 @@ def test_streamed_block_mask_of_wider_blocks(rng):
     with pytest.raises(ValueError, match="one chunk of 384 rows"):
         cf.streaming_plan(q, k, v, causal=True, block_mask=mask, block_size=192,
                           device_memory_limit=_limit_for(q, k, v, 256, causal=True, backward=False))
+
+
+def test_streamed_causal_block_mask_with_any_diagonal(rng):
+    """Nk - Nq = 217 is no multiple of the blocks: placed calls cut keys on the blocks."""
+    mask = rng.random((4, 3, 5)) < 0.6   # (Hq, query blocks, key blocks) of 128
+    mask[..., 0] = True
+    ctx = _compare(rng, np.float64, causal=True, block_mask=mask, shapes=dict(nq=300, nk=517))
+    assert all(k0 % 128 == 0 for k0, _ in ctx.streaming.key_bounds)
+
+
+@pytest.mark.parametrize("causal, window", [(True, (100, 0)), (False, (150, 0)), (False, (0, 150)),
+                                            (False, (60, 90)), (True, (200, 300)), (True, (0, 0))],
+                         ids=["causal-left", "left", "right", "two-sided", "causal-two-sided", "diagonal"])
+@pytest.mark.parametrize("nq, nk", [(300, 517), (517, 300), (640, 640)])
+def test_streamed_window(rng, causal, window, nq, nk):
+    """One-sided and two-sided windows, with and without causal, streamed in chunks of 128
+    (forward and gradients) against the in-memory call: each pair's band is the
+    problem's, whatever Nk - Nq and the cuts."""
+    ctx = _compare(rng, np.float64, causal=causal, window=window, shapes=dict(nq=nq, nk=nk))
+    assert ctx.streaming.pairs > 2
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("per_batch", [False, True], ids=["per-head", "per-batch-and-head"])
+@pytest.mark.parametrize("nq, nk", [(300, 517), (517, 300)])
+def test_streamed_alibi(rng, causal, per_batch, nq, nk):
+    """ALiBi's distance |i + Nk - Nq - j| is the problem's in every pair (without causal
+    a wrong diagonal changes the scores' shape along the row, not just a constant)."""
+    slopes = rng.uniform(0.01, 0.3, (2, 4) if per_batch else (4,))
+    ctx = _compare(rng, np.float64, causal=causal, alibi_slopes=slopes, shapes=dict(nq=nq, nk=nk))
+    assert ctx.streaming.pairs > 2
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("nq, nk", [(300, 517), (517, 300)])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_streamed_dropout(rng, dtype, causal, nq, nk):
+    """Dropout with a fixed seed: every pair draws the problem's bits from the call's one
+    RNG offset, so the streamed call keeps exactly the in-memory call's scores."""
+    ctx = _compare(rng, dtype, causal=causal, dropout_p=0.3, seed=2**40 + 3, shapes=dict(nq=nq, nk=nk))
+    assert ctx.streaming.pairs > 2
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_streamed_dropout_keeps_the_in_memory_mask(causal):
+    """The keep mask itself, read out of the output: with q = 0 every visible key is equally
+    likely and v_j = e_j, so o[i, j] = keep_ij / (1 - p) / (keys row i sees), nonzero
+    exactly where the score is visible and kept."""
+    b, hq, hk, nq, nk, p, seed = 2, 4, 2, 300, 256, 0.3, 12345
+    q = np.zeros((b, hq, nq, 16))
+    k = np.ones((b, hk, nk, 16))
+    v = np.broadcast_to(np.eye(nk), (b, hk, nk, nk)).copy()
+    limit = _limit_for(q, k, v, 128, causal=causal)
+    o = cf.attention(q, k, v, causal=causal, dropout_p=p, seed=seed, backend="numpy", device_memory_limit=limit)
+    o_mem = cf.attention(q, k, v, causal=causal, dropout_p=p, seed=seed, backend="numpy")
+    assert cf.streaming_plan(q, k, v, causal=causal, dropout_p=p, device_memory_limit=limit).pairs > 3
+    visible = naive_visible(nq, nk, causal=causal)
+    for bi in range(b):
+        for h in range(hq):
+            keep = _philox.dropout_keep_mask(seed, 0, bi, h, nq, nk, p=p, heads=hq) & visible
+            np.testing.assert_array_equal(o[bi, h] != 0, keep)
+            np.testing.assert_array_equal(o_mem[bi, h] != 0, keep)
+    assert_close(o, o_mem, TOL[np.float64])
+
+
+def test_streamed_dropout_advances_the_rng_as_one_call(rng):
+    """Without a seed a streamed call claims its streams once, as the in-memory call does:
+    the same seed and offset, the same masks, and the next call starts after them."""
+    q, k, v, _ = _inputs(rng, np.float64, nq=300, nk=300)
+    limit = _limit_for(q, k, v, 128)
+    runs = []
+    for lim in (limit, None):
+        cf.manual_seed(2024)
+        runs.append([cf.attention_forward(q, k, v, dropout_p=0.2, backend="numpy", device_memory_limit=lim)
+                     for _ in range(2)])
+    streamed, in_memory = runs
+    for (o, ctx), (o_ref, ref) in zip(streamed, in_memory):
+        assert ctx.streaming is not None and ref.streaming is None
+        assert (ctx.seed, ctx.rng_offset) == (ref.seed, ref.rng_offset)
+        assert_close(o, o_ref, TOL[np.float64])
+    assert streamed[1][1].rng_offset == streamed[0][1].rng_offset + 2 * 4   # B * Hq streams
+    assert not np.allclose(streamed[0][0], streamed[1][0])
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_streamed_options_together(rng, layout, dtype):
+    """Window, ALiBi, dropout, softcap, a bias, key padding, causal, GQA and dlse at once,
+    on odd sizes cut into chunks of 128."""
+    nq, nk = 389, 517
+    bias = rng.standard_normal((nq, nk))
+    bias[5, :] = -np.inf   # a row that sees no key
+    ctx = _compare(rng, dtype, layout=layout, dlse=True, causal=True, window=(150, 0),
+                   alibi_slopes=rng.uniform(0.01, 0.2, (2, 6)), dropout_p=0.25, seed=77, softcap=4.0,
+                   seqlens_k=np.array([517, 401]), bias=bias.astype(dtype),
+                   shapes=dict(b=2, hq=6, hk=2, nq=nq, nk=nk))
+    assert ctx.streaming.pairs > 3
 
 
 def test_streamed_seqlens_k_and_softcap(rng):
@@ -469,18 +625,29 @@ def test_empty_batch_and_gpu_arrays_without_gpu(rng):
 # GPU: host arrays through a tiny device memory --------------------------------------------------
 
 
+# The GPU cases' ALiBi slopes: powers of two, exact in the float32 the kernels take them in.
+_GPU_SLOPES = np.array([2.0**-1, 2.0**-3, 2.0**-5, 2.0**-7], np.float32)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
-@pytest.mark.parametrize("case", ["causal-gqa", "dense-nq-ne-nk", "bias-seqlens", "block-mask"])
+@pytest.mark.parametrize("case", ["causal-gqa", "dense-nq-ne-nk", "bias-seqlens", "block-mask",
+                                  "window-causal", "window-two-sided", "alibi", "alibi-causal",
+                                  "dropout-causal", "window-alibi-dropout-gqa"])
 def test_streamed_gpu_equals_in_memory_gpu(dtype, case):
     """Streamed GPU calls (chunks of 128-256 rows) against the in-memory GPU call and the
-    float64 oracle on the same rounded inputs, forward, LSE and gradients."""
+    float64 oracle on the same rounded inputs, forward, LSE and gradients. With window,
+    ALiBi and dropout every pair's kernels take the problem's coordinates (the diagonal,
+    dropout's counters); Nk - Nq = 200 is no multiple of the tiles, and dropout is
+    compared with the keep mask the oracle draws for the whole problem."""
     from gpu_cases import TOLERANCE, np_dtype, rel_err
+    from test_mods_reference import keep_mask
 
     rng = np.random.default_rng(17)
     dt = np_dtype(dtype)
     nq, nk = (700, 900) if case != "block-mask" else (640, 640)
-    q, k, v, do = (x.astype(dt) for x in _inputs(rng, np.float32, b=2, hq=4, hk=2 if case == "causal-gqa" else 4,
+    gqa = case in ("causal-gqa", "window-alibi-dropout-gqa")
+    q, k, v, do = (x.astype(dt) for x in _inputs(rng, np.float32, b=2, hq=4, hk=2 if gqa else 4,
                                                    nq=nq, nk=nk, d=64, dv=64))
     options = {}
     if case == "causal-gqa":
@@ -492,20 +659,33 @@ def test_streamed_gpu_equals_in_memory_gpu(dtype, case):
         mask = rng.random((4, 5, 5)) < 0.5
         mask[..., 0] = True
         options["block_mask"] = mask
+    elif case == "window-causal":
+        options.update(causal=True, window=(300, 0))
+    elif case == "window-two-sided":
+        options["window"] = (150, 250)
+    elif case in ("alibi", "alibi-causal"):
+        options.update(causal=case == "alibi-causal", alibi_slopes=_GPU_SLOPES)
+    elif case == "dropout-causal":
+        options.update(causal=True, dropout_p=0.2, seed=2**40 + 17)
+    elif case == "window-alibi-dropout-gqa":
+        options.update(causal=True, window=(400, 0), alibi_slopes=_GPU_SLOPES, dropout_p=0.15, seed=99)
     bias = options.get("bias")
     limit = _limit_for(q, k, v, 256, causal=options.get("causal", False),
                        bias_shape=None if bias is None else (1, *bias.shape),
                        mask_shape=None if "block_mask" not in options else (1, 4, 5, 5),
-                       seqlens="seqlens_k" in options)
+                       seqlens="seqlens_k" in options,
+                       alibi_shape=(1, 4) if "alibi_slopes" in options else None)
     o_mem, ctx_mem = cf.attention_forward(q, k, v, backend="cuda", **options)
     o, ctx = cf.attention_forward(q, k, v, backend="cuda", device_memory_limit=limit, **options)
     assert isinstance(o, np.ndarray) and ctx.streaming is not None and ctx.streaming.pairs > 3
     f = lambda x: np.asarray(x).astype(np.float64)   # noqa: E731
-    oracle_opts = {n: v_ for n, v_ in options.items() if n != "bias"}
+    oracle_opts = {n: v_ for n, v_ in options.items() if n not in ("bias", "seed")}
     if bias is not None:
         oracle_opts["bias"] = f(bias)
     if "block_mask" in options:
         oracle_opts["block_size"] = (128, 128)
+    if "dropout_p" in options:   # an explicit seed: the call's RNG offset is 0
+        oracle_opts["keep"] = keep_mask(options["seed"], 0, 2, 4, nq, nk, options["dropout_p"])
     ref_o, ref_lse = naive_attention(f(q), f(k), f(v), scale=1 / 8, **{"causal": False, **oracle_opts})
     tol = TOLERANCE[dtype]
     assert rel_err(f(o), ref_o) < tol and rel_err(f(o_mem), ref_o) < tol
