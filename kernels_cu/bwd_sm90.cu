@@ -93,9 +93,10 @@ struct Sm90BwdKVTile {
     // spill (NVRTC 12.9, build check; the option kernels at d = 128 have 232 or 224
     // registers a consumer thread): the warpgroup index as the compiler can see it is
     // warp-uniform (wgmma.cuh warp_uniform), so that the descriptors stay in uniform
-    // registers; a query pair's lse2 and delta as one 8-byte load; dS^T stored by
-    // stmatrix (but for the deterministic option kernels at d = 128).
-    static constexpr bool UNIFORM_WG = !BIAS || D <= 64;
+    // registers (not in the option kernels at d = 128 with the bias or ordered dQ); a
+    // query pair's lse2 and delta as one 8-byte load (dense, d = 64); dS^T stored by
+    // stmatrix (not in the deterministic option kernels at d = 128).
+    static constexpr bool UNIFORM_WG = D <= 64 || MODE == MODE_DENSE || !(BIAS || ORDERED_DQ);
     static constexpr bool LEAN_PASSES = MODE == MODE_DENSE || D <= 64;
     static constexpr bool STMATRIX_DS = LEAN_PASSES || !ORDERED_DQ;
     // dQ's BLOCK_M x D tile in one 64 x DQ_N piece per warpgroup: DQ_COLS pieces across.
