@@ -305,9 +305,9 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
         }
         cp_async_commit();
     };
-    // The pair's head and first query row, carried from one tile to the next: in dense
-    // mode (no block mask: pair it + 1 follows pair it) without head()'s division, which
-    // cost ~25 instructions at the top of every tile (ncu at 6576e99).
+    // The pair's head and first query row, carried from one tile to the next: without a
+    // block mask (pair it + 1 follows pair it) without head()'s division, which cost ~25
+    // instructions at the top of every tile (ncu at 6576e99).
     int h = 0, q0 = 0;
     if (first() < n_iter) {
         h = pairs.head(first());
@@ -354,7 +354,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
     for (int it = first(); it < n_iter; ++step) {
         const int next = after(it);
         int h_next = h, q0_next = q0;
-        if constexpr (MODE == MODE_DENSE) {
+        if (MODE == MODE_DENSE || mask.blocks == nullptr) {
             pairs.following(h_next, q0_next);
         } else {
             h_next = pairs.head(next);
