@@ -92,10 +92,12 @@ device_memory_limit : int, optional
     a bound too small for one 128-row chunk, ValueError names it before anything is
     allocated. Streamed: causal, GQA, window, alibi_slopes, dropout_p (the same mask as
     the in-memory call with that seed; without one the RNG advances as for one call),
-    bias, block_mask (chunks are multiples of its block size), seqlens_k, softcap, scale,
+    bias and its gradient (each pair's slice summed on the host in a fixed order),
+    block_mask (chunks are multiples of its block size), seqlens_k, softcap, scale,
     deterministic: each pair's call takes the whole problem's rows, keys and diagonal,
-    and pairs that the masks leave empty are never copied. Not yet (NotImplementedError):
-    the bias gradient. GPU (CuPy) inputs with a
+    and pairs that the masks leave empty are never copied. A context's forward checks
+    that its backward fits too (with the bias gradient's slices, given a bias). Not yet
+    (NotImplementedError): varlen. GPU (CuPy) inputs with a
     limit raise ValueError (they are on the device already). On the NumPy backend a limit
     runs the same chunked algorithm on the host (how it is tested without a GPU). The
     context of a streamed `attention_forward` streams its backward pass too, under the
@@ -452,12 +454,12 @@ def _streamed_forward(q, k, v, options, problem, scale, backend, mods, seed, pla
                     saved=saved, mods=mods, seed=seed, streaming=plan)
 
 
-def _streamed_backward_plan(ctx, has_dlse):
+def _streamed_backward_plan(ctx, has_dlse, has_dbias):
     """The backward plan of a streamed context, under its forward's limit (or the free
     device memory now, where the forward chose to stream by itself)."""
     q, k, v = ctx._saved[:3]
     g = streaming.geometry(q.shape, k.shape, v.shape, q.dtype, ctx._modifiers, causal=ctx.causal,
-                           dlse=has_dlse)
+                           dlse=has_dlse, dbias=has_dbias)
     limit = ctx._memory_limit
     if limit is None:
         limit = streaming.free_device_budget(_arrays.current_device())
@@ -639,9 +641,6 @@ def attention_backward(do, ctx, *, return_dbias=False, dlse=None):
     return_dbias = _validate.check_flag(return_dbias, "return_dbias")
     if return_dbias and ctx.bias is None:
         raise ValueError("return_dbias=True needs a forward pass with a bias; this one had none")
-    if return_dbias and ctx.streaming is not None:
-        raise NotImplementedError("return_dbias=True is not supported by the streamed path "
-                                  "(device_memory_limit) yet; run the forward pass in memory")
     _validate.check_unchanged(ctx._tracked(), ctx._snapshot)
     user_kind = _arrays.kind_of(ctx.q)
     do = _validate.check_do(do, o=ctx.o, kind=user_kind, device=ctx.device)
@@ -651,7 +650,7 @@ def attention_backward(do, ctx, *, return_dbias=False, dlse=None):
     device = _arrays.device_of(ctx._saved[0])
     plan = None
     if ctx.streaming is not None and ctx._saved[0].shape[0]:
-        plan = _streamed_backward_plan(ctx, dlse is not None)   # its errors come first
+        plan = _streamed_backward_plan(ctx, dlse is not None, return_dbias)   # its errors come first
     with _arrays.on_device(device):
         do_ = _arrays.move(do, kind, device)
         if dlse is not None:
@@ -666,7 +665,7 @@ def attention_backward(do, ctx, *, return_dbias=False, dlse=None):
             streaming.backward(
                 ctx._backend_view(do_), *ctx._saved, *(ctx._backend_view(g) for g in grads),
                 plan=plan, scale=ctx.scale, deterministic=ctx.deterministic, mods=ctx._modifiers,
-                backend=ctx.backend, dlse=dlse, progress=ctx._progress,
+                backend=ctx.backend, dlse=dlse, dbias=dbias, progress=ctx._progress,
                 device=None if ctx.backend == "numpy" else _arrays.current_device())
         elif ctx._saved[0].shape[0]:  # an empty batch launches nothing
             _backend_module(ctx.backend).attention_backward(
@@ -725,7 +724,7 @@ def attention_vjp(q, k, v, *, causal=False, scale=None, window=None, dropout_p=0
 
 def streaming_plan(q, k, v, *, device_memory_limit, causal=False, window=None, block_mask=None,
                    block_size=128, bias=None, alibi_slopes=None, dropout_p=0.0, softcap=0.0,
-                   seqlens_k=None, layout="bhsd", backward=False):
+                   seqlens_k=None, layout="bhsd", backward=False, return_dbias=False):
     """The chunks, device memory and copies of a streamed call, without running it.
 
     Parameters
@@ -741,6 +740,9 @@ def streaming_plan(q, k, v, *, device_memory_limit, causal=False, window=None, b
         (`cupyflash.streaming`), so the options the call will take belong here too.
     backward : bool, default False
         The plan of the backward pass (without a ``dlse``) instead of the forward's.
+    return_dbias : bool, default False
+        The backward pass returns the bias gradient (ValueError without a bias or
+        ``backward``): its slices take device memory and go back too.
 
     Returns
     -------
@@ -765,12 +767,16 @@ def streaming_plan(q, k, v, *, device_memory_limit, causal=False, window=None, b
         backend="auto", block_size=block_size, seqlens_k=seqlens_k,
         device_memory_limit=device_memory_limit)
     backward = _validate.check_flag(backward, "backward")
+    return_dbias = _validate.check_flag(return_dbias, "return_dbias")
+    if return_dbias and (bias is None or not backward):
+        raise ValueError("return_dbias=True is the plan of a backward pass with a bias: pass bias "
+                         "and backward=True")
     q, k, v, problem = _validate.check_inputs(q, k, v, layout=layout)
     mods, _ = _resolve_modifiers(options, problem)
     b, d, hk = problem.batch, problem.head_dim, _arrays.split_shape(k.shape, layout)[1]
     g = streaming.geometry((b, problem.heads, problem.q_len, d), (b, hk, problem.k_len, d),
                            (b, hk, problem.k_len, problem.value_dim), problem.dtype, mods,
-                           causal=options.causal)
+                           causal=options.causal, dbias=return_dbias)
     return streaming.plan_for(g, mods, options.device_memory_limit, backward=backward)
 
 

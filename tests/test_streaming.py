@@ -39,8 +39,10 @@ def _limit_for(q, k, v, chunk, *, causal=False, layout="bhsd", backward=True, bi
                            block_mask=None if mask_shape is None else np.empty(mask_shape, np.uint8),
                            seqlens_k=np.empty(1, np.int32) if seqlens else None,
                            alibi_slopes=None if alibi_shape is None else np.empty(alibi_shape))
-    # With a dlse row per query: what a context's forward checks its backward against.
-    g = streaming.geometry(*(x.shape for x in views), q.dtype, mods, causal=causal, dlse=backward)
+    # With a dlse row per query and the bias gradient: what a context's forward checks its
+    # backward against.
+    g = streaming.geometry(*(x.shape for x in views), q.dtype, mods, causal=causal, dlse=backward,
+                           dbias=backward)
     rows = lambda n: min(chunk, n)  # noqa: E731
     need = max(sum(streaming.device_buffers(g, rows(g.q_len), rows(g.k_len), back).values())
                for back in {False, backward})
@@ -277,21 +279,12 @@ def test_varlen_is_not_streamed():
     streaming.check_supported(_mods.Modifiers(window=(3, 0), dropout_p=0.1, alibi_slopes=np.ones((1, 2))))
 
 
-def test_bias_gradient_is_not_streamed_yet(rng):
-    q, k, v, do = _inputs(rng, np.float32, nq=64, nk=64)
-    bias = rng.standard_normal((64, 64)).astype(np.float32)
-    o, ctx = cf.attention_forward(q, k, v, bias=bias, backend="numpy", device_memory_limit=10**8)
-    with pytest.raises(NotImplementedError, match="return_dbias"):
-        cf.attention_backward(do, ctx, return_dbias=True)
-
-
-
-
 # Streamed == in memory (NumPy backend) ---------------------------------------------------------
 
 
-def _compare(rng, dtype, *, chunk=128, layout="bhsd", dlse=False, shapes=None, **options):
-    """Streamed forward, LSE and gradients against the in-memory call on the same inputs."""
+def _compare(rng, dtype, *, chunk=128, layout="bhsd", dlse=False, dbias=False, shapes=None, **options):
+    """Streamed forward, LSE and gradients (with ``dbias``, the bias gradient too) against
+    the in-memory call on the same inputs."""
     q, k, v, do = _inputs(rng, dtype, layout=layout, **(shapes or {}))
     before = [x.copy() for x in (q, k, v, do)]
     bias = options.get("bias")
@@ -315,11 +308,14 @@ def _compare(rng, dtype, *, chunk=128, layout="bhsd", dlse=False, shapes=None, *
     finite = np.isfinite(ctx_ref.lse)
     assert_close(ctx.lse[finite], ctx_ref.lse[finite], tol)
     g = rng.standard_normal(ctx.lse.shape).astype(dtype) if dlse else None
-    grads = cf.attention_backward(do, ctx, dlse=g)
-    grads_ref = cf.attention_backward(do, ctx_ref, dlse=g)
+    grads = cf.attention_backward(do, ctx, dlse=g, return_dbias=dbias)
+    grads_ref = cf.attention_backward(do, ctx_ref, dlse=g, return_dbias=dbias)
     # dk cancels to rounding noise where a row sees one key (softmax over one key has no
     # gradient): every gradient is measured against the size of dv, which does not cancel.
     size = np.linalg.norm(grads_ref[2].astype(np.float64))
+    if dbias:   # against its own size (summed over keys without dlse, dS cancels: the tests pass dlse)
+        assert grads[3].shape == bias.shape and grads[3].dtype == bias.dtype
+        assert_close(grads[3], grads_ref[3], tol)
     for got, ref in zip(grads, grads_ref):
         assert got.dtype == ref.dtype and got.shape == ref.shape
         err = np.linalg.norm((got.astype(np.float64) - ref).ravel())
@@ -351,6 +347,102 @@ def test_streamed_bias(rng, shape):
     if shape[-2] > 3:
         bias[..., 3, :] = -np.inf   # a row that sees no key
     _compare(rng, np.float64, causal=True, bias=bias)
+
+
+# Bias shapes (bhsd, B = 2, Hq = 4, Nq = 389, Nk = 517) broadcasting over each axis of the
+# compact (Bb, Hb, Nqb, Nkb) bias, or none.
+_BIAS_SHAPES = {"full": (2, 4, 389, 517), "over-batch": (1, 4, 389, 517), "over-heads": (2, 1, 389, 517),
+                "over-rows": (2, 4, 1, 517), "over-keys": (2, 4, 389, 1), "over-batch-and-heads": (389, 517),
+                "over-rows-and-keys": (4, 1, 1), "scalar": (1,)}
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", list(_BIAS_SHAPES.values()), ids=list(_BIAS_SHAPES))
+def test_streamed_bias_gradient(rng, causal, shape):
+    """The bias gradient streamed in chunks of 128 (slices shared by many pairs where the
+    bias broadcasts, summed on the device over a key chunk or on the host over the
+    pairs) against the in-memory call. dlse keeps dbias summed over keys from cancelling
+    to rounding noise (sum_j dS_ij = dlse_i)."""
+    bias = rng.standard_normal(shape)
+    ctx = _compare(rng, np.float64, causal=causal, dlse=True, dbias=True, bias=bias,
+                   shapes=dict(b=2, hq=4, hk=2, nq=389, nk=517))
+    assert ctx.streaming.pairs > 3
+
+
+@pytest.mark.parametrize("shape", ["full", "over-rows", "over-keys"])
+def test_streamed_bias_gradient_float32(rng, shape):
+    bias = rng.standard_normal(_BIAS_SHAPES[shape]).astype(np.float32)
+    _compare(rng, np.float32, causal=True, dlse=True, dbias=True, bias=bias,
+             shapes=dict(b=2, hq=4, hk=2, nq=389, nk=517))
+
+
+def test_streamed_bias_gradient_against_the_oracle(rng):
+    q, k, v, do = _inputs(rng, np.float64, nq=300, nk=400)
+    bias = rng.standard_normal((4, 300, 400))
+    limit = _limit_for(q, k, v, 128, causal=True, bias_shape=(1, 4, 300, 400))
+    o, vjp = cf.attention_vjp(q, k, v, causal=True, bias=bias, backend="numpy", device_memory_limit=limit)
+    scale = 1 / np.sqrt(q.shape[-1])
+    refs = naive_attention_grads(do, q, k, v, scale=scale, causal=True, bias=bias)
+    for got, ref in zip(vjp(do, return_dbias=True), refs):
+        assert got.shape == ref.shape
+        assert_close(got, ref, TOL[np.float64])
+
+
+@pytest.mark.parametrize("shape", ["over-batch-and-heads", "over-keys", "scalar"])
+def test_streamed_bias_gradient_is_deterministic(rng, shape):
+    """Slices that many pairs add into are summed in the steps' order: two runs agree bit
+    for bit."""
+    q, k, v, do = _inputs(rng, np.float32, nq=389, nk=517)
+    bias = rng.standard_normal(_BIAS_SHAPES[shape]).astype(np.float32)
+    limit = _limit_for(q, k, v, 128, causal=True, bias_shape=(1,) * (4 - bias.ndim) + bias.shape)
+    o, ctx = cf.attention_forward(q, k, v, causal=True, bias=bias, backend="numpy", device_memory_limit=limit)
+    dlse = rng.standard_normal(ctx.lse.shape).astype(np.float32)
+    first, second = (cf.attention_backward(do, ctx, dlse=dlse, return_dbias=True) for _ in range(2))
+    for a, b in zip(first, second):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("shape", ["full", "over-rows", "over-keys", "scalar"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_bias_gradient_plan(rng, shape, causal):
+    """The backward plan with the bias gradient: its slices are within the limit, and the
+    bytes it sends back are each pair's slice (keys up to the pair's stop), or each key
+    chunk's once where the bias broadcasts over rows."""
+    q, k, v, _ = _inputs(rng, np.float64, nq=389, nk=517)
+    bias = np.zeros(_BIAS_SHAPES[shape])
+    compact = (1,) * (4 - bias.ndim) + bias.shape
+    limit = _limit_for(q, k, v, 128, causal=causal, bias_shape=compact)
+    without = cf.streaming_plan(q, k, v, causal=causal, bias=bias, device_memory_limit=limit, backward=True)
+    plan = cf.streaming_plan(q, k, v, causal=causal, bias=bias, device_memory_limit=limit, backward=True,
+                             return_dbias=True)
+    assert plan.device_bytes <= limit and plan.device_bytes == sum(plan.buffers.values())
+    bb, hb, nqb, nkb = compact
+    rows, keys = lambda n: n if nqb > 1 else 1, lambda n: n if nkb > 1 else 1  # noqa: E731
+    assert plan.buffers["dbias slices (2 slots)"] == 2 * bb * hb * rows(plan.query_chunk) * keys(plan.key_chunk) * 8
+    assert "dbias slices (2 slots)" not in without.buffers
+    if (plan.query_bounds, plan.key_bounds) == (without.query_bounds, without.key_bounds):
+        if nqb == 1:
+            sent = sum(keys(k1 - k0) for k0, k1 in {plan.key_bounds[s.key] for s in plan.steps})
+        else:
+            sent = sum(rows(q1 - q0) * keys(s.key_stop - plan.key_bounds[s.key][0])
+                       for s in plan.steps for q0, q1 in [plan.query_bounds[s.row]])
+        assert plan.d2h_bytes - without.d2h_bytes == bb * hb * sent * 8
+    assert plan.min_bytes - without.min_bytes == bias.size * 8
+
+
+def test_a_limit_too_small_for_the_bias_gradient_is_named(rng):
+    """A context's forward with a bias checks that its backward fits with the gradient's
+    slices too."""
+    q, k, v, _ = _inputs(rng, np.float64, nq=389, nk=517)
+    bias = rng.standard_normal((2, 4, 389, 517))
+    limit = _limit_for(q, k, v, 128, bias_shape=bias.shape)
+    cf.attention_forward(q, k, v, bias=bias, backend="numpy", device_memory_limit=limit)
+    mods = _mods.Modifiers(bias=bias)
+    g = streaming.geometry(q.shape, k.shape, v.shape, q.dtype, mods, causal=False, dlse=True)
+    short = max(sum(streaming.device_buffers(g, 128, 128, back).values()) for back in (False, True)) + 1
+    assert short < limit
+    with pytest.raises(ValueError, match="device_memory_limit"):
+        cf.attention_forward(q, k, v, bias=bias, backend="numpy", device_memory_limit=short)
 
 
 def test_streamed_block_mask_skips_empty_pairs(rng):
@@ -460,12 +552,12 @@ def test_streamed_dropout_advances_the_rng_as_one_call(rng):
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_streamed_options_together(rng, layout, dtype):
-    """Window, ALiBi, dropout, softcap, a bias, key padding, causal, GQA and dlse at once,
-    on odd sizes cut into chunks of 128."""
+    """Window, ALiBi, dropout, softcap, a bias and its gradient, key padding, causal, GQA
+    and dlse at once, on odd sizes cut into chunks of 128."""
     nq, nk = 389, 517
     bias = rng.standard_normal((nq, nk))
     bias[5, :] = -np.inf   # a row that sees no key
-    ctx = _compare(rng, dtype, layout=layout, dlse=True, causal=True, window=(150, 0),
+    ctx = _compare(rng, dtype, layout=layout, dlse=True, dbias=True, causal=True, window=(150, 0),
                    alibi_slopes=rng.uniform(0.01, 0.2, (2, 6)), dropout_p=0.25, seed=77, softcap=4.0,
                    seqlens_k=np.array([517, 401]), bias=bias.astype(dtype),
                    shapes=dict(b=2, hq=6, hk=2, nq=nq, nk=nk))
@@ -568,17 +660,24 @@ class _FakeCupy(types.ModuleType):
 
 @pytest.mark.parametrize("events_done", [True, False], ids=["downloads-at-once", "downloads-at-reclaim"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_gpu_copy_path_on_the_cpu(rng, monkeypatch, causal, events_done):
+@pytest.mark.parametrize("bias_shape", [None, (4, 700, 900), (2, 4, 1, 900), (1, 1, 700, 1)],
+                         ids=["no-bias", "dbias-per-pair", "dbias-per-key-chunk", "dbias-summed-on-host"])
+def test_gpu_copy_path_on_the_cpu(rng, monkeypatch, causal, events_done, bias_shape):
     """The GPU path's copies (chunks cut into pieces, pinned-buffer rings reused, downloads
     carried out as soon as ready or when their slot is needed again, in the order issued,
     their host sums split over threads) run on the CPU through `_FakeCupy`, with tiny
-    pieces: the same results, bit for bit, as the NumPy "device"."""
+    pieces: the same results, bit for bit, as the NumPy "device", the bias gradient's
+    slices included."""
     q, k, v, do = _inputs(rng, np.float32, b=2, hq=4, hk=2, nq=700, nk=900, d=16, dv=24)
-    limit = _limit_for(q, k, v, 128, causal=causal)
+    bias = None if bias_shape is None else rng.standard_normal(bias_shape).astype(np.float32)
+    limit = _limit_for(q, k, v, 128, causal=causal,
+                       bias_shape=None if bias is None else (1,) * (4 - bias.ndim) + bias.shape)
+    dlse = rng.standard_normal((2, 4, 700)).astype(np.float32)
 
     def run():
-        o, ctx = cf.attention_forward(q, k, v, causal=causal, backend="numpy", device_memory_limit=limit)
-        return (o, ctx.lse, *cf.attention_backward(do, ctx))
+        o, ctx = cf.attention_forward(q, k, v, causal=causal, bias=bias, backend="numpy",
+                                      device_memory_limit=limit)
+        return (o, ctx.lse, *cf.attention_backward(do, ctx, dlse=dlse, return_dbias=bias is not None))
 
     expected = run()
     fake = _FakeCupy(events_done)
@@ -701,6 +800,41 @@ def test_streamed_gpu_equals_in_memory_gpu(dtype, case):
         # they are summed over chunks (tests/test_merge.py makes the same allowance).
         assert rel_err(f(got), ref) < 3 * tol
         assert rel_err(f(mem), ref) < tol
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+@pytest.mark.parametrize("shape", ["full", "over-batch-and-heads", "over-rows", "over-keys"])
+def test_streamed_gpu_bias_gradient(dtype, shape):
+    """The bias gradient of a streamed GPU backward (chunks of 128, GQA, causal, dlse)
+    against the in-memory GPU call and the float64 NumPy backend on the same rounded
+    inputs: each pair's kernels add into their slice, which the host sums over the pairs
+    that share it (dlse keeps a gradient summed over keys from cancelling)."""
+    from gpu_cases import TOLERANCE, np_dtype, rel_err
+
+    rng = np.random.default_rng(29)
+    dt = np_dtype(dtype)
+    q, k, v, do = (x.astype(dt) for x in _inputs(rng, np.float32, b=2, hq=4, hk=2, nq=389, nk=517,
+                                                   d=64, dv=64))
+    bias = rng.standard_normal(_BIAS_SHAPES[shape]).astype(dt)
+    dlse = rng.standard_normal((2, 4, 389)).astype(np.float32)
+    limit = _limit_for(q, k, v, 128, causal=True, bias_shape=(1,) * (4 - bias.ndim) + bias.shape)
+    o, ctx = cf.attention_forward(q, k, v, causal=True, bias=bias, backend="cuda", device_memory_limit=limit)
+    _, ctx_mem = cf.attention_forward(q, k, v, causal=True, bias=bias, backend="cuda")
+    assert ctx.streaming is not None and ctx.streaming.pairs > 3
+    f = lambda x: np.asarray(x).astype(np.float64)   # noqa: E731
+    _, ctx_ref = cf.attention_forward(f(q), f(k), f(v), causal=True, bias=f(bias), backend="numpy")
+    refs = cf.attention_backward(f(do), ctx_ref, dlse=f(dlse), return_dbias=True)
+    grads = cf.attention_backward(do, ctx, dlse=dlse, return_dbias=True)
+    grads_mem = cf.attention_backward(do, ctx_mem, dlse=dlse, return_dbias=True)
+    tol = TOLERANCE[dtype]
+    for got, mem, ref in zip(grads, grads_mem, refs):
+        assert isinstance(got, np.ndarray) and got.dtype == dt and got.shape == ref.shape
+        # Three times the limit, as above: the pairs' parts are rounded before their sums
+        # (dbias's are not, but its slices sum many pairs' float atomics).
+        assert rel_err(f(got), ref) < 3 * tol
+        assert rel_err(f(got), f(mem)) < 3 * tol
+    assert grads[3].shape == bias.shape
 
 
 @pytest.mark.gpu
