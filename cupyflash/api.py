@@ -14,7 +14,7 @@ import textwrap
 import types
 from dataclasses import dataclass, field
 
-from . import _arrays, _mods, _reference, _rng, _validate, streaming
+from . import _arrays, _mods, _reference, _rng, _validate, streaming, streaming_varlen
 from ._rng import manual_seed
 
 __all__ = ["AttentionContext", "attention", "attention_backward", "attention_forward",
@@ -420,7 +420,7 @@ def _forward(q, k, v, options, varlen=None, *, gradients=False):
                                 kv_heads=_arrays.split_shape(k.shape, options.layout)[1],
                                 limit=options.device_memory_limit, backward=gradients)
     if plan is not None:
-        return _streamed_forward(q, k, v, options, problem, scale, backend, mods, seed, plan)
+        return _streamed_forward(q, k, v, options, problem, scale, backend, mods, seed, plan, varlen)
     kind, device = _where(backend, problem)
     layout = options.layout
     with _arrays.on_device(device):
@@ -440,18 +440,25 @@ def _forward(q, k, v, options, varlen=None, *, gradients=False):
                     cu_seqlens=None if varlen is None else varlen[:2])
 
 
-def _streamed_forward(q, k, v, options, problem, scale, backend, mods, seed, plan):
-    """`_forward` for host inputs streamed through the device by ``plan``."""
+def _streamed_forward(q, k, v, options, problem, scale, backend, mods, seed, plan, varlen):
+    """`_forward` for host inputs streamed through the device by ``plan`` (``varlen``: the
+    checked boundaries and maxima of a varlen call)."""
     layout = options.layout
     mods = _move_modifiers(mods, _arrays.HOST, None)   # sliced per pair on the host
     o = _arrays.empty((*q.shape[:-1], problem.value_dim), problem.dtype, _arrays.HOST)
     lse = _arrays.empty(_arrays.lse_shape(q.shape, layout),
                         _arrays.accumulation_dtype(problem.dtype), _arrays.HOST)
     saved = (*(_arrays.bhsd_view(x, layout) for x in (q, k, v, o)), _arrays.lse_bhs_view(lse, layout))
-    streaming.forward(*saved, plan=plan, scale=scale, causal=options.causal, mods=mods,
-                      backend=backend, device=_where(backend, problem)[1], progress=options.progress)
+    _streamer(mods).forward(*saved, plan=plan, scale=scale, causal=options.causal, mods=mods,
+                            backend=backend, device=_where(backend, problem)[1], progress=options.progress)
     return _Forward(q=q, k=k, v=v, o=o, lse=lse, scale=scale, backend=backend, problem=problem,
-                    saved=saved, mods=mods, seed=seed, streaming=plan)
+                    saved=saved, mods=mods, seed=seed, streaming=plan,
+                    cu_seqlens=None if varlen is None else varlen[:2])
+
+
+def _streamer(mods):
+    """The module that streams a call: varlen calls are cut between their sequences."""
+    return streaming_varlen if mods.varlen else streaming
 
 
 def _streamed_backward_plan(ctx, has_dlse, has_dbias):
@@ -463,7 +470,7 @@ def _streamed_backward_plan(ctx, has_dlse, has_dbias):
     limit = ctx._memory_limit
     if limit is None:
         limit = streaming.free_device_budget(_arrays.current_device())
-    return streaming.plan_for(g, ctx._modifiers, limit, backward=True)
+    return _streamer(ctx._modifiers).plan_for(g, ctx._modifiers, limit, backward=True)
 
 
 def _context(run, options, *, layout, user_arrays=None, varlen=None):
@@ -662,10 +669,12 @@ def attention_backward(do, ctx, *, return_dbias=False, dlse=None):
             dbias = _arrays.namespace(kind).zeros(ctx._modifiers.bias.shape,
                                                   _arrays.accumulation_dtype(ctx.q.dtype))
         if plan is not None:
-            streaming.backward(
+            # A varlen call has no bias: its backward takes no dbias.
+            extra = {} if dbias is None else {"dbias": dbias}
+            _streamer(ctx._modifiers).backward(
                 ctx._backend_view(do_), *ctx._saved, *(ctx._backend_view(g) for g in grads),
                 plan=plan, scale=ctx.scale, deterministic=ctx.deterministic, mods=ctx._modifiers,
-                backend=ctx.backend, dlse=dlse, dbias=dbias, progress=ctx._progress,
+                backend=ctx.backend, dlse=dlse, progress=ctx._progress, **extra,
                 device=None if ctx.backend == "numpy" else _arrays.current_device())
         elif ctx._saved[0].shape[0]:  # an empty batch launches nothing
             _backend_module(ctx.backend).attention_backward(
@@ -783,10 +792,11 @@ def streaming_plan(q, k, v, *, device_memory_limit, causal=False, window=None, b
 # Varlen ------------------------------------------------------------------------------------
 
 
-def _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **options):
+def _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                    gradients=False, **options):
     options = _validate.check_options(block_mask=None, bias=None, layout="bshd", **options)
     q4, k4, v4 = _validate.check_varlen_inputs(q, k, v)
-    run = _forward(q4, k4, v4, options,
+    run = _forward(q4, k4, v4, options, gradients=gradients,
                    varlen=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
     # The (1, total, H, d) views ran; the caller gets packed (total, H, d) arrays back.
     o, lse = run.o[0], run.lse[0]
@@ -811,7 +821,15 @@ causal, scale, window, dropout_p, seed, alibi_slopes, softcap, deterministic, ba
     lengths, so causal and window align at its own bottom-right corner, ALiBi slopes are
     broadcastable to (S, Hq) and the dropout mask counts rows and columns from the
     sequence's start. No sequence sees another's keys. (A bias, block mask or key padding
-    have no packed form: the keyword does not exist here.)"""
+    have no packed form: the keyword does not exist here.)
+device_memory_limit, progress
+    As for `attention`: host inputs stream through at most this many bytes of device
+    memory (`cupyflash.streaming_varlen`), cut between sequences: consecutive sequences
+    that fit run as one in-memory varlen call (their packed rows go up, their outputs
+    come back), and a sequence too long for the limit alone streams as a dense call over
+    its rows, in chunk pairs, with the options as they apply to it. ``progress`` counts
+    the groups and the streamed sequences' pairs. With None, host inputs stream only
+    when the in-memory call would not fit in the free device memory."""
 
 
 def _with_varlen_doc(func):
@@ -823,7 +841,7 @@ def _with_varlen_doc(func):
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                      causal=False, scale=None, window=None, dropout_p=0.0, seed=None,
                      alibi_slopes=None, softcap=0.0, deterministic=False, return_lse=False,
-                     backend="auto", precision="highest"):
+                     backend="auto", device_memory_limit=None, progress=None, precision="highest"):
     """Attention over packed sequences of different lengths (flash-attn's varlen API).
 
     Parameters
@@ -850,7 +868,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     _, _, (_, _, _, o, lse) = _varlen_forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
         scale=scale, window=window, dropout_p=dropout_p, seed=seed, alibi_slopes=alibi_slopes,
-        softcap=softcap, deterministic=deterministic, backend=backend, precision=precision)
+        softcap=softcap, deterministic=deterministic, backend=backend,
+        device_memory_limit=device_memory_limit, progress=progress, precision=precision)
     return (o, lse) if return_lse else o
 
 
@@ -858,7 +877,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 def varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                              *, causal=False, scale=None, window=None, dropout_p=0.0, seed=None,
                              alibi_slopes=None, softcap=0.0, deterministic=False, backend="auto",
-                             precision="highest"):
+                             device_memory_limit=None, progress=None, precision="highest"):
     """Varlen attention forward pass that keeps what `attention_backward` needs.
 
     Parameters
@@ -873,9 +892,10 @@ def varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
         packed like q, k, v, and ``ctx.lse`` is (Hq, total_q).
     """
     options, run, arrays = _varlen_forward(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, gradients=True, causal=causal,
         scale=scale, window=window, dropout_p=dropout_p, seed=seed, alibi_slopes=alibi_slopes,
-        softcap=softcap, deterministic=deterministic, backend=backend, precision=precision)
+        softcap=softcap, deterministic=deterministic, backend=backend,
+        device_memory_limit=device_memory_limit, progress=progress, precision=precision)
     ctx = _context(run, options, layout="varlen", user_arrays=arrays, varlen=True)
     return arrays[3], ctx
 
@@ -884,7 +904,7 @@ def varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
 def varlen_attention_vjp(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                          causal=False, scale=None, window=None, dropout_p=0.0, seed=None,
                          alibi_slopes=None, softcap=0.0, deterministic=False, backend="auto",
-                         precision="highest"):
+                         device_memory_limit=None, progress=None, precision="highest"):
     """Varlen attention output and its vector-Jacobian product.
 
     Parameters
@@ -900,7 +920,8 @@ def varlen_attention_vjp(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
     o, ctx = varlen_attention_forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
         scale=scale, window=window, dropout_p=dropout_p, seed=seed, alibi_slopes=alibi_slopes,
-        softcap=softcap, deterministic=deterministic, backend=backend, precision=precision)
+        softcap=softcap, deterministic=deterministic, backend=backend,
+        device_memory_limit=device_memory_limit, progress=progress, precision=precision)
     return o, _vjp_of(ctx)
 
 

@@ -50,18 +50,12 @@ import numpy as np
 
 from . import _arrays, _cpu_threads, _masks, _mods, merge
 
-__all__ = ["StreamingPlan", "UNSUPPORTED", "ROW_ALIGN"]
+__all__ = ["StreamingPlan", "ROW_ALIGN"]
 
 # Chunk sizes are multiples of the kernels' 128-row tiles, so every call but the last of
 # a row or key range runs whole tiles (and chunk origins are aligned as dropout needs).
 ROW_ALIGN = 128
 assert ROW_ALIGN % _mods.ORIGIN_ALIGN == 0
-
-# What the streamed path refuses. Varlen: its packed sequences would need chunks cut per
-# sequence (a chunk's call takes one whole problem's cu_seqlens).
-UNSUPPORTED = {
-    "varlen": lambda m: m.varlen,
-}
 
 # With device_memory_limit=None a call streams when the in-memory call would take more
 # than this share of the free device memory, less the reserve (other allocations, the
@@ -78,16 +72,6 @@ _MERGE_ROW_TEMPORARIES = 12
 # The backward's key chunk is this many query chunks long where the memory allows
 # (`backward_chunks`).
 KEY_CHUNK_QUERY_CHUNKS = 4
-
-
-def check_supported(mods):
-    """NotImplementedError naming the first option the streamed path cannot run."""
-    for name, active in UNSUPPORTED.items():
-        if active(mods):
-            raise NotImplementedError(
-                f"{name} is not supported by the streamed path (device_memory_limit, or host "
-                "arrays larger than the free device memory) yet; run it in memory on arrays "
-                "that fit")
 
 
 # Planning ----------------------------------------------------------------------------------
@@ -555,8 +539,8 @@ def choose(problem, mods, *, backend, kv_heads, causal, limit, backward):
     A given ``limit`` streams host inputs on either backend (on the NumPy backend the host
     is the "device"); None streams host inputs on the GPU backend only when the in-memory
     call (with its backward pass where one may follow) would not fit in the free device
-    memory (`free_device_budget`), and then only for options the streamed path supports
-    (others run in memory, as before). Errors come before anything is allocated.
+    memory (`free_device_budget`). A varlen call's plan is a `streaming_varlen.VarlenPlan`.
+    Errors come before anything is allocated.
     """
     if problem.kind != _arrays.HOST:
         if limit is not None:
@@ -573,17 +557,15 @@ def choose(problem, mods, *, backend, kv_heads, causal, limit, backward):
         budget = free_device_budget(_arrays.current_device())
         if in_memory_bytes(g, backward) <= budget:
             return None
-        try:
-            check_supported(mods)
-        except NotImplementedError:
-            return None
         limit = budget
-    else:
-        check_supported(mods)
+    planner = plan_for
+    if mods.varlen:
+        from . import streaming_varlen   # built on this module: imported where it is needed
+        planner = streaming_varlen.plan_for
     if backward:   # a context's backward pass needs more: refuse its limit now, not then
         # (with the bias gradient's slices where there is a bias: it may be asked for)
-        plan_for(dataclasses.replace(g, dbias=mods.bias is not None), mods, limit, backward=True)
-    return plan_for(g, mods, limit, backward=False)
+        planner(dataclasses.replace(g, dbias=mods.bias is not None), mods, limit, backward=True)
+    return planner(g, mods, limit, backward=False)
 
 
 # Moving chunks -------------------------------------------------------------------------------
