@@ -202,8 +202,11 @@ class _Run:
         packed = np.ascontiguousarray(x.swapaxes(1, 2))
         return _arrays.move(packed, self.kind, self.device).swapaxes(1, 2)
 
-    def empty(self, shape, dtype):
-        return _arrays.empty(shape, dtype, self.kind)
+    def empty_like(self, x):
+        """A new array on the backend's side for a (1, H, n, d) view of the packed arrays,
+        packed (1, n, H, d) as the in-memory varlen call's outputs are."""
+        b, h, n, d = x.shape
+        return _arrays.empty((b, n, h, d), x.dtype, self.kind).swapaxes(1, 2)
 
     def down(self, dst, src):
         dst[...] = _arrays.move(src, _arrays.HOST, None)
@@ -255,8 +258,8 @@ def forward(q, k, v, o, lse, *, plan, scale, causal, mods, backend, device, prog
                               plan=part.plan, scale=scale, causal=causal, mods=run.sequence_mods(part),
                               backend=backend, device=device, progress=run.streamed_progress())
         else:
-            o_part = run.empty(o[:, :, rows].shape, o.dtype)
-            lse_part = run.empty(lse[:, :, rows].shape, lse.dtype)
+            o_part = run.empty_like(o[:, :, rows])
+            lse_part = _arrays.empty(lse[:, :, rows].shape, lse.dtype, run.kind)
             run.run.attention_forward(run.up(q[:, :, rows]), run.up(k[:, :, keys]), run.up(v[:, :, keys]),
                                       o_part, lse_part, scale=scale, causal=causal, mods=run.group_mods(part))
             run.down(o[:, :, rows], o_part)
@@ -284,7 +287,7 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, plan, scale, deterministic, mod
                 deterministic=deterministic, mods=run.sequence_mods(part), backend=backend, device=device,
                 dlse=dlse_part, progress=run.streamed_progress())
         else:
-            grads = [run.empty(x[:, :, r].shape, x.dtype) for x, r in ((dq, rows), (dk, keys), (dv, keys))]
+            grads = [run.empty_like(x[:, :, r]) for x, r in ((dq, rows), (dk, keys), (dv, keys))]
             run.run.attention_backward(
                 *(run.up(x[:, :, rows]) for x in (do, q)), run.up(k[:, :, keys]), run.up(v[:, :, keys]),
                 *(run.up(x[:, :, rows]) for x in (o, lse)), *grads, scale=scale, causal=plan.causal,

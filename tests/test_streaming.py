@@ -269,16 +269,6 @@ def test_bad_progress_is_named(rng, monkeypatch):
         cf.attention(q, k, v, backend="numpy", device_memory_limit=10**8, progress="tqdm")
 
 
-def test_varlen_is_not_streamed():
-    """Packed sequences are refused by the streamed path (a chunk's call takes one whole
-    problem's cu_seqlens), so a varlen call too large for the free device memory runs in
-    memory (`streaming.choose` falls back) rather than streaming wrongly."""
-    cu = np.array([0, 5, 9], np.int32)
-    with pytest.raises(NotImplementedError, match="varlen is not supported by the streamed path"):
-        streaming.check_supported(_mods.Modifiers(cu_seqlens_q=cu, cu_seqlens_k=cu))
-    streaming.check_supported(_mods.Modifiers(window=(3, 0), dropout_p=0.1, alibi_slopes=np.ones((1, 2))))
-
-
 # Streamed == in memory (NumPy backend) ---------------------------------------------------------
 
 
@@ -623,6 +613,150 @@ def test_key_chunks_no_query_sees_get_zero_gradients(rng):
         assert_close(got, want, TOL[np.float64])
 
 
+# Varlen: groups of whole sequences in memory, a long sequence streamed -----------------------
+
+# Query and key lengths per sequence: short ones that group, empty ones (no rows; no keys),
+# a long one that streams in many chunks (Nq < Nk and Nq > Nk), and one with no query rows
+# and too many keys to fit alone (set on the host).
+_VARLEN_Q = [5, 60, 0, 40, 700, 3, 90, 1, 0, 389]
+_VARLEN_K = [7, 80, 9, 0, 650, 3, 70, 1, 2000, 1517]
+
+
+def _varlen_inputs(rng, dtype, hq=4, hk=2, d=16, dv=24):
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (_VARLEN_Q, _VARLEN_K))
+    shapes = [(cu_q[-1], hq, d), (cu_k[-1], hk, d), (cu_k[-1], hk, dv), (cu_q[-1], hq, dv)]
+    return [rng.standard_normal(x).astype(dtype) for x in shapes], cu_q, cu_k
+
+
+def _varlen_limit(q, k, v, *, causal=False, alibi=False):
+    """A limit whose chunks are 128 rows for the longest sequence (batch 1): the short ones
+    group under it, the long ones stream."""
+    hq, hk = q.shape[1], k.shape[1]
+    views = [np.empty((1, h, n, x.shape[-1]), x.dtype) for x, h, n in ((q, hq, 700), (k, hk, 650), (v, hk, 650))]
+    return _limit_for(*views, 128, causal=causal, alibi_shape=(1, hq) if alibi else None)
+
+
+def _varlen_compare(rng, dtype, *, hq=4, hk=2, dlse=True, **options):
+    (q, k, v, do), cu_q, cu_k = _varlen_inputs(rng, dtype, hq=hq, hk=hk)
+    before = [x.copy() for x in (q, k, v, do)]
+    limit = _varlen_limit(q, k, v, causal=options.get("causal", False), alibi="alibi_slopes" in options)
+    args = (q, k, v, cu_q, cu_k, max(_VARLEN_Q), max(_VARLEN_K))
+    o_ref, ctx_ref = cf.varlen_attention_forward(*args, backend="numpy", **options)
+    calls = []
+    o, ctx = cf.varlen_attention_forward(*args, backend="numpy", device_memory_limit=limit,
+                                         progress=lambda done, total: calls.append((done, total)), **options)
+    plan = ctx.streaming
+    assert ctx_ref.streaming is None and plan.device_bytes <= limit
+    assert [p.kind for p in plan.parts].count("streamed") >= 2 and "group" in [p.kind for p in plan.parts]
+    assert calls == [(n, plan.pairs) for n in range(1, plan.pairs + 1)]
+    # float16 and bfloat16 outputs and gradients are rounded to their dtype on both sides
+    # (tests/TOLERANCES.md's limits for them).
+    tol = {np.float64: TOL[np.float64], np.float32: TOL[np.float32], np.float16: 3e-3}.get(dtype, 1e-2)
+    assert o.dtype == dtype and o.shape == o_ref.shape
+    assert_close(o, o_ref, tol)
+    assert (np.isneginf(ctx.lse) == np.isneginf(ctx_ref.lse)).all()
+    finite = np.isfinite(ctx_ref.lse)
+    assert_close(ctx.lse[finite], ctx_ref.lse[finite], tol)
+    g = rng.standard_normal(ctx.lse.shape).astype(np.float32) if dlse else None
+    calls.clear()
+    grads = cf.attention_backward(do, ctx, dlse=g)
+    back = cf.attention_backward(do, ctx_ref, dlse=g)
+    total = calls[-1][1]
+    assert calls == [(n, total) for n in range(1, total + 1)]
+    size = np.linalg.norm(back[2].astype(np.float64))
+    for got, ref in zip(grads, back):
+        assert got.dtype == ref.dtype and got.shape == ref.shape
+        err = np.linalg.norm((got.astype(np.float64) - ref).ravel())
+        assert err <= tol * max(np.linalg.norm(ref.astype(np.float64)), size)
+    # The sequence with no query rows and 2000 keys ran nowhere: its key gradients are 0.
+    keys = slice(cu_k[8], cu_k[9])
+    assert not grads[1][keys].any() and not grads[2][keys].any()
+    for x, y in zip((q, k, v, do), before):
+        np.testing.assert_array_equal(x, y)
+    return ctx
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("hq, hk", [(4, 2), (2, 2), (3, 1)], ids=["gqa", "mha", "mqa"])
+def test_streamed_varlen_equals_in_memory(rng, causal, hq, hk):
+    """Packed sequences, short and long, empty ones among them, streamed in groups and
+    chunks against the in-memory varlen call: forward, LSE, dq, dk, dv (with dlse)."""
+    _varlen_compare(rng, np.float64, causal=causal, hq=hq, hk=hk)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, "bfloat16"])
+def test_streamed_varlen_dtypes(rng, dtype):
+    if dtype == "bfloat16":
+        import ml_dtypes
+        dtype = ml_dtypes.bfloat16
+    _varlen_compare(rng, np.dtype(dtype).type, causal=True)
+
+
+def test_streamed_varlen_options(rng):
+    """Window, ALiBi per sequence, dropout and softcap: a streamed sequence takes its own
+    corner, its own row of slopes and its own dropout streams (``s * Hq`` past the call's
+    offset), the groups theirs from their first sequence."""
+    slopes = rng.uniform(0.01, 0.2, (len(_VARLEN_Q), 4))
+    _varlen_compare(rng, np.float64, causal=True, window=(150, 20), alibi_slopes=slopes, dropout_p=0.25,
+                    seed=2**40 + 9, softcap=3.0)
+
+
+def test_streamed_varlen_dropout_without_a_seed(rng):
+    """Without a seed the streamed call claims the call's streams once, as in memory."""
+    (q, k, v, _), cu_q, cu_k = _varlen_inputs(rng, np.float64)
+    limit = _varlen_limit(q, k, v)
+    outs = []
+    for lim in (limit, None):
+        cf.manual_seed(7)
+        outs.append(cf.varlen_attention(q, k, v, cu_q, cu_k, 700, 2000, dropout_p=0.3, backend="numpy",
+                                        device_memory_limit=lim))
+    assert_close(outs[0], outs[1], TOL[np.float64])
+
+
+def test_varlen_plan_groups_what_fits(rng):
+    """Parts cover the sequences in order; each group is as long as the limit allows (the
+    next sequence would not fit), each streamed sequence would not fit alone, and every
+    part's bytes are within the limit."""
+    from cupyflash import streaming_varlen
+    (q, k, v, _), cu_q, cu_k = _varlen_inputs(rng, np.float64)
+    limit = _varlen_limit(q, k, v, causal=True)
+    o, ctx = cf.varlen_attention_forward(q, k, v, cu_q, cu_k, 700, 2000, causal=True, backend="numpy",
+                                         device_memory_limit=limit)
+    for backward in (False, True):
+        g = streaming.geometry((1, 4, cu_q[-1], 16), (1, 2, cu_k[-1], 16), (1, 2, cu_k[-1], 24), np.float64,
+                               ctx._modifiers, causal=True)
+        plan = streaming_varlen.plan_for(g, ctx._modifiers, limit, backward=backward)
+        assert [p.first for p in plan.parts] == [0, *(p.stop for p in plan.parts[:-1])]
+        assert plan.parts[-1].stop == len(_VARLEN_Q) and plan.device_bytes <= limit
+        bytes_of = lambda a, b: streaming_varlen._group_bytes(g, cu_q, cu_k, a, b, backward)  # noqa: E731
+        for part, after in zip(plan.parts, plan.parts[1:] + (None,)):
+            assert part.device_bytes <= limit
+            if part.kind == "group":
+                assert part.device_bytes == bytes_of(part.first, part.stop)
+                assert after is None or bytes_of(part.first, part.stop + 1) > limit
+            else:
+                assert part.stop == part.first + 1 and bytes_of(part.first, part.stop) > limit
+            if part.kind == "streamed":
+                assert part.plan.pairs > 1 and part.plan.device_bytes <= limit
+        kinds = {p.first: p.kind for p in plan.parts}
+        assert kinds[4] == kinds[9] == "streamed" and kinds[8] == "host"
+        assert plan.pairs == sum(1 if p.kind == "group" else p.pairs for p in plan.parts)
+
+
+def test_varlen_too_small_a_limit_is_named_before_anything_is_allocated(rng, monkeypatch):
+    (q, k, v, _), cu_q, cu_k = _varlen_inputs(rng, np.float32)
+    from cupyflash import _arrays
+
+    def no_allocation(*args, **kwargs):
+        raise AssertionError("allocated before the error")
+
+    monkeypatch.setattr(_arrays, "empty", no_allocation)
+    with pytest.raises(ValueError, match=r"device_memory_limit=20000 bytes is too small"):
+        cf.varlen_attention(q, k, v, cu_q, cu_k, 700, 2000, backend="numpy", device_memory_limit=20000)
+    with pytest.raises(TypeError, match="device_memory_limit"):
+        cf.varlen_attention(q, k, v, cu_q, cu_k, 700, 2000, backend="numpy", device_memory_limit="1GB")
+
+
 def test_pieces_cut_chunks_into_contiguous_parts(monkeypatch):
     monkeypatch.setattr(streaming, "_PIECE_BYTES", 1024)
     for shape in [(2, 3, 5, 8), (2, 3, 50, 8), (1, 2, 300), (3, 1, 7), (2, 2, 0, 8)]:
@@ -835,6 +969,52 @@ def test_streamed_gpu_bias_gradient(dtype, shape):
         assert rel_err(f(got), ref) < 3 * tol
         assert rel_err(f(got), f(mem)) < 3 * tol
     assert grads[3].shape == bias.shape
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+@pytest.mark.parametrize("case", ["dense", "causal-gqa", "window-alibi-dropout-gqa"])
+def test_streamed_gpu_varlen_equals_in_memory_gpu(dtype, case):
+    """A streamed GPU varlen call (short sequences in groups run in memory, the long ones
+    streamed in chunks of 128, empty ones set on the host) against the in-memory GPU call
+    and the float64 NumPy backend on the same rounded inputs: forward, LSE and gradients
+    (with dlse)."""
+    from gpu_cases import TOLERANCE, np_dtype, rel_err
+
+    rng = np.random.default_rng(31)
+    dt = np_dtype(dtype)
+    (q, k, v, do), cu_q, cu_k = _varlen_inputs(rng, np.float32, hq=4, hk=4 if case == "dense" else 2,
+                                               d=64, dv=64)
+    q, k, v, do = (x.astype(dt) for x in (q, k, v, do))
+    options = {}
+    if case == "causal-gqa":
+        options["causal"] = True
+    elif case == "window-alibi-dropout-gqa":
+        slopes = _GPU_SLOPES[None] * 2.0 ** -np.arange(len(_VARLEN_Q), dtype=np.float32)[:, None]
+        options.update(causal=True, window=(300, 0), alibi_slopes=slopes, dropout_p=0.15, seed=99)
+    limit = _varlen_limit(q, k, v, causal=options.get("causal", False), alibi="alibi_slopes" in options)
+    args = (cu_q, cu_k, max(_VARLEN_Q), max(_VARLEN_K))
+    o, ctx = cf.varlen_attention_forward(q, k, v, *args, backend="cuda", device_memory_limit=limit, **options)
+    o_mem, ctx_mem = cf.varlen_attention_forward(q, k, v, *args, backend="cuda", **options)
+    kinds = [p.kind for p in ctx.streaming.parts]
+    assert isinstance(o, np.ndarray) and "streamed" in kinds and "group" in kinds
+    f = lambda x: np.asarray(x).astype(np.float64)   # noqa: E731
+    ref_o, ctx_ref = cf.varlen_attention_forward(f(q), f(k), f(v), *args, backend="numpy", **options)
+    tol = TOLERANCE[dtype]
+    assert rel_err(f(o), ref_o) < tol and rel_err(f(o_mem), ref_o) < tol
+    finite = np.isfinite(ctx_ref.lse)
+    assert (np.isneginf(ctx.lse) == ~finite).all()
+    assert rel_err(f(ctx.lse)[finite], ctx_ref.lse[finite]) < tol
+    dlse = rng.standard_normal(ctx.lse.shape).astype(np.float32)
+    grads = cf.attention_backward(do, ctx, dlse=dlse)
+    grads_mem = cf.attention_backward(do, ctx_mem, dlse=dlse)
+    refs = cf.attention_backward(f(do), ctx_ref, dlse=f(dlse))
+    for got, mem, ref in zip(grads, grads_mem, refs):
+        assert isinstance(got, np.ndarray) and got.dtype == dt and got.shape == ref.shape
+        # Three times the limit, as above: a streamed sequence's pairs are rounded before
+        # their sums.
+        assert rel_err(f(got), ref) < 3 * tol
+        assert rel_err(f(mem), ref) < 3 * tol
 
 
 @pytest.mark.gpu
