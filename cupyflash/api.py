@@ -96,8 +96,8 @@ device_memory_limit : int, optional
     block_mask (chunks are multiples of its block size), seqlens_k, softcap, scale,
     deterministic: each pair's call takes the whole problem's rows, keys and diagonal,
     and pairs that the masks leave empty are never copied. A context's forward checks
-    that its backward fits too (with the bias gradient's slices, given a bias). Not yet
-    (NotImplementedError): varlen. GPU (CuPy) inputs with a
+    that its backward fits too (with the bias gradient's slices, given a bias). Varlen
+    calls take it too (`varlen_attention`). GPU (CuPy) inputs with a
     limit raise ValueError (they are on the device already). On the NumPy backend a limit
     runs the same chunked algorithm on the host (how it is tested without a GPU). The
     context of a streamed `attention_forward` streams its backward pass too, under the
@@ -188,8 +188,9 @@ class AttentionContext:
         The remaining options, as given (``block_size`` as a pair).
     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
         Varlen calls only (else None): the sequence boundaries, as host int32 arrays.
-    streaming : StreamingPlan or None
-        The plan of a streamed forward pass (``device_memory_limit``); its backward pass
+    streaming : StreamingPlan, VarlenPlan or None
+        The plan of a streamed forward pass (``device_memory_limit``; a
+        `cupyflash.streaming_varlen.VarlenPlan` for varlen calls); its backward pass
         streams too. None for an in-memory pass.
 
     Notes

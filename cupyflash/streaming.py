@@ -37,6 +37,9 @@ overlapped with the compute stream, or NumPy as the "device" (no copies across a
 streams), which is how the chunking, masking, merging and gradient accumulation are tested
 without a GPU. The array module and the copy mechanics are the only differences between
 the two.
+
+Varlen calls are cut between their sequences instead (`cupyflash.streaming_varlen`), which
+runs a sequence too long for the limit through this module as a call of its own.
 """
 
 from __future__ import annotations
