@@ -56,7 +56,7 @@ class VarlenPart:
 
     @property
     def pairs(self):
-        return {"group": 1, "streamed": self.plan.pairs if self.plan else 0, "host": 0}[self.kind]
+        return {"group": 1, "streamed": self.plan.pairs if self.plan is not None else 0, "host": 0}[self.kind]
 
 
 @dataclass(frozen=True)
