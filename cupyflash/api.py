@@ -14,7 +14,7 @@ import textwrap
 import types
 from dataclasses import dataclass, field
 
-from . import _arrays, _mods, _reference, _rng, _validate, streaming
+from . import _arrays, _mods, _reference, _rng, _validate, streaming, streaming_varlen
 from ._rng import manual_seed
 
 __all__ = ["AttentionContext", "attention", "attention_backward", "attention_forward",
@@ -92,10 +92,12 @@ device_memory_limit : int, optional
     a bound too small for one 128-row chunk, ValueError names it before anything is
     allocated. Streamed: causal, GQA, window, alibi_slopes, dropout_p (the same mask as
     the in-memory call with that seed; without one the RNG advances as for one call),
-    bias, block_mask (chunks are multiples of its block size), seqlens_k, softcap, scale,
+    bias and its gradient (each pair's slice summed on the host in a fixed order),
+    block_mask (chunks are multiples of its block size), seqlens_k, softcap, scale,
     deterministic: each pair's call takes the whole problem's rows, keys and diagonal,
-    and pairs that the masks leave empty are never copied. Not yet (NotImplementedError):
-    the bias gradient. GPU (CuPy) inputs with a
+    and pairs that the masks leave empty are never copied. A context's forward checks
+    that its backward fits too (with the bias gradient's slices, given a bias). Varlen
+    calls take it too (`varlen_attention`). GPU (CuPy) inputs with a
     limit raise ValueError (they are on the device already). On the NumPy backend a limit
     runs the same chunked algorithm on the host (how it is tested without a GPU). The
     context of a streamed `attention_forward` streams its backward pass too, under the
@@ -186,8 +188,9 @@ class AttentionContext:
         The remaining options, as given (``block_size`` as a pair).
     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
         Varlen calls only (else None): the sequence boundaries, as host int32 arrays.
-    streaming : StreamingPlan or None
-        The plan of a streamed forward pass (``device_memory_limit``); its backward pass
+    streaming : StreamingPlan, VarlenPlan or None
+        The plan of a streamed forward pass (``device_memory_limit``; a
+        `cupyflash.streaming_varlen.VarlenPlan` for varlen calls); its backward pass
         streams too. None for an in-memory pass.
 
     Notes
@@ -418,7 +421,7 @@ def _forward(q, k, v, options, varlen=None, *, gradients=False):
                                 kv_heads=_arrays.split_shape(k.shape, options.layout)[1],
                                 limit=options.device_memory_limit, backward=gradients)
     if plan is not None:
-        return _streamed_forward(q, k, v, options, problem, scale, backend, mods, seed, plan)
+        return _streamed_forward(q, k, v, options, problem, scale, backend, mods, seed, plan, varlen)
     kind, device = _where(backend, problem)
     layout = options.layout
     with _arrays.on_device(device):
@@ -438,30 +441,37 @@ def _forward(q, k, v, options, varlen=None, *, gradients=False):
                     cu_seqlens=None if varlen is None else varlen[:2])
 
 
-def _streamed_forward(q, k, v, options, problem, scale, backend, mods, seed, plan):
-    """`_forward` for host inputs streamed through the device by ``plan``."""
+def _streamed_forward(q, k, v, options, problem, scale, backend, mods, seed, plan, varlen):
+    """`_forward` for host inputs streamed through the device by ``plan`` (``varlen``: the
+    checked boundaries and maxima of a varlen call)."""
     layout = options.layout
     mods = _move_modifiers(mods, _arrays.HOST, None)   # sliced per pair on the host
     o = _arrays.empty((*q.shape[:-1], problem.value_dim), problem.dtype, _arrays.HOST)
     lse = _arrays.empty(_arrays.lse_shape(q.shape, layout),
                         _arrays.accumulation_dtype(problem.dtype), _arrays.HOST)
     saved = (*(_arrays.bhsd_view(x, layout) for x in (q, k, v, o)), _arrays.lse_bhs_view(lse, layout))
-    streaming.forward(*saved, plan=plan, scale=scale, causal=options.causal, mods=mods,
-                      backend=backend, device=_where(backend, problem)[1], progress=options.progress)
+    _streamer(mods).forward(*saved, plan=plan, scale=scale, causal=options.causal, mods=mods,
+                            backend=backend, device=_where(backend, problem)[1], progress=options.progress)
     return _Forward(q=q, k=k, v=v, o=o, lse=lse, scale=scale, backend=backend, problem=problem,
-                    saved=saved, mods=mods, seed=seed, streaming=plan)
+                    saved=saved, mods=mods, seed=seed, streaming=plan,
+                    cu_seqlens=None if varlen is None else varlen[:2])
 
 
-def _streamed_backward_plan(ctx, has_dlse):
+def _streamer(mods):
+    """The module that streams a call: varlen calls are cut between their sequences."""
+    return streaming_varlen if mods.varlen else streaming
+
+
+def _streamed_backward_plan(ctx, has_dlse, has_dbias):
     """The backward plan of a streamed context, under its forward's limit (or the free
     device memory now, where the forward chose to stream by itself)."""
     q, k, v = ctx._saved[:3]
     g = streaming.geometry(q.shape, k.shape, v.shape, q.dtype, ctx._modifiers, causal=ctx.causal,
-                           dlse=has_dlse)
+                           dlse=has_dlse, dbias=has_dbias)
     limit = ctx._memory_limit
     if limit is None:
         limit = streaming.free_device_budget(_arrays.current_device())
-    return streaming.plan_for(g, ctx._modifiers, limit, backward=True)
+    return _streamer(ctx._modifiers).plan_for(g, ctx._modifiers, limit, backward=True)
 
 
 def _context(run, options, *, layout, user_arrays=None, varlen=None):
@@ -639,9 +649,6 @@ def attention_backward(do, ctx, *, return_dbias=False, dlse=None):
     return_dbias = _validate.check_flag(return_dbias, "return_dbias")
     if return_dbias and ctx.bias is None:
         raise ValueError("return_dbias=True needs a forward pass with a bias; this one had none")
-    if return_dbias and ctx.streaming is not None:
-        raise NotImplementedError("return_dbias=True is not supported by the streamed path "
-                                  "(device_memory_limit) yet; run the forward pass in memory")
     _validate.check_unchanged(ctx._tracked(), ctx._snapshot)
     user_kind = _arrays.kind_of(ctx.q)
     do = _validate.check_do(do, o=ctx.o, kind=user_kind, device=ctx.device)
@@ -651,7 +658,7 @@ def attention_backward(do, ctx, *, return_dbias=False, dlse=None):
     device = _arrays.device_of(ctx._saved[0])
     plan = None
     if ctx.streaming is not None and ctx._saved[0].shape[0]:
-        plan = _streamed_backward_plan(ctx, dlse is not None)   # its errors come first
+        plan = _streamed_backward_plan(ctx, dlse is not None, return_dbias)   # its errors come first
     with _arrays.on_device(device):
         do_ = _arrays.move(do, kind, device)
         if dlse is not None:
@@ -663,10 +670,12 @@ def attention_backward(do, ctx, *, return_dbias=False, dlse=None):
             dbias = _arrays.namespace(kind).zeros(ctx._modifiers.bias.shape,
                                                   _arrays.accumulation_dtype(ctx.q.dtype))
         if plan is not None:
-            streaming.backward(
+            # A varlen call has no bias: its backward takes no dbias.
+            extra = {} if dbias is None else {"dbias": dbias}
+            _streamer(ctx._modifiers).backward(
                 ctx._backend_view(do_), *ctx._saved, *(ctx._backend_view(g) for g in grads),
                 plan=plan, scale=ctx.scale, deterministic=ctx.deterministic, mods=ctx._modifiers,
-                backend=ctx.backend, dlse=dlse, progress=ctx._progress,
+                backend=ctx.backend, dlse=dlse, progress=ctx._progress, **extra,
                 device=None if ctx.backend == "numpy" else _arrays.current_device())
         elif ctx._saved[0].shape[0]:  # an empty batch launches nothing
             _backend_module(ctx.backend).attention_backward(
@@ -725,7 +734,7 @@ def attention_vjp(q, k, v, *, causal=False, scale=None, window=None, dropout_p=0
 
 def streaming_plan(q, k, v, *, device_memory_limit, causal=False, window=None, block_mask=None,
                    block_size=128, bias=None, alibi_slopes=None, dropout_p=0.0, softcap=0.0,
-                   seqlens_k=None, layout="bhsd", backward=False):
+                   seqlens_k=None, layout="bhsd", backward=False, return_dbias=False):
     """The chunks, device memory and copies of a streamed call, without running it.
 
     Parameters
@@ -741,6 +750,9 @@ def streaming_plan(q, k, v, *, device_memory_limit, causal=False, window=None, b
         (`cupyflash.streaming`), so the options the call will take belong here too.
     backward : bool, default False
         The plan of the backward pass (without a ``dlse``) instead of the forward's.
+    return_dbias : bool, default False
+        The backward pass returns the bias gradient (ValueError without a bias or
+        ``backward``): its slices take device memory and go back too.
 
     Returns
     -------
@@ -765,22 +777,27 @@ def streaming_plan(q, k, v, *, device_memory_limit, causal=False, window=None, b
         backend="auto", block_size=block_size, seqlens_k=seqlens_k,
         device_memory_limit=device_memory_limit)
     backward = _validate.check_flag(backward, "backward")
+    return_dbias = _validate.check_flag(return_dbias, "return_dbias")
+    if return_dbias and (bias is None or not backward):
+        raise ValueError("return_dbias=True is the plan of a backward pass with a bias: pass bias "
+                         "and backward=True")
     q, k, v, problem = _validate.check_inputs(q, k, v, layout=layout)
     mods, _ = _resolve_modifiers(options, problem)
     b, d, hk = problem.batch, problem.head_dim, _arrays.split_shape(k.shape, layout)[1]
     g = streaming.geometry((b, problem.heads, problem.q_len, d), (b, hk, problem.k_len, d),
                            (b, hk, problem.k_len, problem.value_dim), problem.dtype, mods,
-                           causal=options.causal)
+                           causal=options.causal, dbias=return_dbias)
     return streaming.plan_for(g, mods, options.device_memory_limit, backward=backward)
 
 
 # Varlen ------------------------------------------------------------------------------------
 
 
-def _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **options):
+def _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                    gradients=False, **options):
     options = _validate.check_options(block_mask=None, bias=None, layout="bshd", **options)
     q4, k4, v4 = _validate.check_varlen_inputs(q, k, v)
-    run = _forward(q4, k4, v4, options,
+    run = _forward(q4, k4, v4, options, gradients=gradients,
                    varlen=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
     # The (1, total, H, d) views ran; the caller gets packed (total, H, d) arrays back.
     o, lse = run.o[0], run.lse[0]
@@ -805,7 +822,15 @@ causal, scale, window, dropout_p, seed, alibi_slopes, softcap, deterministic, ba
     lengths, so causal and window align at its own bottom-right corner, ALiBi slopes are
     broadcastable to (S, Hq) and the dropout mask counts rows and columns from the
     sequence's start. No sequence sees another's keys. (A bias, block mask or key padding
-    have no packed form: the keyword does not exist here.)"""
+    have no packed form: the keyword does not exist here.)
+device_memory_limit, progress
+    As for `attention`: host inputs stream through at most this many bytes of device
+    memory (`cupyflash.streaming_varlen`), cut between sequences: consecutive sequences
+    that fit run as one in-memory varlen call (their packed rows go up, their outputs
+    come back), and a sequence too long for the limit alone streams as a dense call over
+    its rows, in chunk pairs, with the options as they apply to it. ``progress`` counts
+    the groups and the streamed sequences' pairs. With None, host inputs stream only
+    when the in-memory call would not fit in the free device memory."""
 
 
 def _with_varlen_doc(func):
@@ -817,7 +842,7 @@ def _with_varlen_doc(func):
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                      causal=False, scale=None, window=None, dropout_p=0.0, seed=None,
                      alibi_slopes=None, softcap=0.0, deterministic=False, return_lse=False,
-                     backend="auto", precision="highest"):
+                     backend="auto", device_memory_limit=None, progress=None, precision="highest"):
     """Attention over packed sequences of different lengths (flash-attn's varlen API).
 
     Parameters
@@ -844,7 +869,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     _, _, (_, _, _, o, lse) = _varlen_forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
         scale=scale, window=window, dropout_p=dropout_p, seed=seed, alibi_slopes=alibi_slopes,
-        softcap=softcap, deterministic=deterministic, backend=backend, precision=precision)
+        softcap=softcap, deterministic=deterministic, backend=backend,
+        device_memory_limit=device_memory_limit, progress=progress, precision=precision)
     return (o, lse) if return_lse else o
 
 
@@ -852,7 +878,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 def varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                              *, causal=False, scale=None, window=None, dropout_p=0.0, seed=None,
                              alibi_slopes=None, softcap=0.0, deterministic=False, backend="auto",
-                             precision="highest"):
+                             device_memory_limit=None, progress=None, precision="highest"):
     """Varlen attention forward pass that keeps what `attention_backward` needs.
 
     Parameters
@@ -867,9 +893,10 @@ def varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
         packed like q, k, v, and ``ctx.lse`` is (Hq, total_q).
     """
     options, run, arrays = _varlen_forward(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, gradients=True, causal=causal,
         scale=scale, window=window, dropout_p=dropout_p, seed=seed, alibi_slopes=alibi_slopes,
-        softcap=softcap, deterministic=deterministic, backend=backend, precision=precision)
+        softcap=softcap, deterministic=deterministic, backend=backend,
+        device_memory_limit=device_memory_limit, progress=progress, precision=precision)
     ctx = _context(run, options, layout="varlen", user_arrays=arrays, varlen=True)
     return arrays[3], ctx
 
@@ -878,7 +905,7 @@ def varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
 def varlen_attention_vjp(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                          causal=False, scale=None, window=None, dropout_p=0.0, seed=None,
                          alibi_slopes=None, softcap=0.0, deterministic=False, backend="auto",
-                         precision="highest"):
+                         device_memory_limit=None, progress=None, precision="highest"):
     """Varlen attention output and its vector-Jacobian product.
 
     Parameters
@@ -894,7 +921,8 @@ def varlen_attention_vjp(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
     o, ctx = varlen_attention_forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
         scale=scale, window=window, dropout_p=dropout_p, seed=seed, alibi_slopes=alibi_slopes,
-        softcap=softcap, deterministic=deterministic, backend=backend, precision=precision)
+        softcap=softcap, deterministic=deterministic, backend=backend,
+        device_memory_limit=device_memory_limit, progress=progress, precision=precision)
     return o, _vjp_of(ctx)
 
 

@@ -37,6 +37,9 @@ overlapped with the compute stream, or NumPy as the "device" (no copies across a
 streams), which is how the chunking, masking, merging and gradient accumulation are tested
 without a GPU. The array module and the copy mechanics are the only differences between
 the two.
+
+Varlen calls are cut between their sequences instead (`cupyflash.streaming_varlen`), which
+runs a sequence too long for the limit through this module as a call of its own.
 """
 
 from __future__ import annotations
@@ -50,18 +53,12 @@ import numpy as np
 
 from . import _arrays, _cpu_threads, _masks, _mods, merge
 
-__all__ = ["StreamingPlan", "UNSUPPORTED", "ROW_ALIGN"]
+__all__ = ["StreamingPlan", "ROW_ALIGN"]
 
 # Chunk sizes are multiples of the kernels' 128-row tiles, so every call but the last of
 # a row or key range runs whole tiles (and chunk origins are aligned as dropout needs).
 ROW_ALIGN = 128
 assert ROW_ALIGN % _mods.ORIGIN_ALIGN == 0
-
-# What the streamed path refuses. Varlen: its packed sequences would need chunks cut per
-# sequence (a chunk's call takes one whole problem's cu_seqlens).
-UNSUPPORTED = {
-    "varlen": lambda m: m.varlen,
-}
 
 # With device_memory_limit=None a call streams when the in-memory call would take more
 # than this share of the free device memory, less the reserve (other allocations, the
@@ -78,16 +75,6 @@ _MERGE_ROW_TEMPORARIES = 12
 # The backward's key chunk is this many query chunks long where the memory allows
 # (`backward_chunks`).
 KEY_CHUNK_QUERY_CHUNKS = 4
-
-
-def check_supported(mods):
-    """NotImplementedError naming the first option the streamed path cannot run."""
-    for name, active in UNSUPPORTED.items():
-        if active(mods):
-            raise NotImplementedError(
-                f"{name} is not supported by the streamed path (device_memory_limit, or host "
-                "arrays larger than the free device memory) yet; run it in memory on arrays "
-                "that fit")
 
 
 # Planning ----------------------------------------------------------------------------------
@@ -116,6 +103,14 @@ class _Geometry:
     block_size: tuple = (128, 128)
     seqlens: bool = False
     dlse: bool = False                   # backward with a gradient of the LSE
+    dbias: bool = False                  # backward with the bias gradient
+
+    @property
+    def dbias_per_key_chunk(self):
+        """The bias broadcasts over the query rows: a key chunk's pairs share one slice of
+        its gradient, summed on the device over them (they run one after another) and
+        sent back once per key chunk; otherwise each pair's slice goes back with it."""
+        return self.bias_shape is not None and self.bias_shape[2] == 1
 
     @property
     def itemsize(self):
@@ -125,12 +120,16 @@ class _Geometry:
     def acc_size(self):
         return _arrays.accumulation_dtype(self.dtype).itemsize
 
-    def bias_bytes(self, nq, nk):
-        """Bytes of the bias slice of a (nq rows, nk keys) pair (broadcast axes stay 1)."""
+    def bias_elements(self, nq, nk):
+        """Elements of the bias slice of a (nq rows, nk keys) pair (broadcast axes stay 1),
+        and of its gradient's."""
         if self.bias_shape is None:
             return 0
         bb, hb, bq, bk = self.bias_shape
-        return bb * hb * (nq if bq > 1 else 1) * (nk if bk > 1 else 1) * self.itemsize
+        return bb * hb * (nq if bq > 1 else 1) * (nk if bk > 1 else 1)
+
+    def bias_bytes(self, nq, nk):
+        return self.bias_elements(nq, nk) * self.itemsize
 
     def mask_bytes(self):
         return 0 if self.mask_shape is None else math.prod(self.mask_shape)
@@ -187,6 +186,10 @@ def device_buffers(g: _Geometry, q_rows: int, k_rows: int, backward: bool) -> di
         out["dk, dv of a pair"] = K * (d + dv) * isz
         out["dk, dv sums"] = K * (d + dv) * asz
         out["dk, dv out"] = K * (d + dv) * isz
+        if g.dbias:
+            # A pair's (or a key chunk's: `dbias_per_key_chunk`) slice of the bias
+            # gradient, in the accumulation dtype: one being added into, one going back.
+            out["dbias slices (2 slots)"] = 2 * g.bias_elements(q_rows, k_rows) * asz
         # The backward kernels' workspaces (`_cuda.attention_backward`): the LSE in base 2
         # and the row term D over 128-row padded rows, the fp32 dQ accumulator with rows
         # padded to d + 8, and one turn counter per 64-row query tile.
@@ -207,7 +210,8 @@ def in_memory_bytes(g: _Geometry, backward: bool) -> int:
     if backward:
         padded = g.batch * g.q_heads * -(-g.q_len // ROW_ALIGN) * ROW_ALIGN
         total += (rows * (dv + d) * isz + keys * (d + dv) * isz + rows * asz * g.dlse
-                  + 2 * padded * asz + rows * (d + 8) * asz)
+                  + 2 * padded * asz + rows * (d + 8) * asz
+                  + g.bias_elements(g.q_len, g.k_len) * asz * g.dbias)
     return total + _ALLOCATION_SLACK
 
 
@@ -398,12 +402,14 @@ def _traffic(g, backward, qb, kb, steps):
             d2h += g.batch * g.q_heads * (q1 - q0) * g.head_dim * isz     # the pair's dq
             if s.key_last:
                 d2h += keys * (k1 - k0)                                    # the chunk's dk, dv
+            if g.dbias and (s.key_last if g.dbias_per_key_chunk else True):
+                d2h += g.bias_elements(q1 - q0, (k1 if g.dbias_per_key_chunk else s.key_stop) - k0) * asz
         elif s.row_last:
             d2h += g.batch * g.q_heads * (q1 - q0) * (g.value_dim * isz + asz)
     inputs = rows * g.q_len + keys * g.k_len + g.bias_bytes(g.q_len, g.k_len) + g.static_bytes()
     outputs = g.batch * g.q_heads * g.q_len * (g.head_dim * isz if backward else g.value_dim * isz + asz)
     if backward:
-        outputs += keys * g.k_len
+        outputs += keys * g.k_len + g.bias_elements(g.q_len, g.k_len) * asz * g.dbias
     return h2d, d2h, inputs + outputs
 
 
@@ -498,8 +504,9 @@ def plan(g: _Geometry, limit: int, *, backward: bool, seqlens_k=None, block_mask
         in_memory_bytes=in_memory_bytes(g, backward), buffers=buffers, steps=steps, _geometry=g)
 
 
-def geometry(q_shape, k_shape, v_shape, dtype, mods, *, causal, dlse=False) -> _Geometry:
-    """The `_Geometry` of (B, H, N, d) shapes and a call's compact modifiers."""
+def geometry(q_shape, k_shape, v_shape, dtype, mods, *, causal, dlse=False, dbias=False) -> _Geometry:
+    """The `_Geometry` of (B, H, N, d) shapes and a call's compact modifiers; ``dbias``: a
+    backward pass that returns the bias gradient."""
     (batch, hq, nq, d), (_, hk, nk, _), dv = q_shape, k_shape, v_shape[-1]
     return _Geometry(
         batch=batch, q_heads=hq, kv_heads=hk, q_len=nq, k_len=nk, head_dim=d, value_dim=dv,
@@ -507,7 +514,8 @@ def geometry(q_shape, k_shape, v_shape, dtype, mods, *, causal, dlse=False) -> _
         bias_shape=None if mods.bias is None else tuple(mods.bias.shape),
         mask_shape=None if mods.block_mask is None else tuple(mods.block_mask.shape),
         alibi_shape=None if mods.alibi_slopes is None else tuple(mods.alibi_slopes.shape),
-        block_size=tuple(mods.block_size), seqlens=mods.seqlens_k is not None, dlse=bool(dlse))
+        block_size=tuple(mods.block_size), seqlens=mods.seqlens_k is not None, dlse=bool(dlse),
+        dbias=bool(dbias) and mods.bias is not None)
 
 
 def plan_for(g, mods, limit, *, backward):
@@ -534,8 +542,8 @@ def choose(problem, mods, *, backend, kv_heads, causal, limit, backward):
     A given ``limit`` streams host inputs on either backend (on the NumPy backend the host
     is the "device"); None streams host inputs on the GPU backend only when the in-memory
     call (with its backward pass where one may follow) would not fit in the free device
-    memory (`free_device_budget`), and then only for options the streamed path supports
-    (others run in memory, as before). Errors come before anything is allocated.
+    memory (`free_device_budget`). A varlen call's plan is a `streaming_varlen.VarlenPlan`.
+    Errors come before anything is allocated.
     """
     if problem.kind != _arrays.HOST:
         if limit is not None:
@@ -552,16 +560,15 @@ def choose(problem, mods, *, backend, kv_heads, causal, limit, backward):
         budget = free_device_budget(_arrays.current_device())
         if in_memory_bytes(g, backward) <= budget:
             return None
-        try:
-            check_supported(mods)
-        except NotImplementedError:
-            return None
         limit = budget
-    else:
-        check_supported(mods)
+    planner = plan_for
+    if mods.varlen:
+        from . import streaming_varlen   # built on this module: imported where it is needed
+        planner = streaming_varlen.plan_for
     if backward:   # a context's backward pass needs more: refuse its limit now, not then
-        plan_for(g, mods, limit, backward=True)
-    return plan_for(g, mods, limit, backward=False)
+        # (with the bias gradient's slices where there is a bias: it may be asked for)
+        planner(dataclasses.replace(g, dbias=mods.bias is not None), mods, limit, backward=True)
+    return planner(g, mods, limit, backward=False)
 
 
 # Moving chunks -------------------------------------------------------------------------------
@@ -905,6 +912,48 @@ def _bias_slice(bias, q0, q1, k0, k1):
     return bias[:, :, rows, keys]
 
 
+class _BiasGradient:
+    """The bias gradient of a streamed backward pass. Each pair's call adds its dS into a
+    device slice (in the accumulation dtype), which goes back and is added on the host
+    into ``host``, the compact gradient the caller zeroed: pairs whose slices overlap (the
+    bias broadcasts over batch entries, heads, rows or keys) sum in the steps' order, the
+    same in every run. Where the bias broadcasts over the query rows the pairs of a key
+    chunk, which run one after another, share one device slice and it goes back once
+    (`_Geometry.dbias_per_key_chunk`); otherwise each pair's slice goes back with it."""
+
+    def __init__(self, mover, plan, host):
+        g = plan._geometry
+        self.mover, self.plan, self.host = mover, plan, host
+        self.per_key_chunk = g.dbias_per_key_chunk
+        count = g.bias_elements(plan.query_rows, plan.key_rows)
+        self.chunks = _Chunks(mover, {"dbias": (count, host.dtype)})
+        self.turns = 0
+        self.slot = self.view = None
+
+    def _host_part(self, s):
+        """The host slice a step's device slice adds into (its key chunk's, per key chunk)."""
+        (q0, q1), (k0, k1) = self.plan.query_bounds[s.row], self.plan.key_bounds[s.key]
+        return _bias_slice(self.host, q0, q1, k0, k1 if self.per_key_chunk else s.key_stop)
+
+    def pair(self, s):
+        """The device view the step's call adds its dS into."""
+        if not self.per_key_chunk or s.key_first:
+            self.slot = self.chunks.slots[self.turns % 2]
+            self.turns += 1
+            self.mover.reclaim(self.slot)
+            self.view = self.slot.view("dbias", self._host_part(s).shape)
+            self.view[...] = 0
+        if self.per_key_chunk and self.host.shape[3] > 1:   # the step's keys of the chunk
+            return self.view[..., :s.key_stop - self.plan.key_bounds[s.key][0]]
+        return self.view
+
+    def send_back(self, s):
+        """After the step's call: its slice goes back (per key chunk: after the last pair)."""
+        if not self.per_key_chunk or s.key_last:
+            part = self._host_part(s)
+            self.mover.download(self.slot, [("dbias", part.shape, _writer(_add, part))])
+
+
 def _bias_bundle(mover, mods, g, plan):
     if mods.bias is None:
         return None
@@ -1070,9 +1119,11 @@ def _fill_row_terms(terms, o, do, dlse):
 
 
 def backward(do, q, k, v, o, lse, dq, dk, dv, *, plan, scale, deterministic, mods, backend,
-             device, dlse=None, progress=None):
+             device, dlse=None, dbias=None, progress=None):
     """A streamed backward pass: writes ``dq``, ``dk``, ``dv`` ((B, H, N, d) host views)
-    from host do, q, k, v and the forward's global o and lse (and ``dlse``).
+    from host do, q, k, v and the forward's global o and lse (and ``dlse``), and adds the
+    bias gradient into ``dbias`` (host, compact, the accumulation dtype, zeroed) where
+    given (`_BiasGradient`; the plan's geometry must have ``dbias``).
 
     Loop order: key chunks outside, query chunks inside. A key chunk's k and v go up once,
     its dk and dv are summed on the device (in the accumulation dtype) over its pairs and
@@ -1137,6 +1188,7 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, plan, scale, deterministic, mod
         dk_sum, dv_sum = xp.empty(K * d, acc), xp.empty(K * dvd, acc)
         o_zero = xp.zeros(R * dvd, q.dtype)
         static = _StaticMods(moving, mods, g)
+        bias_grad = None if dbias is None else _BiasGradient(moving, plan, dbias)
 
         def compute(s, slots):
             (q0, q1), (k0, k1) = plan.query_bounds[s.row], plan.key_bounds[s.key]
@@ -1150,9 +1202,11 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, plan, scale, deterministic, mod
             run.attention_backward(
                 rs.view("do", (*rows, dvd)), rs.view("q", (*rows, d)), k_pair, v_pair,
                 _arrays.flat_view(o_zero, (*rows, dvd)), rs.view("lse", rows), dqp, dkp, dvp,
-                scale=scale, causal=s.causal, deterministic=deterministic, mods=pm, dbias=None,
-                dlse=rs.view("row_term", rows))
+                scale=scale, causal=s.causal, deterministic=deterministic, mods=pm,
+                dbias=None if bias_grad is None else bias_grad.pair(s), dlse=rs.view("row_term", rows))
             moving.download(out, [("dq", (*rows, d), dq_writer(s, q0, q1))])
+            if bias_grad is not None:
+                bias_grad.send_back(s)
             dks, dvs = _arrays.flat_view(dk_sum, (*chunk, d)), _arrays.flat_view(dv_sum, (*chunk, dvd))
             if s.key_first:   # keys past every pair's stop get no term
                 dks[...] = 0

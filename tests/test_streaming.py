@@ -39,8 +39,10 @@ def _limit_for(q, k, v, chunk, *, causal=False, layout="bhsd", backward=True, bi
                            block_mask=None if mask_shape is None else np.empty(mask_shape, np.uint8),
                            seqlens_k=np.empty(1, np.int32) if seqlens else None,
                            alibi_slopes=None if alibi_shape is None else np.empty(alibi_shape))
-    # With a dlse row per query: what a context's forward checks its backward against.
-    g = streaming.geometry(*(x.shape for x in views), q.dtype, mods, causal=causal, dlse=backward)
+    # With a dlse row per query and the bias gradient: what a context's forward checks its
+    # backward against.
+    g = streaming.geometry(*(x.shape for x in views), q.dtype, mods, causal=causal, dlse=backward,
+                           dbias=backward)
     rows = lambda n: min(chunk, n)  # noqa: E731
     need = max(sum(streaming.device_buffers(g, rows(g.q_len), rows(g.k_len), back).values())
                for back in {False, backward})
@@ -267,31 +269,12 @@ def test_bad_progress_is_named(rng, monkeypatch):
         cf.attention(q, k, v, backend="numpy", device_memory_limit=10**8, progress="tqdm")
 
 
-def test_varlen_is_not_streamed():
-    """Packed sequences are refused by the streamed path (a chunk's call takes one whole
-    problem's cu_seqlens), so a varlen call too large for the free device memory runs in
-    memory (`streaming.choose` falls back) rather than streaming wrongly."""
-    cu = np.array([0, 5, 9], np.int32)
-    with pytest.raises(NotImplementedError, match="varlen is not supported by the streamed path"):
-        streaming.check_supported(_mods.Modifiers(cu_seqlens_q=cu, cu_seqlens_k=cu))
-    streaming.check_supported(_mods.Modifiers(window=(3, 0), dropout_p=0.1, alibi_slopes=np.ones((1, 2))))
-
-
-def test_bias_gradient_is_not_streamed_yet(rng):
-    q, k, v, do = _inputs(rng, np.float32, nq=64, nk=64)
-    bias = rng.standard_normal((64, 64)).astype(np.float32)
-    o, ctx = cf.attention_forward(q, k, v, bias=bias, backend="numpy", device_memory_limit=10**8)
-    with pytest.raises(NotImplementedError, match="return_dbias"):
-        cf.attention_backward(do, ctx, return_dbias=True)
-
-
-
-
 # Streamed == in memory (NumPy backend) ---------------------------------------------------------
 
 
-def _compare(rng, dtype, *, chunk=128, layout="bhsd", dlse=False, shapes=None, **options):
-    """Streamed forward, LSE and gradients against the in-memory call on the same inputs."""
+def _compare(rng, dtype, *, chunk=128, layout="bhsd", dlse=False, dbias=False, shapes=None, **options):
+    """Streamed forward, LSE and gradients (with ``dbias``, the bias gradient too) against
+    the in-memory call on the same inputs."""
     q, k, v, do = _inputs(rng, dtype, layout=layout, **(shapes or {}))
     before = [x.copy() for x in (q, k, v, do)]
     bias = options.get("bias")
@@ -315,11 +298,14 @@ def _compare(rng, dtype, *, chunk=128, layout="bhsd", dlse=False, shapes=None, *
     finite = np.isfinite(ctx_ref.lse)
     assert_close(ctx.lse[finite], ctx_ref.lse[finite], tol)
     g = rng.standard_normal(ctx.lse.shape).astype(dtype) if dlse else None
-    grads = cf.attention_backward(do, ctx, dlse=g)
-    grads_ref = cf.attention_backward(do, ctx_ref, dlse=g)
+    grads = cf.attention_backward(do, ctx, dlse=g, return_dbias=dbias)
+    grads_ref = cf.attention_backward(do, ctx_ref, dlse=g, return_dbias=dbias)
     # dk cancels to rounding noise where a row sees one key (softmax over one key has no
     # gradient): every gradient is measured against the size of dv, which does not cancel.
     size = np.linalg.norm(grads_ref[2].astype(np.float64))
+    if dbias:   # against its own size (summed over keys without dlse, dS cancels: the tests pass dlse)
+        assert grads[3].shape == bias.shape and grads[3].dtype == bias.dtype
+        assert_close(grads[3], grads_ref[3], tol)
     for got, ref in zip(grads, grads_ref):
         assert got.dtype == ref.dtype and got.shape == ref.shape
         err = np.linalg.norm((got.astype(np.float64) - ref).ravel())
@@ -351,6 +337,102 @@ def test_streamed_bias(rng, shape):
     if shape[-2] > 3:
         bias[..., 3, :] = -np.inf   # a row that sees no key
     _compare(rng, np.float64, causal=True, bias=bias)
+
+
+# Bias shapes (bhsd, B = 2, Hq = 4, Nq = 389, Nk = 517) broadcasting over each axis of the
+# compact (Bb, Hb, Nqb, Nkb) bias, or none.
+_BIAS_SHAPES = {"full": (2, 4, 389, 517), "over-batch": (1, 4, 389, 517), "over-heads": (2, 1, 389, 517),
+                "over-rows": (2, 4, 1, 517), "over-keys": (2, 4, 389, 1), "over-batch-and-heads": (389, 517),
+                "over-rows-and-keys": (4, 1, 1), "scalar": (1,)}
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", list(_BIAS_SHAPES.values()), ids=list(_BIAS_SHAPES))
+def test_streamed_bias_gradient(rng, causal, shape):
+    """The bias gradient streamed in chunks of 128 (slices shared by many pairs where the
+    bias broadcasts, summed on the device over a key chunk or on the host over the
+    pairs) against the in-memory call. dlse keeps dbias summed over keys from cancelling
+    to rounding noise (sum_j dS_ij = dlse_i)."""
+    bias = rng.standard_normal(shape)
+    ctx = _compare(rng, np.float64, causal=causal, dlse=True, dbias=True, bias=bias,
+                   shapes=dict(b=2, hq=4, hk=2, nq=389, nk=517))
+    assert ctx.streaming.pairs > 3
+
+
+@pytest.mark.parametrize("shape", ["full", "over-rows", "over-keys"])
+def test_streamed_bias_gradient_float32(rng, shape):
+    bias = rng.standard_normal(_BIAS_SHAPES[shape]).astype(np.float32)
+    _compare(rng, np.float32, causal=True, dlse=True, dbias=True, bias=bias,
+             shapes=dict(b=2, hq=4, hk=2, nq=389, nk=517))
+
+
+def test_streamed_bias_gradient_against_the_oracle(rng):
+    q, k, v, do = _inputs(rng, np.float64, nq=300, nk=400)
+    bias = rng.standard_normal((4, 300, 400))
+    limit = _limit_for(q, k, v, 128, causal=True, bias_shape=(1, 4, 300, 400))
+    o, vjp = cf.attention_vjp(q, k, v, causal=True, bias=bias, backend="numpy", device_memory_limit=limit)
+    scale = 1 / np.sqrt(q.shape[-1])
+    refs = naive_attention_grads(do, q, k, v, scale=scale, causal=True, bias=bias)
+    for got, ref in zip(vjp(do, return_dbias=True), refs):
+        assert got.shape == ref.shape
+        assert_close(got, ref, TOL[np.float64])
+
+
+@pytest.mark.parametrize("shape", ["over-batch-and-heads", "over-keys", "scalar"])
+def test_streamed_bias_gradient_is_deterministic(rng, shape):
+    """Slices that many pairs add into are summed in the steps' order: two runs agree bit
+    for bit."""
+    q, k, v, do = _inputs(rng, np.float32, nq=389, nk=517)
+    bias = rng.standard_normal(_BIAS_SHAPES[shape]).astype(np.float32)
+    limit = _limit_for(q, k, v, 128, causal=True, bias_shape=(1,) * (4 - bias.ndim) + bias.shape)
+    o, ctx = cf.attention_forward(q, k, v, causal=True, bias=bias, backend="numpy", device_memory_limit=limit)
+    dlse = rng.standard_normal(ctx.lse.shape).astype(np.float32)
+    first, second = (cf.attention_backward(do, ctx, dlse=dlse, return_dbias=True) for _ in range(2))
+    for a, b in zip(first, second):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("shape", ["full", "over-rows", "over-keys", "scalar"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_bias_gradient_plan(rng, shape, causal):
+    """The backward plan with the bias gradient: its slices are within the limit, and the
+    bytes it sends back are each pair's slice (keys up to the pair's stop), or each key
+    chunk's once where the bias broadcasts over rows."""
+    q, k, v, _ = _inputs(rng, np.float64, nq=389, nk=517)
+    bias = np.zeros(_BIAS_SHAPES[shape])
+    compact = (1,) * (4 - bias.ndim) + bias.shape
+    limit = _limit_for(q, k, v, 128, causal=causal, bias_shape=compact)
+    without = cf.streaming_plan(q, k, v, causal=causal, bias=bias, device_memory_limit=limit, backward=True)
+    plan = cf.streaming_plan(q, k, v, causal=causal, bias=bias, device_memory_limit=limit, backward=True,
+                             return_dbias=True)
+    assert plan.device_bytes <= limit and plan.device_bytes == sum(plan.buffers.values())
+    bb, hb, nqb, nkb = compact
+    rows, keys = lambda n: n if nqb > 1 else 1, lambda n: n if nkb > 1 else 1  # noqa: E731
+    assert plan.buffers["dbias slices (2 slots)"] == 2 * bb * hb * rows(plan.query_chunk) * keys(plan.key_chunk) * 8
+    assert "dbias slices (2 slots)" not in without.buffers
+    if (plan.query_bounds, plan.key_bounds) == (without.query_bounds, without.key_bounds):
+        if nqb == 1:
+            sent = sum(keys(k1 - k0) for k0, k1 in {plan.key_bounds[s.key] for s in plan.steps})
+        else:
+            sent = sum(rows(q1 - q0) * keys(s.key_stop - plan.key_bounds[s.key][0])
+                       for s in plan.steps for q0, q1 in [plan.query_bounds[s.row]])
+        assert plan.d2h_bytes - without.d2h_bytes == bb * hb * sent * 8
+    assert plan.min_bytes - without.min_bytes == bias.size * 8
+
+
+def test_a_limit_too_small_for_the_bias_gradient_is_named(rng):
+    """A context's forward with a bias checks that its backward fits with the gradient's
+    slices too."""
+    q, k, v, _ = _inputs(rng, np.float64, nq=389, nk=517)
+    bias = rng.standard_normal((2, 4, 389, 517))
+    limit = _limit_for(q, k, v, 128, bias_shape=bias.shape)
+    cf.attention_forward(q, k, v, bias=bias, backend="numpy", device_memory_limit=limit)
+    mods = _mods.Modifiers(bias=bias)
+    g = streaming.geometry(q.shape, k.shape, v.shape, q.dtype, mods, causal=False, dlse=True)
+    short = max(sum(streaming.device_buffers(g, 128, 128, back).values()) for back in (False, True)) + 1
+    assert short < limit
+    with pytest.raises(ValueError, match="device_memory_limit"):
+        cf.attention_forward(q, k, v, bias=bias, backend="numpy", device_memory_limit=short)
 
 
 def test_streamed_block_mask_skips_empty_pairs(rng):
@@ -460,12 +542,12 @@ def test_streamed_dropout_advances_the_rng_as_one_call(rng):
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_streamed_options_together(rng, layout, dtype):
-    """Window, ALiBi, dropout, softcap, a bias, key padding, causal, GQA and dlse at once,
-    on odd sizes cut into chunks of 128."""
+    """Window, ALiBi, dropout, softcap, a bias and its gradient, key padding, causal, GQA
+    and dlse at once, on odd sizes cut into chunks of 128."""
     nq, nk = 389, 517
     bias = rng.standard_normal((nq, nk))
     bias[5, :] = -np.inf   # a row that sees no key
-    ctx = _compare(rng, dtype, layout=layout, dlse=True, causal=True, window=(150, 0),
+    ctx = _compare(rng, dtype, layout=layout, dlse=True, dbias=True, causal=True, window=(150, 0),
                    alibi_slopes=rng.uniform(0.01, 0.2, (2, 6)), dropout_p=0.25, seed=77, softcap=4.0,
                    seqlens_k=np.array([517, 401]), bias=bias.astype(dtype),
                    shapes=dict(b=2, hq=6, hk=2, nq=nq, nk=nk))
@@ -531,6 +613,150 @@ def test_key_chunks_no_query_sees_get_zero_gradients(rng):
         assert_close(got, want, TOL[np.float64])
 
 
+# Varlen: groups of whole sequences in memory, a long sequence streamed -----------------------
+
+# Query and key lengths per sequence: short ones that group, empty ones (no rows; no keys),
+# a long one that streams in many chunks (Nq < Nk and Nq > Nk), and one with no query rows
+# and too many keys to fit alone (set on the host).
+_VARLEN_Q = [5, 60, 0, 40, 700, 3, 90, 1, 0, 389]
+_VARLEN_K = [7, 80, 9, 0, 650, 3, 70, 1, 2000, 1517]
+
+
+def _varlen_inputs(rng, dtype, hq=4, hk=2, d=16, dv=24):
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (_VARLEN_Q, _VARLEN_K))
+    shapes = [(cu_q[-1], hq, d), (cu_k[-1], hk, d), (cu_k[-1], hk, dv), (cu_q[-1], hq, dv)]
+    return [rng.standard_normal(x).astype(dtype) for x in shapes], cu_q, cu_k
+
+
+def _varlen_limit(q, k, v, *, causal=False, alibi=False):
+    """A limit whose chunks are 128 rows for the longest sequence (batch 1): the short ones
+    group under it, the long ones stream."""
+    hq, hk = q.shape[1], k.shape[1]
+    views = [np.empty((1, h, n, x.shape[-1]), x.dtype) for x, h, n in ((q, hq, 700), (k, hk, 650), (v, hk, 650))]
+    return _limit_for(*views, 128, causal=causal, alibi_shape=(1, hq) if alibi else None)
+
+
+def _varlen_compare(rng, dtype, *, hq=4, hk=2, dlse=True, **options):
+    (q, k, v, do), cu_q, cu_k = _varlen_inputs(rng, dtype, hq=hq, hk=hk)
+    before = [x.copy() for x in (q, k, v, do)]
+    limit = _varlen_limit(q, k, v, causal=options.get("causal", False), alibi="alibi_slopes" in options)
+    args = (q, k, v, cu_q, cu_k, max(_VARLEN_Q), max(_VARLEN_K))
+    o_ref, ctx_ref = cf.varlen_attention_forward(*args, backend="numpy", **options)
+    calls = []
+    o, ctx = cf.varlen_attention_forward(*args, backend="numpy", device_memory_limit=limit,
+                                         progress=lambda done, total: calls.append((done, total)), **options)
+    plan = ctx.streaming
+    assert ctx_ref.streaming is None and plan.device_bytes <= limit
+    assert [p.kind for p in plan.parts].count("streamed") >= 2 and "group" in [p.kind for p in plan.parts]
+    assert calls == [(n, plan.pairs) for n in range(1, plan.pairs + 1)]
+    # float16 and bfloat16 outputs and gradients are rounded to their dtype on both sides
+    # (tests/TOLERANCES.md's limits for them).
+    tol = {np.float64: TOL[np.float64], np.float32: TOL[np.float32], np.float16: 3e-3}.get(dtype, 1e-2)
+    assert o.dtype == dtype and o.shape == o_ref.shape
+    assert_close(o, o_ref, tol)
+    assert (np.isneginf(ctx.lse) == np.isneginf(ctx_ref.lse)).all()
+    finite = np.isfinite(ctx_ref.lse)
+    assert_close(ctx.lse[finite], ctx_ref.lse[finite], tol)
+    g = rng.standard_normal(ctx.lse.shape).astype(np.float32) if dlse else None
+    calls.clear()
+    grads = cf.attention_backward(do, ctx, dlse=g)
+    back = cf.attention_backward(do, ctx_ref, dlse=g)
+    total = calls[-1][1]
+    assert calls == [(n, total) for n in range(1, total + 1)]
+    size = np.linalg.norm(back[2].astype(np.float64))
+    for got, ref in zip(grads, back):
+        assert got.dtype == ref.dtype and got.shape == ref.shape
+        err = np.linalg.norm((got.astype(np.float64) - ref).ravel())
+        assert err <= tol * max(np.linalg.norm(ref.astype(np.float64)), size)
+    # The sequence with no query rows and 2000 keys ran nowhere: its key gradients are 0.
+    keys = slice(cu_k[8], cu_k[9])
+    assert not grads[1][keys].any() and not grads[2][keys].any()
+    for x, y in zip((q, k, v, do), before):
+        np.testing.assert_array_equal(x, y)
+    return ctx
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("hq, hk", [(4, 2), (2, 2), (3, 1)], ids=["gqa", "mha", "mqa"])
+def test_streamed_varlen_equals_in_memory(rng, causal, hq, hk):
+    """Packed sequences, short and long, empty ones among them, streamed in groups and
+    chunks against the in-memory varlen call: forward, LSE, dq, dk, dv (with dlse)."""
+    _varlen_compare(rng, np.float64, causal=causal, hq=hq, hk=hk)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, "bfloat16"])
+def test_streamed_varlen_dtypes(rng, dtype):
+    if dtype == "bfloat16":
+        import ml_dtypes
+        dtype = ml_dtypes.bfloat16
+    _varlen_compare(rng, np.dtype(dtype).type, causal=True)
+
+
+def test_streamed_varlen_options(rng):
+    """Window, ALiBi per sequence, dropout and softcap: a streamed sequence takes its own
+    corner, its own row of slopes and its own dropout streams (``s * Hq`` past the call's
+    offset), the groups theirs from their first sequence."""
+    slopes = rng.uniform(0.01, 0.2, (len(_VARLEN_Q), 4))
+    _varlen_compare(rng, np.float64, causal=True, window=(150, 20), alibi_slopes=slopes, dropout_p=0.25,
+                    seed=2**40 + 9, softcap=3.0)
+
+
+def test_streamed_varlen_dropout_without_a_seed(rng):
+    """Without a seed the streamed call claims the call's streams once, as in memory."""
+    (q, k, v, _), cu_q, cu_k = _varlen_inputs(rng, np.float64)
+    limit = _varlen_limit(q, k, v)
+    outs = []
+    for lim in (limit, None):
+        cf.manual_seed(7)
+        outs.append(cf.varlen_attention(q, k, v, cu_q, cu_k, 700, 2000, dropout_p=0.3, backend="numpy",
+                                        device_memory_limit=lim))
+    assert_close(outs[0], outs[1], TOL[np.float64])
+
+
+def test_varlen_plan_groups_what_fits(rng):
+    """Parts cover the sequences in order; each group is as long as the limit allows (the
+    next sequence would not fit), each streamed sequence would not fit alone, and every
+    part's bytes are within the limit."""
+    from cupyflash import streaming_varlen
+    (q, k, v, _), cu_q, cu_k = _varlen_inputs(rng, np.float64)
+    limit = _varlen_limit(q, k, v, causal=True)
+    o, ctx = cf.varlen_attention_forward(q, k, v, cu_q, cu_k, 700, 2000, causal=True, backend="numpy",
+                                         device_memory_limit=limit)
+    for backward in (False, True):
+        g = streaming.geometry((1, 4, cu_q[-1], 16), (1, 2, cu_k[-1], 16), (1, 2, cu_k[-1], 24), np.float64,
+                               ctx._modifiers, causal=True)
+        plan = streaming_varlen.plan_for(g, ctx._modifiers, limit, backward=backward)
+        assert [p.first for p in plan.parts] == [0, *(p.stop for p in plan.parts[:-1])]
+        assert plan.parts[-1].stop == len(_VARLEN_Q) and plan.device_bytes <= limit
+        bytes_of = lambda a, b: streaming_varlen._group_bytes(g, cu_q, cu_k, a, b, backward)  # noqa: E731
+        for part, after in zip(plan.parts, plan.parts[1:] + (None,)):
+            assert part.device_bytes <= limit
+            if part.kind == "group":
+                assert part.device_bytes == bytes_of(part.first, part.stop)
+                assert after is None or bytes_of(part.first, part.stop + 1) > limit
+            else:
+                assert part.stop == part.first + 1 and bytes_of(part.first, part.stop) > limit
+            if part.kind == "streamed":
+                assert part.plan.pairs > 1 and part.plan.device_bytes <= limit
+        kinds = {p.first: p.kind for p in plan.parts}
+        assert kinds[4] == kinds[9] == "streamed" and kinds[8] == "host"
+        assert plan.pairs == sum(1 if p.kind == "group" else p.pairs for p in plan.parts)
+
+
+def test_varlen_too_small_a_limit_is_named_before_anything_is_allocated(rng, monkeypatch):
+    (q, k, v, _), cu_q, cu_k = _varlen_inputs(rng, np.float32)
+    from cupyflash import _arrays
+
+    def no_allocation(*args, **kwargs):
+        raise AssertionError("allocated before the error")
+
+    monkeypatch.setattr(_arrays, "empty", no_allocation)
+    with pytest.raises(ValueError, match=r"device_memory_limit=20000 bytes is too small"):
+        cf.varlen_attention(q, k, v, cu_q, cu_k, 700, 2000, backend="numpy", device_memory_limit=20000)
+    with pytest.raises(TypeError, match="device_memory_limit"):
+        cf.varlen_attention(q, k, v, cu_q, cu_k, 700, 2000, backend="numpy", device_memory_limit="1GB")
+
+
 def test_pieces_cut_chunks_into_contiguous_parts(monkeypatch):
     monkeypatch.setattr(streaming, "_PIECE_BYTES", 1024)
     for shape in [(2, 3, 5, 8), (2, 3, 50, 8), (1, 2, 300), (3, 1, 7), (2, 2, 0, 8)]:
@@ -568,17 +794,24 @@ class _FakeCupy(types.ModuleType):
 
 @pytest.mark.parametrize("events_done", [True, False], ids=["downloads-at-once", "downloads-at-reclaim"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_gpu_copy_path_on_the_cpu(rng, monkeypatch, causal, events_done):
+@pytest.mark.parametrize("bias_shape", [None, (4, 700, 900), (2, 4, 1, 900), (1, 1, 700, 1)],
+                         ids=["no-bias", "dbias-per-pair", "dbias-per-key-chunk", "dbias-summed-on-host"])
+def test_gpu_copy_path_on_the_cpu(rng, monkeypatch, causal, events_done, bias_shape):
     """The GPU path's copies (chunks cut into pieces, pinned-buffer rings reused, downloads
     carried out as soon as ready or when their slot is needed again, in the order issued,
     their host sums split over threads) run on the CPU through `_FakeCupy`, with tiny
-    pieces: the same results, bit for bit, as the NumPy "device"."""
+    pieces: the same results, bit for bit, as the NumPy "device", the bias gradient's
+    slices included."""
     q, k, v, do = _inputs(rng, np.float32, b=2, hq=4, hk=2, nq=700, nk=900, d=16, dv=24)
-    limit = _limit_for(q, k, v, 128, causal=causal)
+    bias = None if bias_shape is None else rng.standard_normal(bias_shape).astype(np.float32)
+    limit = _limit_for(q, k, v, 128, causal=causal,
+                       bias_shape=None if bias is None else (1,) * (4 - bias.ndim) + bias.shape)
+    dlse = rng.standard_normal((2, 4, 700)).astype(np.float32)
 
     def run():
-        o, ctx = cf.attention_forward(q, k, v, causal=causal, backend="numpy", device_memory_limit=limit)
-        return (o, ctx.lse, *cf.attention_backward(do, ctx))
+        o, ctx = cf.attention_forward(q, k, v, causal=causal, bias=bias, backend="numpy",
+                                      device_memory_limit=limit)
+        return (o, ctx.lse, *cf.attention_backward(do, ctx, dlse=dlse, return_dbias=bias is not None))
 
     expected = run()
     fake = _FakeCupy(events_done)
@@ -701,6 +934,87 @@ def test_streamed_gpu_equals_in_memory_gpu(dtype, case):
         # they are summed over chunks (tests/test_merge.py makes the same allowance).
         assert rel_err(f(got), ref) < 3 * tol
         assert rel_err(f(mem), ref) < tol
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+@pytest.mark.parametrize("shape", ["full", "over-batch-and-heads", "over-rows", "over-keys"])
+def test_streamed_gpu_bias_gradient(dtype, shape):
+    """The bias gradient of a streamed GPU backward (chunks of 128, GQA, causal, dlse)
+    against the in-memory GPU call and the float64 NumPy backend on the same rounded
+    inputs: each pair's kernels add into their slice, which the host sums over the pairs
+    that share it (dlse keeps a gradient summed over keys from cancelling)."""
+    from gpu_cases import TOLERANCE, np_dtype, rel_err
+
+    rng = np.random.default_rng(29)
+    dt = np_dtype(dtype)
+    q, k, v, do = (x.astype(dt) for x in _inputs(rng, np.float32, b=2, hq=4, hk=2, nq=389, nk=517,
+                                                   d=64, dv=64))
+    bias = rng.standard_normal(_BIAS_SHAPES[shape]).astype(dt)
+    dlse = rng.standard_normal((2, 4, 389)).astype(np.float32)
+    limit = _limit_for(q, k, v, 128, causal=True, bias_shape=(1,) * (4 - bias.ndim) + bias.shape)
+    o, ctx = cf.attention_forward(q, k, v, causal=True, bias=bias, backend="cuda", device_memory_limit=limit)
+    _, ctx_mem = cf.attention_forward(q, k, v, causal=True, bias=bias, backend="cuda")
+    assert ctx.streaming is not None and ctx.streaming.pairs > 3
+    f = lambda x: np.asarray(x).astype(np.float64)   # noqa: E731
+    _, ctx_ref = cf.attention_forward(f(q), f(k), f(v), causal=True, bias=f(bias), backend="numpy")
+    refs = cf.attention_backward(f(do), ctx_ref, dlse=f(dlse), return_dbias=True)
+    grads = cf.attention_backward(do, ctx, dlse=dlse, return_dbias=True)
+    grads_mem = cf.attention_backward(do, ctx_mem, dlse=dlse, return_dbias=True)
+    tol = TOLERANCE[dtype]
+    for got, mem, ref in zip(grads, grads_mem, refs):
+        assert isinstance(got, np.ndarray) and got.dtype == dt and got.shape == ref.shape
+        # Three times the limit, as above: the pairs' parts are rounded before their sums
+        # (dbias's are not, but its slices sum many pairs' float atomics).
+        assert rel_err(f(got), ref) < 3 * tol
+        assert rel_err(f(got), f(mem)) < 3 * tol
+    assert grads[3].shape == bias.shape
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+@pytest.mark.parametrize("case", ["dense", "causal-gqa", "window-alibi-dropout-gqa"])
+def test_streamed_gpu_varlen_equals_in_memory_gpu(dtype, case):
+    """A streamed GPU varlen call (short sequences in groups run in memory, the long ones
+    streamed in chunks of 128, empty ones set on the host) against the in-memory GPU call
+    and the float64 NumPy backend on the same rounded inputs: forward, LSE and gradients
+    (with dlse)."""
+    from gpu_cases import TOLERANCE, np_dtype, rel_err
+
+    rng = np.random.default_rng(31)
+    dt = np_dtype(dtype)
+    (q, k, v, do), cu_q, cu_k = _varlen_inputs(rng, np.float32, hq=4, hk=4 if case == "dense" else 2,
+                                               d=64, dv=64)
+    q, k, v, do = (x.astype(dt) for x in (q, k, v, do))
+    options = {}
+    if case == "causal-gqa":
+        options["causal"] = True
+    elif case == "window-alibi-dropout-gqa":
+        slopes = _GPU_SLOPES[None] * 2.0 ** -np.arange(len(_VARLEN_Q), dtype=np.float32)[:, None]
+        options.update(causal=True, window=(300, 0), alibi_slopes=slopes, dropout_p=0.15, seed=99)
+    limit = _varlen_limit(q, k, v, causal=options.get("causal", False), alibi="alibi_slopes" in options)
+    args = (cu_q, cu_k, max(_VARLEN_Q), max(_VARLEN_K))
+    o, ctx = cf.varlen_attention_forward(q, k, v, *args, backend="cuda", device_memory_limit=limit, **options)
+    o_mem, ctx_mem = cf.varlen_attention_forward(q, k, v, *args, backend="cuda", **options)
+    kinds = [p.kind for p in ctx.streaming.parts]
+    assert isinstance(o, np.ndarray) and "streamed" in kinds and "group" in kinds
+    f = lambda x: np.asarray(x).astype(np.float64)   # noqa: E731
+    ref_o, ctx_ref = cf.varlen_attention_forward(f(q), f(k), f(v), *args, backend="numpy", **options)
+    tol = TOLERANCE[dtype]
+    assert rel_err(f(o), ref_o) < tol and rel_err(f(o_mem), ref_o) < tol
+    finite = np.isfinite(ctx_ref.lse)
+    assert (np.isneginf(ctx.lse) == ~finite).all()
+    assert rel_err(f(ctx.lse)[finite], ctx_ref.lse[finite]) < tol
+    dlse = rng.standard_normal(ctx.lse.shape).astype(np.float32)
+    grads = cf.attention_backward(do, ctx, dlse=dlse)
+    grads_mem = cf.attention_backward(do, ctx_mem, dlse=dlse)
+    refs = cf.attention_backward(f(do), ctx_ref, dlse=f(dlse))
+    for got, mem, ref in zip(grads, grads_mem, refs):
+        assert isinstance(got, np.ndarray) and got.dtype == dt and got.shape == ref.shape
+        # Three times the limit, as above: a streamed sequence's pairs are rounded before
+        # their sums.
+        assert rel_err(f(got), ref) < 3 * tol
+        assert rel_err(f(mem), ref) < 3 * tol
 
 
 @pytest.mark.gpu
