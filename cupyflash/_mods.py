@@ -63,6 +63,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+# row0 and key0 are multiples of this: the kernels draw dropout in blocks of 16 rows x 32
+# keys (kernels_cu/philox.cuh dropout_counter_base), so an aligned origin adds to the Philox
+# counters and leaves a tile's arithmetic as it is. The streamed path's chunks are
+# multiples of 128.
+ORIGIN_ALIGN = 32
+
+
 @dataclass(frozen=True)
 class Modifiers:
     """Every option beyond ``scale`` and ``causal``, resolved for one call.
@@ -103,6 +110,10 @@ class Modifiers:
         if self.row0 % ORIGIN_ALIGN or self.key0 % ORIGIN_ALIGN or min(self.row0, self.key0) < 0:
             raise ValueError(f"row0 and key0 must be non-negative multiples of {ORIGIN_ALIGN}, "
                              f"got {self.row0} and {self.key0}")
+        # The contract's fields are 32-bit (kernels_cu/params.cuh).
+        if max(self.row0, self.key0, abs(self.diagonal or 0)) >= 2**31:
+            raise ValueError(f"row0, key0 and the diagonal must fit in 32 bits, got {self.row0}, "
+                             f"{self.key0} and {self.diagonal}")
         if self.diagonal is not None and self.varlen:
             raise ValueError("a varlen call cannot be placed in a larger problem: each sequence is its own")
 
@@ -128,12 +139,6 @@ class Modifiers:
         indices: the diagonal key of row ``i`` is ``i + off``."""
         return nk - nq if self.diagonal is None else self.diagonal + self.row0 - self.key0
 
-
-# row0 and key0 are multiples of this: the kernels draw dropout in blocks of 16 rows x 32
-# keys (kernels_cu/philox.cuh dropout_counter_base), so an aligned origin adds to the Philox
-# counters and leaves a tile's arithmetic as it is. The streamed path's chunks are
-# multiples of 128.
-ORIGIN_ALIGN = 32
 
 NONE = Modifiers()
 

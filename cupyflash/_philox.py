@@ -164,7 +164,9 @@ def counter_base(row0, col0) -> tuple[int, int]:
     and col0 of 32 (mirror: ``dropout_counter_base``): score ``(row0 + r, col0 + c)`` has
     the counter of ``(r, c)`` plus these and the same byte. A kernel that runs one part of
     a larger problem (a chunk pair of `cupyflash.streaming`) indexes its scores from its
-    own origin and adds these to its counters, and so draws the problem's bits."""
+    own origin and adds these to its counters, and so draws the problem's bits. The NumPy
+    backend indexes its scores in the problem's coordinates instead; this twin is what
+    the tests hold the kernels' arithmetic to."""
     row0 = _check_int_in(row0, "row0", 0, MAX_ROWS, hi_text="2**32")
     col0 = _check_int_in(col0, "col0", 0, MAX_COLS, hi_text="2**34")
     if row0 % 16 or col0 % 32:

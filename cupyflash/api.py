@@ -87,8 +87,8 @@ device_memory_limit : int, optional
     of device memory (`cupyflash.streaming`): query and key chunks go up in turn, each
     visible (query chunk, key chunk) pair runs as one call and the pairs are merged by
     their LSEs, exactly; copies run on their own stream beside the kernels. None streams
-    only when the in-memory call would not fit in the free device memory (with a margin),
-    and only for the options the streamed path supports; otherwise nothing changes. With
+    only when the in-memory call would not fit in the free device memory (with a margin);
+    otherwise nothing changes. With
     a bound too small for one 128-row chunk, ValueError names it before anything is
     allocated. Streamed: causal, GQA, window, alibi_slopes, dropout_p (the same mask as
     the in-memory call with that seed; without one the RNG advances as for one call),
@@ -386,12 +386,22 @@ def _resolve_modifiers(options, problem, varlen=None):
             xp.broadcast_to(slopes, (slopes.shape[0], hq)).astype(acc))
     if "seqlens_k" in arrays:
         fields["seqlens_k"] = arrays["seqlens_k"].reshape(-1).astype("int32")
-    seed = options.seed
     if options.dropout_p > 0:
-        if seed is None:
-            seed, fields["rng_offset"] = _rng.claim_streams(max(1, math.prod(lead)) * hq)
-        fields.update(dropout_p=options.dropout_p, seed=seed)
-    return _mods.Modifiers(**fields), seed
+        # Without a seed the streams are claimed by _claim_dropout_streams once nothing
+        # can refuse the call any more; a plan reads neither the seed nor the offset.
+        fields.update(dropout_p=options.dropout_p, seed=options.seed or 0)
+    return _mods.Modifiers(**fields), options.seed
+
+
+def _claim_dropout_streams(mods, options, problem, varlen=None):
+    """``mods`` and the seed to report, with the call's Philox streams claimed from the
+    process RNG where dropout has no seed: after every check and plan, so that a refused
+    call leaves the RNG where it was."""
+    if not mods.dropout_p or options.seed is not None:
+        return mods, options.seed
+    sequences = problem.lead if varlen is None else (len(varlen[0]) - 1,)
+    seed, offset = _rng.claim_streams(max(1, math.prod(sequences)) * problem.heads)
+    return dataclasses.replace(mods, seed=seed, rng_offset=offset), seed
 
 
 def _move_modifiers(mods, kind, device):
@@ -420,6 +430,7 @@ def _forward(q, k, v, options, varlen=None, *, gradients=False):
         plan = streaming.choose(problem, mods, backend=backend, causal=options.causal,
                                 kv_heads=_arrays.split_shape(k.shape, options.layout)[1],
                                 limit=options.device_memory_limit, backward=gradients)
+    mods, seed = _claim_dropout_streams(mods, options, problem, varlen)
     if plan is not None:
         return _streamed_forward(q, k, v, options, problem, scale, backend, mods, seed, plan, varlen)
     kind, device = _where(backend, problem)

@@ -56,7 +56,9 @@ class VarlenPart:
 
     @property
     def pairs(self):
-        return {"group": 1, "streamed": self.plan.pairs if self.plan is not None else 0, "host": 0}[self.kind]
+        if self.kind == "streamed":
+            return self.plan.pairs
+        return 1 if self.kind == "group" else 0
 
 
 @dataclass(frozen=True)
@@ -100,28 +102,30 @@ def _group_bytes(g, cu_q, cu_k, first, stop, backward):
     return streaming.in_memory_bytes(part, backward) + 2 * 4 * (stop - first + 1) + pad
 
 
-def sequence_mods(mods, s, heads):
-    """The modifiers of sequence ``s`` as a call of its own (batch 1, no cu_seqlens)."""
+def _slopes_of(mods, first, stop):
+    """The ALiBi slopes of sequences ``first`` to ``stop - 1`` (one row per sequence, or
+    one row for all)."""
     slopes = mods.alibi_slopes
-    if slopes is not None and slopes.shape[0] > 1:
-        slopes = slopes[s:s + 1]
-    return _mods.Modifiers(window=mods.window, softcap=mods.softcap, dropout_p=mods.dropout_p,
-                           seed=mods.seed, rng_offset=(mods.rng_offset + s * heads) % 2**64,
-                           alibi_slopes=slopes, tf32=mods.tf32)
+    return slopes[first:stop] if slopes is not None and slopes.shape[0] > 1 else slopes
+
+
+def sequence_mods(mods, s, heads):
+    """The modifiers of sequence ``s`` as a call of its own (batch 1, no cu_seqlens): every
+    other field as the varlen call's, so that an option added later carries over."""
+    return dataclasses.replace(mods, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
+                               rng_offset=(mods.rng_offset + s * heads) % 2**64,
+                               alibi_slopes=_slopes_of(mods, s, s + 1))
 
 
 def group_mods(mods, cu_q, cu_k, first, stop, heads):
     """The modifiers of sequences ``first`` to ``stop - 1`` as one varlen call of their own
     (host boundaries counted from the group's first row and key)."""
     lengths_q, lengths_k = np.diff(cu_q[first:stop + 1]), np.diff(cu_k[first:stop + 1])
-    slopes = mods.alibi_slopes
-    if slopes is not None and slopes.shape[0] > 1:
-        slopes = slopes[first:stop]
     return dataclasses.replace(
         mods, cu_seqlens_q=(cu_q[first:stop + 1] - cu_q[first]).astype(np.int32),
         cu_seqlens_k=(cu_k[first:stop + 1] - cu_k[first]).astype(np.int32),
         max_seqlen_q=int(lengths_q.max()), max_seqlen_k=int(lengths_k.max()),
-        rng_offset=(mods.rng_offset + first * heads) % 2**64, alibi_slopes=slopes)
+        rng_offset=(mods.rng_offset + first * heads) % 2**64, alibi_slopes=_slopes_of(mods, first, stop))
 
 
 def _has_work(cu_q, cu_k, first, stop):

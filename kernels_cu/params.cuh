@@ -43,7 +43,8 @@ struct ModsParams {
     // a chunk pair of a streamed call (cupyflash/streaming.py) is a call of its own, but
     // its band, ALiBi and dropout are the whole problem's. row0 and key0 are the problem's
     // coordinates of the call's query row 0 and key 0, multiples of 32 (dropout is drawn
-    // in whole Philox blocks of 16 rows x 32 keys, philox.cuh); diag is the problem's
+    // in whole Philox blocks of 16 rows x 32 keys, philox.cuh: rows need only 16; the
+    // host asks 32 of both, cupyflash/_mods.py ORIGIN_ALIGN); diag is the problem's
     // Nk - Nq. A call that is its own problem has 0, 0 and its own nk - nq. Varlen
     // sequences are their own problems: each takes its own corner and these are 0. Only
     // the MODE_EXT kernels read them; the host gives a placed call no dense kernel.

@@ -251,6 +251,19 @@ def test_too_small_a_limit_is_named_before_anything_is_allocated(rng, monkeypatc
         cf.streaming_plan(q, k, v, device_memory_limit=1000)
 
 
+def test_a_refused_streamed_call_leaves_the_rng_where_it_was(rng):
+    # Dropout without a seed claims its Philox streams only once nothing can refuse the
+    # call: after a too-small limit the next call draws what it would have drawn.
+    q, k, v, _ = _inputs(rng, np.float32)
+    cf.manual_seed(5)
+    with pytest.raises(ValueError, match="device_memory_limit"):
+        cf.attention(q, k, v, dropout_p=0.3, backend="numpy", device_memory_limit=1000)
+    after_refusal = cf.attention(q, k, v, dropout_p=0.3, backend="numpy")
+    cf.manual_seed(5)
+    clean = cf.attention(q, k, v, dropout_p=0.3, backend="numpy")
+    np.testing.assert_array_equal(after_refusal, clean)
+
+
 @pytest.mark.parametrize("limit, error", [(0, ValueError), (-5, ValueError), (1.5e9, TypeError),
                                           (True, TypeError), ("1GB", TypeError)])
 def test_bad_limits_are_named(rng, limit, error):
