@@ -879,7 +879,7 @@ _GPU_SLOPES = np.array([2.0**-1, 2.0**-3, 2.0**-5, 2.0**-7], np.float32)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
 @pytest.mark.parametrize("case", ["causal-gqa", "dense-nq-ne-nk", "bias-seqlens", "block-mask",
                                   "window-causal", "window-two-sided", "alibi", "alibi-causal",
-                                  "dropout-causal", "window-alibi-dropout-gqa"])
+                                  "dropout-causal", "window-alibi-dropout-gqa", "window-dropout-nq-gt-nk"])
 def test_streamed_gpu_equals_in_memory_gpu(dtype, case):
     """Streamed GPU calls (chunks of 128-256 rows) against the in-memory GPU call and the
     float64 oracle on the same rounded inputs, forward, LSE and gradients. With window,
@@ -891,7 +891,9 @@ def test_streamed_gpu_equals_in_memory_gpu(dtype, case):
 
     rng = np.random.default_rng(17)
     dt = np_dtype(dtype)
-    nq, nk = (700, 900) if case != "block-mask" else (640, 640)
+    # Nq > Nk under a causal window: the first 200 rows see no key, whole query chunks
+    # are hidden, and the diagonal is negative.
+    nq, nk = {"block-mask": (640, 640), "window-dropout-nq-gt-nk": (900, 700)}.get(case, (700, 900))
     gqa = case in ("causal-gqa", "window-alibi-dropout-gqa")
     q, k, v, do = (x.astype(dt) for x in _inputs(rng, np.float32, b=2, hq=4, hk=2 if gqa else 4,
                                                    nq=nq, nk=nk, d=64, dv=64))
@@ -915,6 +917,8 @@ def test_streamed_gpu_equals_in_memory_gpu(dtype, case):
         options.update(causal=True, dropout_p=0.2, seed=2**40 + 17)
     elif case == "window-alibi-dropout-gqa":
         options.update(causal=True, window=(400, 0), alibi_slopes=_GPU_SLOPES, dropout_p=0.15, seed=99)
+    elif case == "window-dropout-nq-gt-nk":
+        options.update(causal=True, window=(250, 0), dropout_p=0.2, seed=7)
     bias = options.get("bias")
     limit = _limit_for(q, k, v, 256, causal=options.get("causal", False),
                        bias_shape=None if bias is None else (1, *bias.shape),
