@@ -956,11 +956,13 @@ def test_streamed_gpu_equals_in_memory_gpu(dtype, case):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
 @pytest.mark.parametrize("shape", ["full", "over-batch-and-heads", "over-rows", "over-keys"])
-def test_streamed_gpu_bias_gradient(dtype, shape):
-    """The bias gradient of a streamed GPU backward (chunks of 128, GQA, causal, dlse)
-    against the in-memory GPU call and the float64 NumPy backend on the same rounded
-    inputs: each pair's kernels add into their slice, which the host sums over the pairs
-    that share it (dlse keeps a gradient summed over keys from cancelling)."""
+@pytest.mark.parametrize("mask", ["causal", "two-sided-window"])
+def test_streamed_gpu_bias_gradient(dtype, shape, mask):
+    """The bias gradient of a streamed GPU backward (chunks of 128, GQA, dlse; causal, or a
+    two-sided window that clips pairs on both sides) against the in-memory GPU call and
+    the float64 NumPy backend on the same rounded inputs: each pair's kernels add into
+    their slice, which the host sums over the pairs that share it (dlse keeps a gradient
+    summed over keys from cancelling)."""
     from gpu_cases import TOLERANCE, np_dtype, rel_err
 
     rng = np.random.default_rng(29)
@@ -969,12 +971,13 @@ def test_streamed_gpu_bias_gradient(dtype, shape):
                                                    d=64, dv=64))
     bias = rng.standard_normal(_BIAS_SHAPES[shape]).astype(dt)
     dlse = rng.standard_normal((2, 4, 389)).astype(np.float32)
-    limit = _limit_for(q, k, v, 128, causal=True, bias_shape=(1,) * (4 - bias.ndim) + bias.shape)
-    o, ctx = cf.attention_forward(q, k, v, causal=True, bias=bias, backend="cuda", device_memory_limit=limit)
-    _, ctx_mem = cf.attention_forward(q, k, v, causal=True, bias=bias, backend="cuda")
+    opts = dict(causal=True) if mask == "causal" else dict(window=(150, 200))
+    limit = _limit_for(q, k, v, 128, causal=mask == "causal", bias_shape=(1,) * (4 - bias.ndim) + bias.shape)
+    o, ctx = cf.attention_forward(q, k, v, bias=bias, backend="cuda", device_memory_limit=limit, **opts)
+    _, ctx_mem = cf.attention_forward(q, k, v, bias=bias, backend="cuda", **opts)
     assert ctx.streaming is not None and ctx.streaming.pairs > 3
     f = lambda x: np.asarray(x).astype(np.float64)   # noqa: E731
-    _, ctx_ref = cf.attention_forward(f(q), f(k), f(v), causal=True, bias=f(bias), backend="numpy")
+    _, ctx_ref = cf.attention_forward(f(q), f(k), f(v), bias=f(bias), backend="numpy", **opts)
     refs = cf.attention_backward(f(do), ctx_ref, dlse=f(dlse), return_dbias=True)
     grads = cf.attention_backward(do, ctx, dlse=dlse, return_dbias=True)
     grads_mem = cf.attention_backward(do, ctx_mem, dlse=dlse, return_dbias=True)
