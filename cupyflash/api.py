@@ -681,12 +681,10 @@ def attention_backward(do, ctx, *, return_dbias=False, dlse=None):
             dbias = _arrays.namespace(kind).zeros(ctx._modifiers.bias.shape,
                                                   _arrays.accumulation_dtype(ctx.q.dtype))
         if plan is not None:
-            # A varlen call has no bias: its backward takes no dbias.
-            extra = {} if dbias is None else {"dbias": dbias}
             _streamer(ctx._modifiers).backward(
                 ctx._backend_view(do_), *ctx._saved, *(ctx._backend_view(g) for g in grads),
                 plan=plan, scale=ctx.scale, deterministic=ctx.deterministic, mods=ctx._modifiers,
-                backend=ctx.backend, dlse=dlse, progress=ctx._progress, **extra,
+                backend=ctx.backend, dlse=dlse, dbias=dbias, progress=ctx._progress,
                 device=None if ctx.backend == "numpy" else _arrays.current_device())
         elif ctx._saved[0].shape[0]:  # an empty batch launches nothing
             _backend_module(ctx.backend).attention_backward(

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _arrays, _mods, streaming
+from . import _arrays, streaming
 
 __all__ = ["VarlenPart", "VarlenPlan"]
 
@@ -128,6 +128,11 @@ def group_mods(mods, cu_q, cu_k, first, stop, heads):
         rng_offset=(mods.rng_offset + first * heads) % 2**64, alibi_slopes=_slopes_of(mods, first, stop))
 
 
+def _host_boundaries(mods):
+    """The call's cu_seqlens_q and cu_seqlens_k as host arrays."""
+    return tuple(np.asarray(_arrays.move(x, _arrays.HOST, None)) for x in (mods.cu_seqlens_q, mods.cu_seqlens_k))
+
+
 def _has_work(cu_q, cu_k, first, stop):
     """Whether a sequence in the range has both query rows and keys."""
     return bool(((np.diff(cu_q[first:stop + 1]) > 0) & (np.diff(cu_k[first:stop + 1]) > 0)).any())
@@ -139,7 +144,7 @@ def plan_for(g, mods, limit, *, backward) -> VarlenPlan:
     ``device_memory_limit`` when not even one chunk of it fits). ``g`` is the
     `streaming._Geometry` of the packed (1, H, total, d) problem; ``mods`` holds the host
     cu_seqlens."""
-    cu_q, cu_k = (np.asarray(_arrays.move(x, _arrays.HOST, None)) for x in (mods.cu_seqlens_q, mods.cu_seqlens_k))
+    cu_q, cu_k = _host_boundaries(mods)
     sequences = len(cu_q) - 1
     parts, first = [], 0
     while first < sequences:
@@ -179,13 +184,13 @@ class _Run:
     where it computes and the progress of the whole pass."""
 
     def __init__(self, plan, mods, backend, device, progress, what, heads):
-        from .api import _backend_module
+        from .api import _backend_module, _move_modifiers
 
+        self.move_modifiers = _move_modifiers
         self.plan, self.mods, self.backend, self.device = plan, mods, backend, device
         self.run = _backend_module(backend)
         self.kind = _arrays.HOST if backend == "numpy" else _arrays.DEVICE
-        self.cu_q, self.cu_k = (np.asarray(_arrays.move(x, _arrays.HOST, None))
-                                for x in (mods.cu_seqlens_q, mods.cu_seqlens_k))
+        self.cu_q, self.cu_k = _host_boundaries(mods)
         self.heads = heads
         self.report = streaming._Progress(progress, plan.pairs, what)
         self.done = 0
@@ -216,11 +221,9 @@ class _Run:
         dst[...] = _arrays.move(src, _arrays.HOST, None)
 
     def group_mods(self, part):
+        """The group's modifiers on the backend's side (`api._move_modifiers`)."""
         mods = group_mods(self.mods, self.cu_q, self.cu_k, part.first, part.stop, self.heads)
-        if self.kind == _arrays.HOST:
-            return mods
-        return dataclasses.replace(mods, **{name: _arrays.move(getattr(mods, name), self.kind, self.device)
-                                            for name in _mods.ARRAY_FIELDS if getattr(mods, name) is not None})
+        return self.move_modifiers(mods, self.kind, self.device)
 
     def sequence_mods(self, part):
         return sequence_mods(self.mods, part.first, self.heads)
@@ -236,6 +239,9 @@ class _Run:
             self.report.step(self.done, None)
 
     def execute(self, body):
+        # Unlike `streaming._execute` nothing is left in flight to synchronise: a group's
+        # outputs come back by `down` (a synchronous copy), and a streamed sequence's pass
+        # synchronises its own copies.
         completed = False
         try:
             with _arrays.on_device(self.device):
@@ -273,9 +279,11 @@ def forward(q, k, v, o, lse, *, plan, scale, causal, mods, backend, device, prog
 
 
 def backward(do, q, k, v, o, lse, dq, dk, dv, *, plan, scale, deterministic, mods, backend,
-             device, dlse=None, progress=None):
+             device, dlse=None, dbias=None, progress=None):
     """A streamed varlen backward pass: writes ``dq``, ``dk``, ``dv`` ((1, H, total, d) host
-    views) from host do, q, k, v, the forward's o and lse (and ``dlse``, (1, H, total))."""
+    views) from host do, q, k, v, the forward's o and lse (and ``dlse``, (1, H, total)).
+    ``dbias`` is `streaming.backward`'s parameter; a varlen call has no bias, so it is None."""
+    assert dbias is None, "a varlen call has no bias"
     run = _Run(plan, mods, backend, device, progress, "backward", q.shape[1])
 
     def body(part, rows, keys):

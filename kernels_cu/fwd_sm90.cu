@@ -288,7 +288,7 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
     auto read_word = [&](int* word) {
         int x = 0;
         if (lane == 0) x = atomicAdd(word, 0);
-        return __shfl_sync(0xffffffffu, x, 0);
+        return warp_uniform(x);
     };
     // MODE_BIAS: the bias tiles come by TMA beside K and V where the bias has whole rows
     // (a tensor map describes it), else each thread loads its scores' bias (bias_tile).
@@ -334,7 +334,7 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
                 if (p.work_counter == nullptr) return w + int(gridDim.x);
                 int next = 0;
                 if (leader) next = int(gridDim.x) + atomicAdd(p.work_counter, 1);
-                return __shfl_sync(0xffffffffu, next, 0);
+                return warp_uniform(next);
             };
             int t = 0;   // key tiles loaded so far, over every work tile: stage t % STAGES
             for (int w = blockIdx.x, k = 0;; w = next_work(w), ++k) {

@@ -88,8 +88,9 @@ __device__ __forceinline__ void stmatrix_x4(void* row_ptr, const u32 (&r)[4]) {
 }
 
 // ---------------------------------------------------------------- descriptors
-// A warpgroup's index (or anything derived from threadIdx that is the same across a
-// warp) as the compiler can see it is warp-uniform: a shuffle from lane 0. Descriptors
+// Lane 0's value in every lane. Of a warpgroup's index (or anything else derived from
+// threadIdx that is the same across the warp) it is what the compiler can see is
+// warp-uniform: a shuffle from lane 0. Descriptors
 // built from it then stay in uniform registers, one uniform add per k-step; built from
 // threadIdx / 128 as such, ptxas computed every descriptor in per-thread registers (two
 // 64-bit adds, four moves to uniform registers: ~15 instructions a wgmma, a fifth of the

@@ -115,6 +115,21 @@ def test_causal_plan_pairs_are_visible_hidden_or_diagonal(rng, nq, nk):
                 assert computed[(i, j)] is True and k1 == q1 + off
 
 
+def _computed_pairs(plan, visible):
+    """The plan's steps against a (Nq, Nk) visibility matrix: every pair with a visible
+    score is computed once and no other is; yields (step, its visible block, the query
+    chunk's bounds, the key chunk's bounds) of each computed pair, for the caller's checks."""
+    computed = {(s.row, s.key): s for s in plan.steps}
+    assert len(computed) == plan.pairs
+    for i, (q0, q1) in enumerate(plan.query_bounds):
+        for j, (k0, k1) in enumerate(plan.key_bounds):
+            seen = visible[q0:q1, k0:k1]
+            if not seen.any():
+                assert (i, j) not in computed
+            else:
+                yield computed[(i, j)], seen, (q0, q1), (k0, k1)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("nq, nk, hq, hk", [(1000, 1000, 4, 4), (700, 1300, 4, 2), (1300, 700, 6, 1),
                                             (100, 1500, 2, 2)])
@@ -133,19 +148,11 @@ def test_backward_plan_keeps_key_chunks_resident(rng, causal, nq, nk, hq, hk, ch
     assert keys == sorted(keys) and sum(s.key_upload for s in plan.steps) == len(set(keys))
     off = nk - nq
     visible = np.tril(np.ones((nq, nk), bool), k=off) if causal else np.ones((nq, nk), bool)
-    computed = {(s.row, s.key): s for s in plan.steps}
-    assert len(computed) == plan.pairs
-    for i, (q0, q1) in enumerate(plan.query_bounds):
-        for j, (k0, k1) in enumerate(plan.key_bounds):
-            seen = visible[q0:q1, k0:k1]
-            if not seen.any():
-                assert (i, j) not in computed
-                continue
-            s = computed[(i, j)]
-            assert not seen[:, s.key_stop - k0:].any()   # nothing visible past the stop
-            assert s.causal == (not seen[:, :s.key_stop - k0].all())
-            if s.causal:   # the local call's bottom-right alignment is the global one
-                assert s.key_stop == q1 + off
+    for s, seen, (q0, q1), (k0, _) in _computed_pairs(plan, visible):
+        assert not seen[:, s.key_stop - k0:].any()   # nothing visible past the stop
+        assert s.causal == (not seen[:, :s.key_stop - k0].all())
+        if s.causal:   # the local call's bottom-right alignment is the global one
+            assert s.key_stop == q1 + off
     # The flags the host sums rely on: each chunk's first and last pair in execution order.
     for flag_first, flag_last, of in (("row_first", "row_last", "row"), ("key_first", "key_last", "key")):
         order = [getattr(s, of) for s in plan.steps]
@@ -165,20 +172,12 @@ def test_window_plan_skips_empty_pairs(rng, causal, window, nq, nk, backward):
     limit = _limit_for(q, k, v, 128, causal=causal, backward=backward)
     plan = cf.streaming_plan(q, k, v, causal=causal, window=window, device_memory_limit=limit,
                              backward=backward)
-    seen = naive_visible(nq, nk, causal=causal, window=window)
     below_diagonal = naive_visible(nq, nk, causal=True)
-    computed = {(s.row, s.key): s for s in plan.steps}
-    assert len(computed) == plan.pairs < len(plan.query_bounds) * len(plan.key_bounds)
-    for i, (q0, q1) in enumerate(plan.query_bounds):
-        for j, (k0, k1) in enumerate(plan.key_bounds):
-            part = seen[q0:q1, k0:k1]
-            if not part.any():
-                assert (i, j) not in computed
-                continue
-            s = computed[(i, j)]
-            assert not part[:, s.key_stop - k0:].any() and part[:, s.key_stop - k0 - 1].any()
-            # A causal call where the diagonal crosses the pair's keys.
-            assert s.causal == (causal and not below_diagonal[q0:q1, k0:s.key_stop].all())
+    assert plan.pairs < len(plan.query_bounds) * len(plan.key_bounds)
+    for s, part, (q0, q1), (k0, _) in _computed_pairs(plan, naive_visible(nq, nk, causal=causal, window=window)):
+        assert not part[:, s.key_stop - k0:].any() and part[:, s.key_stop - k0 - 1].any()
+        # A causal call where the diagonal crosses the pair's keys.
+        assert s.causal == (causal and not below_diagonal[q0:q1, k0:s.key_stop].all())
     # The calls take the problem's coordinates, so keys are cut where queries are.
     assert all(k0 % 128 == 0 for k0, _ in plan.key_bounds)
     # Chunks go up for the steps that use them only: the same cuts without the window
@@ -187,7 +186,7 @@ def test_window_plan_skips_empty_pairs(rng, causal, window, nq, nk, backward):
     wide = cf.streaming_plan(q, k, v, causal=causal, window=(nq + nk, nq + nk), device_memory_limit=limit,
                              backward=backward)
     assert wide.key_bounds == plan.key_bounds and wide.query_bounds == plan.query_bounds
-    assert {(s.row, s.key) for s in wide.steps} >= computed.keys()
+    assert {(s.row, s.key) for s in wide.steps} >= {(s.row, s.key) for s in plan.steps}
     assert plan.h2d_bytes <= wide.h2d_bytes
     assert {s.key for s in plan.steps if s.key_upload} == {s.key for s in plan.steps}
 
