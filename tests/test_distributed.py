@@ -223,9 +223,6 @@ def _qkv(n=8, nk=None, d=4, dtype=np.float32):
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
-    (dict(window=(4, 0)), NotImplementedError, "window"),
-    (dict(dropout_p=0.1), NotImplementedError, "dropout_p"),
-    (dict(alibi_slopes=np.ones(2)), NotImplementedError, "alibi_slopes"),
     (dict(bias=np.zeros((8, 8), np.float32)), NotImplementedError, "bias"),
     (dict(block_mask=np.ones((1, 1), bool)), NotImplementedError, "block_mask"),
     (dict(layout="sbhd"), ValueError, "layout"),
