@@ -19,7 +19,8 @@ from cupyflash.distributed import (LocalRing, multi_device_attention, multi_devi
                                    ring_attention, ring_attention_backward, ring_attention_forward,
                                    ring_attention_vjp, zigzag_chunks, zigzag_shard, zigzag_unshard)
 from cupyflash.distributed.multi_device import query_blocks
-from oracle import naive_attention, naive_attention_grads
+from oracle import naive_attention, naive_attention_grads, naive_visible
+from test_mods_reference import keep_mask
 from test_reference import assert_close
 
 TOL = {np.float64: 1e-12, np.float32: 1e-5}  # tests/TOLERANCES.md
@@ -163,6 +164,181 @@ def test_ring_leaves_inputs_unchanged(rng):
             np.testing.assert_array_equal(x, y)
 
 
+# Ring attention with options in global coordinates (window, ALiBi, dropout) --------------------
+
+# Rows per rank of the option tests: two zigzag chunks of 32 rows, the least that places
+# every chunk on dropout's 32-row origins (`_mods.ORIGIN_ALIGN`).
+_PLACED_ROWS = 64
+
+
+def _ring_options(case, rng, hq=4, batch=2):
+    """The options of one case (``slopes`` per head, or per batch entry and head)."""
+    slopes = (rng.uniform(0.01, 0.3, (hq,)) if "per-head" in case
+              else rng.uniform(0.01, 0.3, (batch, hq)))
+    return {
+        "window-causal": dict(causal=True, window=(40, 0)),
+        "window-causal-two-sided": dict(causal=True, window=(70, 30)),
+        "window-two-sided": dict(window=(30, 50)),
+        "window-narrow": dict(window=(0, 3)),
+        "alibi-per-head": dict(alibi_slopes=slopes),
+        "alibi-causal": dict(causal=True, alibi_slopes=slopes),
+        "dropout-causal": dict(causal=True, dropout_p=0.3, seed=2**40 + 3),
+        "dropout-window": dict(window=(20, 10), dropout_p=0.25, seed=11),
+        "all-causal": dict(causal=True, window=(50, 0), alibi_slopes=slopes, dropout_p=0.2, seed=7,
+                           softcap=3.0),
+    }[case]
+
+
+def _unsharded(q, k, v, do, dlse, *, layout="bhsd", **options):
+    o, ctx = cf.attention_forward(q, k, v, layout=layout, backend="numpy", **options)
+    return (o, ctx.lse, *cf.attention_backward(do, ctx, dlse=dlse))
+
+
+def _assert_results_close(got, whole, layout, tol):
+    for i, (out, same) in enumerate(zip(got, whole)):
+        assert out.shape == same.shape and out.dtype == same.dtype
+        np.testing.assert_array_equal(np.isneginf(out), np.isneginf(same))
+        if i == 1:   # the LSE: -inf where a row sees no key
+            finite = np.isfinite(same)
+            assert_close(out[finite], same[finite], tol)
+        else:
+            assert_close(_bhsd(out, layout), _bhsd(same, layout), tol)
+
+
+@pytest.mark.parametrize("case", ["window-causal", "window-causal-two-sided", "window-two-sided",
+                                  "window-narrow", "alibi-per-head", "alibi-causal",
+                                  "dropout-causal", "dropout-window", "all-causal"])
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_ring_options_equal_unsharded_call(dtype, world, case, rng):
+    """Window (one- and two-sided, causal and not), ALiBi and dropout: each pair is placed
+    in the whole sequence, so the ring's o, lse and gradients (with an LSE cotangent) are
+    the unsharded call's, with GQA (4 query heads on 2 kv heads); o and lse also against
+    the float64 oracle."""
+    options = _ring_options(case, rng)
+    q, k, v, do, dlse = _problem(rng, dtype, n=_PLACED_ROWS * world)
+    got = _ring_run(world, q, k, v, do, dlse, **options)
+    _assert_results_close(got, _unsharded(q, k, v, do, dlse, **options), "bhsd", TOL[dtype])
+    oracle = dict(options)
+    if "dropout_p" in oracle:   # an explicit seed: the call's RNG offset is 0
+        n = q.shape[2]
+        oracle["keep"] = keep_mask(oracle.pop("seed"), 0, 2, 4, n, n, options["dropout_p"])
+    o, lse = naive_attention(q, k, v, scale=1 / 4, **{"causal": False, **oracle})
+    assert_close(got[0], o, TOL[dtype])
+    finite = np.isfinite(lse)
+    assert_close(got[1][finite], lse[finite], TOL[dtype])
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("nq, nk", [(64, 128), (128, 64)])
+def test_ring_options_with_nq_ne_nk(nq, nk, layout, rng):
+    """Non-causal shards of q and k of different lengths: the window and ALiBi take the
+    whole problem's diagonal R * (nk - nq), and dropout its rows and keys."""
+    world = 2
+    q, _, _, do, dlse = _problem(rng, np.float64, n=nq * world, layout=layout)
+    _, k, v, _, _ = _problem(rng, np.float64, n=nk * world, layout=layout)
+    options = dict(window=(60, 20), alibi_slopes=rng.uniform(0.01, 0.3, (4,)), dropout_p=0.2, seed=5)
+    got = _ring_run(world, q, k, v, do, dlse, layout=layout, **options)
+    _assert_results_close(got, _unsharded(q, k, v, do, dlse, layout=layout, **options), layout,
+                          TOL[np.float64])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("options", [dict(), dict(causal=True), dict(window=(45, 15))],
+                         ids=["full", "causal", "window"])
+def test_ring_dropout_keeps_the_unsharded_mask(world, options):
+    """The keep mask itself, read out of the output (as tests/test_streaming.py does): with
+    q = 0 every visible key is equally likely and v_j = e_j, so o[i, j] is nonzero exactly
+    where key j is visible to row i and kept. The ring's mask is bit for bit the one the
+    Philox mapping defines for the whole problem, and the unsharded call's."""
+    b, hq, hk, p, seed = 2, 4, 2, 0.3, 12345
+    n = _PLACED_ROWS * world
+    q = np.zeros((b, hq, n, 16))
+    k = np.ones((b, hk, n, 16))
+    v = np.broadcast_to(np.eye(n), (b, hk, n, n)).copy()
+    zeros = np.zeros((b, hq, n, n)), np.zeros((b, hq, n))
+    o = _ring_run(world, q, k, v, *zeros, dropout_p=p, seed=seed, **options)[0]
+    whole = cf.attention(q, k, v, dropout_p=p, seed=seed, backend="numpy", **options)
+    keep = keep_mask(seed, 0, b, hq, n, n, p) & naive_visible(n, n, causal=options.get("causal", False),
+                                                              window=options.get("window"))
+    np.testing.assert_array_equal(o != 0, keep)
+    np.testing.assert_array_equal(whole != 0, keep)
+    assert_close(o, whole, TOL[np.float64])
+
+
+def test_ring_dropout_without_a_seed_draws_each_ranks_own_streams(rng):
+    """Without a seed each rank claims its streams from the process RNG, as `attention`
+    does (simulated ranks share one process: they get different offsets); its forward and
+    backward use the same ones, so the ring is the oracle with each rank's rows masked by
+    its own streams. A refused call claims nothing."""
+    world, b, hq, p = 2, 2, 4, 0.25
+    n = _PLACED_ROWS * world
+    q, k, v, do, _ = _problem(rng, np.float64, n=n, hq=hq, batch=b)
+    cf.manual_seed(99)
+    with pytest.raises(ValueError, match="q's shard has 32 rows"):
+        ring_attention(q[:, :, :32], k[:, :, :32], v[:, :, :32], _RecordingComm(), dropout_p=p)
+
+    def rank(comm, q, k, v, do):
+        o, ctx = ring_attention_forward(q, k, v, comm, causal=True, dropout_p=p)
+        return o, ctx.seed, ctx.rng_offset, ring_attention_backward(do, ctx)
+
+    results = LocalRing(world).run(rank, *([zigzag_shard(x, r, world, -2) for r in range(world)]
+                                           for x in (q, k, v, do)))
+    offsets = sorted(r[2] for r in results)
+    assert {r[1] for r in results} == {99} and offsets == [0, b * hq]
+    # Row i of the whole sequence is rank r's: its mask is that of rank r's streams.
+    owner = zigzag_unshard([np.full(n // world, r) for r in range(world)], 0)
+    keep = np.zeros((b, hq, n, n), bool)
+    for r, (_, seed, offset, _) in enumerate(results):
+        keep[:, :, owner == r] = keep_mask(seed, offset, b, hq, n, n, p)[:, :, owner == r]
+    o_ref, _ = naive_attention(q, k, v, scale=1 / 4, causal=True, keep=keep, dropout_p=p)
+    grads_ref = naive_attention_grads(do, q, k, v, scale=1 / 4, causal=True, keep=keep, dropout_p=p)
+    assert_close(zigzag_unshard([r[0] for r in results], -2), o_ref, TOL[np.float64])
+    for i in range(3):
+        assert_close(zigzag_unshard([r[3][i] for r in results], -2), grads_ref[i], TOL[np.float64])
+
+
+def test_ring_skips_pairs_the_window_hides(rng):
+    """A window narrower than a chunk: exactly the (query run, key run) pairs with a
+    visible score are computed, and their keys end where the run's reach does; some steps
+    compute nothing at all, and the ring (which still passes every K/V shard on) is the
+    unsharded call."""
+    from cupyflash import _mods
+    from cupyflash.distributed.ring import _runs, _Shards
+    world, n, window = 4, _PLACED_ROWS, (8, 0)
+    total = n * world
+    visible = naive_visible(total, total, causal=True, window=window)
+    calls_per_step = []
+    for r in range(world):
+        shards = _Shards(rank=r, size=world, n_q=n, n_k=n, causal=True, mods=_mods.Modifiers(window=window))
+        for step in range(world):
+            owner = (r - step) % world
+            calls = shards.calls(step, owner)
+            calls_per_step.append(len(calls))
+            expected = []
+            for lo, hi, q0 in _runs(r, world, n):
+                for klo, khi, k0 in _runs(owner, world, n):
+                    seen = visible[q0:q0 + hi - lo, k0:k0 + khi - klo]
+                    if seen.any():
+                        last = int(np.nonzero(seen.any(axis=0))[0].max())
+                        expected.append(((lo, hi), (klo, klo + last + 1), (q0, k0)))
+            assert [(c.rows, c.keys, (c.mods.row0, c.mods.key0)) for c in calls] == expected
+            assert all(c.mods.diagonal == 0 for c in calls)
+    assert 0 in calls_per_step
+    q, k, v, do, dlse = _problem(rng, np.float64, n=total)
+    options = dict(causal=True, window=window)
+    got = _ring_run(world, q, k, v, do, dlse, **options)
+    _assert_results_close(got, _unsharded(q, k, v, do, dlse, **options), "bhsd", TOL[np.float64])
+
+
+def test_one_rank_takes_options_on_any_even_shard(rng):
+    """A ring of one holds the whole sequence as one run from row 0: no origin to align."""
+    q, k, v, do, dlse = _problem(rng, np.float64, n=10)
+    options = dict(causal=True, window=(3, 0), alibi_slopes=np.full(4, 0.1), dropout_p=0.2, seed=3)
+    got = _ring_run(1, q, k, v, do, dlse, **options)
+    _assert_results_close(got, _unsharded(q, k, v, do, dlse, **options), "bhsd", TOL[np.float64])
+
+
 # Zigzag sharding ----------------------------------------------------------------------------
 
 
@@ -254,6 +430,35 @@ def test_ring_input_errors_come_before_any_exchange():
     with pytest.raises(TypeError, match="q is a host .NumPy. array but comm"):
         ring_attention(q, k, v, _RecordingComm(device=0))
     assert comm.calls == 0
+
+
+@pytest.mark.parametrize("shapes, kwargs, match", [
+    # Chunks of 16 rows would start at row 16, 48, ...: no multiple of 32.
+    ((32, 32), dict(window=(4, 0), causal=True), r"q's shard has 32 rows: with window .* multiple of 64 "
+                                                 r"\(the sequence a multiple of 64 \* comm.size = 128"),
+    ((64, 96), dict(alibi_slopes=np.ones(2)), r"k's shard has 96 rows: with alibi_slopes .* multiple of 64"),
+    ((64, 64 + 32), dict(dropout_p=0.1, seed=1), r"k's shard has 96 rows: with dropout_p"),
+    ((30, 64), dict(window=(1, 1), dropout_p=0.1), r"q's shard has 30 rows: with window and dropout_p"),
+    ((33, 64), dict(alibi_slopes=np.ones(2)), r"q's shard has 33 rows, an odd number: with alibi_slopes "
+                                              r"ring attention takes zigzag shards"),
+    ((64, 64), dict(alibi_slopes=np.ones(3)), "alibi_slopes"),
+    ((64, 64), dict(dropout_p=1.5), "dropout_p"),
+    ((64, 64), dict(dropout_p=0.1, seed=-1), "seed"),
+    ((64, 64), dict(window=(-2, 0)), "window"),
+])
+def test_ring_placed_option_errors_come_before_any_exchange(shapes, kwargs, match):
+    """Shards whose zigzag chunks cannot start on dropout's 32-row origins (or are not
+    two chunks), and bad option values, are named on every rank alike before anything is
+    sent, with no dropout streams claimed."""
+    from cupyflash import _rng
+    comm = _RecordingComm()
+    q, _, _ = _qkv(n=shapes[0])
+    _, k, v = _qkv(n=shapes[1])
+    cf.manual_seed(5)
+    with pytest.raises(ValueError, match=match):
+        ring_attention(q, k, v, comm, **kwargs)
+    assert comm.calls == 0
+    assert _rng.claim_streams(1) == (5, 0)
 
 
 def test_backward_errors_are_named():
