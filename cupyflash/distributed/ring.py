@@ -43,11 +43,11 @@ last hop, arrive complete at their owner.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
-from .. import _arrays, _masks, _mods, _validate
+from .. import _arrays, _mods, _validate
 from ..merge import merge_into
+from . import _pairs
 from ._place import place_of
 from .zigzag import zigzag_chunks
 
@@ -253,16 +253,9 @@ class _Shards:
     causal: bool
     mods: _mods.Modifiers
 
-    @property
-    def placed(self):
-        """The calls are placed in the whole problem (module docstring): an option reads
-        global coordinates."""
-        m = self.mods
-        return m.windowed or m.alibi_slopes is not None or m.dropout_p > 0
-
     def calls(self, step, owner):
         """The `_PairCall` list of the step that visits ``owner``'s K/V shard."""
-        if self.placed:
+        if _pairs.needs_placing(self.mods):
             return self._placed_calls(owner)
         n_q, n_k = self.n_q, self.n_k
         if not self.causal:
@@ -275,25 +268,15 @@ class _Shards:
         return [_PairCall((half, n_q), (0, n_k), False, self.mods)]
 
     def _placed_calls(self, owner):
-        # As the streamed path's pairs (`cupyflash.streaming._visible_pairs`): a chunk's
-        # rows see keys from its first row's first to its last row's last, because the
-        # band's bounds grow with the row.
-        total_q, total_k = self.size * self.n_q, self.size * self.n_k
-        diagonal = total_k - total_q
-        span = dict(causal=self.causal, window=self.mods.window)
+        totals = dict(total_q=self.size * self.n_q, total_k=self.size * self.n_k)
         calls = []
         for lo, hi, q0 in _runs(self.rank, self.size, self.n_q):
-            first = int(_masks.visible_key_span(q0, total_q, total_k, **span)[0])
-            reach = int(_masks.visible_key_span(q0 + hi - lo - 1, total_q, total_k, **span)[1])
             for klo, khi, k0 in _runs(owner, self.size, self.n_k):
-                k1 = k0 + khi - klo
-                if k0 >= reach or k1 <= first:
-                    continue   # hidden by the band
-                stop = min(k1, reach)
-                mods = dataclasses.replace(self.mods, row0=q0, key0=k0, diagonal=diagonal)
-                # Not wholly visible to the chunk's first row: the call needs the mask.
-                causal = self.causal and stop - 1 > q0 + diagonal
-                calls.append(_PairCall((lo, hi), (klo, klo + stop - k0), causal, mods))
+                placed = _pairs.place(q0, q0 + hi - lo, k0, k0 + khi - klo, causal=self.causal,
+                                      mods=self.mods, **totals)
+                if placed is not None:   # else the band hides the pair
+                    stop, causal, mods = placed
+                    calls.append(_PairCall((lo, hi), (klo, klo + stop - k0), causal, mods))
         return calls
 
 
