@@ -566,7 +566,8 @@ def test_query_blocks_compose_the_whole_call(n_q, n_k, parts, causal, rng):
     q, k, v = (rng.standard_normal((1, 2, n, 8)) for n in (n_q, n_k, n_k))
     o = np.zeros((1, 2, n_q, 8))
     for calls in plan:
-        for (lo, hi), stop in calls:
+        for (lo, hi), (start, stop) in calls:
+            assert start == 0   # the prefix, for the dense kernels' corner-aligned diagonal
             if stop:
                 o[:, :, lo:hi] = cf.attention(q[:, :, lo:hi], k[:, :, :stop], v[:, :, :stop],
                                               causal=causal, backend="numpy")
@@ -576,8 +577,59 @@ def test_query_blocks_compose_the_whole_call(n_q, n_k, parts, causal, rng):
 
 def test_query_blocks_balance_causal_work():
     plan = query_blocks(4096, 4096, 4, True)
-    work = [sum((hi - lo) * stop for (lo, hi), stop in calls) for calls in plan]
+    work = [sum((hi - lo) * stop for (lo, hi), (_, stop) in calls) for calls in plan]
     assert max(work) / min(work) < 1.01
+
+
+@pytest.mark.parametrize("case", ["window-causal", "window-two-sided", "alibi", "dropout-causal",
+                                  "all-gqa"])
+@pytest.mark.parametrize("n_q, n_k", [(300, 300), (200, 333), (333, 200)])
+@pytest.mark.parametrize("parts", [1, 2, 3])
+def test_multi_device_placed_blocks_compose_the_whole_call(parts, n_q, n_k, case, rng):
+    """The multi-device plan with window, ALiBi and dropout (pure Python: no GPU needed)
+    run block by block on the NumPy backend as the GPUs run it (each block's call placed in
+    the problem, its keys those its rows see): o, lse and the gradients (with dlse) are the
+    unsharded call's, and the row cuts lie on dropout's 32-row origins."""
+    from cupyflash import _mods, _validate
+    from cupyflash.api import _NUMPY_BACKEND, _resolve_modifiers
+    from cupyflash.distributed.multi_device import _plan
+    hk = 2 if case == "all-gqa" else 4
+    options = {"window-causal": dict(causal=True, window=(70, 0)),
+               "window-two-sided": dict(window=(50, 90)),
+               "alibi": dict(alibi_slopes=rng.uniform(0.01, 0.3, (2, 4))),
+               "dropout-causal": dict(causal=True, dropout_p=0.3, seed=2**33 + 1),
+               "all-gqa": dict(causal=True, window=(100, 0), alibi_slopes=rng.uniform(0.01, 0.3, 4),
+                               dropout_p=0.2, seed=8, softcap=2.0)}[case]
+    q, do = (rng.standard_normal((2, 4, n_q, 16)) for _ in range(2))
+    k, v = (rng.standard_normal((2, hk, n_k, 16)) for _ in range(2))
+    dlse = rng.standard_normal((2, 4, n_q))
+    checked = _validate.check_options(**{**dict(causal=False, scale=None, window=None, dropout_p=0.0,
+                                                seed=None, block_mask=None, bias=None, alibi_slopes=None,
+                                                softcap=0.0, layout="bhsd", deterministic=False,
+                                                backend="numpy"), **options})
+    problem = _validate.check_inputs(q, k, v, layout="bhsd")[3]
+    mods, _ = _resolve_modifiers(checked, problem)
+    calls = _plan(problem, list(range(parts)), checked.causal, mods)
+    assert sorted(r for c in calls for r in range(*c.rows)) == list(range(n_q))
+    assert all(c.rows[0] % _mods.ORIGIN_ALIGN == 0 and c.keys[0] % _mods.ORIGIN_ALIGN == 0 for c in calls)
+    o, lse = np.zeros((2, 4, n_q, 16)), np.full((2, 4, n_q), -np.inf)
+    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    for c in calls:
+        if not c.sees_keys:
+            continue
+        rows, keys = slice(*c.rows), slice(*c.keys)
+        args = (q[:, :, rows], k[:, :, keys], v[:, :, keys])
+        _NUMPY_BACKEND.attention_forward(*args, o[:, :, rows], lse[:, :, rows], scale=0.25,
+                                         causal=c.causal, mods=c.mods)
+        grads = tuple(np.empty_like(x) for x in args)
+        _NUMPY_BACKEND.attention_backward(do[:, :, rows], *args, o[:, :, rows], lse[:, :, rows], *grads,
+                                          scale=0.25, causal=c.causal, deterministic=False, mods=c.mods,
+                                          dbias=None, dlse=dlse[:, :, rows])
+        dq[:, :, rows] = grads[0]
+        dk[:, :, keys] += grads[1]
+        dv[:, :, keys] += grads[2]
+    whole = _unsharded(q, k, v, do, dlse, **options)
+    _assert_results_close((o, lse, dq, dk, dv), whole, "bhsd", TOL[np.float64])
 
 
 @pytest.mark.parametrize("devices, error, match", [
@@ -589,6 +641,15 @@ def test_query_blocks_balance_causal_work():
 def test_multi_device_errors_are_named(devices, error, match):
     with pytest.raises(error, match=match):
         multi_device_attention(*_qkv(), devices=devices)
+
+
+@pytest.mark.parametrize("kwargs, match", [(dict(dropout_p=1.5), "dropout_p"), (dict(window=(0, -3)), "window"),
+                                           (dict(dropout_p=0.1, seed=2**64), "seed"),
+                                           (dict(alibi_slopes=[1.0, 2.0]), "alibi_slopes")])
+def test_multi_device_option_errors_are_named(kwargs, match):
+    """Option values are checked before the devices (so without a GPU too)."""
+    with pytest.raises((TypeError, ValueError), match=match):
+        multi_device_attention(*_qkv(), devices=[0], **kwargs)
 
 
 def test_multi_device_without_a_gpu_says_so():
