@@ -709,9 +709,9 @@ def test_local_ring_on_one_gpu(world, causal, dtype, rng):
         assert rel_err(out, same if i == 1 else _bhsd(same, layout)) < limit
 
 
-def _ring_run_gpu(world, q, k, v, do, dlse, *, causal, layout, devices=None):
-    """`_ring_run` for CuPy arrays; rank r's shards on ``devices[r]`` (default all on
-    the arrays' GPU)."""
+def _ring_run_gpu(world, q, k, v, do, dlse, *, layout, devices=None, **options):
+    """`_ring_run` for CuPy arrays (zigzag shards); rank r's shards on ``devices[r]``
+    (default all on the arrays' GPU)."""
     import cupy as cp
     axis = _seq_axis(layout)
     ring = LocalRing(world, devices=devices)   # each rank on its own stream (see LocalRing)
@@ -726,7 +726,7 @@ def _ring_run_gpu(world, q, k, v, do, dlse, *, causal, layout, devices=None):
 
     def rank(comm, q, k, v, do, dlse):
         with cp.cuda.Device(q.device.id):
-            o, ctx = ring_attention_forward(q, k, v, comm, causal=causal, layout=layout)
+            o, ctx = ring_attention_forward(q, k, v, comm, layout=layout, **options)
             grads = ring_attention_backward(do, ctx, dlse=dlse)
             return [cp.asnumpy(x) for x in (o, ctx.lse, *grads)]
 
@@ -734,6 +734,76 @@ def _ring_run_gpu(world, q, k, v, do, dlse, *, causal, layout, devices=None):
     with cp.cuda.Device(q.device.id):
         return tuple(cp.asarray(zigzag_unshard([r[i] for r in results], ax))
                      for i, ax in enumerate((axis, -1, axis, axis, axis)))
+
+
+# The GPU cases' ALiBi slopes: powers of two, exact in the float32 the kernels take them in.
+_GPU_SLOPES = np.array([2.0**-1, 2.0**-3, 2.0**-5, 2.0**-7], np.float32)
+
+
+def _gpu_options(case):
+    return {"window-causal": dict(causal=True, window=(100, 0)),
+            "window-two-sided": dict(window=(70, 150)),
+            "alibi": dict(alibi_slopes=_GPU_SLOPES),
+            "alibi-causal": dict(causal=True, alibi_slopes=_GPU_SLOPES),
+            "dropout-causal": dict(causal=True, dropout_p=0.2, seed=2**40 + 17),
+            "all-causal": dict(causal=True, window=(150, 0), alibi_slopes=_GPU_SLOPES, dropout_p=0.15,
+                               seed=99)}[case]
+
+
+def _float64_reference(q, k, v, do, dlse, *, layout, **options):
+    """o, lse, dq, dk, dv of the unsharded call in float64 on the NumPy backend (the same
+    rounded inputs; dropout with the same seed draws the same mask), in ``layout``."""
+    o, ctx = cf.attention_forward(q, k, v, layout=layout, backend="numpy", **options)
+    return (o, ctx.lse, *cf.attention_backward(do, ctx, dlse=dlse))
+
+
+def _check_gpu_results(got, whole, ref, *, layout, dtype, grad_factor=3):
+    """Each of o, lse, dq, dk, dv (GPU) within the dtype's limit of the float64 reference
+    (gradients ``grad_factor`` times: rounded to the dtype per pair before their sums),
+    and of ``whole`` (the unsharded GPU call) where given; -inf LSEs in the same places."""
+    import cupy as cp
+    from gpu_cases import TOLERANCE, rel_err
+    host = lambda x: np.asarray(cp.asnumpy(x) if not isinstance(x, np.ndarray) else x, np.float64)   # noqa: E731
+    for i, (out, same, r) in enumerate(zip(got, whole or [None] * 5, ref)):
+        limit = TOLERANCE[dtype] * (1 if i < 2 else grad_factor)
+        out, r = host(out), host(r)
+        if i == 1:
+            finite = np.isfinite(r)
+            assert (np.isneginf(out) == ~finite).all()
+            out, r = out[finite], r[finite]
+            same = None if same is None else host(same)[finite]
+        else:
+            out, r = _bhsd(out, layout), _bhsd(r, layout)
+            same = None if same is None else _bhsd(host(same), layout)
+        assert np.isfinite(out).all()
+        assert rel_err(out, r) < limit, (i, rel_err(out, r))
+        if same is not None:
+            assert rel_err(out, same) < limit, (i, rel_err(out, same))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("case", ["window-causal", "window-two-sided", "alibi", "alibi-causal",
+                                  "dropout-causal", "all-causal"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_local_ring_options_on_one_gpu(world, case, dtype, rng):
+    """Window, ALiBi and dropout over R ranks simulated on GPU 0: each pair of zigzag
+    chunks (64 rows each, so origins on 64-row multiples that are not the kernels' 128-row
+    tiles) is a placed call of the general kernels; against the unsharded GPU call and
+    the float64 NumPy backend on the same rounded inputs (dropout: the same seed, so the
+    same mask), forward, LSE and gradients with an LSE cotangent (3x, as above)."""
+    import cupy as cp
+    options = _gpu_options(case)
+    layout = "bshd" if world == 3 else "bhsd"
+    q, k, v, do, dlse = _gpu_problem(rng, dtype, n=128 * world, layout=layout)
+    acc = np.float64 if dtype == "float64" else np.float32
+    g = lambda x: cp.asarray(x).astype(dtype)   # noqa: E731
+    got = _ring_run_gpu(world, *(g(x) for x in (q, k, v, do)), cp.asarray(dlse, acc), layout=layout,
+                        **options)
+    o, ctx = cf.attention_forward(*(g(x) for x in (q, k, v)), layout=layout, backend="cuda", **options)
+    whole = (o, ctx.lse, *cf.attention_backward(g(do), ctx, dlse=cp.asarray(dlse, acc)))
+    ref = _float64_reference(q, k, v, do, dlse, layout=layout, **options)
+    _check_gpu_results(got, whole, ref, layout=layout, dtype=dtype)
 
 
 @pytest.mark.gpu
@@ -784,6 +854,30 @@ def test_multi_device_on_gpu_0(host_inputs, causal, dtype, rng):
     _check_multi_device(q, k, v, do, dlse, devices=[0], causal=causal, layout=layout, dtype=dtype, to=to)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("case", ["window-causal", "window-two-sided", "alibi", "dropout-causal", "all-causal"])
+@pytest.mark.parametrize("host_inputs", [False, True])
+def test_multi_device_options_on_gpu_0(host_inputs, case, dtype, rng):
+    """devices=[0] with window, ALiBi and dropout: the causal call's two blocks (rows cut on
+    32-row multiples) placed in the problem, Nq != Nk and GQA, NumPy or CuPy inputs,
+    against the float64 NumPy backend's unsharded call with the same seed."""
+    import cupy as cp
+    from gpu_cases import np_dtype
+    options = _gpu_options(case)
+    layout = "bshd" if host_inputs else "bhsd"
+    q, k, v, do, dlse = _gpu_problem(rng, dtype, n=400, layout=layout)
+    q, do, dlse = (_seq_slice(x, 0, 300, layout if x.ndim == 4 else None) for x in (q, do, dlse))
+    to = ((lambda x: x.astype(np_dtype(dtype)) if x.ndim == 4 else x) if host_inputs
+          else (lambda x: cp.asarray(x).astype(dtype) if x.ndim == 4 else cp.asarray(x)))
+    acc = np.float64 if dtype == "float64" else np.float32
+    o, vjp = multi_device_attention_vjp(*(to(x) for x in (q, k, v)), devices=[0], layout=layout, **options)
+    grads = vjp(to(do), dlse=to(dlse).astype(acc))
+    assert all(type(x) is type(to(q)) for x in (o, vjp.lse, *grads))
+    ref = _float64_reference(q, k, v, do, dlse, layout=layout, **options)
+    _check_gpu_results((o, vjp.lse, *grads), None, ref, layout=layout, dtype=dtype)
+
+
 def _seq_slice(x, lo, hi, layout):
     if layout is None:
         return x[..., lo:hi]
@@ -802,6 +896,12 @@ def test_multi_device_over_several_gpus(count, rng):
         to = lambda x: cp.asarray(x).astype("bfloat16") if x.ndim == 4 else cp.asarray(x)   # noqa: E731
         _check_multi_device(q, k, v, do, dlse, devices=list(range(count)), causal=True, layout="bhsd",
                             dtype="bfloat16", to=to)
+        # Window, ALiBi (slopes on the last GPU: each device gets its own copy) and dropout.
+        options = dict(_gpu_options("all-causal"), alibi_slopes=cp.asarray(_GPU_SLOPES))
+        o, vjp = multi_device_attention_vjp(*(to(x) for x in (q, k, v)), devices=list(range(count)), **options)
+        grads = vjp(to(do), dlse=to(dlse).astype(np.float32))
+    ref = _float64_reference(q, k, v, do, dlse, layout="bhsd", **dict(options, alibi_slopes=_GPU_SLOPES))
+    _check_gpu_results((o, vjp.lse, *grads), None, ref, layout="bhsd", dtype="bfloat16")
 
 
 _NCCL_WORKER = """
@@ -813,14 +913,18 @@ from cupyflash.distributed import from_env, ring_attention_vjp, zigzag_shard
 
 comm = from_env()
 dtype, causal = sys.argv[1], sys.argv[2] == "1"
+# Window, ALiBi and dropout with one seed on every rank: the unsharded call's mask.
+options = {} if sys.argv[4] == "plain" else dict(
+    window=(300, 0 if causal else 200), alibi_slopes=np.array([2.0**-i for i in range(1, 9)], np.float32),
+    dropout_p=0.15, seed=1234)
 rng = np.random.default_rng(0)                    # the same whole problem on every rank
 Q, K, V, dO = (rng.standard_normal(s).astype(np.float32)
                for s in ((2, 8, 1024, 128), (2, 2, 1024, 128), (2, 2, 1024, 128), (2, 8, 1024, 128)))
 g = lambda x: cp.asarray(x).astype(dtype)
 shard = lambda x: zigzag_shard(g(x), comm.rank, comm.size, -2)
-o, vjp = ring_attention_vjp(shard(Q), shard(K), shard(V), comm, causal=causal)
+o, vjp = ring_attention_vjp(shard(Q), shard(K), shard(V), comm, causal=causal, **options)
 grads = vjp(shard(dO))
-whole, ctx = cf.attention_forward(g(Q), g(K), g(V), causal=causal)
+whole, ctx = cf.attention_forward(g(Q), g(K), g(V), causal=causal, **options)
 ref = (whole, *cf.attention_backward(g(dO), ctx))
 worst = 0.0
 for i, (mine, r) in enumerate(zip((o, *grads), ref)):
@@ -833,12 +937,13 @@ sys.exit(0 if worst < float(sys.argv[3]) else 1)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("options", ["plain", "window-alibi-dropout"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("world", [2, 4])
-def test_nccl_ring_in_processes(world, causal, tmp_path):
+def test_nccl_ring_in_processes(world, causal, options, tmp_path):
     """`world` processes (python -m cupyflash.distributed.launch), NCCL through CuPy: each
     rank's output and gradients against its rows of the unsharded call on its GPU (bf16;
-    gradients 3x, as above)."""
+    gradients 3x, as above), plain or with a window, ALiBi and seeded dropout."""
     from cupy.cuda import nccl
     from gpu_cases import TOLERANCE
     if _gpu_count() < world:
@@ -848,7 +953,7 @@ def test_nccl_ring_in_processes(world, causal, tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(_NCCL_WORKER)
     run = subprocess.run([sys.executable, "-m", "cupyflash.distributed.launch", "--nproc", str(world),
-                          str(script), "bfloat16", str(int(causal)), str(TOLERANCE["bfloat16"])],
+                          str(script), "bfloat16", str(int(causal)), str(TOLERANCE["bfloat16"]), options],
                          cwd=ROOT, env=_env(), timeout=300, capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.count("worst error") == world
