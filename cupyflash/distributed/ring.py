@@ -234,7 +234,8 @@ class _PairCall:
 def _runs(rank, size, n):
     """The contiguous runs of rank ``rank``'s zigzag shard of ``n`` rows, as
     ``(local start, local stop, start in the whole sequence)``: its two chunks, or one run
-    where they are adjacent (the middle rank, and a ring of one)."""
+    where they are adjacent (the last rank, whose chunks are the sequence's middle two,
+    and a ring of one)."""
     c = n // 2
     first, second = zigzag_chunks(rank, size)
     if second == first + 1:
