@@ -19,7 +19,8 @@ from cupyflash.distributed import (LocalRing, multi_device_attention, multi_devi
                                    ring_attention, ring_attention_backward, ring_attention_forward,
                                    ring_attention_vjp, zigzag_chunks, zigzag_shard, zigzag_unshard)
 from cupyflash.distributed.multi_device import query_blocks
-from oracle import naive_attention, naive_attention_grads
+from oracle import naive_attention, naive_attention_grads, naive_visible
+from test_mods_reference import keep_mask
 from test_reference import assert_close
 
 TOL = {np.float64: 1e-12, np.float32: 1e-5}  # tests/TOLERANCES.md
@@ -163,6 +164,181 @@ def test_ring_leaves_inputs_unchanged(rng):
             np.testing.assert_array_equal(x, y)
 
 
+# Ring attention with options in global coordinates (window, ALiBi, dropout) --------------------
+
+# Rows per rank of the option tests: two zigzag chunks of 32 rows, the least that places
+# every chunk on dropout's 32-row origins (`_mods.ORIGIN_ALIGN`).
+_PLACED_ROWS = 64
+
+
+def _ring_options(case, rng, hq=4, batch=2):
+    """The options of one case (``slopes`` per head, or per batch entry and head)."""
+    slopes = (rng.uniform(0.01, 0.3, (hq,)) if "per-head" in case
+              else rng.uniform(0.01, 0.3, (batch, hq)))
+    return {
+        "window-causal": dict(causal=True, window=(40, 0)),
+        "window-causal-two-sided": dict(causal=True, window=(70, 30)),
+        "window-two-sided": dict(window=(30, 50)),
+        "window-narrow": dict(window=(0, 3)),
+        "alibi-per-head": dict(alibi_slopes=slopes),
+        "alibi-causal": dict(causal=True, alibi_slopes=slopes),
+        "dropout-causal": dict(causal=True, dropout_p=0.3, seed=2**40 + 3),
+        "dropout-window": dict(window=(20, 10), dropout_p=0.25, seed=11),
+        "all-causal": dict(causal=True, window=(50, 0), alibi_slopes=slopes, dropout_p=0.2, seed=7,
+                           softcap=3.0),
+    }[case]
+
+
+def _unsharded(q, k, v, do, dlse, *, layout="bhsd", **options):
+    o, ctx = cf.attention_forward(q, k, v, layout=layout, backend="numpy", **options)
+    return (o, ctx.lse, *cf.attention_backward(do, ctx, dlse=dlse))
+
+
+def _assert_results_close(got, whole, layout, tol):
+    for i, (out, same) in enumerate(zip(got, whole)):
+        assert out.shape == same.shape and out.dtype == same.dtype
+        np.testing.assert_array_equal(np.isneginf(out), np.isneginf(same))
+        if i == 1:   # the LSE: -inf where a row sees no key
+            finite = np.isfinite(same)
+            assert_close(out[finite], same[finite], tol)
+        else:
+            assert_close(_bhsd(out, layout), _bhsd(same, layout), tol)
+
+
+@pytest.mark.parametrize("case", ["window-causal", "window-causal-two-sided", "window-two-sided",
+                                  "window-narrow", "alibi-per-head", "alibi-causal",
+                                  "dropout-causal", "dropout-window", "all-causal"])
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_ring_options_equal_unsharded_call(dtype, world, case, rng):
+    """Window (one- and two-sided, causal and not), ALiBi and dropout: each pair is placed
+    in the whole sequence, so the ring's o, lse and gradients (with an LSE cotangent) are
+    the unsharded call's, with GQA (4 query heads on 2 kv heads); o and lse also against
+    the float64 oracle."""
+    options = _ring_options(case, rng)
+    q, k, v, do, dlse = _problem(rng, dtype, n=_PLACED_ROWS * world)
+    got = _ring_run(world, q, k, v, do, dlse, **options)
+    _assert_results_close(got, _unsharded(q, k, v, do, dlse, **options), "bhsd", TOL[dtype])
+    oracle = dict(options)
+    if "dropout_p" in oracle:   # an explicit seed: the call's RNG offset is 0
+        n = q.shape[2]
+        oracle["keep"] = keep_mask(oracle.pop("seed"), 0, 2, 4, n, n, options["dropout_p"])
+    o, lse = naive_attention(q, k, v, scale=1 / 4, **{"causal": False, **oracle})
+    assert_close(got[0], o, TOL[dtype])
+    finite = np.isfinite(lse)
+    assert_close(got[1][finite], lse[finite], TOL[dtype])
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("nq, nk", [(64, 128), (128, 64)])
+def test_ring_options_with_nq_ne_nk(nq, nk, layout, rng):
+    """Non-causal shards of q and k of different lengths: the window and ALiBi take the
+    whole problem's diagonal R * (nk - nq), and dropout its rows and keys."""
+    world = 2
+    q, _, _, do, dlse = _problem(rng, np.float64, n=nq * world, layout=layout)
+    _, k, v, _, _ = _problem(rng, np.float64, n=nk * world, layout=layout)
+    options = dict(window=(60, 20), alibi_slopes=rng.uniform(0.01, 0.3, (4,)), dropout_p=0.2, seed=5)
+    got = _ring_run(world, q, k, v, do, dlse, layout=layout, **options)
+    _assert_results_close(got, _unsharded(q, k, v, do, dlse, layout=layout, **options), layout,
+                          TOL[np.float64])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("options", [dict(), dict(causal=True), dict(window=(45, 15))],
+                         ids=["full", "causal", "window"])
+def test_ring_dropout_keeps_the_unsharded_mask(world, options):
+    """The keep mask itself, read out of the output (as tests/test_streaming.py does): with
+    q = 0 every visible key is equally likely and v_j = e_j, so o[i, j] is nonzero exactly
+    where key j is visible to row i and kept. The ring's mask is bit for bit the one the
+    Philox mapping defines for the whole problem, and the unsharded call's."""
+    b, hq, hk, p, seed = 2, 4, 2, 0.3, 12345
+    n = _PLACED_ROWS * world
+    q = np.zeros((b, hq, n, 16))
+    k = np.ones((b, hk, n, 16))
+    v = np.broadcast_to(np.eye(n), (b, hk, n, n)).copy()
+    zeros = np.zeros((b, hq, n, n)), np.zeros((b, hq, n))
+    o = _ring_run(world, q, k, v, *zeros, dropout_p=p, seed=seed, **options)[0]
+    whole = cf.attention(q, k, v, dropout_p=p, seed=seed, backend="numpy", **options)
+    keep = keep_mask(seed, 0, b, hq, n, n, p) & naive_visible(n, n, causal=options.get("causal", False),
+                                                              window=options.get("window"))
+    np.testing.assert_array_equal(o != 0, keep)
+    np.testing.assert_array_equal(whole != 0, keep)
+    assert_close(o, whole, TOL[np.float64])
+
+
+def test_ring_dropout_without_a_seed_draws_each_ranks_own_streams(rng):
+    """Without a seed each rank claims its streams from the process RNG, as `attention`
+    does (simulated ranks share one process: they get different offsets); its forward and
+    backward use the same ones, so the ring is the oracle with each rank's rows masked by
+    its own streams. A refused call claims nothing."""
+    world, b, hq, p = 2, 2, 4, 0.25
+    n = _PLACED_ROWS * world
+    q, k, v, do, _ = _problem(rng, np.float64, n=n, hq=hq, batch=b)
+    cf.manual_seed(99)
+    with pytest.raises(ValueError, match="q's shard has 32 rows"):
+        ring_attention(q[:, :, :32], k[:, :, :32], v[:, :, :32], _RecordingComm(), dropout_p=p)
+
+    def rank(comm, q, k, v, do):
+        o, ctx = ring_attention_forward(q, k, v, comm, causal=True, dropout_p=p)
+        return o, ctx.seed, ctx.rng_offset, ring_attention_backward(do, ctx)
+
+    results = LocalRing(world).run(rank, *([zigzag_shard(x, r, world, -2) for r in range(world)]
+                                           for x in (q, k, v, do)))
+    offsets = sorted(r[2] for r in results)
+    assert {r[1] for r in results} == {99} and offsets == [0, b * hq]
+    # Row i of the whole sequence is rank r's: its mask is that of rank r's streams.
+    owner = zigzag_unshard([np.full(n // world, r) for r in range(world)], 0)
+    keep = np.zeros((b, hq, n, n), bool)
+    for r, (_, seed, offset, _) in enumerate(results):
+        keep[:, :, owner == r] = keep_mask(seed, offset, b, hq, n, n, p)[:, :, owner == r]
+    o_ref, _ = naive_attention(q, k, v, scale=1 / 4, causal=True, keep=keep, dropout_p=p)
+    grads_ref = naive_attention_grads(do, q, k, v, scale=1 / 4, causal=True, keep=keep, dropout_p=p)
+    assert_close(zigzag_unshard([r[0] for r in results], -2), o_ref, TOL[np.float64])
+    for i in range(3):
+        assert_close(zigzag_unshard([r[3][i] for r in results], -2), grads_ref[i], TOL[np.float64])
+
+
+def test_ring_skips_pairs_the_window_hides(rng):
+    """A window narrower than a chunk: exactly the (query run, key run) pairs with a
+    visible score are computed, and their keys end where the run's reach does; some steps
+    compute nothing at all, and the ring (which still passes every K/V shard on) is the
+    unsharded call."""
+    from cupyflash import _mods
+    from cupyflash.distributed.ring import _runs, _Shards
+    world, n, window = 4, _PLACED_ROWS, (8, 0)
+    total = n * world
+    visible = naive_visible(total, total, causal=True, window=window)
+    calls_per_step = []
+    for r in range(world):
+        shards = _Shards(rank=r, size=world, n_q=n, n_k=n, causal=True, mods=_mods.Modifiers(window=window))
+        for step in range(world):
+            owner = (r - step) % world
+            calls = shards.calls(step, owner)
+            calls_per_step.append(len(calls))
+            expected = []
+            for lo, hi, q0 in _runs(r, world, n):
+                for klo, khi, k0 in _runs(owner, world, n):
+                    seen = visible[q0:q0 + hi - lo, k0:k0 + khi - klo]
+                    if seen.any():
+                        last = int(np.nonzero(seen.any(axis=0))[0].max())
+                        expected.append(((lo, hi), (klo, klo + last + 1), (q0, k0)))
+            assert [(c.rows, c.keys, (c.mods.row0, c.mods.key0)) for c in calls] == expected
+            assert all(c.mods.diagonal == 0 for c in calls)
+    assert 0 in calls_per_step
+    q, k, v, do, dlse = _problem(rng, np.float64, n=total)
+    options = dict(causal=True, window=window)
+    got = _ring_run(world, q, k, v, do, dlse, **options)
+    _assert_results_close(got, _unsharded(q, k, v, do, dlse, **options), "bhsd", TOL[np.float64])
+
+
+def test_one_rank_takes_options_on_any_even_shard(rng):
+    """A ring of one holds the whole sequence as one run from row 0: no origin to align."""
+    q, k, v, do, dlse = _problem(rng, np.float64, n=10)
+    options = dict(causal=True, window=(3, 0), alibi_slopes=np.full(4, 0.1), dropout_p=0.2, seed=3)
+    got = _ring_run(1, q, k, v, do, dlse, **options)
+    _assert_results_close(got, _unsharded(q, k, v, do, dlse, **options), "bhsd", TOL[np.float64])
+
+
 # Zigzag sharding ----------------------------------------------------------------------------
 
 
@@ -223,9 +399,6 @@ def _qkv(n=8, nk=None, d=4, dtype=np.float32):
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
-    (dict(window=(4, 0)), NotImplementedError, "window"),
-    (dict(dropout_p=0.1), NotImplementedError, "dropout_p"),
-    (dict(alibi_slopes=np.ones(2)), NotImplementedError, "alibi_slopes"),
     (dict(bias=np.zeros((8, 8), np.float32)), NotImplementedError, "bias"),
     (dict(block_mask=np.ones((1, 1), bool)), NotImplementedError, "block_mask"),
     (dict(layout="sbhd"), ValueError, "layout"),
@@ -257,6 +430,35 @@ def test_ring_input_errors_come_before_any_exchange():
     with pytest.raises(TypeError, match="q is a host .NumPy. array but comm"):
         ring_attention(q, k, v, _RecordingComm(device=0))
     assert comm.calls == 0
+
+
+@pytest.mark.parametrize("shapes, kwargs, match", [
+    # Chunks of 16 rows would start at row 16, 48, ...: no multiple of 32.
+    ((32, 32), dict(window=(4, 0), causal=True), r"q's shard has 32 rows: with window .* multiple of 64 "
+                                                 r"\(the sequence a multiple of 64 \* comm.size = 128"),
+    ((64, 96), dict(alibi_slopes=np.ones(2)), r"k's shard has 96 rows: with alibi_slopes .* multiple of 64"),
+    ((64, 64 + 32), dict(dropout_p=0.1, seed=1), r"k's shard has 96 rows: with dropout_p"),
+    ((30, 64), dict(window=(1, 1), dropout_p=0.1), r"q's shard has 30 rows: with window and dropout_p"),
+    ((33, 64), dict(alibi_slopes=np.ones(2)), r"q's shard has 33 rows, an odd number: with alibi_slopes "
+                                              r"ring attention takes zigzag shards"),
+    ((64, 64), dict(alibi_slopes=np.ones(3)), "alibi_slopes"),
+    ((64, 64), dict(dropout_p=1.5), "dropout_p"),
+    ((64, 64), dict(dropout_p=0.1, seed=-1), "seed"),
+    ((64, 64), dict(window=(-2, 0)), "window"),
+])
+def test_ring_placed_option_errors_come_before_any_exchange(shapes, kwargs, match):
+    """Shards whose zigzag chunks cannot start on dropout's 32-row origins (or are not
+    two chunks), and bad option values, are named on every rank alike before anything is
+    sent, with no dropout streams claimed."""
+    from cupyflash import _rng
+    comm = _RecordingComm()
+    q, _, _ = _qkv(n=shapes[0])
+    _, k, v = _qkv(n=shapes[1])
+    cf.manual_seed(5)
+    with pytest.raises(ValueError, match=match):
+        ring_attention(q, k, v, comm, **kwargs)
+    assert comm.calls == 0
+    assert _rng.claim_streams(1) == (5, 0)
 
 
 def test_backward_errors_are_named():
@@ -364,7 +566,8 @@ def test_query_blocks_compose_the_whole_call(n_q, n_k, parts, causal, rng):
     q, k, v = (rng.standard_normal((1, 2, n, 8)) for n in (n_q, n_k, n_k))
     o = np.zeros((1, 2, n_q, 8))
     for calls in plan:
-        for (lo, hi), stop in calls:
+        for (lo, hi), (start, stop) in calls:
+            assert start == 0   # the prefix, for the dense kernels' corner-aligned diagonal
             if stop:
                 o[:, :, lo:hi] = cf.attention(q[:, :, lo:hi], k[:, :, :stop], v[:, :, :stop],
                                               causal=causal, backend="numpy")
@@ -374,8 +577,59 @@ def test_query_blocks_compose_the_whole_call(n_q, n_k, parts, causal, rng):
 
 def test_query_blocks_balance_causal_work():
     plan = query_blocks(4096, 4096, 4, True)
-    work = [sum((hi - lo) * stop for (lo, hi), stop in calls) for calls in plan]
+    work = [sum((hi - lo) * stop for (lo, hi), (_, stop) in calls) for calls in plan]
     assert max(work) / min(work) < 1.01
+
+
+@pytest.mark.parametrize("case", ["window-causal", "window-two-sided", "alibi", "dropout-causal",
+                                  "all-gqa"])
+@pytest.mark.parametrize("n_q, n_k", [(300, 300), (200, 333), (333, 200)])
+@pytest.mark.parametrize("parts", [1, 2, 3])
+def test_multi_device_placed_blocks_compose_the_whole_call(parts, n_q, n_k, case, rng):
+    """The multi-device plan with window, ALiBi and dropout (pure Python: no GPU needed)
+    run block by block on the NumPy backend as the GPUs run it (each block's call placed in
+    the problem, its keys those its rows see): o, lse and the gradients (with dlse) are the
+    unsharded call's, and the row cuts lie on dropout's 32-row origins."""
+    from cupyflash import _mods, _validate
+    from cupyflash.api import _NUMPY_BACKEND, _resolve_modifiers
+    from cupyflash.distributed.multi_device import _plan
+    hk = 2 if case == "all-gqa" else 4
+    options = {"window-causal": dict(causal=True, window=(70, 0)),
+               "window-two-sided": dict(window=(50, 90)),
+               "alibi": dict(alibi_slopes=rng.uniform(0.01, 0.3, (2, 4))),
+               "dropout-causal": dict(causal=True, dropout_p=0.3, seed=2**33 + 1),
+               "all-gqa": dict(causal=True, window=(100, 0), alibi_slopes=rng.uniform(0.01, 0.3, 4),
+                               dropout_p=0.2, seed=8, softcap=2.0)}[case]
+    q, do = (rng.standard_normal((2, 4, n_q, 16)) for _ in range(2))
+    k, v = (rng.standard_normal((2, hk, n_k, 16)) for _ in range(2))
+    dlse = rng.standard_normal((2, 4, n_q))
+    checked = _validate.check_options(**{**dict(causal=False, scale=None, window=None, dropout_p=0.0,
+                                                seed=None, block_mask=None, bias=None, alibi_slopes=None,
+                                                softcap=0.0, layout="bhsd", deterministic=False,
+                                                backend="numpy"), **options})
+    problem = _validate.check_inputs(q, k, v, layout="bhsd")[3]
+    mods, _ = _resolve_modifiers(checked, problem)
+    calls = _plan(problem, list(range(parts)), checked.causal, mods)
+    assert sorted(r for c in calls for r in range(*c.rows)) == list(range(n_q))
+    assert all(c.rows[0] % _mods.ORIGIN_ALIGN == 0 and c.keys[0] % _mods.ORIGIN_ALIGN == 0 for c in calls)
+    o, lse = np.zeros((2, 4, n_q, 16)), np.full((2, 4, n_q), -np.inf)
+    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    for c in calls:
+        if not c.sees_keys:
+            continue
+        rows, keys = slice(*c.rows), slice(*c.keys)
+        args = (q[:, :, rows], k[:, :, keys], v[:, :, keys])
+        _NUMPY_BACKEND.attention_forward(*args, o[:, :, rows], lse[:, :, rows], scale=0.25,
+                                         causal=c.causal, mods=c.mods)
+        grads = tuple(np.empty_like(x) for x in args)
+        _NUMPY_BACKEND.attention_backward(do[:, :, rows], *args, o[:, :, rows], lse[:, :, rows], *grads,
+                                          scale=0.25, causal=c.causal, deterministic=False, mods=c.mods,
+                                          dbias=None, dlse=dlse[:, :, rows])
+        dq[:, :, rows] = grads[0]
+        dk[:, :, keys] += grads[1]
+        dv[:, :, keys] += grads[2]
+    whole = _unsharded(q, k, v, do, dlse, **options)
+    _assert_results_close((o, lse, dq, dk, dv), whole, "bhsd", TOL[np.float64])
 
 
 @pytest.mark.parametrize("devices, error, match", [
@@ -387,6 +641,15 @@ def test_query_blocks_balance_causal_work():
 def test_multi_device_errors_are_named(devices, error, match):
     with pytest.raises(error, match=match):
         multi_device_attention(*_qkv(), devices=devices)
+
+
+@pytest.mark.parametrize("kwargs, match", [(dict(dropout_p=1.5), "dropout_p"), (dict(window=(0, -3)), "window"),
+                                           (dict(dropout_p=0.1, seed=2**64), "seed"),
+                                           (dict(alibi_slopes=[1.0, 2.0]), "alibi_slopes")])
+def test_multi_device_option_errors_are_named(kwargs, match):
+    """Option values are checked before the devices (so without a GPU too)."""
+    with pytest.raises((TypeError, ValueError), match=match):
+        multi_device_attention(*_qkv(), devices=[0], **kwargs)
 
 
 def test_multi_device_without_a_gpu_says_so():
@@ -446,9 +709,9 @@ def test_local_ring_on_one_gpu(world, causal, dtype, rng):
         assert rel_err(out, same if i == 1 else _bhsd(same, layout)) < limit
 
 
-def _ring_run_gpu(world, q, k, v, do, dlse, *, causal, layout, devices=None):
-    """`_ring_run` for CuPy arrays; rank r's shards on ``devices[r]`` (default all on
-    the arrays' GPU)."""
+def _ring_run_gpu(world, q, k, v, do, dlse, *, layout, devices=None, **options):
+    """`_ring_run` for CuPy arrays (zigzag shards); rank r's shards on ``devices[r]``
+    (default all on the arrays' GPU)."""
     import cupy as cp
     axis = _seq_axis(layout)
     ring = LocalRing(world, devices=devices)   # each rank on its own stream (see LocalRing)
@@ -463,7 +726,7 @@ def _ring_run_gpu(world, q, k, v, do, dlse, *, causal, layout, devices=None):
 
     def rank(comm, q, k, v, do, dlse):
         with cp.cuda.Device(q.device.id):
-            o, ctx = ring_attention_forward(q, k, v, comm, causal=causal, layout=layout)
+            o, ctx = ring_attention_forward(q, k, v, comm, layout=layout, **options)
             grads = ring_attention_backward(do, ctx, dlse=dlse)
             return [cp.asnumpy(x) for x in (o, ctx.lse, *grads)]
 
@@ -471,6 +734,76 @@ def _ring_run_gpu(world, q, k, v, do, dlse, *, causal, layout, devices=None):
     with cp.cuda.Device(q.device.id):
         return tuple(cp.asarray(zigzag_unshard([r[i] for r in results], ax))
                      for i, ax in enumerate((axis, -1, axis, axis, axis)))
+
+
+# The GPU cases' ALiBi slopes: powers of two, exact in the float32 the kernels take them in.
+_GPU_SLOPES = np.array([2.0**-1, 2.0**-3, 2.0**-5, 2.0**-7], np.float32)
+
+
+def _gpu_options(case):
+    return {"window-causal": dict(causal=True, window=(100, 0)),
+            "window-two-sided": dict(window=(70, 150)),
+            "alibi": dict(alibi_slopes=_GPU_SLOPES),
+            "alibi-causal": dict(causal=True, alibi_slopes=_GPU_SLOPES),
+            "dropout-causal": dict(causal=True, dropout_p=0.2, seed=2**40 + 17),
+            "all-causal": dict(causal=True, window=(150, 0), alibi_slopes=_GPU_SLOPES, dropout_p=0.15,
+                               seed=99)}[case]
+
+
+def _float64_reference(q, k, v, do, dlse, *, layout, **options):
+    """o, lse, dq, dk, dv of the unsharded call in float64 on the NumPy backend (the same
+    rounded inputs; dropout with the same seed draws the same mask), in ``layout``."""
+    o, ctx = cf.attention_forward(q, k, v, layout=layout, backend="numpy", **options)
+    return (o, ctx.lse, *cf.attention_backward(do, ctx, dlse=dlse))
+
+
+def _check_gpu_results(got, whole, ref, *, layout, dtype, grad_factor=3):
+    """Each of o, lse, dq, dk, dv (GPU) within the dtype's limit of the float64 reference
+    (gradients ``grad_factor`` times: rounded to the dtype per pair before their sums),
+    and of ``whole`` (the unsharded GPU call) where given; -inf LSEs in the same places."""
+    import cupy as cp
+    from gpu_cases import TOLERANCE, rel_err
+    host = lambda x: np.asarray(cp.asnumpy(x) if not isinstance(x, np.ndarray) else x, np.float64)   # noqa: E731
+    for i, (out, same, r) in enumerate(zip(got, whole or [None] * 5, ref)):
+        limit = TOLERANCE[dtype] * (1 if i < 2 else grad_factor)
+        out, r = host(out), host(r)
+        if i == 1:
+            finite = np.isfinite(r)
+            assert (np.isneginf(out) == ~finite).all()
+            out, r = out[finite], r[finite]
+            same = None if same is None else host(same)[finite]
+        else:
+            out, r = _bhsd(out, layout), _bhsd(r, layout)
+            same = None if same is None else _bhsd(host(same), layout)
+        assert np.isfinite(out).all()
+        assert rel_err(out, r) < limit, (i, rel_err(out, r))
+        if same is not None:
+            assert rel_err(out, same) < limit, (i, rel_err(out, same))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("case", ["window-causal", "window-two-sided", "alibi", "alibi-causal",
+                                  "dropout-causal", "all-causal"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_local_ring_options_on_one_gpu(world, case, dtype, rng):
+    """Window, ALiBi and dropout over R ranks simulated on GPU 0: each pair of zigzag
+    chunks (64 rows each, so origins on 64-row multiples that are not the kernels' 128-row
+    tiles) is a placed call of the general kernels; against the unsharded GPU call and
+    the float64 NumPy backend on the same rounded inputs (dropout: the same seed, so the
+    same mask), forward, LSE and gradients with an LSE cotangent (3x, as above)."""
+    import cupy as cp
+    options = _gpu_options(case)
+    layout = "bshd" if world == 3 else "bhsd"
+    q, k, v, do, dlse = _gpu_problem(rng, dtype, n=128 * world, layout=layout)
+    acc = np.float64 if dtype == "float64" else np.float32
+    g = lambda x: cp.asarray(x).astype(dtype)   # noqa: E731
+    got = _ring_run_gpu(world, *(g(x) for x in (q, k, v, do)), cp.asarray(dlse, acc), layout=layout,
+                        **options)
+    o, ctx = cf.attention_forward(*(g(x) for x in (q, k, v)), layout=layout, backend="cuda", **options)
+    whole = (o, ctx.lse, *cf.attention_backward(g(do), ctx, dlse=cp.asarray(dlse, acc)))
+    ref = _float64_reference(q, k, v, do, dlse, layout=layout, **options)
+    _check_gpu_results(got, whole, ref, layout=layout, dtype=dtype)
 
 
 @pytest.mark.gpu
@@ -521,6 +854,30 @@ def test_multi_device_on_gpu_0(host_inputs, causal, dtype, rng):
     _check_multi_device(q, k, v, do, dlse, devices=[0], causal=causal, layout=layout, dtype=dtype, to=to)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("case", ["window-causal", "window-two-sided", "alibi", "dropout-causal", "all-causal"])
+@pytest.mark.parametrize("host_inputs", [False, True])
+def test_multi_device_options_on_gpu_0(host_inputs, case, dtype, rng):
+    """devices=[0] with window, ALiBi and dropout: the causal call's two blocks (rows cut on
+    32-row multiples) placed in the problem, Nq != Nk and GQA, NumPy or CuPy inputs,
+    against the float64 NumPy backend's unsharded call with the same seed."""
+    import cupy as cp
+    from gpu_cases import np_dtype
+    options = _gpu_options(case)
+    layout = "bshd" if host_inputs else "bhsd"
+    q, k, v, do, dlse = _gpu_problem(rng, dtype, n=400, layout=layout)
+    q, do, dlse = (_seq_slice(x, 0, 300, layout if x.ndim == 4 else None) for x in (q, do, dlse))
+    to = ((lambda x: x.astype(np_dtype(dtype)) if x.ndim == 4 else x) if host_inputs
+          else (lambda x: cp.asarray(x).astype(dtype) if x.ndim == 4 else cp.asarray(x)))
+    acc = np.float64 if dtype == "float64" else np.float32
+    o, vjp = multi_device_attention_vjp(*(to(x) for x in (q, k, v)), devices=[0], layout=layout, **options)
+    grads = vjp(to(do), dlse=to(dlse).astype(acc))
+    assert all(type(x) is type(to(q)) for x in (o, vjp.lse, *grads))
+    ref = _float64_reference(q, k, v, do, dlse, layout=layout, **options)
+    _check_gpu_results((o, vjp.lse, *grads), None, ref, layout=layout, dtype=dtype)
+
+
 def _seq_slice(x, lo, hi, layout):
     if layout is None:
         return x[..., lo:hi]
@@ -539,6 +896,12 @@ def test_multi_device_over_several_gpus(count, rng):
         to = lambda x: cp.asarray(x).astype("bfloat16") if x.ndim == 4 else cp.asarray(x)   # noqa: E731
         _check_multi_device(q, k, v, do, dlse, devices=list(range(count)), causal=True, layout="bhsd",
                             dtype="bfloat16", to=to)
+        # Window, ALiBi (slopes on the last GPU: each device gets its own copy) and dropout.
+        options = dict(_gpu_options("all-causal"), alibi_slopes=cp.asarray(_GPU_SLOPES))
+        o, vjp = multi_device_attention_vjp(*(to(x) for x in (q, k, v)), devices=list(range(count)), **options)
+        grads = vjp(to(do), dlse=to(dlse).astype(np.float32))
+    ref = _float64_reference(q, k, v, do, dlse, layout="bhsd", **dict(options, alibi_slopes=_GPU_SLOPES))
+    _check_gpu_results((o, vjp.lse, *grads), None, ref, layout="bhsd", dtype="bfloat16")
 
 
 _NCCL_WORKER = """
@@ -550,14 +913,18 @@ from cupyflash.distributed import from_env, ring_attention_vjp, zigzag_shard
 
 comm = from_env()
 dtype, causal = sys.argv[1], sys.argv[2] == "1"
+# Window, ALiBi and dropout with one seed on every rank: the unsharded call's mask.
+options = {} if sys.argv[4] == "plain" else dict(
+    window=(300, 0 if causal else 200), alibi_slopes=np.array([2.0**-i for i in range(1, 9)], np.float32),
+    dropout_p=0.15, seed=1234)
 rng = np.random.default_rng(0)                    # the same whole problem on every rank
 Q, K, V, dO = (rng.standard_normal(s).astype(np.float32)
                for s in ((2, 8, 1024, 128), (2, 2, 1024, 128), (2, 2, 1024, 128), (2, 8, 1024, 128)))
 g = lambda x: cp.asarray(x).astype(dtype)
 shard = lambda x: zigzag_shard(g(x), comm.rank, comm.size, -2)
-o, vjp = ring_attention_vjp(shard(Q), shard(K), shard(V), comm, causal=causal)
+o, vjp = ring_attention_vjp(shard(Q), shard(K), shard(V), comm, causal=causal, **options)
 grads = vjp(shard(dO))
-whole, ctx = cf.attention_forward(g(Q), g(K), g(V), causal=causal)
+whole, ctx = cf.attention_forward(g(Q), g(K), g(V), causal=causal, **options)
 ref = (whole, *cf.attention_backward(g(dO), ctx))
 worst = 0.0
 for i, (mine, r) in enumerate(zip((o, *grads), ref)):
@@ -570,12 +937,13 @@ sys.exit(0 if worst < float(sys.argv[3]) else 1)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("options", ["plain", "window-alibi-dropout"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("world", [2, 4])
-def test_nccl_ring_in_processes(world, causal, tmp_path):
+def test_nccl_ring_in_processes(world, causal, options, tmp_path):
     """`world` processes (python -m cupyflash.distributed.launch), NCCL through CuPy: each
     rank's output and gradients against its rows of the unsharded call on its GPU (bf16;
-    gradients 3x, as above)."""
+    gradients 3x, as above), plain or with a window, ALiBi and seeded dropout."""
     from cupy.cuda import nccl
     from gpu_cases import TOLERANCE
     if _gpu_count() < world:
@@ -585,7 +953,7 @@ def test_nccl_ring_in_processes(world, causal, tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(_NCCL_WORKER)
     run = subprocess.run([sys.executable, "-m", "cupyflash.distributed.launch", "--nproc", str(world),
-                          str(script), "bfloat16", str(int(causal)), str(TOLERANCE["bfloat16"])],
+                          str(script), "bfloat16", str(int(causal)), str(TOLERANCE["bfloat16"]), options],
                          cwd=ROOT, env=_env(), timeout=300, capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.count("worst error") == world

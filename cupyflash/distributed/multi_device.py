@@ -1,12 +1,20 @@
 """Attention over the GPUs of one host from one process: query blocks split over devices.
 
-Each device gets blocks of query rows and the keys they can see, and runs an ordinary
-`cupyflash.attention_forward` on them; nothing needs merging, because a query block's
-output depends on the keys alone. With ``causal`` the mask is bottom-right aligned, so
-query rows ``[a, b)`` see exactly the key prefix ``[0, b + Nk - Nq)``, and a causal call
-on that prefix is exact; the rows are dealt out in zigzag order (2P blocks, device g
-takes blocks g and 2P-1-g) so the devices get equal work. The backward pass sums each
-device's dK/dV over the prefixes in float32 (float64), where the caller's arrays are.
+Each device gets blocks of query rows and the keys they can see, and runs the attention
+kernels on them; nothing needs merging, because a query block's output depends on the
+keys alone. With ``causal`` the mask is bottom-right aligned, so query rows ``[a, b)``
+see exactly the key prefix ``[0, b + Nk - Nq)``, and a causal call on that prefix is
+exact; the rows are dealt out in zigzag order (2P blocks, device g takes blocks g and
+2P-1-g) so the devices get equal work. The backward pass sums each device's dK/dV over
+the prefixes in float32 (float64), where the caller's arrays are.
+
+A window, ALiBi or dropout reads the whole problem's coordinates: a block's call is then
+placed in the problem (`_pairs`: its first row and key, the problem's Nk - Nq), its
+rows are cut on multiples of `_mods.ORIGIN_ALIGN` (the kernels' dropout blocks) and its
+keys run from the first its rows see (rounded down to that multiple: a window's left side
+keeps the copy short) to the last. Dropout without a seed claims the call's Philox
+streams once, after every check, as `cupyflash.attention` does; every block draws its
+rows' bits from them, so the mask is the in-memory call's.
 
 The devices run concurrently: every copy and launch is queued without waiting, on each
 device's current stream, and the caller's device waits for the others through events.
@@ -16,26 +24,34 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import _arrays, _validate
+from .. import _arrays, _mods, _validate
+from . import _pairs
 
 __all__ = ["multi_device_attention", "multi_device_attention_vjp", "query_blocks"]
 
 
-def query_blocks(n_q, n_k, parts, causal):
-    """The calls of each of ``parts`` devices: a list per device of
-    ``((row_lo, row_hi), key_stop)``, the query rows of a call and the keys ``[0, key_stop)``
-    it reads (0: the rows see no key). Rows are split as evenly as integers allow;
-    causal calls are dealt in zigzag order."""
+def query_blocks(n_q, n_k, parts, causal, window=(-1, -1), *, placed=False):
+    """The calls of each of ``parts`` devices: a list per device of ``((row_lo, row_hi),
+    (key_lo, key_hi))``, the query rows of a call and the keys it reads (none where
+    ``key_lo == key_hi``: the rows see no key). Rows are split as evenly as integers allow
+    (``placed``: as evenly as multiples of `_mods.ORIGIN_ALIGN` allow); causal calls are
+    dealt in zigzag order. Without ``placed`` the keys are the prefix a causal call on
+    them needs (its diagonal is its own corner); with it, the keys the rows see."""
     blocks = 2 * parts if causal else parts
-    cuts = [n_q * i // blocks for i in range(blocks + 1)]
+    align = _mods.ORIGIN_ALIGN if placed else 1
+    cuts = [align * (n_q * i // (blocks * align)) for i in range(blocks)] + [n_q]
     calls = [[] for _ in range(parts)]
     for i in range(blocks):
         lo, hi = cuts[i], cuts[i + 1]
-        if lo == hi:
+        if lo >= hi:
             continue
-        stop = max(0, min(n_k, hi + n_k - n_q)) if causal else n_k
+        if placed:
+            first, stop = _pairs.reach(lo, hi, n_q, n_k, causal=causal, window=window)
+            keys = (first - first % align, stop) if first < stop else (0, 0)
+        else:
+            keys = (0, max(0, min(n_k, hi + n_k - n_q)) if causal else n_k)
         owner = i if i < parts else 2 * parts - 1 - i
-        calls[owner].append(((lo, hi), stop))
+        calls[owner].append(((lo, hi), keys))
     return calls
 
 
@@ -127,97 +143,161 @@ class _Mover:
 
 @dataclass
 class _Call:
+    """One device's call: its rows and keys of the problem, whether it needs the causal
+    mask, its modifiers (placed where an option needs it; on its device once it ran), and
+    what its backward pass needs: q, k, v, o, lse on its device, in the caller's layout."""
+
     device: int
     rows: tuple
-    key_stop: int
-    ctx: object = None
+    keys: tuple
+    causal: bool
+    mods: _mods.Modifiers
+    saved: tuple | None = None
+
+    @property
+    def sees_keys(self):
+        return self.keys[0] < self.keys[1]
+
+
+def _plan(problem, devices, causal, mods):
+    placed = _pairs.needs_placing(mods)
+    blocks = query_blocks(problem.q_len, problem.k_len, len(devices), causal, mods.window, placed=placed)
+    calls = []
+    for device, device_blocks in zip(devices, blocks):
+        for rows, keys in device_blocks:
+            call = _Call(device, rows, keys, causal, mods)
+            if placed and call.sees_keys:
+                stop, call.causal, call.mods = _pairs.place(
+                    *rows, *keys, total_q=problem.q_len, total_k=problem.k_len, causal=causal, mods=mods)
+                assert stop == keys[1]   # query_blocks ends the keys where the rows' reach does
+            calls.append(call)
+    return calls
+
+
+@dataclass
+class _Pass:
+    """What the backward pass needs of a forward pass."""
+
+    q: object
+    k: object
+    v: object
+    o: object
+    lse: object
+    calls: list
+    problem: _validate.Problem
+    layout: str
+    scale: float
+    deterministic: bool
 
 
 def _run_forward(q, k, v, devices, options, layout, want_ctx):
-    import cupyflash
+    from .. import _cuda
+    from ..api import _claim_dropout_streams, _move_modifiers, _resolve_modifiers
 
     q, k, v, problem = _validate.check_inputs(q, k, v, layout=layout)
     scale = _validate.resolve_scale(options.scale, problem.head_dim, problem.dtype)
-    plan = query_blocks(problem.q_len, problem.k_len, len(devices), options.causal)
-    calls = [_Call(dev, rows, stop) for dev, blocks in zip(devices, plan) for rows, stop in blocks]
+    mods, _ = _resolve_modifiers(options, problem)
+    for device in devices:
+        why_not = _cuda.unsupported_reason(problem.dtype, problem.head_dim, problem.value_dim,
+                                           heads=problem.heads, device=device, mods=mods)
+        if why_not is not None:
+            raise ValueError(f"devices: GPU {device} cannot run this case: {why_not}")
+    # After every check, so that a refused call leaves the process RNG as it was.
+    mods, _ = _claim_dropout_streams(mods, options, problem)
+    # The ALiBi slopes (a few numbers) go to each device from the host: a CuPy array stays
+    # on its own GPU when moved to "the device".
+    mods = _move_modifiers(mods, _arrays.HOST, None)
+    calls = _plan(problem, devices, options.causal, mods) if problem.batch else []
     kind, home = problem.kind, problem.device
+    acc = _arrays.accumulation_dtype(problem.dtype)
     o = _arrays.empty((*q.shape[:-1], problem.value_dim), problem.dtype, kind)
-    lse = _arrays.empty(_arrays.lse_shape(q.shape, layout), _arrays.accumulation_dtype(problem.dtype),
-                        kind)
+    lse = _arrays.empty(_arrays.lse_shape(q.shape, layout), acc, kind)
     mover = _Mover()
     with _arrays.on_device(home):
         xp = _arrays.namespace(kind)
         parts = []
         for call in calls:   # every device's copies and kernels queued before any result is read
-            lo, hi = call.rows
-            if call.key_stop == 0:
+            if not call.sees_keys:
                 continue
             with _arrays.on_device(call.device):
                 qg, kg, vg = (mover.to_device(_seq(x, a, b, layout), call.device)
-                              for x, (a, b) in ((q, (lo, hi)), (k, (0, call.key_stop)),
-                                                (v, (0, call.key_stop))))
-                og, call.ctx = cupyflash.attention_forward(
-                    qg, kg, vg, causal=options.causal, scale=scale, softcap=options.softcap,
-                    layout=layout, deterministic=options.deterministic, backend="cuda")
-                parts.append((call, og, call.ctx.lse))
+                              for x, (a, b) in ((q, call.rows), (k, call.keys), (v, call.keys)))
+                og = _arrays.empty((*qg.shape[:-1], problem.value_dim), problem.dtype, _arrays.DEVICE)
+                lg = _arrays.empty(_arrays.lse_shape(qg.shape, layout), acc, _arrays.DEVICE)
+                call.mods = _move_modifiers(call.mods, _arrays.DEVICE, call.device)
+                _cuda.attention_forward(*(_arrays.bhsd_view(x, layout) for x in (qg, kg, vg, og)),
+                                        _arrays.lse_bhs_view(lg, layout), scale=scale,
+                                        causal=call.causal, mods=call.mods)
+                if want_ctx:
+                    call.saved = (qg, kg, vg, og, lg)
+                parts.append((call, og, lg))
         for call in calls:
-            if call.key_stop == 0:   # rows that see no key: output 0, LSE -inf
+            if not call.sees_keys:   # rows that see no key: output 0, LSE -inf
                 _seq(o, *call.rows, layout)[...] = 0
                 _seq(lse, *call.rows, layout, lse=True)[...] = -xp.inf
         for call, og, lg in parts:
             _seq(o, *call.rows, layout)[...] = mover.back(og, kind, home)
             _seq(lse, *call.rows, layout, lse=True)[...] = mover.back(lg, kind, home)
         mover.finish(home)
-    state = (q, k, v, o, lse, calls, problem, layout) if want_ctx else None
+    state = _Pass(q, k, v, o, lse, calls, problem, layout, scale, options.deterministic) if want_ctx else None
     return o, lse, state
 
 
 def _run_backward(do, dlse, state):
-    import cupyflash
+    from .. import _cuda
 
-    q, k, v, o, lse, calls, problem, layout = state
+    problem, layout = state.problem, state.layout
     kind, home = problem.kind, problem.device
-    do = _validate.check_do(do, o=o, kind=kind, device=home)
+    do = _validate.check_do(do, o=state.o, kind=kind, device=home)
     if dlse is not None:
-        dlse = _validate.check_dlse(dlse, lse=lse, kind=kind, device=home)
+        dlse = _validate.check_dlse(dlse, lse=state.lse, kind=kind, device=home)
     acc = _arrays.accumulation_dtype(problem.dtype)
+    view = lambda x: _arrays.bhsd_view(x, layout)   # noqa: E731
     mover = _Mover()
     with _arrays.on_device(home):
         xp = _arrays.namespace(kind)
-        dq = xp.zeros(q.shape, q.dtype)
-        dk_acc, dv_acc = xp.zeros(k.shape, acc), xp.zeros(v.shape, acc)
+        dq = xp.zeros(state.q.shape, state.q.dtype)
+        dk_acc, dv_acc = xp.zeros(state.k.shape, acc), xp.zeros(state.v.shape, acc)
         results = []
-        for call in calls:
-            if call.ctx is None:
+        for call in state.calls:
+            if call.saved is None:
                 continue
             lo, hi = call.rows
             with _arrays.on_device(call.device):
                 dog = mover.to_device(_seq(do, lo, hi, layout), call.device)
                 dlg = None if dlse is None else mover.to_device(
                     _seq(dlse, lo, hi, layout, lse=True).astype(acc), call.device)
-                results.append((call, cupyflash.attention_backward(dog, call.ctx, dlse=dlg)))
+                grads = tuple(_arrays.empty(x.shape, x.dtype, _arrays.DEVICE) for x in call.saved[:3])
+                qg, kg, vg, og, lg = call.saved
+                _cuda.attention_backward(
+                    view(dog), view(qg), view(kg), view(vg), view(og), _arrays.lse_bhs_view(lg, layout),
+                    *(view(g) for g in grads), scale=state.scale, causal=call.causal,
+                    deterministic=state.deterministic, mods=call.mods, dbias=None,
+                    dlse=None if dlg is None else _arrays.lse_bhs_view(dlg, layout))
+                results.append((call, grads))
         for call, (dqg, dkg, dvg) in results:
             _seq(dq, *call.rows, layout)[...] = mover.back(dqg, kind, home)
-            _seq(dk_acc, 0, call.key_stop, layout)[...] += mover.back(dkg, kind, home).astype(acc)
-            _seq(dv_acc, 0, call.key_stop, layout)[...] += mover.back(dvg, kind, home).astype(acc)
+            _seq(dk_acc, *call.keys, layout)[...] += mover.back(dkg, kind, home).astype(acc)
+            _seq(dv_acc, *call.keys, layout)[...] += mover.back(dvg, kind, home).astype(acc)
         mover.finish(home)
-        return dq, dk_acc.astype(k.dtype), dv_acc.astype(v.dtype)
+        return dq, dk_acc.astype(state.k.dtype), dv_acc.astype(state.v.dtype)
 
 
-def _options(causal, scale, softcap, layout, deterministic):
+def _options(causal, scale, softcap, layout, deterministic, window, dropout_p, seed, alibi_slopes):
     return _validate.check_options(
-        causal=causal, scale=scale, window=None, dropout_p=0.0, seed=None, block_mask=None,
-        bias=None, alibi_slopes=None, softcap=softcap, layout=layout, deterministic=deterministic,
-        backend="cuda")
+        causal=causal, scale=scale, window=window, dropout_p=dropout_p, seed=seed, block_mask=None,
+        bias=None, alibi_slopes=alibi_slopes, softcap=softcap, layout=layout,
+        deterministic=deterministic, backend="cuda")
 
 
 def multi_device_attention(q, k, v, *, devices, causal=False, scale=None, softcap=0.0,
-                           layout="bhsd", deterministic=False, return_lse=False):
+                           layout="bhsd", deterministic=False, return_lse=False, window=None,
+                           dropout_p=0.0, seed=None, alibi_slopes=None):
     """Exact attention split over several GPUs of this host, from one process.
 
     The query rows are split into blocks over ``devices`` (zigzag order when causal, so
     the work is even); each device receives its query blocks and the keys they can see,
-    and runs `cupyflash.attention_forward` on them. The devices run concurrently.
+    and runs the attention kernels on them. The devices run concurrently.
 
     Parameters
     ----------
@@ -229,6 +309,11 @@ def multi_device_attention(q, k, v, *, devices, causal=False, scale=None, softca
         Distinct CUDA device ids; ``[0]`` runs everything on GPU 0.
     causal, scale, softcap, layout, deterministic
         As for `cupyflash.attention`.
+    window, dropout_p, seed, alibi_slopes
+        As for `cupyflash.attention`: each block's call is placed in the whole problem,
+        so the band, the ALiBi distances and the dropout mask are the unsharded call's
+        (with a seed, exactly its mask; without one the call claims its streams once
+        from cupyflash's process RNG). A window's blocks copy only the keys they see.
     return_lse : bool, default False
         Also return the log-sum-exp.
 
@@ -246,14 +331,16 @@ def multi_device_attention(q, k, v, *, devices, causal=False, scale=None, softca
         No usable GPU.
     """
     return_lse = _validate.check_flag(return_lse, "return_lse")
-    options = _options(causal, scale, softcap, layout, deterministic)
+    options = _options(causal, scale, softcap, layout, deterministic, window, dropout_p, seed,
+                       alibi_slopes)
     devices = _check_devices(devices)
     o, lse, _ = _run_forward(q, k, v, devices, options, layout, want_ctx=False)
     return (o, lse) if return_lse else o
 
 
 def multi_device_attention_vjp(q, k, v, *, devices, causal=False, scale=None, softcap=0.0,
-                               layout="bhsd", deterministic=False):
+                               layout="bhsd", deterministic=False, window=None, dropout_p=0.0,
+                               seed=None, alibi_slopes=None):
     """`multi_device_attention` and its vector-Jacobian product.
 
     Returns
@@ -261,11 +348,12 @@ def multi_device_attention_vjp(q, k, v, *, devices, causal=False, scale=None, so
     o : array
     vjp : callable
         ``vjp(do, *, dlse=None) -> (dq, dk, dv)``: each device runs the backward pass of
-        its calls; dq comes back row by row, dk and dv are summed over the devices in
-        float32 (float64 for float64 inputs) where the inputs are. ``vjp.lse`` is the
-        forward's log-sum-exp.
+        its calls (dropout regenerates the forward's mask); dq comes back row by row, dk
+        and dv are summed over the devices in float32 (float64 for float64 inputs) where
+        the inputs are. ``vjp.lse`` is the forward's log-sum-exp.
     """
-    options = _options(causal, scale, softcap, layout, deterministic)
+    options = _options(causal, scale, softcap, layout, deterministic, window, dropout_p, seed,
+                       alibi_slopes)
     devices = _check_devices(devices)
     o, lse, state = _run_forward(q, k, v, devices, options, layout, want_ctx=True)
 

@@ -20,6 +20,19 @@ diagonal, where a local causal call with Nq == Nk is exact; no other mask is nee
 So every rank does the same work at every step. Non-causal attention takes any split of
 the sequence into equal shards (contiguous or zigzag).
 
+A window, ALiBi and dropout see global coordinates: the band and the ALiBi distance are
+measured from the whole problem's diagonal, and dropout draws the bits of the whole
+problem's row and key. Their pairs are placed calls, as the streamed path's
+(`cupyflash.streaming`, `_mods.Modifiers` ``row0``, ``key0``, ``diagonal``): each zigzag
+chunk is a contiguous run of the sequence, so each step runs one call per (query chunk,
+key chunk) pair (a rank's two chunks merge into one run where they are adjacent), told the
+chunks' first row and key in the whole sequence and its ``Nk - Nq``. A pair the band
+leaves empty is skipped (the K/V exchange still runs on every rank), and a pair's keys end
+where its query chunk's reach does. The origins are multiples of the chunk length, which
+must then be a multiple of `_mods.ORIGIN_ALIGN` (the kernels' dropout blocks); these
+options therefore take zigzag shards, causal or not. Dropout with a seed draws exactly
+the unsharded call's mask: every pair uses the call's one RNG offset.
+
 The backward pass runs the ring again: for each visiting K/V shard a rank computes the
 pair's gradients with the attention backward given the query rows' GLOBAL output and LSE
 (P = exp(S - lse) are then the global probabilities, D = rowsum(dO o) the global row
@@ -34,7 +47,9 @@ from dataclasses import dataclass, field
 
 from .. import _arrays, _mods, _validate
 from ..merge import merge_into
+from . import _pairs
 from ._place import place_of
+from .zigzag import zigzag_chunks
 
 __all__ = ["RingContext", "ring_attention", "ring_attention_backward", "ring_attention_forward",
            "ring_attention_vjp"]
@@ -43,22 +58,41 @@ __all__ = ["RingContext", "ring_attention", "ring_attention_backward", "ring_att
 # Checks ------------------------------------------------------------------------------------
 
 
-def _reject_global_options(window, dropout_p, alibi_slopes, bias, block_mask):
-    """Options the ring does not take yet, named: those that need global coordinates
-    (window, ALiBi, dropout's RNG indices) and the per-pair arrays (bias, block mask)."""
-    if window is not None and tuple(window) != (-1, -1):
-        raise NotImplementedError("window is not supported by ring attention yet: a sliding "
-                                  "window needs each chunk's global position")
-    if dropout_p:
-        raise NotImplementedError("dropout_p > 0 is not supported by ring attention yet: the "
-                                  "dropout mask is indexed by global row and column")
-    if alibi_slopes is not None:
-        raise NotImplementedError("alibi_slopes is not supported by ring attention yet: the "
-                                  "ALiBi term needs each chunk's global position")
+def _reject_per_pair_arrays(bias, block_mask):
+    """The options the ring does not take, named: arrays as large as the scores (or their
+    blocks), which would have to be sharded per (query shard, key shard) pair."""
     for name, value in (("bias", bias), ("block_mask", block_mask)):
         if value is not None:
             raise NotImplementedError(f"{name} is not supported by ring attention: it would "
                                       "have to be sharded per (query, key) shard pair")
+
+
+def _placed_option_names(options):
+    """The options given that need the chunks' places in the whole sequence."""
+    window = options.window is not None and tuple(options.window) != (-1, -1)
+    return [name for name, on in (("window", window), ("alibi_slopes", options.alibi_slopes is not None),
+                                  ("dropout_p", options.dropout_p > 0)) if on]
+
+
+def _check_placeable(problem, size, names):
+    """Shards that the placed pairs can take (module docstring): zigzag shards, two chunks
+    each, whose origins in the whole sequence are multiples of `_mods.ORIGIN_ALIGN`. The
+    rule is the same on every rank, so all of them refuse the call, none waits for a peer."""
+    options = " and ".join(names)
+    for name, n in (("q", problem.q_len), ("k", problem.k_len)):
+        if n % 2:
+            raise ValueError(f"{name}'s shard has {n} rows, an odd number: with {options} ring "
+                             "attention takes zigzag shards, two equal chunks per rank "
+                             "(zigzag_shard; the sequence length must be divisible by 2 * comm.size)")
+        # One rank: its two chunks are one run starting at row 0, and no origin is moved.
+        if size > 1 and (n // 2) % _mods.ORIGIN_ALIGN:
+            raise ValueError(
+                f"{name}'s shard has {n} rows: with {options} each of its two zigzag chunks "
+                f"({n // 2} rows) starts at a multiple of its length in the whole sequence, "
+                f"and those starts must be multiples of {_mods.ORIGIN_ALIGN} (dropout's Philox "
+                f"blocks on the GPU), so the shard length must be a multiple of "
+                f"{2 * _mods.ORIGIN_ALIGN} (the sequence a multiple of "
+                f"{2 * _mods.ORIGIN_ALIGN} * comm.size = {2 * _mods.ORIGIN_ALIGN * size}; pad it)")
 
 
 def check_comm(comm):
@@ -84,16 +118,21 @@ class _Call:
     problem: _validate.Problem
     scale: float
     mods: _mods.Modifiers
+    seed: int | None    # the dropout seed to report (drawn from the process RNG without one)
 
 
 def _prepare(q, k, v, comm, *, causal, scale, softcap, layout, deterministic, window, dropout_p,
-             alibi_slopes, bias, block_mask):
-    """Every check of a ring call, before anything is allocated or sent."""
-    _reject_global_options(window, dropout_p, alibi_slopes, bias, block_mask)
+             seed, alibi_slopes, bias, block_mask):
+    """Every check of a ring call, before anything is allocated or sent; the dropout
+    streams, where the call has no seed, are claimed last (a refused call leaves the
+    process RNG as it was)."""
+    from ..api import _claim_dropout_streams, _move_modifiers, _resolve_modifiers
+
+    _reject_per_pair_arrays(bias, block_mask)
     options = _validate.check_options(
-        causal=causal, scale=scale, window=None, dropout_p=0.0, seed=None, block_mask=None,
-        bias=None, alibi_slopes=None, softcap=softcap, layout=layout, deterministic=deterministic,
-        backend="auto")
+        causal=causal, scale=scale, window=window, dropout_p=dropout_p, seed=seed, block_mask=None,
+        bias=None, alibi_slopes=alibi_slopes, softcap=softcap, layout=layout,
+        deterministic=deterministic, backend="auto")
     check_comm(comm)
     q, k, v, problem = _validate.check_inputs(q, k, v, layout=layout)
     if options.causal:
@@ -105,6 +144,9 @@ def _prepare(q, k, v, comm, *, causal, scale, softcap, layout, deterministic, wi
             raise ValueError(f"q has {problem.q_len} rows, an odd number: causal ring attention "
                              "takes zigzag shards, two equal chunks per rank (zigzag_shard; the "
                              "sequence length must be divisible by 2 * comm.size)")
+    placed = _placed_option_names(options)
+    if placed:
+        _check_placeable(problem, comm.size, placed)
     device = getattr(comm, "device", None)
     if device is not None:
         if problem.kind != _arrays.DEVICE:
@@ -113,7 +155,8 @@ def _prepare(q, k, v, comm, *, causal, scale, softcap, layout, deterministic, wi
         if problem.device != device:
             raise ValueError(f"q is on GPU {problem.device} but comm's rank {comm.rank} runs on "
                              f"GPU {device}; each rank's arrays must be on its own GPU")
-    mods = _mods.Modifiers(softcap=options.softcap) if options.softcap else _mods.NONE
+    # alibi_slopes is checked against the shard's batch dims and heads, the whole call's.
+    mods, _ = _resolve_modifiers(options, problem)
     if problem.kind == _arrays.DEVICE:
         from .. import _cuda
         why_not = _cuda.unsupported_reason(problem.dtype, problem.head_dim, problem.value_dim,
@@ -121,7 +164,11 @@ def _prepare(q, k, v, comm, *, causal, scale, softcap, layout, deterministic, wi
         if why_not is not None:
             raise ValueError(f"q: the GPU kernels cannot run this case: {why_not}")
     scale = _validate.resolve_scale(options.scale, problem.head_dim, problem.dtype)
-    return _Call(q, k, v, problem, scale, mods), options
+    # Without a seed each rank claims its streams from its own process's RNG, as
+    # `attention` does (the same `manual_seed` on every rank draws the unsharded call's).
+    mods, seed = _claim_dropout_streams(mods, options, problem)
+    mods = _move_modifiers(mods, problem.kind, problem.device)
+    return _Call(q, k, v, problem, scale, mods, seed), options
 
 
 # The ring ----------------------------------------------------------------------------------
@@ -173,49 +220,98 @@ class _Ring:
                 current = following
 
 
-def _pairs(step, owner, rank, n_q, n_k, causal):
-    """The (query rows, key rows, causal) of the calls of one step (module docstring)."""
-    if not causal:
-        return [((0, n_q), (0, n_k), False)]
-    half = n_q // 2
-    if step == 0:
-        return [((0, n_q), (0, n_k), True)]
-    if owner < rank:
-        return [((0, n_q), (0, half), False)]
-    return [((half, n_q), (0, n_k), False)]
+@dataclass(frozen=True)
+class _PairCall:
+    """One backend call of a ring step: this rank's query rows and the visiting shard's
+    key rows it takes (local indices), whether it needs the causal mask, its modifiers."""
+
+    rows: tuple
+    keys: tuple
+    causal: bool
+    mods: _mods.Modifiers
+
+
+def _runs(rank, size, n):
+    """The contiguous runs of rank ``rank``'s zigzag shard of ``n`` rows, as
+    ``(local start, local stop, start in the whole sequence)``: its two chunks, or one run
+    where they are adjacent (the last rank, whose chunks are the sequence's middle two,
+    and a ring of one)."""
+    c = n // 2
+    first, second = zigzag_chunks(rank, size)
+    if second == first + 1:
+        return [(0, n, first * c)]
+    return [(0, c, first * c), (c, n, second * c)]
+
+
+@dataclass(frozen=True)
+class _Shards:
+    """Where this rank's shards lie in the whole problem, and the calls of each ring step."""
+
+    rank: int
+    size: int
+    n_q: int            # this rank's query rows (every rank's shard has as many)
+    n_k: int
+    causal: bool
+    mods: _mods.Modifiers
+
+    def calls(self, step, owner):
+        """The `_PairCall` list of the step that visits ``owner``'s K/V shard."""
+        if _pairs.needs_placing(self.mods):
+            return self._placed_calls(owner)
+        n_q, n_k = self.n_q, self.n_k
+        if not self.causal:
+            return [_PairCall((0, n_q), (0, n_k), False, self.mods)]
+        half = n_q // 2
+        if step == 0:
+            return [_PairCall((0, n_q), (0, n_k), True, self.mods)]
+        if owner < self.rank:
+            return [_PairCall((0, n_q), (0, half), False, self.mods)]
+        return [_PairCall((half, n_q), (0, n_k), False, self.mods)]
+
+    def _placed_calls(self, owner):
+        totals = dict(total_q=self.size * self.n_q, total_k=self.size * self.n_k)
+        calls = []
+        for lo, hi, q0 in _runs(self.rank, self.size, self.n_q):
+            for klo, khi, k0 in _runs(owner, self.size, self.n_k):
+                placed = _pairs.place(q0, q0 + hi - lo, k0, k0 + khi - klo, causal=self.causal,
+                                      mods=self.mods, **totals)
+                if placed is not None:   # else the band hides the pair
+                    stop, causal, mods = placed
+                    calls.append(_PairCall((lo, hi), (klo, klo + stop - k0), causal, mods))
+        return calls
 
 
 def _rows(x, lo, hi):
     return x[:, :, lo:hi]
 
 
-def _forward(ring, q, k, v, o, lse, *, scale, causal, mods):
+def _forward(ring, shards, q, k, v, o, lse, *, scale):
     """Write this rank's o (input dtype) and lse of ring attention; q, k, v, o in the
     caller's layout, k and v C-contiguous (they are sent as they are)."""
     xp, backend = ring.place.xp, ring.place.backend
     qb, ob = ring.view(q), ring.view(o)
     lse_acc = _arrays.lse_bhs_view(lse, ring.layout)   # accumulates in place (its dtype)
     B, Hq, n_q, _ = qb.shape
-    n_k, dv = k.shape[-3 if ring.layout == "bshd" else -2], v.shape[-1]
+    dv = v.shape[-1]
     acc = lse.dtype
-    o_acc = xp.empty((B, Hq, n_q, dv), acc)
+    # Rows no call reaches (a window can hide every key from them) keep o = 0 and
+    # lse = -inf, as `attention` gives them; every call merges into these.
+    o_acc = xp.zeros((B, Hq, n_q, dv), acc)
+    lse_acc[...] = -xp.inf
     part_o, part_lse = xp.empty(B * Hq * n_q * dv, q.dtype), xp.empty(B * Hq * n_q, acc)
     for step, owner, (kc, vc) in ring.visiting(k, v):
         kb, vb = ring.view(kc), ring.view(vc)
-        for (lo, hi), (klo, khi), diagonal in _pairs(step, owner, ring.rank, n_q, n_k, causal):
+        for call in shards.calls(step, owner):
+            (lo, hi), (klo, khi) = call.rows, call.keys
             po = _arrays.flat_view(part_o, (B, Hq, hi - lo, dv))
             pl = _arrays.flat_view(part_lse, (B, Hq, hi - lo))
             backend.attention_forward(_rows(qb, lo, hi), _rows(kb, klo, khi), _rows(vb, klo, khi),
-                                      po, pl, scale=scale, causal=diagonal, mods=mods)
-            if step == 0:   # every row: the first call initialises the accumulators
-                o_acc[...] = po.astype(acc)
-                lse_acc[...] = pl
-                continue
+                                      po, pl, scale=scale, causal=call.causal, mods=call.mods)
             merge_into(_rows(o_acc, lo, hi), _rows(lse_acc, lo, hi), po, pl, xp)
     ob[...] = o_acc.astype(o.dtype)
 
 
-def _backward(ring, do, q, k, v, o, lse, dq, dk, dv, *, dlse, scale, causal, mods, deterministic):
+def _backward(ring, shards, do, q, k, v, o, lse, dq, dk, dv, *, dlse, scale, deterministic):
     """Write this rank's dq, dk, dv (caller's layout); ``lse`` and ``dlse`` (None or the
     accumulation dtype) are (B, Hq, Nq) views."""
     xp, backend = ring.place.xp, ring.place.backend
@@ -236,14 +332,15 @@ def _backward(ring, do, q, k, v, o, lse, dq, dk, dv, *, dlse, scale, causal, mod
     for step, owner, (kc, vc) in ring.visiting(k, v):
         kb, vb = ring.view(kc), ring.view(vc)
         dk_acc, dv_acc = travel[step % 2]
-        for (lo, hi), (klo, khi), diagonal in _pairs(step, owner, ring.rank, n_q, n_k, causal):
+        for call in shards.calls(step, owner):
+            (lo, hi), (klo, khi) = call.rows, call.keys
             pq = _arrays.flat_view(gq, (B, Hq, hi - lo, d))
             pk = _arrays.flat_view(gk, (B, Hk, khi - klo, d))
             pv = _arrays.flat_view(gv, (B, Hk, khi - klo, dv_dim))
             backend.attention_backward(
                 _rows(dob, lo, hi), _rows(qb, lo, hi), _rows(kb, klo, khi), _rows(vb, klo, khi),
-                _rows(ob, lo, hi), _rows(lse, lo, hi), pq, pk, pv, scale=scale, causal=diagonal,
-                deterministic=deterministic, mods=mods, dbias=None,
+                _rows(ob, lo, hi), _rows(lse, lo, hi), pq, pk, pv, scale=scale, causal=call.causal,
+                deterministic=deterministic, mods=call.mods, dbias=None,
                 dlse=None if dlse is None else _rows(dlse, lo, hi))
             _rows(dq_acc, lo, hi)[...] += pq.astype(acc)
             if landed is not None:   # the accumulators of this shard, from the previous rank
@@ -282,7 +379,13 @@ class RingContext:
     layout: str
     softcap: float
     deterministic: bool
+    window: tuple | None
+    dropout_p: float
+    seed: int | None        # the dropout seed (drawn from the process RNG where none was given)
+    rng_offset: int         # the first Philox stream of this rank's dropout
+    alibi_slopes: object = field(repr=False)
     _mods: _mods.Modifiers = field(repr=False)
+    _shards: _Shards = field(repr=False)
     _problem: _validate.Problem = field(repr=False)
 
 
@@ -291,9 +394,12 @@ q, k, v : array
     This rank's shards along the sequence, in ``layout``: "bhsd" ``(..., H, n, d)`` or
     "bshd" ``(B, n, H, d)``; NumPy arrays (computed by the NumPy backend) or CuPy arrays
     (computed on their GPU, which must be the communicator's). Every rank passes shards of
-    one shape and dtype. k and v may have fewer heads than q (GQA). For ``causal`` the
-    shards must be zigzag shards (`zigzag_shard`) and q, k, v the same rows; otherwise
-    any split into equal shards works.
+    one shape and dtype. k and v may have fewer heads than q (GQA). For ``causal``,
+    ``window``, ``alibi_slopes`` and ``dropout_p`` the shards must be zigzag shards
+    (`zigzag_shard`; causal: q, k, v the same rows); otherwise any split into equal
+    shards works. With ``window``, ``alibi_slopes`` or ``dropout_p`` on more than one
+    rank, a shard's length must be a multiple of 64 (each zigzag chunk starts at a
+    multiple of 32 in the whole sequence, as the kernels' dropout blocks need).
 comm : Communicator
     `NcclCommunicator` (one process per GPU, e.g. from `from_env`) or a rank of a
     `LocalRing`. Every rank of it must make the same call.
@@ -306,8 +412,24 @@ softcap : float, default 0.0
 layout : {"bhsd", "bshd"}, default "bhsd"
 deterministic : bool, default False
     Passed to each pair's backward; the ring's own sums run in a fixed order.
-window, dropout_p, alibi_slopes, bias, block_mask
-    Not supported yet: anything but their defaults raises NotImplementedError."""
+window : (int, int), optional
+    Sliding window over the whole sequence, as for `cupyflash.attention` (aligned
+    bottom-right with the whole problem's ``Nk - Nq``). Pairs of shards the band leaves
+    empty are skipped; every rank still passes the K/V shards on.
+dropout_p : float, default 0.0
+    Dropout on the attention probabilities, as for `cupyflash.attention`; the mask is
+    indexed by the whole sequence's rows and keys.
+seed : int, optional
+    Dropout seed in [0, 2**64): the same seed on every rank draws exactly the mask of the
+    unsharded call with that seed. None: each rank claims fresh streams from its own
+    process's RNG, as `cupyflash.attention` does (`cupyflash.manual_seed` with one value
+    on every rank, before the same calls, gives the unsharded call's mask again).
+alibi_slopes : array, optional
+    ALiBi slopes broadcastable to ``(*batch, Hq)`` (host or GPU), as for
+    `cupyflash.attention`: distances are the whole sequence's.
+bias, block_mask
+    Not supported: anything but None raises NotImplementedError (they would have to be
+    sharded per pair of shards)."""
 
 
 def _with_doc(func):
@@ -326,8 +448,8 @@ def _empty_outputs(call, layout):
 
 @_with_doc
 def ring_attention_forward(q, k, v, comm, *, causal=False, scale=None, softcap=0.0, layout="bhsd",
-                           deterministic=False, window=None, dropout_p=0.0, alibi_slopes=None,
-                           bias=None, block_mask=None):
+                           deterministic=False, window=None, dropout_p=0.0, seed=None,
+                           alibi_slopes=None, bias=None, block_mask=None):
     """Ring attention's forward pass on this rank, keeping what the backward pass needs.
 
     Parameters
@@ -344,33 +466,40 @@ def ring_attention_forward(q, k, v, comm, *, causal=False, scale=None, softcap=0
     Raises
     ------
     TypeError, ValueError
-        Bad arguments, named, before anything is allocated or sent (q, k, v as for
-        `cupyflash.attention`; odd or unequal causal shards; a bad comm; arrays not on the
-        communicator's GPU).
+        Bad arguments, named, before anything is allocated or sent (q, k, v and the
+        options as for `cupyflash.attention`; odd or unequal causal shards; shards whose
+        chunks cannot be placed for window, ALiBi or dropout; a bad comm; arrays not on
+        the communicator's GPU).
     NotImplementedError
-        An option of those listed above.
+        ``bias`` or ``block_mask``.
     """
     call, options = _prepare(q, k, v, comm, causal=causal, scale=scale, softcap=softcap,
                              layout=layout, deterministic=deterministic, window=window,
-                             dropout_p=dropout_p, alibi_slopes=alibi_slopes, bias=bias,
+                             dropout_p=dropout_p, seed=seed, alibi_slopes=alibi_slopes, bias=bias,
                              block_mask=block_mask)
+    problem = call.problem
+    shards = _Shards(rank=comm.rank, size=comm.size, n_q=problem.q_len, n_k=problem.k_len,
+                     causal=options.causal, mods=call.mods)
     place = place_of(call.q)
     with place.activate():
         o, lse = _empty_outputs(call, layout)
         if call.problem.batch:   # every rank has the same (empty) batch: nothing to send
             xp = place.xp
             ring = _Ring(comm, place, layout)
-            _forward(ring, call.q, xp.ascontiguousarray(call.k), xp.ascontiguousarray(call.v), o,
-                     lse, scale=call.scale, causal=options.causal, mods=call.mods)
+            _forward(ring, shards, call.q, xp.ascontiguousarray(call.k),
+                     xp.ascontiguousarray(call.v), o, lse, scale=call.scale)
     ctx = RingContext(q=call.q, k=call.k, v=call.v, o=o, lse=lse, comm=comm, scale=call.scale,
                       causal=options.causal, layout=layout, softcap=options.softcap,
-                      deterministic=options.deterministic, _mods=call.mods, _problem=call.problem)
+                      deterministic=options.deterministic, window=options.window,
+                      dropout_p=options.dropout_p, seed=call.seed, rng_offset=call.mods.rng_offset,
+                      alibi_slopes=options.alibi_slopes, _mods=call.mods, _shards=shards,
+                      _problem=problem)
     return o, ctx
 
 
 @_with_doc
 def ring_attention(q, k, v, comm, *, causal=False, scale=None, softcap=0.0, layout="bhsd",
-                   deterministic=False, return_lse=False, window=None, dropout_p=0.0,
+                   deterministic=False, return_lse=False, window=None, dropout_p=0.0, seed=None,
                    alibi_slopes=None, bias=None, block_mask=None):
     """Exact attention over a sequence sharded across the ranks of ``comm`` (ring attention).
 
@@ -404,8 +533,8 @@ def ring_attention(q, k, v, comm, *, causal=False, scale=None, softcap=0.0, layo
     return_lse = _validate.check_flag(return_lse, "return_lse")
     o, ctx = ring_attention_forward(q, k, v, comm, causal=causal, scale=scale, softcap=softcap,
                                     layout=layout, deterministic=deterministic, window=window,
-                                    dropout_p=dropout_p, alibi_slopes=alibi_slopes, bias=bias,
-                                    block_mask=block_mask)
+                                    dropout_p=dropout_p, seed=seed, alibi_slopes=alibi_slopes,
+                                    bias=bias, block_mask=block_mask)
     return (o, ctx.lse) if return_lse else o
 
 
@@ -442,17 +571,16 @@ def ring_attention_backward(do, ctx, *, dlse=None):
             if dlse is not None:
                 dlse = _arrays.lse_bhs_view(dlse.astype(ctx.lse.dtype), ctx.layout)
             ring = _Ring(ctx.comm, place, ctx.layout)
-            _backward(ring, do, ctx.q, xp.ascontiguousarray(ctx.k), xp.ascontiguousarray(ctx.v),
-                      ctx.o, _arrays.lse_bhs_view(ctx.lse, ctx.layout), *grads, dlse=dlse,
-                      scale=ctx.scale, causal=ctx.causal, mods=ctx._mods,
-                      deterministic=ctx.deterministic)
+            _backward(ring, ctx._shards, do, ctx.q, xp.ascontiguousarray(ctx.k),
+                      xp.ascontiguousarray(ctx.v), ctx.o, _arrays.lse_bhs_view(ctx.lse, ctx.layout),
+                      *grads, dlse=dlse, scale=ctx.scale, deterministic=ctx.deterministic)
     return grads
 
 
 @_with_doc
 def ring_attention_vjp(q, k, v, comm, *, causal=False, scale=None, softcap=0.0, layout="bhsd",
-                       deterministic=False, window=None, dropout_p=0.0, alibi_slopes=None,
-                       bias=None, block_mask=None):
+                       deterministic=False, window=None, dropout_p=0.0, seed=None,
+                       alibi_slopes=None, bias=None, block_mask=None):
     """Ring attention's output on this rank and its vector-Jacobian product.
 
     Parameters
@@ -468,8 +596,8 @@ def ring_attention_vjp(q, k, v, comm, *, causal=False, scale=None, softcap=0.0, 
     """
     o, ctx = ring_attention_forward(q, k, v, comm, causal=causal, scale=scale, softcap=softcap,
                                     layout=layout, deterministic=deterministic, window=window,
-                                    dropout_p=dropout_p, alibi_slopes=alibi_slopes, bias=bias,
-                                    block_mask=block_mask)
+                                    dropout_p=dropout_p, seed=seed, alibi_slopes=alibi_slopes,
+                                    bias=bias, block_mask=block_mask)
 
     def vjp(do, *, dlse=None):
         return ring_attention_backward(do, ctx, dlse=dlse)
