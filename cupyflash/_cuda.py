@@ -18,10 +18,10 @@ import math
 import numpy as np
 
 from . import _arrays, _mods, _nvrtc, _params, _philox, _tma
-from ._kernels import (BWD_ROW_PAD, BWD_SM90_SUB_M, CPP_TYPE, FWD_SM90, GRAD_DK, GRAD_DQ, GRAD_DQ_ORDERED,
+from ._kernels import (BWD_ROW_PAD, BWD_SM90, BWD_SM90_SUB_M, CPP_TYPE, FWD_SM90, GRAD_DK, GRAD_DQ, GRAD_DQ_ORDERED,
                        HEAD_DIMS, MIN_COMPUTE_CAPABILITY, MODE_BIAS, MODE_DENSE, MODE_TF32, MODES, BackwardPlan,
-                       Variant, backward_plan, forward_variants, forward_variants_for, kernel_mode,
-                       padded_head_dim)
+                       Variant, backward_plan, bwd_sm90_persistent, forward_variants, forward_variants_for,
+                       kernel_mode, padded_head_dim)
 from ._validate import check_flag
 
 MAX_GRID_YZ = 65535   # grid y (heads) and z (batch) extents
@@ -453,6 +453,7 @@ class _BackwardLaunchPlan:
     nq_pad: int
     dq_ld: int             # 0: no dQ workspace (the dQ kernel computes dq)
     dq_turns: int          # turn counters of a key-block kernel that adds dQ in order (bwd.cuh DqTurns)
+    work_counter: bool     # the Hopper key-block kernel's unit counter (bwd_sm90.cu Sm90BwdUnits)
     params: _params.Params
 
 
@@ -480,7 +481,13 @@ def _plan_backward(do, q, k, v, o, dq, dk, dv, *, scale, causal, deterministic, 
                 variant = _choose([c for c in candidates if not c.family.tensor_maps], device_id)
             elif variant.mode & MODE_BIAS:
                 params.mods(bias_tma=1)
-        kv.append((variant, (math.ceil(keys / variant.block_m), Hk, batch), specs))
+        key_blocks = math.ceil(keys / variant.block_m)
+        if variant.family is BWD_SM90:   # its units: (key block, kv head, batch entry)
+            params.set(grid_n=key_blocks, grid_heads=Hq, grid_batch=batch)
+        if bwd_sm90_persistent(variant):   # one CTA per SM, taking units from a counter
+            kv.append((variant, (min(key_blocks * Hk * batch, _sm_count(device_id)),), specs))
+        else:
+            kv.append((variant, (key_blocks, Hk, batch), specs))
     adds_dq = next((v for v, _, _ in kv if v.grads & GRAD_DQ), None)
     # The dQ workspace's rows: padded where the kernel that adds into it wants whole tiles.
     dq_ld = 0 if adds_dq is None else adds_dq.dq_ld or d
@@ -497,7 +504,8 @@ def _plan_backward(do, q, k, v, o, dq, dk, dv, *, scale, causal, deterministic, 
     else:
         finish = (plan.convert, (math.ceil(Nq * d / plan.convert.block_m), Hq, B))
     prep = (plan.prep, (nq_pad // plan.prep.block_m, Hq, B))
-    return _BackwardLaunchPlan(prep, tuple(kv), finish, nq_pad, dq_ld, dq_turns, params)
+    work_counter = any(bwd_sm90_persistent(variant) for variant, _, _ in kv)
+    return _BackwardLaunchPlan(prep, tuple(kv), finish, nq_pad, dq_ld, dq_turns, work_counter, params)
 
 
 def attention_backward(do, q, k, v, o, lse, dq, dk, dv, *, scale, causal, deterministic,
@@ -533,12 +541,13 @@ def attention_backward(do, q, k, v, o, lse, dq, dk, dv, *, scale, causal, determ
     acc = _arrays.accumulation_dtype(q.dtype).type
     lse2 = cupy.empty((B, Hq, plan.nq_pad), acc)
     delta = cupy.empty((B, Hq, plan.nq_pad), acc)
-    dq_accum = dq_turns = None
-    if plan.dq_ld:   # the turn counters after the workspace: one allocation, one memset
+    dq_accum = dq_turns = work_counter = None
+    if plan.dq_ld:   # the turn counters and the unit counter after the workspace: one allocation, one memset
         words = B * Hq * Nq * plan.dq_ld * np.dtype(acc).itemsize // 4
-        zeroed = cupy.zeros(words + plan.dq_turns, cupy.uint32)
+        zeroed = cupy.zeros(words + plan.dq_turns + plan.work_counter, cupy.uint32)
         dq_accum = zeroed[:words].view(acc).reshape(B, Hq, Nq, plan.dq_ld)
-        dq_turns = zeroed[words:] if plan.dq_turns else None
+        dq_turns = zeroed[words:words + plan.dq_turns] if plan.dq_turns else None
+        work_counter = zeroed[words + plan.dq_turns:] if plan.work_counter else None
     params = plan.params.copy()
     params.tensor("q", q).tensor("k", k).tensor("v", v).tensor("o", o).tensor("dout", do)
     params.tensor("dq", dq).tensor("dk", dk).tensor("dv", dv).set(
@@ -553,7 +562,8 @@ def attention_backward(do, q, k, v, o, lse, dq, dk, dv, *, scale, causal, determ
         # Null where the launch adds nothing into dq (or dbias: only the dK launch has dS).
         params.set(dq_accum=_params.address(dq_accum if variant.grads & GRAD_DQ else None),
                    dq_order=_params.address(dq_turns if variant.grads & GRAD_DQ else None),
-                   dbias=_params.address(dbias if variant.grads & GRAD_DK else None))
+                   dbias=_params.address(dbias if variant.grads & GRAD_DK else None),
+                   work_counter=_params.address(work_counter if bwd_sm90_persistent(variant) else None))
         if specs is not None:
             params.set(**_tensor_maps(specs, (q, do, k, v, mods.bias),
                                       ("q_map", "dout_map", "k_map", "v_map", "bias_map")))

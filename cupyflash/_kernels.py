@@ -192,15 +192,18 @@ class Family:
     tensor_maps: bool = False    # reads q, k, v through TMA tensor maps (the host encodes them)
     spill_free: bool = True      # tuned to live in registers for every dtype (the build check refuses spills)
     # Static shared memory of its kernels in every mode (the build check holds ptxas' figure
-    # to it); 0: only the MODE_EXT kernels', MODS_STATIC_SMEM.
+    # to it); 0: only the MODE_EXT kernels', mods_copies x MODS_STATIC_SMEM.
     static_smem: int = 0
+    mods_copies: int = 1
 
 
 # fwd_sm90.cu keeps two copies of the option state in static shared memory, in dense mode too.
 FWD_SM90 = Family("fwd_sm90.cu", arch="sm_90a", tensor_maps=True, static_smem=2 * MODS_STATIC_SMEM)
 FWD_SM80 = Family("fwd_sm80.cu")
 FWD_WIDE = Family("fwd_wide.cu")
-BWD_SM90 = Family("bwd_sm90.cu", arch="sm_90a", tensor_maps=True)
+# bwd_sm90.cu keeps a copy of the option state per role (MODE_EXT): its roles work on
+# different units at times (Sm90BwdUnits).
+BWD_SM90 = Family("bwd_sm90.cu", arch="sm_90a", tensor_maps=True, mods_copies=4)
 BWD_SM80 = Family("bwd_sm80.cu")
 # The fp32/fp64 backward keeps dK and dV of 16 keys per warp at 255 registers and spills a
 # few bytes from d = 128 (the tile tables say where): reported, not refused.
@@ -238,7 +241,7 @@ class Variant:
     @property
     def static_smem(self) -> int:
         """The static shared memory reserved for it (an upper bound; the build check)."""
-        return self.family.static_smem or (MODS_STATIC_SMEM if self.mode else 0)
+        return self.family.static_smem or (self.family.mods_copies * MODS_STATIC_SMEM if self.mode else 0)
 
 
 def padded_head_dim(d: int, dv: int) -> int:
@@ -406,6 +409,16 @@ BWD_SM90_KV_TILES = {
     64: ((128, 2),),
     128: ((64, 2),),
 }
+
+
+def bwd_sm90_persistent(variant: "Variant") -> bool:
+    """Whether a key-block kernel runs persistent CTAs (bwd_sm90.cu Sm90BwdKVTile::PERSISTENT:
+    the dense ones), one per SM taking (key block, kv head, batch entry) units from a zeroed
+    counter (AttnParams::work_counter); the others run one CTA per unit, on a grid of
+    (key blocks, kv heads, batch entries)."""
+    return variant.family is BWD_SM90 and variant.mode == MODE_DENSE
+
+
 # bwd_sm90.cu's query sub-tile (SUB_M): the rows of its score tiles, and of a bias stage
 # (its tensor map's box).
 BWD_SM90_SUB_M = 64
@@ -508,10 +521,10 @@ def _sm90_dkdv(dtype_name: str, D: int, tile, grads: int, mode: int) -> Variant:
     # bwd_sm90.cu Sm90BwdKVTile: K, V, Q and dO per stage, dS^T twice, the bias of a
     # sub-tile of BWD_SM90_SUB_M queries (MODE_BIAS), swizzled; the staged fp32 dQ tile
     # with rows of D + 8; a tile's lse2 and delta rows twice; 1024 bytes to align the
-    # tiles; Sm90BwdBarriers (5 + 2 STAGES mbarriers of 8 bytes).
+    # tiles; Sm90BwdBarriers (10 + 2 STAGES mbarriers of 8 bytes, two unit words).
     bias = BWD_SM90_SUB_M * block_n if mode & MODE_BIAS else 0
     smem = ((2 * block_n * D + 2 * stages * block_m * D + 2 * block_n * block_m + bias) * 2
-            + (block_m * (D + 8) + 4 * block_m) * 4 + 1024 + 8 * (5 + 2 * stages))
+            + (block_m * (D + 8) + 4 * block_m) * 4 + 1024 + 8 * (11 + 2 * stages))
     expr = f"flash_bwd_dkdv_sm90<{CPP_TYPE[dtype_name]}, {D}, {block_m}, {consumers}, {grads}, {mode}, {smem}>"
     # + the producer warpgroup; the dQ workspace's rows padded as the staged tile's (DQ_LD)
     return Variant(BWD_SM90, expr, (consumers + 1) * 128, block_n, smem, mode=mode, tile=tuple(tile),

@@ -65,6 +65,7 @@ ATTN = _struct([
     ("scale", "f64"), ("scale_log2", "f64"),
     ("group", "i32"), ("nq", "i32"), ("nk", "i32"), ("d", "i32"), ("dim_v", "i32"), ("nq_pad", "i32"), ("dq_ld", "i32"),
     ("causal", "i32"), ("vec", "i32"), ("grid_m", "i32"), ("grid_heads", "i32"), ("grid_batch", "i32"),
+    ("grid_n", "i32"),
     ("mods", MODS),
 ])
 # The C struct name of each mirrored dtype (for the generated asserts).

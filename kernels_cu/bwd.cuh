@@ -67,17 +67,17 @@ struct KeyBlockPairs {
 // says how many have. The order follows the walks: with a right edge to the band (causal,
 // a window's right side) each key block walks up from its first visible query tile, so a
 // higher key block reaches a tile first and the order is descending; without one every
-// block starts at the first tile and it is ascending. The CTAs are numbered so that the
-// blocks a CTA waits for come before it in the grid: the hardware dispatches CTAs in grid
-// order, so those are resident or done, and the waits cannot deadlock.
+// block starts at the first tile and it is ascending. A kernel numbers its key blocks by
+// their place x in this order (of `blocks` a head) and takes them in increasing x, so
+// that the blocks it waits for were taken before (bwd_sm90.cu Sm90BwdUnits says why the
+// waits then cannot deadlock).
 struct DqTurns {
     bool descending;
-    int key_block;   // this CTA's key block
+    int key_block;   // the key block in place x
 
     template <bool EXT>
-    __device__ __forceinline__ DqTurns(const MaskInfo<EXT>& mask, bool ordered)
-        : descending(ordered && mask.right_extent() != NO_LIMIT),
-          key_block(descending ? gridDim.x - 1 - blockIdx.x : blockIdx.x) {}
+    __device__ __forceinline__ DqTurns(const MaskInfo<EXT>& mask, bool ordered, int x, int blocks)
+        : descending(ordered && mask.right_extent() != NO_LIMIT), key_block(descending ? blocks - 1 - x : x) {}
 
     // How many key blocks add into rows [q0, q0 + block_m) of head h before this one:
     // those of the band that the rows see (key_tile_range, the band the walkers' own

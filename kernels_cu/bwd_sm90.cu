@@ -3,8 +3,11 @@
 // warp-specialised, the tiles moved by the tensor memory accelerator, the products on
 // warpgroup MMA, dQ added into its fp32 workspace by bulk reductions.
 //
-// A CTA owns BLOCK_N = 64 CONSUMERS keys of one kv head and walks the (query head, query
-// tile) pairs that see them (bwd.cuh KeyBlockPairs). It has CONSUMERS + 1 warpgroups:
+// A CTA owns BLOCK_N = 64 CONSUMERS keys of one kv head at a time, a unit, and walks the
+// (query head, query tile) pairs that see them (bwd.cuh KeyBlockPairs); the dense kernels'
+// CTAs are persistent, taking one unit after another (Sm90BwdUnits), so that the next
+// unit's K, V and first tiles load while the last one's dK and dV are written. It has
+// CONSUMERS + 1 warpgroups:
 //   consumers (warpgroups 0 .. CONSUMERS-1, 64 keys each): per query tile of BLOCK_M rows
 //     S^T  = K Q^T      A: K (K-major, its 64 rows)   B: Q  (K-major)        wgmma ss
 //     dP^T = V dO^T     A: V (K-major)                B: dO (K-major)        wgmma ss
@@ -21,7 +24,7 @@
 //   64 x DQ_N piece per warpgroup (A: dS^T read MN-major, i.e. transposed; B: K,
 //   MN-major), issued at the start of the next tile ahead of its S^T, and stage it in
 //   fp32 in shared memory;
-//   producer (the last warpgroup): its first warp loads K and V once and streams each
+//   producer (the last warpgroup): its first warp loads a unit's K and V and streams each
 //     query tile's Q and dO (TMA) through STAGES stages, each guarded by a "full"
 //     mbarrier and an "empty" one (every consumer warp has finished reading it); its
 //     second warp adds each staged dQ tile into the dQ workspace with one bulk reduction
@@ -54,10 +57,13 @@
 // The pipeline's mbarriers, after the tiles in shared memory.
 template <int STAGES>
 struct Sm90BwdBarriers {
-    u64 kv_full;                        // K and V, loaded once
+    u64 kv_full;                        // a unit's K and V
     u64 full[STAGES], empty[STAGES];    // a query tile's Q and dO
     u64 dq_full, dq_empty;              // the staged dQ tile: written / read by the copy engine
     u64 bias_full, bias_empty;          // a sub-tile's bias (MODE_BIAS)
+    u64 kv_empty;                       // the consumers are done with K and V (a unit's last dQ product)
+    u64 unit_full[2], unit_empty[2];    // a unit's number, published in unit[k % 2] (Sm90BwdUnits)
+    int unit[2];
 };
 
 template <typename T, int D, int BLOCK_M, int CONSUMERS, int GRADS, int MODE>
@@ -127,8 +133,15 @@ struct Sm90BwdKVTile {
     // varlen spill, build check; 56 with the options and ordered dQ, whose turn count
     // walks the block mask too: 48 spilled), the consumers share the rest of the launch's
     // registers (tma.cuh WarpgroupRegs: 240, 232 with the options, 224 ordered).
-    static constexpr int PRODUCER_REGS = MODE == MODE_DENSE ? 24 : (ORDERED_DQ ? 56 : 40);
+    static constexpr int PRODUCER_REGS = MODE == MODE_DENSE ? 40 : (ORDERED_DQ ? 56 : 40);
     static constexpr int CONSUMER_REGS = WarpgroupRegs<THREADS, PRODUCER_REGS>::CONSUMER;
+    // The warps that read a unit's number from its slot (Sm90BwdUnits): the consumers', the
+    // dQ writer and (MODE_BIAS) the bias loader.
+    static constexpr int UNIT_READERS = CONSUMERS * 4 + 1 + (BIAS ? 1 : 0);
+    // Persistent CTAs (Sm90BwdUnits) in dense mode. The option kernels' consumers have no
+    // registers for the unit loop's state (60-220 bytes of spills, build check): they run
+    // one CTA per unit (unit blockIdx.x), the same code with a loop of one turn.
+    static constexpr bool PERSISTENT = MODE == MODE_DENSE;
     static_assert((GRADS & (GRAD_DV | GRAD_DK)) == (GRAD_DV | GRAD_DK), "dV and dK in one pass");
     // dQ in both modes (ordered in the deterministic one): the host never asks for less.
     static_assert((GRADS & GRAD_DQ) != 0, "bwd_sm90.cu adds dQ");
@@ -136,18 +149,65 @@ struct Sm90BwdKVTile {
     static_assert(DQ_N % 64 == 0 && D % DQ_N == 0 && (BLOCK_M / 64) * DQ_COLS == CONSUMERS, "dQ pieces");
     static_assert(BWD_ROW_PAD % BLOCK_M == 0, "query tiles read the padded row workspaces whole");
     static_assert(2 * BLOCK_M <= CONSUMER_THREADS, "a consumer thread fetches one word of a tile's rows");
-    static_assert(2 * KV_ELEMS >= BLOCK_N * SmemTile<T, D>::stride, "epilogue staging");
+    static_assert(DQ_FLOATS * sizeof(float) >= BLOCK_N * SmemTile<T, D>::stride * sizeof(T), "epilogue staging in the dQ tile");
 };
 
-// One CTA per SM: the tiles take most of the shared memory, and the bound lets
-// setmaxnreg give each consumer thread the registers of dK, dV and the score tiles. The
-// host launches it as flash_bwd_dkdv_sm80 (BLOCK_M is its query tile, the grid's first
-// axis counts key blocks of BLOCK_N), with q, k, v and dO tensor maps.
+// The kernel's work: a unit is (key block, kv head, batch entry), numbered with the key
+// block fastest, then the head, as a grid of one CTA per unit would be. Persistent CTAs
+// (one per SM) take units from a counter the host zeroes, in increasing order, so that a
+// CTA free early takes more of them; its producer's first warp claims each unit and
+// publishes it to the other roles. The deterministic dQ's turns (bwd.cuh DqTurns) follow
+// the units' order: a unit waits only for units taken before it, by CTAs that are running
+// and take their units in increasing order, so the waits cannot deadlock.
+struct Sm90BwdUnit {
+    int x;   // the key block's place in its head's order (DqTurns)
+    int hk, b;
+};
+struct Sm90BwdUnits {
+    // The roles that keep a copy of their unit's option state.
+    static constexpr int PRODUCER = 0, DQ_WRITER = 1, BIAS_LOADER = 2, CONSUMERS = 3, ROLES = 4;
+    int blocks, kv_heads, count;
+
+    __device__ __forceinline__ explicit Sm90BwdUnits(const AttnParams& p)
+        : blocks(p.grid_n), kv_heads(p.grid_heads / p.group), count(p.grid_n * (p.grid_heads / p.group) * p.grid_batch) {}
+    __device__ __forceinline__ Sm90BwdUnit decode(int u) const {
+        const int rest = u / blocks;
+        return {u - rest * blocks, rest % kv_heads, rest / kv_heads};
+    }
+};
+
+// What every role derives from a unit and its option state: its key block and the pairs
+// that see it (bwd.cuh KeyBlockPairs), which every role walks in the same order.
+template <typename ModsT>
+struct Sm90BwdUnitState {
+    const ModsT& mods;
+    Sm90BwdUnit unit;
+    DqTurns turns;          // the key block, numbered against the dQ order
+    int k0;                 // its first key
+    KeyBlockPairs pairs;
+
+    __device__ __forceinline__ Sm90BwdUnitState(const ModsT& mods_, Sm90BwdUnit unit_, bool ordered_dq, int blocks,
+                                                int group, int block_n, int block_m)
+        : mods(mods_), unit(unit_), turns(mods_.mask, ordered_dq, unit_.x, blocks), k0(turns.key_block * block_n),
+          pairs(mods_.mask, unit_.hk, group, k0, block_n, block_m) {}
+    // Whether the block has keys (under varlen the grid covers the longest sequence).
+    __device__ __forceinline__ bool has_keys() const { return k0 < mods.mask.nk; }
+    __device__ __forceinline__ int count() const { return pairs.count(); }
+    __device__ __forceinline__ int first() const { return pairs.next(0, mods.mask); }
+    __device__ __forceinline__ int after(int it) const { return pairs.next(it + 1, mods.mask); }
+};
+
+// One CTA per SM: the tiles take most of the shared memory, and the bound lets setmaxnreg
+// give each consumer thread the registers of dK, dV and the score tiles. The host
+// launches it with q, k, v and dO tensor maps, persistent (C::PERSISTENT: as many CTAs as
+// SMs, at most one per unit, and a zeroed work counter) or on a grid of (key blocks,
+// kv heads, batch entries), one CTA per unit.
 template <typename T, int D, int BLOCK_M, int CONSUMERS, int GRADS, int MODE, int SMEM_BYTES>
 __global__ void __launch_bounds__(Sm90BwdKVTile<T, D, BLOCK_M, CONSUMERS, GRADS, MODE>::THREADS, 1)
 flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
 {
     typedef Sm90BwdKVTile<T, D, BLOCK_M, CONSUMERS, GRADS, MODE> C;
+    typedef Mods<T, float, MODE> ModsT;
     static_assert(SMEM_BYTES == C::SMEM_BYTES, "the host's shared-memory size (cupyflash/_kernels.py)");
     constexpr int STAGES = C::STAGES, BLOCK_N = C::BLOCK_N, QT = C::QT, DT = C::DT;
     BWD_SCALARS(p, float);
@@ -158,27 +218,24 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
     T* sdO = sQ + STAGES * C::QO_ELEMS;       // STAGES buffers
     T* sdS = sdO + STAGES * C::QO_ELEMS;      // two buffers (with dQ)
     T* sBias = sdS + 2 * C::DS_ELEMS;         // one stage (MODE_BIAS)
-    float* sdQ = reinterpret_cast<float*>(sBias + C::BIAS_ELEMS);
+    float* sdQ = reinterpret_cast<float*>(sBias + C::BIAS_ELEMS);   // also the epilogue's staging tile
     float* sRows = sdQ + C::DQ_FLOATS;        // two buffers of lse2 then delta, BLOCK_M each
     auto& bars = *reinterpret_cast<Sm90BwdBarriers<STAGES>*>(reinterpret_cast<unsigned char*>(sK) + C::TILE_BYTES);
+    // With the options, each role's copy of its unit's option state (mods.cuh Mods): the
+    // roles work on different units at times (the producer a unit ahead), and in
+    // registers the state would spill the consumers. Dense mode keeps it in registers.
+    __shared__ ModsT unit_mods[C::PERSISTENT && MODE != MODE_DENSE ? Sm90BwdUnits::ROLES : 1];
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int hk = blockIdx.y, b = blockIdx.z;
-    const int hq = gridDim.y * group;
-    MODS_SETUP(T, float, MODE, p, b, hq);
-    const auto& mask = mods.mask;
-    const DqTurns turns(mask, C::ORDERED_DQ);   // the CTA's key block (numbered against the dQ order)
-    const int k0 = turns.key_block * BLOCK_N;
-    const int k_rows = min(BLOCK_N, mask.nk - k0);
-    if (k_rows <= 0) return;
-    const KeyBlockPairs pairs(mask, hk, group, k0, BLOCK_N, BLOCK_M);
-    const int n_iter = pairs.count();
-    // Every role walks the same pairs; `step` counts the visited ones (stage step % STAGES).
-    auto first = [&]() { return pairs.next(0, mask); };
-    auto after = [&](int it) { return pairs.next(it + 1, mask); };
+    const int hq = p.grid_heads;
+    typedef Sm90BwdUnitState<ModsT> UnitState;
+    auto unit_state_of = [&](const ModsT& mods, Sm90BwdUnit unit) {
+        return UnitState(mods, unit, C::ORDERED_DQ, p.grid_n, group, BLOCK_N, BLOCK_M);
+    };
 
     if (threadIdx.x == 0) {
         mbar_init(&bars.kv_full, 1);
+        mbar_init(&bars.kv_empty, CONSUMERS * 4);
         #pragma unroll
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(&bars.full[s], 1);
@@ -188,90 +245,179 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
         mbar_init(&bars.dq_empty, 1);
         mbar_init(&bars.bias_full, 1);
         mbar_init(&bars.bias_empty, CONSUMERS * 4);
-        mbar_init_fence();
+        #pragma unroll
+        for (int s = 0; s < 2; ++s) {
+            mbar_init(&bars.unit_full[s], 1);
+            mbar_init(&bars.unit_empty[s], C::UNIT_READERS);
+        }
     }
+    // One CTA per unit (C::PERSISTENT false): the block's unit, from the grid's three axes,
+    // and its option state, set up once for every role before the roles split, as one
+    // copy in shared memory (the option kernels' consumers have no registers to spare for
+    // it; set up after the split, ptxas spilled 4-40 bytes of their tile loop).
+    if constexpr (!C::PERSISTENT) {
+        static_assert(MODE != MODE_DENSE, "dense kernels are persistent: one copy of the state in registers");
+        const ModsT made = ModsT::make(p, blockIdx.z, hq);
+        if (threadIdx.x == 0) unit_mods[0] = made;
+    }
+    mbar_init_fence();
     __syncthreads();
+    const UnitState cta_unit = unit_state_of(unit_mods[0], {int(blockIdx.x), int(blockIdx.y), int(blockIdx.z)});
+    if (!C::PERSISTENT && !cta_unit.has_keys()) return;
+
+    // Unit k of this CTA (every role takes the same ones, in order), -1 after the last:
+    // the producer's first warp claims it from the counter and publishes it in slot k % 2;
+    // the other roles read it there and give the slot back at once (one arrival a warp).
+    auto claim_unit = [&](int k) {
+        int u = 0;
+        if (lane == 0) {
+            const int slot = k % 2;
+            mbar_wait(&bars.unit_empty[slot], ((k / 2) & 1) ^ 1);
+            u = atomicAdd(p.work_counter, 1);
+            if (u >= Sm90BwdUnits(p).count) u = -1;
+            atomicExch(&bars.unit[slot], u);
+            mbar_arrive(&bars.unit_full[slot]);
+        }
+        return warp_uniform(u);
+    };
+    auto read_unit = [&](int k) {
+        const int slot = k % 2;
+        mbar_wait(&bars.unit_full[slot], (k / 2) & 1);
+        int u = 0;
+        if (lane == 0) {
+            u = atomicAdd(&bars.unit[slot], 0);
+            mbar_arrive(&bars.unit_empty[slot]);
+        }
+        return warp_uniform(u);
+    };
+    // Runs a role's `work` on each unit it takes: the CTA's one unit, or (persistent) each
+    // unit claimed or read (`take`) with keys, its option state in registers in dense mode,
+    // else in the role's own copy in shared memory (the roles work on different units at
+    // times), written by the role's first thread between two of the role's barriers
+    // (`sync`: the role's reads of the last unit's state are done before, the new state is
+    // visible after).
+    auto each_unit = [&](auto take, int role, bool first_thread, auto sync, bool terms, auto&& work) {
+        if constexpr (!C::PERSISTENT) {
+            work(cta_unit);
+        } else {
+            for (int k = 0;; ++k) {
+                const int u = take(k);
+                if (u < 0) break;
+                const Sm90BwdUnit unit = Sm90BwdUnits(p).decode(u);
+                if constexpr (MODE == MODE_DENSE) {
+                    const UnitState w = unit_state_of(ModsT::make(p, unit.b, hq), unit);
+                    if (w.has_keys()) work(w);
+                } else {
+                    ModsT& copy = unit_mods[role];
+                    sync();
+                    if (first_thread) {
+                        copy.set_bounds(p, unit.b);
+                        if (terms) copy.set_terms(p, unit.b, hq);
+                    }
+                    sync();
+                    const UnitState w = unit_state_of(copy, unit);
+                    if (w.has_keys()) work(w);
+                }
+            }
+        }
+    };
+    auto warp_sync = [] { __syncwarp(); };
 
     // ------------------------------------------------------------------ producer
     if (warp >= CONSUMERS * 4) {
         warpgroup_release_regs<C::PRODUCER_REGS>();
         const int role = warp - CONSUMERS * 4;
         if (role == 0) {
-            // Rows in the tensor maps' coordinates: under varlen the sequence's offset.
-            auto load_panels = [&](T* dst, const TmaMap& map, u64* bar, int rows, i64 row0, int head) {
-                #pragma unroll
-                for (int panel = 0; panel < D / C::PANEL; ++panel)
-                    tma_load_4d(dst + panel * rows * C::PANEL, map, bar, panel * C::PANEL, int(row0), head, mods.tb);
-            };
-            if (lane == 0) {
-                mbar_arrive_expect_tx(&bars.kv_full, C::KV_BYTES);
-                load_panels(sK, p.k_map, &bars.kv_full, BLOCK_N, mods.k_base + k0, hk);
-                load_panels(sV, p.v_map, &bars.kv_full, BLOCK_N, mods.k_base + k0, hk);
-            }
-            int step = 0;
-            for (int it = first(); it < n_iter; it = after(it), ++step) {
-                const int s = step % STAGES;
-                mbar_wait(&bars.empty[s], ((step / STAGES) & 1) ^ 1);   // the consumers' release of the round before
-                const int h = pairs.head(it), q0 = pairs.q0(it);
+            int step = 0;   // query tiles loaded, over every unit: stage step % STAGES
+            int kv_n = 0;   // K/V blocks loaded
+            each_unit(claim_unit, Sm90BwdUnits::PRODUCER, lane == 0, warp_sync, false, [&](const UnitState& w) {
+                const ModsT& mods = w.mods;
+                if (w.first() >= w.count()) return;   // no query tile: the consumers write zeros
+                // Rows in the tensor maps' coordinates: under varlen the sequence's offset.
+                auto load_panels = [&](T* dst, const TmaMap& map, u64* bar, int rows, i64 row0, int head) {
+                    #pragma unroll
+                    for (int panel = 0; panel < D / C::PANEL; ++panel)
+                        tma_load_4d(dst + panel * rows * C::PANEL, map, bar, panel * C::PANEL, int(row0), head, mods.tb);
+                };
+                // K and V once the consumers are done with the last unit's (its last dQ
+                // product): they load while the consumers write that unit's dK and dV.
+                mbar_wait(&bars.kv_empty, (kv_n & 1) ^ 1);
                 if (lane == 0) {
-                    mbar_arrive_expect_tx(&bars.full[s], C::QO_BYTES);
-                    load_panels(sQ + s * C::QO_ELEMS, p.q_map, &bars.full[s], BLOCK_M, mods.q_base + q0, h);
-                    load_panels(sdO + s * C::QO_ELEMS, p.dout_map, &bars.full[s], BLOCK_M, mods.q_base + q0, h);
+                    mbar_arrive_expect_tx(&bars.kv_full, C::KV_BYTES);
+                    load_panels(sK, p.k_map, &bars.kv_full, BLOCK_N, mods.k_base + w.k0, w.unit.hk);
+                    load_panels(sV, p.v_map, &bars.kv_full, BLOCK_N, mods.k_base + w.k0, w.unit.hk);
                 }
-            }
+                ++kv_n;
+                for (int it = w.first(); it < w.count(); it = w.after(it), ++step) {
+                    const int s = step % STAGES;
+                    mbar_wait(&bars.empty[s], ((step / STAGES) & 1) ^ 1);   // the consumers' release of the round before
+                    const int h = w.pairs.head(it), q0 = w.pairs.q0(it);
+                    if (lane == 0) {
+                        mbar_arrive_expect_tx(&bars.full[s], C::QO_BYTES);
+                        load_panels(sQ + s * C::QO_ELEMS, p.q_map, &bars.full[s], BLOCK_M, mods.q_base + q0, h);
+                        load_panels(sdO + s * C::QO_ELEMS, p.dout_map, &bars.full[s], BLOCK_M, mods.q_base + q0, h);
+                    }
+                }
+            });
         } else if (role == 1) {
             // The dQ tile's rows (those in the sequence) into the workspace, whose rows
             // the host pads as the staging tile's (dq_ld = DQ_LD): one bulk reduction.
             // Deterministic: each tile's reduction waits for its turn (the key blocks
             // ahead of this one have added theirs), and passes the turn on once done.
             if (dq_ld != C::DQ_LD) __trap();   // a host that drifted from this layout
-            int step = 0;
-            for (int it = first(); it < n_iter; it = after(it), ++step) {
-                const int h = pairs.head(it), q0 = pairs.q0(it);
-                [[maybe_unused]] u32* turn = nullptr;
-                [[maybe_unused]] u32 ahead = 0;
-                if constexpr (C::ORDERED_DQ) {
-                    turn = p.dq_order + ((i64)b * hq + h) * p.grid_m + q0 / BLOCK_M;   // grid_m: query tiles a head
-                    ahead = turns.ahead(mask, q0, BLOCK_M, BLOCK_N, h, lane);
-                }
-                mbar_wait(&bars.dq_full, step & 1);
-                if (lane == 0) {
-                    if constexpr (C::ORDERED_DQ) wait_turn(turn, ahead);
-                    const int rows = min(BLOCK_M, mask.nq - q0);
-                    float* dq_tile = dq_accum + (((i64)mods.tb * hq + h) * nq + mods.q_base + q0) * (i64)C::DQ_LD;
-                    bulk_reduce_add_f32(dq_tile, sdQ, u32(rows * C::DQ_LD) * sizeof(float));
-                    bulk_commit();
-                    bulk_wait_read<0>();
-                    mbar_arrive(&bars.dq_empty);
+            int step = 0;   // dQ tiles staged, over every unit
+            each_unit(read_unit, Sm90BwdUnits::DQ_WRITER, lane == 0, warp_sync, false, [&](const UnitState& w) {
+                const ModsT& mods = w.mods;
+                const auto& mask = mods.mask;
+                for (int it = w.first(); it < w.count(); it = w.after(it), ++step) {
+                    const int h = w.pairs.head(it), q0 = w.pairs.q0(it);
+                    [[maybe_unused]] u32* turn = nullptr;
+                    [[maybe_unused]] u32 ahead = 0;
                     if constexpr (C::ORDERED_DQ) {
-                        bulk_wait<0>();
-                        pass_turn(turn);
+                        turn = p.dq_order + ((i64)w.unit.b * hq + h) * p.grid_m + q0 / BLOCK_M;   // grid_m: query tiles a head
+                        ahead = w.turns.ahead(mask, q0, BLOCK_M, BLOCK_N, h, lane);
                     }
+                    mbar_wait(&bars.dq_full, step & 1);
+                    if (lane == 0) {
+                        if constexpr (C::ORDERED_DQ) wait_turn(turn, ahead);
+                        const int rows = min(BLOCK_M, mask.nq - q0);
+                        float* dq_tile = dq_accum + (((i64)mods.tb * hq + h) * nq + mods.q_base + q0) * (i64)C::DQ_LD;
+                        bulk_reduce_add_f32(dq_tile, sdQ, u32(rows * C::DQ_LD) * sizeof(float));
+                        bulk_commit();
+                        bulk_wait_read<0>();
+                        mbar_arrive(&bars.dq_empty);
+                        if constexpr (C::ORDERED_DQ) {
+                            bulk_wait<0>();
+                            pass_turn(turn);
+                        }
+                    }
+                    __syncwarp();
                 }
-                __syncwarp();
-            }
+            });
             bulk_wait<0>();
         } else if (role == 2 && C::BIAS) {
             // Each sub-tile's bias, in the consumers' order, once they gave the stage back.
             // The host makes the bias map only for a bias with whole rows (Nq, Nk); axes
             // it broadcasts over (stride 0) are read at 0.
             if (!p.mods.bias_tma) __trap();   // a host that drifted from this contract
-            int n = 0;
-            for (int it = first(); it < n_iter; it = after(it)) {
-                const int h = pairs.head(it), q0 = pairs.q0(it);
-                for (int sub = 0; sub < C::SUBTILES; ++sub, ++n) {
-                    mbar_wait(&bars.bias_empty, (n & 1) ^ 1);
-                    if (lane == 0) {
-                        mbar_arrive_expect_tx(&bars.bias_full, C::BIAS_BYTES);
-                        #pragma unroll
-                        for (int panel = 0; panel < BLOCK_N / C::PANEL; ++panel)
-                            tma_load_4d(sBias + panel * C::SUB_M * C::PANEL, p.bias_map, &bars.bias_full,
-                                        k0 + panel * C::PANEL, q0 + sub * C::SUB_M, p.mods.bias_sh != 0 ? h : 0,
-                                        p.mods.bias_sb != 0 ? b : 0);
+            int n = 0;   // sub-tiles loaded, over every unit
+            each_unit(read_unit, Sm90BwdUnits::BIAS_LOADER, lane == 0, warp_sync, false, [&](const UnitState& w) {
+                for (int it = w.first(); it < w.count(); it = w.after(it)) {
+                    const int h = w.pairs.head(it), q0 = w.pairs.q0(it);
+                    for (int sub = 0; sub < C::SUBTILES; ++sub, ++n) {
+                        mbar_wait(&bars.bias_empty, (n & 1) ^ 1);
+                        if (lane == 0) {
+                            mbar_arrive_expect_tx(&bars.bias_full, C::BIAS_BYTES);
+                            #pragma unroll
+                            for (int panel = 0; panel < BLOCK_N / C::PANEL; ++panel)
+                                tma_load_4d(sBias + panel * C::SUB_M * C::PANEL, p.bias_map, &bars.bias_full,
+                                            w.k0 + panel * C::PANEL, q0 + sub * C::SUB_M, p.mods.bias_sh != 0 ? h : 0,
+                                            p.mods.bias_sb != 0 ? w.unit.b : 0);
+                        }
+                        __syncwarp();
                     }
-                    __syncwarp();
                 }
-            }
+            });
         }
         return;
     }
@@ -285,293 +431,313 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
         __syncwarp();
         if (lane == 0) mbar_arrive(bar);
     };
-    mbar_wait(&bars.kv_full, 0);
-
-    float acc_dv[1][DT][4], acc_dk[1][DT][4];
-    zero_frags(acc_dv);
-    zero_frags(acc_dk);
+    auto consumer_sync = [] { named_barrier(C::CONSUMER_BARRIER, C::CONSUMER_THREADS); };
     // This warpgroup's piece of the dQ tile (C::DQ_N columns of 64 query rows).
     const int dq_row0 = (wg / C::DQ_COLS) * 64, dq_col0 = (wg % C::DQ_COLS) * C::DQ_N;
 
-    // The rows of the row workspaces (padded: read whole) that tile `it` reads, into
-    // buffer `buf`: one word per thread (lse2 from thread 0, delta from BLOCK_M) by
-    // cp.async, so that no register holds it across the tile; waited for before the
-    // tile's consumer barrier, which orders it for every reader.
-    auto copy_rows = [&](int h, int q0, int buf) {
-        if (threadIdx.x < 2 * BLOCK_M) {
-            const float* ws = threadIdx.x < BLOCK_M ? lse2 : delta;
-            cp_async_4(sRows + buf * 2 * BLOCK_M + threadIdx.x,
-                       ws + row_workspace_offset(mods.tb, h, hq, nq_pad) + mods.q_base + q0 + threadIdx.x % BLOCK_M);
-        }
-        cp_async_commit();
-    };
-    // The pair's head and first query row, carried from one tile to the next: without a
-    // block mask (pair it + 1 follows pair it) without head()'s division, which cost ~25
-    // instructions at the top of every tile (ncu at 6576e99).
-    int h = 0, q0 = 0;
-    if (first() < n_iter) {
-        h = pairs.head(first());
-        q0 = pairs.q0(first());
-        copy_rows(h, q0, 0);
-    }
-    cp_async_wait<0>();
-    named_barrier(C::CONSUMER_BARRIER, C::CONSUMER_THREADS);
+    int step = 0;   // query tiles, over every unit: stage step % STAGES, dQ tile step, rows buffer step % 2
+    int kv_n = 0;   // K/V blocks waited for
+    each_unit(read_unit, Sm90BwdUnits::CONSUMERS, threadIdx.x == 0, consumer_sync, true, [&](const UnitState& w) {
+        const ModsT& mods = w.mods;
+        const auto& mask = mods.mask;
+        const KeyBlockPairs& pairs = w.pairs;
+        const int k0 = w.k0, n_iter = w.count();
+        // Every role walks the same pairs; `step` counts the visited ones.
+        auto first = [&]() { return w.first(); };
+        auto after = [&](int it) { return w.after(it); };
+        const int unit_step0 = step;
+        if (first() < n_iter) mbar_wait(&bars.kv_full, kv_n & 1);
 
-    // A tile's dQ = dS K goes to the tensor cores at the start of the next tile, ahead of
-    // its S^T, and is staged while S^T runs (dP^T is issued after: with it in flight too,
-    // d = 128 spilled, build check). So the tile's tail (waiting for dQ, staging it, the
-    // loop's turn) no longer leaves the tensor cores idle (ncu: the largest stall of the
-    // consumers). Each iteration waits for every product it issues, so that ptxas can
-    // follow the accumulators (with dQ in flight across iterations it serialised the
-    // wgmmas); the first iteration's dQ product reads a dS^T buffer no tile has written
-    // and is not staged. The last tile's dV and dK are done by then too, so that its Q and
-    // dO stage is released there.
-    float dq[1][C::DQ_N / 8][4];
-    auto issue_dq = [&](const T* dS_tile) {
-        Wgmma<T, C::DQ_N>::template ss_mn<false>(dq[0], mnmajor_desc<T, BLOCK_N>(dS_tile, 0, dq_row0), mnmajor_desc<T, BLOCK_N>(sK, 0, dq_col0));
-        #pragma unroll
-        for (int ks = 1; ks < C::NSTEPS; ++ks)
-            Wgmma<T, C::DQ_N>::template ss_mn<true>(dq[0], mnmajor_desc<T, BLOCK_N>(dS_tile, ks, dq_row0), mnmajor_desc<T, BLOCK_N>(sK, ks, dq_col0));
-        wgmma_commit();
-    };
-    // The piece of tile `step` into the staging tile once the copy engine has read the
-    // last one; the producer's second warp adds it into the workspace.
-    auto stage_dq = [&](int dq_step) {
-        reg_fence(dq[0]);
-        mbar_wait(&bars.dq_empty, (dq_step & 1) ^ 1);
-        #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-            float* row = sdQ + (dq_row0 + (warp % 4) * 16 + g + hh * 8) * C::DQ_LD;
-            #pragma unroll
-            for (int nt = 0; nt < C::DQ_N / 8; ++nt)
-                *reinterpret_cast<float2*>(row + dq_col0 + nt * 8 + 2 * t) = make_float2(dq[0][nt][2 * hh], dq[0][nt][2 * hh + 1]);
-        }
-        fence_async_smem();
-        release(&bars.dq_full);
-    };
+        float acc_dv[1][DT][4], acc_dk[1][DT][4];
+        zero_frags(acc_dv);
+        zero_frags(acc_dk);
 
-    int step = 0;
-    for (int it = first(); it < n_iter; ++step) {
-        const int next = after(it);
-        int h_next = h, q0_next = q0;
-        if (MODE == MODE_DENSE || mask.blocks == nullptr) {
-            pairs.following(h_next, q0_next);
-        } else {
-            h_next = pairs.head(next);
-            q0_next = pairs.q0(next);
-        }
-        // The next tile's rows into the other buffer (its last readers, the tile before
-        // this one, passed the barrier at its end), a whole tile ahead of the barrier at
-        // this one's end that waits for them (issued before the dV and dK products, the
-        // copies' latency held up that barrier: ncu at 6576e99). Here, before any product
-        // of the tile, only dK and dV hold registers.
-        if (next < n_iter) copy_rows(h_next, q0_next, (step + 1) % 2);
-        const int s_ = step % STAGES;
-        const T* sQb = sQ + s_ * C::QO_ELEMS;
-        const T* sdOb = sdO + s_ * C::QO_ELEMS;
-        const float* sLseb = sRows + (step % 2) * 2 * BLOCK_M;
-        const float* sDeltab = sLseb + BLOCK_M;
-        mbar_wait(&bars.full[s_], (step / STAGES) & 1);
-
-        // Per sub-tile: S^T and dP^T as two batches (P^T is computed while dP^T
-        // still runs), then dV += P^T dO and dK += dS^T Q as one batch, which runs on
-        // while the next sub-tile's S^T and dP^T are issued. dS^T goes to shared memory
-        // for dQ (its A fragments are the rounded values: fragment word i holds rows
-        // g + 8 (i % 2), columns 16 ks + 8 (i / 2) + 2 t, + 1); that buffer of two tiles
-        // ago is free: every warpgroup passed the barrier below since, after its dQ
-        // products of that tile completed.
-        T* sdSb = sdS + (step % 2) * C::DS_ELEMS;
-        #pragma unroll
-        for (int sub = 0; sub < C::SUBTILES; ++sub) {
-            const int r0 = sub * C::SUB_M;   // the sub-tile's first row in the query tile
-            float s[1][QT][4], dp[1][QT][4];
-            if constexpr (C::BIAS) {
-                // S^T's accumulator starts at bias^T / scale, so that the P pass's
-                // S^T scale log2 e has the bias term in log2 units (HeadMods::score_log2)
-                // at no cost per score. Softcap caps the product alone: then it starts at
-                // 0 and the pass adds the bias.
-                mbar_wait(&bars.bias_full, (step * C::SUBTILES + sub) & 1);
-                if (mods.softcap > 0.f) {
-                    zero_frags(s);
-                } else {
-                    KeyRowBias<T, C::SUB_M> bias(sBias, warp_row0);
-                    const float weight = 1.f / scale;
-                    for_each_score<true>(s, 0, 0, [&](float& x, int, int, int, int nt, int e) {
-                        x = bias.at(nt, e) * weight;
-                    });
-                }
+        // The rows of the row workspaces (padded: read whole) that tile `it` reads, into
+        // buffer `buf`: one word per thread (lse2 from thread 0, delta from BLOCK_M) by
+        // cp.async, so that no register holds it across the tile; waited for before the
+        // tile's consumer barrier, which orders it for every reader.
+        auto copy_rows = [&](int h, int q0, int buf) {
+            if (threadIdx.x < 2 * BLOCK_M) {
+                const float* ws = threadIdx.x < BLOCK_M ? lse2 : delta;
+                cp_async_4(sRows + buf * 2 * BLOCK_M + threadIdx.x,
+                           ws + row_workspace_offset(mods.tb, h, hq, nq_pad) + mods.q_base + q0 + threadIdx.x % BLOCK_M);
             }
-            wgmma_fence();
-            if (sub == 0) issue_dq(sdS + ((step + 1) % 2) * C::DS_ELEMS);   // the last tile's
-            Wgmma<T, C::SUB_M>::template ss<C::BIAS>(s[0], kmajor_desc<T, BLOCK_N>(sK, wg * 64, 0), kmajor_desc<T, BLOCK_M>(sQb, r0, 0));
-            #pragma unroll
-            for (int ks = 1; ks < C::KSTEPS; ++ks)
-                Wgmma<T, C::SUB_M>::template ss<true>(s[0], kmajor_desc<T, BLOCK_N>(sK, wg * 64, ks), kmajor_desc<T, BLOCK_M>(sQb, r0, ks));
-            wgmma_commit();
-            // The bias stage goes back only once the values read from it have been used:
-            // its ldmatrix loads may still be in flight after their last instruction, and
-            // the next TMA write (the async proxy) is not ordered after them by the
-            // barrier alone (the d = 64 kernels gave wrong gradients when the stage went
-            // back right after the loads). Here S^T's product, issued on the registers
-            // they fed, has taken them; with softcap, below, once the passes are done.
-            if (C::BIAS && mods.softcap == 0.f) release(&bars.bias_empty);
-            if (sub == 0) {
-                wgmma_wait<1>();   // the last tile's dQ, dV and dK (S^T runs on)
-                if (step > 0) {
-                    release(&bars.empty[(step - 1) % STAGES]);
-                    stage_dq(step - 1);
-                }
-            }
-            Wgmma<T, C::SUB_M>::template ss<false>(dp[0], kmajor_desc<T, BLOCK_N>(sV, wg * 64, 0), kmajor_desc<T, BLOCK_M>(sdOb, r0, 0));
-            #pragma unroll
-            for (int ks = 1; ks < C::KSTEPS; ++ks)
-                Wgmma<T, C::SUB_M>::template ss<true>(dp[0], kmajor_desc<T, BLOCK_N>(sV, wg * 64, ks), kmajor_desc<T, BLOCK_M>(sdOb, r0, ks));
-            wgmma_commit();
+            cp_async_commit();
+        };
+        // The pair's head and first query row, carried from one tile to the next: without a
+        // block mask (pair it + 1 follows pair it) without head()'s division, which cost ~25
+        // instructions at the top of every tile (ncu at 6576e99).
+        int h = 0, q0 = 0;
+        if (first() < n_iter) {
+            h = pairs.head(first());
+            q0 = pairs.q0(first());
+            copy_rows(h, q0, step % 2);
+        }
+        cp_async_wait<0>();
+        consumer_sync();
 
-            const bool needs_mask = mask.tile_needs_mask(q0 + r0, q0 + r0 + C::SUB_M, k0, k0 + BLOCK_N, h);
-            // A query pair's rows as one 8-byte load (the passes read each pair twice, for
-            // keys g and g + 8: the compiler reuses the load).
-            auto pair_at = [&](const float* rows, int nt, int e) {
-                const float2 pair = *reinterpret_cast<const float2*>(rows + r0 + nt * 8 + 2 * t);
-                return e % 2 ? pair.y : pair.x;
-            };
-            auto lse2_at = [&](int, int nt, int e) {
-                return C::LEAN_PASSES ? pair_at(sLseb, nt, e) : sLseb[r0 + nt * 8 + 2 * t + (e % 2)];
-            };
-            auto delta_at = [&](int, int nt, int e) {
-                return C::LEAN_PASSES ? pair_at(sDeltab, nt, e) : sDeltab[r0 + nt * 8 + 2 * t + (e % 2)];
-            };
-            u32 p_frag[C::QSTEPS][4], ds_frag[C::QSTEPS][4];
-            if constexpr (MODE == MODE_DENSE) {
-                float unused_dtanh[1][1][4];
-                wgmma_wait<1>();
-                reg_fence(s[0]);
-                // A copy of the pass per case: with the flag at run time ptxas worked out
-                // every score's visibility and selected on it (~150 instructions a tile
-                // that no mask touches, ncu at 7f8a6b4).
-                if (needs_mask)
-                    recompute_p<MODE, true>(s, unused_dtanh, mods, mods.at_head(h), k0 + warp_row0, q0 + r0, lse2_at,
-                                            scale_log2, true);
-                else
-                    recompute_p<MODE, true>(s, unused_dtanh, mods, mods.at_head(h), k0 + warp_row0, q0 + r0, lse2_at,
-                                            scale_log2, false);
+        // A tile's dQ = dS K goes to the tensor cores at the start of the next tile, ahead of
+        // its S^T, and is staged while S^T runs (dP^T is issued after: with it in flight too,
+        // d = 128 spilled, build check). So the tile's tail (waiting for dQ, staging it, the
+        // loop's turn) no longer leaves the tensor cores idle (ncu: the largest stall of the
+        // consumers). Each iteration waits for every product it issues, so that ptxas can
+        // follow the accumulators (with dQ in flight across iterations it serialised the
+        // wgmmas); the unit's first iteration's dQ product reads a dS^T buffer of no tile of
+        // this unit and is not staged. The last tile's dV and dK are done by then too, so
+        // that its Q and dO stage is released there.
+        float dq[1][C::DQ_N / 8][4];
+        auto issue_dq = [&](const T* dS_tile) {
+            Wgmma<T, C::DQ_N>::template ss_mn<false>(dq[0], mnmajor_desc<T, BLOCK_N>(dS_tile, 0, dq_row0), mnmajor_desc<T, BLOCK_N>(sK, 0, dq_col0));
+            #pragma unroll
+            for (int ks = 1; ks < C::NSTEPS; ++ks)
+                Wgmma<T, C::DQ_N>::template ss_mn<true>(dq[0], mnmajor_desc<T, BLOCK_N>(dS_tile, ks, dq_row0), mnmajor_desc<T, BLOCK_N>(sK, ks, dq_col0));
+            wgmma_commit();
+        };
+        // The piece of tile `step` into the staging tile once the copy engine has read the
+        // last one; the producer's second warp adds it into the workspace.
+        auto stage_dq = [&](int dq_step) {
+            reg_fence(dq[0]);
+            mbar_wait(&bars.dq_empty, (dq_step & 1) ^ 1);
+            #pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                float* row = sdQ + (dq_row0 + (warp % 4) * 16 + g + hh * 8) * C::DQ_LD;
                 #pragma unroll
-                for (int ks = 0; ks < C::QSTEPS; ++ks) c_to_a_frag<T>(p_frag[ks], s, 0, ks);
-                wgmma_wait<0>();
-                reg_fence(dp[0]);
-                grad_scores<MODE, true>(s, dp, unused_dtanh, mods, mods.at_head(h), k0 + warp_row0, q0 + r0, delta_at,
-                                        nullptr, 0, 0, 0);
-                #pragma unroll
-                for (int ks = 0; ks < C::QSTEPS; ++ks) c_to_a_frag<T>(ds_frag[ks], s, 0, ks);
+                for (int nt = 0; nt < C::DQ_N / 8; ++nt)
+                    *reinterpret_cast<float2*>(row + dq_col0 + nt * 8 + 2 * t) = make_float2(dq[0][nt][2 * hh], dq[0][nt][2 * hh + 1]);
+            }
+            fence_async_smem();
+            release(&bars.dq_full);
+        };
+
+        for (int it = first(); it < n_iter; ++step) {
+            const int next = after(it);
+            int h_next = h, q0_next = q0;
+            if (MODE == MODE_DENSE || mask.blocks == nullptr) {
+                pairs.following(h_next, q0_next);
             } else {
-                // The options (bwd.cuh): which scores the mask shows and dropout keeps,
-                // while the products run; then P and dS as in dense mode, or with softcap
-                // in one pass once both products are in.
-                const auto hm = mods.at_head(h);
-                const u32 keep = hm.dropout() ? hm.template keep_bits_key_rows<QT>(k0 + warp_row0, q0 + r0) : ~0u;
-                const u32 visible = needs_mask ? mask.template visible_bits<true, QT>(k0 + warp_row0, q0 + r0, h)
-                                               : ~0u;
-                const float drop_scale = hm.dropout() ? hm.drop_scale : 1.f;
-                const bool alibi = hm.slope_log2 != 0.f;
-                const int kr0 = k0 + warp_row0, qc0 = q0 + r0;
-                // MODE_BIAS with softcap: the bias from its stage in the one pass (above it
-                // rode in S^T's accumulator).
-                auto bias = [&] {
-                    if constexpr (C::SOFTCAP_BIAS) return KeyRowBias<T, C::SUB_M>(sBias, warp_row0);
-                    else return NoBias();
-                }();
-                // BITS: whether the passes select by the bits; false where every score is
-                // shown and kept (bwd.cuh). The choice must be the same for the whole
-                // warpgroup (its wgmma waits are inside): from the tile and the call.
-#define CUPYFLASH_OPTION_SCORES(BITS)                                                                       \
-    if (hm.softcap > 0.f) {                                                                                 \
-        wgmma_wait<0>();                                                                                    \
-        reg_fence(s[0]);                                                                                    \
-        reg_fence(dp[0]);                                                                                   \
-        if (alibi) capped_p_and_grad<true, BITS, true>(s, dp, hm, kr0, qc0, lse2_at, delta_at, bias, visible, keep, \
-                                                       scale_log2, drop_scale);                             \
-        else capped_p_and_grad<false, BITS, true>(s, dp, hm, kr0, qc0, lse2_at, delta_at, bias, visible,    \
-                                                  keep, scale_log2, drop_scale);                            \
-        _Pragma("unroll") for (int ks = 0; ks < C::QSTEPS; ++ks) {                                          \
-            c_to_a_frag<T>(p_frag[ks], s, 0, ks);                                                           \
-            c_to_a_frag<T>(ds_frag[ks], dp, 0, ks);                                                         \
-        }                                                                                                   \
-    } else {                                                                                                \
-        wgmma_wait<1>();                                                                                    \
-        reg_fence(s[0]);                                                                                    \
-        if (alibi) p_pass<true, BITS, true>(s, hm, kr0, qc0, lse2_at, visible, scale_log2);                 \
-        else p_pass<false, BITS, true>(s, hm, kr0, qc0, lse2_at, visible, scale_log2);                      \
-        _Pragma("unroll") for (int ks = 0; ks < C::QSTEPS; ++ks)                                            \
-            kept_a_frag<T, BITS>(p_frag[ks], s, ks, keep, drop_scale);                                      \
-        wgmma_wait<0>();                                                                                    \
-        reg_fence(dp[0]);                                                                                   \
-        grad_pass<BITS, true>(s, dp, kr0, qc0, delta_at, keep, drop_scale);                                 \
-        _Pragma("unroll") for (int ks = 0; ks < C::QSTEPS; ++ks) c_to_a_frag<T>(ds_frag[ks], s, 0, ks);     \
-    }
-                if (C::SELECT_FREE_TILES && !needs_mask && !hm.dropout()) {
-                    CUPYFLASH_OPTION_SCORES(false)
-                } else {
-                    CUPYFLASH_OPTION_SCORES(true)
-                }
-#undef CUPYFLASH_OPTION_SCORES
+                h_next = pairs.head(next);
+                q0_next = pairs.q0(next);
             }
+            // The next tile's rows into the other buffer (its last readers, the tile before
+            // this one, passed the barrier at its end), a whole tile ahead of the barrier at
+            // this one's end that waits for them (issued before the dV and dK products, the
+            // copies' latency held up that barrier: ncu at 6576e99). Here, before any product
+            // of the tile, only dK and dV hold registers.
+            if (next < n_iter) copy_rows(h_next, q0_next, (step + 1) % 2);
+            const int s_ = step % STAGES;
+            const T* sQb = sQ + s_ * C::QO_ELEMS;
+            const T* sdOb = sdO + s_ * C::QO_ELEMS;
+            const float* sLseb = sRows + (step % 2) * 2 * BLOCK_M;
+            const float* sDeltab = sLseb + BLOCK_M;
+            mbar_wait(&bars.full[s_], (step / STAGES) & 1);
 
-            wgmma_fence();
+            // Per sub-tile: S^T and dP^T as two batches (P^T is computed while dP^T
+            // still runs), then dV += P^T dO and dK += dS^T Q as one batch, which runs on
+            // while the next sub-tile's S^T and dP^T are issued. dS^T goes to shared memory
+            // for dQ (its A fragments are the rounded values: fragment word i holds rows
+            // g + 8 (i % 2), columns 16 ks + 8 (i / 2) + 2 t, + 1); that buffer of two tiles
+            // ago is free: every warpgroup passed the barrier below since, after its dQ
+            // products of that tile completed.
+            T* sdSb = sdS + (step % 2) * C::DS_ELEMS;
             #pragma unroll
-            for (int ks = 0; ks < C::QSTEPS; ++ks)
-                Wgmma<T, D>::template rs<true>(acc_dv[0], p_frag[ks], mnmajor_desc<T, BLOCK_M>(sdOb, r0 / 16 + ks));
-            #pragma unroll
-            for (int ks = 0; ks < C::QSTEPS; ++ks)
-                Wgmma<T, D>::template rs<true>(acc_dk[0], ds_frag[ks], mnmajor_desc<T, BLOCK_M>(sQb, r0 / 16 + ks));
-            wgmma_commit();
-            if (C::BIAS && mods.softcap > 0.f) release(&bars.bias_empty);   // see above
+            for (int sub = 0; sub < C::SUBTILES; ++sub) {
+                const int r0 = sub * C::SUB_M;   // the sub-tile's first row in the query tile
+                float s[1][QT][4], dp[1][QT][4];
+                if constexpr (C::BIAS) {
+                    // S^T's accumulator starts at bias^T / scale, so that the P pass's
+                    // S^T scale log2 e has the bias term in log2 units (HeadMods::score_log2)
+                    // at no cost per score. Softcap caps the product alone: then it starts at
+                    // 0 and the pass adds the bias.
+                    mbar_wait(&bars.bias_full, (step * C::SUBTILES + sub) & 1);
+                    if (mods.softcap > 0.f) {
+                        zero_frags(s);
+                    } else {
+                        KeyRowBias<T, C::SUB_M> bias(sBias, warp_row0);
+                        const float weight = 1.f / scale;
+                        for_each_score<true>(s, 0, 0, [&](float& x, int, int, int, int nt, int e) {
+                            x = bias.at(nt, e) * weight;
+                        });
+                    }
+                }
+                wgmma_fence();
+                if (sub == 0) issue_dq(sdS + ((step + 1) % 2) * C::DS_ELEMS);   // the last tile's
+                Wgmma<T, C::SUB_M>::template ss<C::BIAS>(s[0], kmajor_desc<T, BLOCK_N>(sK, wg * 64, 0), kmajor_desc<T, BLOCK_M>(sQb, r0, 0));
+                #pragma unroll
+                for (int ks = 1; ks < C::KSTEPS; ++ks)
+                    Wgmma<T, C::SUB_M>::template ss<true>(s[0], kmajor_desc<T, BLOCK_N>(sK, wg * 64, ks), kmajor_desc<T, BLOCK_M>(sQb, r0, ks));
+                wgmma_commit();
+                // The bias stage goes back only once the values read from it have been used:
+                // its ldmatrix loads may still be in flight after their last instruction, and
+                // the next TMA write (the async proxy) is not ordered after them by the
+                // barrier alone (the d = 64 kernels gave wrong gradients when the stage went
+                // back right after the loads). Here S^T's product, issued on the registers
+                // they fed, has taken them; with softcap, below, once the passes are done.
+                if (C::BIAS && mods.softcap == 0.f) release(&bars.bias_empty);
+                if (sub == 0) {
+                    wgmma_wait<1>();   // the last tile's dQ, dV and dK (S^T runs on)
+                    if (step > unit_step0) {
+                        release(&bars.empty[(step - 1) % STAGES]);
+                        stage_dq(step - 1);
+                    }
+                }
+                Wgmma<T, C::SUB_M>::template ss<false>(dp[0], kmajor_desc<T, BLOCK_N>(sV, wg * 64, 0), kmajor_desc<T, BLOCK_M>(sdOb, r0, 0));
+                #pragma unroll
+                for (int ks = 1; ks < C::KSTEPS; ++ks)
+                    Wgmma<T, C::SUB_M>::template ss<true>(dp[0], kmajor_desc<T, BLOCK_N>(sV, wg * 64, ks), kmajor_desc<T, BLOCK_M>(sdOb, r0, ks));
+                wgmma_commit();
 
-            // dS^T into shared memory for dQ: each k-step's A fragment with one stmatrix
-            // (quarter lane / 8 of the fragment at lane % 8's row), or word by word.
-            #pragma unroll
-            for (int ks = 0; ks < C::QSTEPS; ++ks) {
-                if constexpr (C::STMATRIX_DS) {
-                    const int quarter = lane / 8;
-                    stmatrix_x4(Swizzle128<T, BLOCK_N>::at(sdSb, warp_row0 + lane % 8 + (quarter % 2) * 8,
-                                                            r0 + ks * 16 + (quarter / 2) * 8),
-                                ds_frag[ks]);
-                } else {
+                const bool needs_mask = mask.tile_needs_mask(q0 + r0, q0 + r0 + C::SUB_M, k0, k0 + BLOCK_N, h);
+                // A query pair's rows as one 8-byte load (the passes read each pair twice, for
+                // keys g and g + 8: the compiler reuses the load).
+                auto pair_at = [&](const float* rows, int nt, int e) {
+                    const float2 pair = *reinterpret_cast<const float2*>(rows + r0 + nt * 8 + 2 * t);
+                    return e % 2 ? pair.y : pair.x;
+                };
+                auto lse2_at = [&](int, int nt, int e) {
+                    return C::LEAN_PASSES ? pair_at(sLseb, nt, e) : sLseb[r0 + nt * 8 + 2 * t + (e % 2)];
+                };
+                auto delta_at = [&](int, int nt, int e) {
+                    return C::LEAN_PASSES ? pair_at(sDeltab, nt, e) : sDeltab[r0 + nt * 8 + 2 * t + (e % 2)];
+                };
+                u32 p_frag[C::QSTEPS][4], ds_frag[C::QSTEPS][4];
+                if constexpr (MODE == MODE_DENSE) {
+                    float unused_dtanh[1][1][4];
+                    wgmma_wait<1>();
+                    reg_fence(s[0]);
+                    // A copy of the pass per case: with the flag at run time ptxas worked out
+                    // every score's visibility and selected on it (~150 instructions a tile
+                    // that no mask touches, ncu at 7f8a6b4).
+                    if (needs_mask)
+                        recompute_p<MODE, true>(s, unused_dtanh, mods, mods.at_head(h), k0 + warp_row0, q0 + r0, lse2_at,
+                                                scale_log2, true);
+                    else
+                        recompute_p<MODE, true>(s, unused_dtanh, mods, mods.at_head(h), k0 + warp_row0, q0 + r0, lse2_at,
+                                                scale_log2, false);
                     #pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        const int col = r0 + ks * 16 + (i / 2) * 8;
-                        *reinterpret_cast<u32*>(Swizzle128<T, BLOCK_N>::at(sdSb, warp_row0 + g + (i % 2) * 8, col) +
-                                                2 * t) = ds_frag[ks][i];
+                    for (int ks = 0; ks < C::QSTEPS; ++ks) c_to_a_frag<T>(p_frag[ks], s, 0, ks);
+                    wgmma_wait<0>();
+                    reg_fence(dp[0]);
+                    grad_scores<MODE, true>(s, dp, unused_dtanh, mods, mods.at_head(h), k0 + warp_row0, q0 + r0, delta_at,
+                                            nullptr, 0, 0, 0);
+                    #pragma unroll
+                    for (int ks = 0; ks < C::QSTEPS; ++ks) c_to_a_frag<T>(ds_frag[ks], s, 0, ks);
+                } else {
+                    // The options (bwd.cuh): which scores the mask shows and dropout keeps,
+                    // while the products run; then P and dS as in dense mode, or with softcap
+                    // in one pass once both products are in.
+                    const auto hm = mods.at_head(h);
+                    const u32 keep = hm.dropout() ? hm.template keep_bits_key_rows<QT>(k0 + warp_row0, q0 + r0) : ~0u;
+                    const u32 visible = needs_mask ? mask.template visible_bits<true, QT>(k0 + warp_row0, q0 + r0, h)
+                                                   : ~0u;
+                    const float drop_scale = hm.dropout() ? hm.drop_scale : 1.f;
+                    const bool alibi = hm.slope_log2 != 0.f;
+                    const int kr0 = k0 + warp_row0, qc0 = q0 + r0;
+                    // MODE_BIAS with softcap: the bias from its stage in the one pass (above it
+                    // rode in S^T's accumulator).
+                    auto bias = [&] {
+                        if constexpr (C::SOFTCAP_BIAS) return KeyRowBias<T, C::SUB_M>(sBias, warp_row0);
+                        else return NoBias();
+                    }();
+                    // BITS: whether the passes select by the bits; false where every score is
+                    // shown and kept (bwd.cuh). The choice must be the same for the whole
+                    // warpgroup (its wgmma waits are inside): from the tile and the call.
+    #define CUPYFLASH_OPTION_SCORES(BITS)                                                                       \
+        if (hm.softcap > 0.f) {                                                                                 \
+            wgmma_wait<0>();                                                                                    \
+            reg_fence(s[0]);                                                                                    \
+            reg_fence(dp[0]);                                                                                   \
+            if (alibi) capped_p_and_grad<true, BITS, true>(s, dp, hm, kr0, qc0, lse2_at, delta_at, bias, visible, keep, \
+                                                           scale_log2, drop_scale);                             \
+            else capped_p_and_grad<false, BITS, true>(s, dp, hm, kr0, qc0, lse2_at, delta_at, bias, visible,    \
+                                                      keep, scale_log2, drop_scale);                            \
+            _Pragma("unroll") for (int ks = 0; ks < C::QSTEPS; ++ks) {                                          \
+                c_to_a_frag<T>(p_frag[ks], s, 0, ks);                                                           \
+                c_to_a_frag<T>(ds_frag[ks], dp, 0, ks);                                                         \
+            }                                                                                                   \
+        } else {                                                                                                \
+            wgmma_wait<1>();                                                                                    \
+            reg_fence(s[0]);                                                                                    \
+            if (alibi) p_pass<true, BITS, true>(s, hm, kr0, qc0, lse2_at, visible, scale_log2);                 \
+            else p_pass<false, BITS, true>(s, hm, kr0, qc0, lse2_at, visible, scale_log2);                      \
+            _Pragma("unroll") for (int ks = 0; ks < C::QSTEPS; ++ks)                                            \
+                kept_a_frag<T, BITS>(p_frag[ks], s, ks, keep, drop_scale);                                      \
+            wgmma_wait<0>();                                                                                    \
+            reg_fence(dp[0]);                                                                                   \
+            grad_pass<BITS, true>(s, dp, kr0, qc0, delta_at, keep, drop_scale);                                 \
+            _Pragma("unroll") for (int ks = 0; ks < C::QSTEPS; ++ks) c_to_a_frag<T>(ds_frag[ks], s, 0, ks);     \
+        }
+                    if (C::SELECT_FREE_TILES && !needs_mask && !hm.dropout()) {
+                        CUPYFLASH_OPTION_SCORES(false)
+                    } else {
+                        CUPYFLASH_OPTION_SCORES(true)
+                    }
+    #undef CUPYFLASH_OPTION_SCORES
+                }
+
+                wgmma_fence();
+                #pragma unroll
+                for (int ks = 0; ks < C::QSTEPS; ++ks)
+                    Wgmma<T, D>::template rs<true>(acc_dv[0], p_frag[ks], mnmajor_desc<T, BLOCK_M>(sdOb, r0 / 16 + ks));
+                #pragma unroll
+                for (int ks = 0; ks < C::QSTEPS; ++ks)
+                    Wgmma<T, D>::template rs<true>(acc_dk[0], ds_frag[ks], mnmajor_desc<T, BLOCK_M>(sQb, r0 / 16 + ks));
+                wgmma_commit();
+                if (C::BIAS && mods.softcap > 0.f) release(&bars.bias_empty);   // see above
+
+                // dS^T into shared memory for dQ: each k-step's A fragment with one stmatrix
+                // (quarter lane / 8 of the fragment at lane % 8's row), or word by word.
+                #pragma unroll
+                for (int ks = 0; ks < C::QSTEPS; ++ks) {
+                    if constexpr (C::STMATRIX_DS) {
+                        const int quarter = lane / 8;
+                        stmatrix_x4(Swizzle128<T, BLOCK_N>::at(sdSb, warp_row0 + lane % 8 + (quarter % 2) * 8,
+                                                                r0 + ks * 16 + (quarter / 2) * 8),
+                                    ds_frag[ks]);
+                    } else {
+                        #pragma unroll
+                        for (int i = 0; i < 4; ++i) {
+                            const int col = r0 + ks * 16 + (i / 2) * 8;
+                            *reinterpret_cast<u32*>(Swizzle128<T, BLOCK_N>::at(sdSb, warp_row0 + g + (i % 2) * 8, col) +
+                                                    2 * t) = ds_frag[ks][i];
+                        }
                     }
                 }
             }
+
+            cp_async_wait<0>();   // the next tile's rows, for the barrier
+            fence_async_smem();
+            named_barrier(C::CONSUMER_BARRIER, C::CONSUMER_THREADS);
+            wgmma_wait<0>();   // dV and dK (ptxas follows the accumulators within an iteration)
+            reg_fence(acc_dv[0]);
+            reg_fence(acc_dk[0]);
+            it = next;
+            h = h_next;
+            q0 = q0_next;
         }
 
-        cp_async_wait<0>();   // the next tile's rows, for the barrier
-        fence_async_smem();
-        named_barrier(C::CONSUMER_BARRIER, C::CONSUMER_THREADS);
-        wgmma_wait<0>();   // dV and dK (ptxas follows the accumulators within an iteration)
-        reg_fence(acc_dv[0]);
-        reg_fence(acc_dk[0]);
-        it = next;
-        h = h_next;
-        q0 = q0_next;
-    }
-
-    if (step > 0) {   // the last tile's dQ
-        wgmma_fence();
-        issue_dq(sdS + ((step + 1) % 2) * C::DS_ELEMS);
-        wgmma_wait<0>();
-        stage_dq(step - 1);
-    }
-    // Epilogue as in bwd_sm80.cu, each gradient staged with padded rows over K and V once
-    // every warpgroup's products are done with them.
-    const Strided<T> dV = tensor<T>(p.dv), dK = tensor<T>(p.dk);
-    named_barrier(C::CONSUMER_BARRIER, C::CONSUMER_THREADS);
-    warp_store_c<T, D>(sK, warp_row0, acc_dv, 1.f);
-    named_barrier(C::CONSUMER_BARRIER, C::CONSUMER_THREADS);
-    store_tile<T, BLOCK_N, D, C::CONSUMER_THREADS>(dV.at(mods.tb, hk, mods.k_base + k0), dV.row, sK, k_rows, dim_v, vec);
-    named_barrier(C::CONSUMER_BARRIER, C::CONSUMER_THREADS);
-    warp_store_c<T, D>(sK, warp_row0, acc_dk, scale);
-    named_barrier(C::CONSUMER_BARRIER, C::CONSUMER_THREADS);
-    store_tile<T, BLOCK_N, D, C::CONSUMER_THREADS>(dK.at(mods.tb, hk, mods.k_base + k0), dK.row, sK, k_rows, d, vec);
+        if (step > unit_step0) {   // the unit's last tile: its dQ, then K, V and its stage go back
+            wgmma_fence();
+            issue_dq(sdS + ((step + 1) % 2) * C::DS_ELEMS);
+            wgmma_wait<0>();
+            release(&bars.empty[(step - 1) % STAGES]);
+            release(&bars.kv_empty);
+            stage_dq(step - 1);
+            ++kv_n;
+        }
+        // Epilogue as in bwd_sm80.cu, each gradient staged with padded rows in the dQ
+        // staging tile once the copy engine has read the unit's last dQ tile from it (K and
+        // V may be loading for the next unit meanwhile). The next unit's first dQ tile is
+        // staged after its first consumer barrier, past these reads.
+        T* sOut = reinterpret_cast<T*>(sdQ);
+        const Strided<T> dV = tensor<T>(p.dv), dK = tensor<T>(p.dk);
+        mbar_wait(&bars.dq_empty, (step & 1) ^ 1);
+        warp_store_c<T, D>(sOut, warp_row0, acc_dv, 1.f);
+        consumer_sync();
+        const int k_rows = min(BLOCK_N, mask.nk - k0);
+        store_tile<T, BLOCK_N, D, C::CONSUMER_THREADS>(dV.at(mods.tb, w.unit.hk, mods.k_base + k0), dV.row, sOut, k_rows, dim_v, vec);
+        consumer_sync();
+        warp_store_c<T, D>(sOut, warp_row0, acc_dk, scale);
+        consumer_sync();
+        store_tile<T, BLOCK_N, D, C::CONSUMER_THREADS>(dK.at(mods.tb, w.unit.hk, mods.k_base + k0), dK.row, sOut, k_rows, d, vec);
+    });
 }

@@ -66,7 +66,7 @@ struct AttnParams {
                                         // query tile), zeroed (bwd.cuh DqTurns), or null
     void* dbias;                        // dbias accumulator (compact bias shape), or null
     i64 dbias_sb, dbias_sh, dbias_sq, dbias_sk;
-    int* work_counter;                  // the Hopper forward's tile scheduler (below), or null
+    int* work_counter;                  // the Hopper kernels' work scheduler (below), or null
     double scale;                       // softmax scale
     double scale_log2;                  // scale * log2(e), > 0 (the host clamps it)
     int group;                          // query heads per kv head
@@ -82,6 +82,10 @@ struct AttnParams {
     // (persistent CTAs); without one, tile i + gridDim.x. The Hopper backward's dq_order
     // counters, one per tile (under varlen grid_m covers the longest sequence).
     int grid_m, grid_heads, grid_batch;
+    // The Hopper backward's key blocks a head: its units are (key block, kv head, batch
+    // entry) of grid_n x grid_heads / group x grid_batch, taken from work_counter
+    // (bwd_sm90.cu Sm90BwdUnits).
+    int grid_n;
     ModsParams mods;
 };
 
