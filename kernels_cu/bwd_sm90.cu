@@ -731,6 +731,10 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
         T* sOut = reinterpret_cast<T*>(sdQ);
         const Strided<T> dV = tensor<T>(p.dv), dK = tensor<T>(p.dk);
         mbar_wait(&bars.dq_empty, (step & 1) ^ 1);
+        // The wait orders every warp's staging of that tile before these writes (through the
+        // dQ writer's barriers); this barrier says so to racecheck, which follows named
+        // barriers but not mbarriers (400 hazards reported without it). Once a unit.
+        consumer_sync();
         warp_store_c<T, D>(sOut, warp_row0, acc_dv, 1.f);
         consumer_sync();
         const int k_rows = min(BLOCK_N, mask.nk - k0);
