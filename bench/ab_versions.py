@@ -53,10 +53,12 @@ def _option_kwargs(option, q):
         return dict(window=(2048, 0))
     if option == "dropout":
         return dict(dropout_p=bench.MOD_DROPOUT, seed=0)
+    if option == "deterministic":
+        return dict(deterministic=True)
     return {}
 
 
-OPTIONS = ("dense", "softcap", "alibi", "bias", "window2048", "dropout")
+OPTIONS = ("dense", "softcap", "alibi", "bias", "window2048", "dropout", "deterministic")
 
 
 def _runs(module, q, k, v, do, causal, backward, options):

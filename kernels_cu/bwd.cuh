@@ -27,9 +27,12 @@ __device__ __forceinline__ i64 row_workspace_offset(int b, int h, int hq, int nq
 
 // The (query head, query tile) pairs a key-block CTA visits, head-major: every query head
 // of its kv head's GQA group, times the query tiles that see some key of the block.
-// Iteration `it` is pair number `it`; next() skips the pairs the block mask leaves empty.
+// Iteration `it` is pair number (it + rot) % count(): the walk may start part way along the
+// list and wrap (rotate_start: the deterministic dQ's staggered starts, DqTurns), else at
+// pair 0. next() skips the pairs the block mask leaves empty.
 struct KeyBlockPairs {
     int hk, group, m_first, m_count, block_m, k0, k1;
+    int rot = 0;
 
     template <bool EXT>
     __device__ __forceinline__ KeyBlockPairs(const MaskInfo<EXT>& mask, int hk_, int group_, int k0_,
@@ -39,16 +42,21 @@ struct KeyBlockPairs {
         m_first = tiles.x;
         m_count = tiles.y - tiles.x;
     }
+    // Block x of `blocks` starts its walk x / blocks of the way along the list (the caller
+    // keeps blocks * count() within an int).
+    __device__ __forceinline__ void rotate_start(int x, int blocks) { rot = x * count() / blocks; }
     __device__ __forceinline__ int count() const { return group * m_count; }
-    __device__ __forceinline__ int head(int it) const { return hk * group + it / m_count; }
-    __device__ __forceinline__ int q0(int it) const { return (m_first + it % m_count) * block_m; }
+    __device__ __forceinline__ int pair(int it) const { return it + rot < count() ? it + rot : it + rot - count(); }
+    __device__ __forceinline__ int head(int it) const { return hk * group + pair(it) / m_count; }
+    __device__ __forceinline__ int q0(int it) const { return (m_first + pair(it) % m_count) * block_m; }
     // head() and q0() of pair it + 1 from those of pair it, without head()'s division:
-    // the next query tile, or the first tile of the next head.
+    // the next query tile, or the first tile of the next head (of the group's first head
+    // after the last: a rotated walk wraps).
     __device__ __forceinline__ void following(int& h, int& q) const {
         q += block_m;
         if (q == (m_first + m_count) * block_m) {
             q = m_first * block_m;
-            ++h;
+            h = h + 1 == (hk + 1) * group ? hk * group : h + 1;
         }
     }
     // The first pair from `it` on that the block mask leaves on.
@@ -83,6 +91,27 @@ struct DqTurns {
     // those of the band that the rows see (key_tile_range, the band the walkers' own
     // query_tile_range describes) that the block mask leaves on, ahead in the order.
     // Every lane of the warp calls it (they share the block mask's reads).
+    // The same count where every block walks the whole pair list, block y of `blocks`
+    // starting at pairs.rotate_start(y, blocks) and the turns going by the order in which
+    // the walks reach a pair (ties to the lower block): the pair that this block reaches at
+    // step `it` of its walk. A block's first turns are then not behind every lower block's
+    // (with ascending turns on a common start, block x begins x reductions late), but it
+    // waits for blocks of its head that start after it: the kernel runs this only where all
+    // of a head's blocks run at once (bwd_sm90.cu says why that cannot deadlock).
+    __device__ __forceinline__ u32 ahead_rotated(const KeyBlockPairs& pairs, int it, int blocks) const {
+        // Block y starts at pair y * count / blocks (non-decreasing in y) and reaches this
+        // pair at step (pair - its start) mod count: before this block exactly when its
+        // start lies in (start, start + it] cyclically, or equals this block's and y is
+        // lower. In closed form (a loop over the blocks held 4 bytes more of the dQ
+        // writer's registers than it has; checked against that loop for every block and
+        // step, tests/test_kernel_plans.py).
+        const int count = pairs.count(), start = pairs.rot, end = start + it;
+        auto starting_by = [&](int v) { return min(blocks, ((v + 1) * blocks + count - 1) / count); };   // starts <= v
+        const int later = end < count ? starting_by(end) - starting_by(start)
+                                      : blocks - starting_by(start) + starting_by(end - count);
+        return u32(later + key_block - starting_by(start - 1));
+    }
+
     template <bool EXT>
     __device__ __forceinline__ u32 ahead(const MaskInfo<EXT>& mask, int q0, int block_m, int block_n, int h,
                                          int lane) const {

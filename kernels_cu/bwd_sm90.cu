@@ -187,9 +187,11 @@ struct Sm90BwdUnitState {
     KeyBlockPairs pairs;
 
     __device__ __forceinline__ Sm90BwdUnitState(const ModsT& mods_, Sm90BwdUnit unit_, bool ordered_dq, int blocks,
-                                                int group, int block_n, int block_m)
+                                                int group, int block_n, int block_m, bool rotated_turns)
         : mods(mods_), unit(unit_), turns(mods_.mask, ordered_dq, unit_.x, blocks), k0(turns.key_block * block_n),
-          pairs(mods_.mask, unit_.hk, group, k0, block_n, block_m) {}
+          pairs(mods_.mask, unit_.hk, group, k0, block_n, block_m) {
+        if (rotated_turns) pairs.rotate_start(unit_.x, blocks);
+    }
     // Whether the block has keys (under varlen the grid covers the longest sequence).
     __device__ __forceinline__ bool has_keys() const { return k0 < mods.mask.nk; }
     __device__ __forceinline__ int count() const { return pairs.count(); }
@@ -229,8 +231,30 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int hq = p.grid_heads;
     typedef Sm90BwdUnitState<ModsT> UnitState;
+    // Deterministic dQ without a right edge (the blocks' turns ascending, each walk from
+    // the first tile) makes block x begin x reductions late: at N <= 4k that cost ~1.2x the
+    // time (bench/deterministic_cost.py). There the blocks of a head start their walks
+    // staggered along the pair list and take turns in the order they reach a pair
+    // (DqTurns::ahead_rotated), where every block of a head can run at once: persistent
+    // CTAs at least as many as a head's blocks; and at least 4 heads' worth, as measured
+    // (bf16 against the kernel before: d = 64 1.14-1.17x at N = 2k-4k, 0.96x at 16k; d = 128
+    // 0.98-0.99x at 2k-4k, 0.93x at 8k-16k, where a head's 64-128 blocks advance in
+    // lockstep with the last of them to be taken). Such a block waits for blocks of its head
+    // taken after it, so no CTA may hold two units with turns to wait for: there the dQ
+    // writer, not the producer, claims the units, once its last unit's reductions are done
+    // (the next unit's K and V then load after those, not during the last unit's
+    // epilogue). Then if CTAs hold units of a head not yet wholly taken, some other CTA
+    // holds a unit of a head wholly taken (there are at least as many CTAs as a head's
+    // blocks), whose turns all come; that CTA then takes the next unit, until the head is
+    // taken. (grid_m, the query tiles of a head, times the group is a block's pair count:
+    // the rotation's arithmetic stays within an int. The flag is evaluated where used, from
+    // the parameters: held across the roles' split, it was spilled.)
+    auto rotated_turns = [&] {
+        return C::ORDERED_DQ && C::PERSISTENT && MODE == MODE_DENSE && !p.causal && 4 * p.grid_n <= int(gridDim.x) &&
+               (i64)p.grid_m * group * (p.grid_n + 1) <= 0x7fffffff;
+    };
     auto unit_state_of = [&](const ModsT& mods, Sm90BwdUnit unit) {
-        return UnitState(mods, unit, C::ORDERED_DQ, p.grid_n, group, BLOCK_N, BLOCK_M);
+        return UnitState(mods, unit, C::ORDERED_DQ, p.grid_n, group, BLOCK_N, BLOCK_M, rotated_turns());
     };
 
     if (threadIdx.x == 0) {
@@ -266,8 +290,9 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
     if (!C::PERSISTENT && !cta_unit.has_keys()) return;
 
     // Unit k of this CTA (every role takes the same ones, in order), -1 after the last:
-    // the producer's first warp claims it from the counter and publishes it in slot k % 2;
-    // the other roles read it there and give the slot back at once (one arrival a warp).
+    // the producer's first warp (the dQ writer in the deterministic kernels, below) claims it
+    // from the counter and publishes it in slot k % 2; the other roles read it there and
+    // give the slot back at once (one arrival a warp).
     auto claim_unit = [&](int k) {
         int u = 0;
         if (lane == 0) {
@@ -330,7 +355,8 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
         if (role == 0) {
             int step = 0;   // query tiles loaded, over every unit: stage step % STAGES
             int kv_n = 0;   // K/V blocks loaded
-            each_unit(claim_unit, Sm90BwdUnits::PRODUCER, lane == 0, warp_sync, false, [&](const UnitState& w) {
+            auto take = [&](int k) { return rotated_turns() ? read_unit(k) : claim_unit(k); };
+            each_unit(take, Sm90BwdUnits::PRODUCER, lane == 0, warp_sync, false, [&](const UnitState& w) {
                 const ModsT& mods = w.mods;
                 if (w.first() >= w.count()) return;   // no query tile: the consumers write zeros
                 // Rows in the tensor maps' coordinates: under varlen the sequence's offset.
@@ -366,7 +392,8 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
             // ahead of this one have added theirs), and passes the turn on once done.
             if (dq_ld != C::DQ_LD) __trap();   // a host that drifted from this layout
             int step = 0;   // dQ tiles staged, over every unit
-            each_unit(read_unit, Sm90BwdUnits::DQ_WRITER, lane == 0, warp_sync, false, [&](const UnitState& w) {
+            auto take = [&](int k) { return rotated_turns() ? claim_unit(k) : read_unit(k); };
+            each_unit(take, Sm90BwdUnits::DQ_WRITER, lane == 0, warp_sync, false, [&](const UnitState& w) {
                 const ModsT& mods = w.mods;
                 const auto& mask = mods.mask;
                 for (int it = w.first(); it < w.count(); it = w.after(it), ++step) {
@@ -375,7 +402,8 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                     [[maybe_unused]] u32 ahead = 0;
                     if constexpr (C::ORDERED_DQ) {
                         turn = p.dq_order + ((i64)w.unit.b * hq + h) * p.grid_m + q0 / BLOCK_M;   // grid_m: query tiles a head
-                        ahead = w.turns.ahead(mask, q0, BLOCK_M, BLOCK_N, h, lane);
+                        ahead = rotated_turns() ? w.turns.ahead_rotated(w.pairs, it, p.grid_n)
+                                              : w.turns.ahead(mask, q0, BLOCK_M, BLOCK_N, h, lane);
                     }
                     mbar_wait(&bars.dq_full, step & 1);
                     if (lane == 0) {
