@@ -332,13 +332,13 @@ def _forward_block(q, k, v, o, lse, rules: _Rules, rows: tuple[int, int], q_tile
     m = np.full(q.shape[:-1], -np.inf, dtype)  # running row max, log2 units
     l = np.zeros(q.shape[:-1], dtype)  # running row sum of exp2(s - m)
     acc = np.zeros(q.shape[:-1] + (v.shape[1],), dtype)  # unnormalised output
-    tile = np.empty(q.shape[:-1] + (block_k,), dtype)
+    g, r = q.shape[:2]
+    work = _Workspace(dtype, dict(s=g * r * block_k, pv=acc.size))
 
     for t in key_tiles:
         k_start, k_stop = t * block_k, min((t + 1) * block_k, k.shape[0])
         cols = (k_start, k_stop)
-        s = tile[..., :k_stop - k_start]
-        np.matmul(qs, k[k_start:k_stop].T, out=s)
+        s = np.matmul(qs, k[k_start:k_stop].T, out=work("s", g, r, k_stop - k_start))
         rules.scores_log2(s, rows, cols, (q_tile, t))
         m_new = np.maximum(m, s.max(axis=-1))
         # A row that has seen no key yet has m_new = -inf, and exp2(-inf - -inf) is
@@ -353,7 +353,7 @@ def _forward_block(q, k, v, o, lse, rules: _Rules, rows: tuple[int, int], q_tile
         if dropped is not None:
             p *= dropped
         acc *= alpha[..., None]
-        acc += p @ v[k_start:k_stop]
+        acc += np.matmul(p, v[k_start:k_stop], out=work("pv", *acc.shape))
         m = m_new
 
     # FlashAttention-2 divides by l once here rather than in every tile. l is 0 only
@@ -454,11 +454,25 @@ def attention_backward(do: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarr
     return dq, dk, dv
 
 
-def _sum_at_b(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """``sum_g a[g]^T b[g]`` of ``(G, r, m)`` and ``(G, r, n)``: merging ``(G, r)`` into
-    one axis makes the sum over the query heads of a kv group part of a single product,
-    which is how a kv head's dK and dV collect every query head that reads it."""
-    return a.reshape(-1, a.shape[-1]).T @ b.reshape(-1, b.shape[-1])
+def _sum_at_b(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """``sum_g a[g]^T b[g]`` of C-contiguous ``(G, r, m)`` and ``(G, r, n)`` into ``out``
+    ``(m, n)``: merging ``(G, r)`` into one axis makes the sum over the query heads of a kv
+    group part of a single product, which is how a kv head's dK and dV collect every query
+    head that reads it."""
+    return np.matmul(a.reshape(-1, a.shape[-1]).T, b.reshape(-1, b.shape[-1]), out=out)
+
+
+class _Workspace:
+    """A task's tile buffers, allocated once: a product into a fresh array of a tile's
+    size (up to 1 MiB) costs page faults on every call, which on the 2-core EPYC made the
+    backward's tile products run at half their rate (bench/NOTES.md, #19)."""
+
+    def __init__(self, dtype, sizes: dict[str, int]):
+        self._flat = {name: np.empty(n, dtype) for name, n in sizes.items()}
+
+    def __call__(self, name: str, *shape: int) -> np.ndarray:
+        """A C-contiguous ``shape`` view of buffer ``name``."""
+        return self._flat[name][:math.prod(shape)].reshape(shape)
 
 
 def _backward_keys(q, do, lse_log2, delta, dq, k, v, dk, dv, rules: _Rules, key_tiles,
@@ -470,29 +484,33 @@ def _backward_keys(q, do, lse_log2, delta, dq, k, v, dk, dv, rules: _Rules, key_
     this task's unscaled dQ terms; ``k``, ``v`` are ``(nk, ...)``, and ``dk``, ``dv`` are
     written for the task's key tiles.
     """
-    nq, nk = q.shape[1], k.shape[0]
+    (g, nq, d), (nk, dv_dim) = q.shape, v.shape
     dtype = q.dtype
+    work = _Workspace(dtype, dict(s=g * block_q * block_k, dp=g * block_q * block_k,
+                                  dq=g * block_q * d, dk=block_k * d, dv=block_k * dv_dim))
     for k_tile in key_tiles:
         k_start, k_stop = k_tile * block_k, min((k_tile + 1) * block_k, nk)
+        c = k_stop - k_start
         k_blk, v_blk = k[k_start:k_stop], v[k_start:k_stop]
-        dk_acc = np.zeros((k_stop - k_start, k.shape[1]), dtype)
-        dv_acc = np.zeros((k_stop - k_start, v.shape[1]), dtype)
+        dk_acc = np.zeros((c, d), dtype)
+        dv_acc = np.zeros((c, dv_dim), dtype)
 
         for t in rules.query_tiles(k_start, k_stop, block_q, k_tile):
             q_start, q_stop = t * block_q, min((t + 1) * block_q, nq)
+            r = q_stop - q_start
             rows, cols = (q_start, q_stop), (k_start, k_stop)
             qs = q[:, q_start:q_stop]
             do_blk = do[:, q_start:q_stop]
-            s = qs @ k_blk.T
+            s = np.matmul(qs, k_blk.T, out=work("s", g, r, c))
             capped_grad = rules.scores_log2(s, rows, cols, (t, k_tile))
             s -= lse_log2[:, q_start:q_stop, None]
             p = np.exp2(s, out=s)
-            dp = do_blk @ v_blk.T
+            dp = np.matmul(do_blk, v_blk.T, out=work("dp", g, r, c))
             dropped = rules.dropout_scale(rows, cols)
             if dropped is None:
-                dv_acc += _sum_at_b(p, do_blk)
+                dv_acc += _sum_at_b(p, do_blk, work("dv", c, dv_dim))
             else:
-                dv_acc += _sum_at_b(p * dropped, do_blk)
+                dv_acc += _sum_at_b(p * dropped, do_blk, work("dv", c, dv_dim))
                 dp *= dropped
             dp -= delta[:, q_start:q_stop, None]
             ds = np.multiply(dp, p, out=dp)  # d loss / d score
@@ -500,8 +518,8 @@ def _backward_keys(q, do, lse_log2, delta, dq, k, v, dk, dv, rules: _Rules, key_
                 rules.add_dbias(dbias, ds, rows, cols)
             if capped_grad is not None:
                 ds *= capped_grad
-            dq[:, q_start:q_stop] += ds @ k_blk
-            dk_acc += _sum_at_b(ds, qs)
+            dq[:, q_start:q_stop] += np.matmul(ds, k_blk, out=work("dq", g, r, d))
+            dk_acc += _sum_at_b(ds, qs, work("dk", c, d))
 
         # qs carries scale * log2(e), so ln(2) leaves dK = scale * dS^T Q.
         dk[k_start:k_stop] = dk_acc * dtype.type(_LN2)
