@@ -298,6 +298,19 @@ def _keys_of(x, piece: _Piece, kv_head: int):
     return x[piece.batch, kv_head, piece.keys]
 
 
+class _Workspace:
+    """A task's tile buffers, allocated once: a product into a fresh array of a tile's
+    size (up to 1 MiB) can cost page faults on every call; on the 2-core EPYC such products
+    ran at about half their rate inside the backward (bench/NOTES.md, #19)."""
+
+    def __init__(self, dtype, sizes: dict[str, int]):
+        self._flat = {name: np.empty(n, dtype) for name, n in sizes.items()}
+
+    def __call__(self, name: str, *shape: int) -> np.ndarray:
+        """A C-contiguous ``shape`` view of buffer ``name``."""
+        return self._flat[name][:math.prod(shape)].reshape(shape)
+
+
 def attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, scale: float,
                       causal: bool, mods: _mods.Modifiers = _mods.NONE,
                       block_q: int | None = None, block_k: int | None = None
@@ -492,24 +505,11 @@ def attention_backward(do: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarr
 
 
 def _sum_at_b(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """``sum_g a[g]^T b[g]`` of C-contiguous ``(G, r, m)`` and ``(G, r, n)`` into ``out``
-    ``(m, n)``: merging ``(G, r)`` into one axis makes the sum over the query heads of a kv
+    """``sum_g a[g]^T b[g]`` of ``(G, r, m)`` and ``(G, r, n)`` into ``out`` ``(m, n)``:
+    merging ``(G, r)`` into one axis makes the sum over the query heads of a kv
     group part of a single product, which is how a kv head's dK and dV collect every query
     head that reads it."""
     return np.matmul(a.reshape(-1, a.shape[-1]).T, b.reshape(-1, b.shape[-1]), out=out)
-
-
-class _Workspace:
-    """A task's tile buffers, allocated once: a product into a fresh array of a tile's
-    size (up to 1 MiB) costs page faults on every call, which on the 2-core EPYC made the
-    backward's tile products run at half their rate (bench/NOTES.md, #19)."""
-
-    def __init__(self, dtype, sizes: dict[str, int]):
-        self._flat = {name: np.empty(n, dtype) for name, n in sizes.items()}
-
-    def __call__(self, name: str, *shape: int) -> np.ndarray:
-        """A C-contiguous ``shape`` view of buffer ``name``."""
-        return self._flat[name][:math.prod(shape)].reshape(shape)
 
 
 def _backward_keys(q, do, lse_log2, delta, dq, k, v, dk, dv, rules: _Rules, key_tiles,
