@@ -255,10 +255,16 @@ def versions():
             out[name] = sys.modules[name].__version__
     try:
         from threadpoolctl import threadpool_info
-        out["blas"] = [f"{i['internal_api']} {i['version']} ({i['num_threads']} threads)"
+        out["blas"] = [f"{i['internal_api']} {i['version']} {i.get('architecture', '')} "
+                       f"({i['num_threads']} threads)"
                        for i in threadpool_info() if i["user_api"] == "blas"]
     except ImportError:
         pass
+    # Settings that change the BLAS's kernels or threads (OPENBLAS_CORETYPE picks the
+    # kernels: on the AVX-512 EPYC of bench/NOTES.md, Haswell's AVX2 ones ran single-thread
+    # products at 0.6x the rate of SkylakeX's).
+    out["environment"] = {k: v for k, v in sorted(os.environ.items())
+                          if k.startswith(("OPENBLAS_", "OMP_", "MKL_", "XLA_", "CUPYFLASH_"))}
     return out
 
 

@@ -47,27 +47,34 @@ __all__ = ["attention_forward", "attention_backward", "tile_sizes"]
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
-# Tiles of scores, (bytes, key columns), for calls without and with a causal or window
-# band. About a core's L2 on current x86 server cores (1-2 MiB) with the Q, K and V rows
-# a task keeps beside it; larger tiles mean fewer NumPy calls around each step and
-# larger products. On a 2-core AMD EPYC (1 MiB L2 a core; bench/NOTES.md, session 9)
-# 1 MiB tiles of 512 columns ran the dense forward 14-20% faster at N = 1024-4096 than
-# 256 KiB tiles of 256 columns (1024 columns were slower), but a band's calls 10-16%
-# slower: more of the diagonal falls into masked tiles, and fewer tasks share the cores.
-_TILES = {False: (1024 * 1024, 512), True: (256 * 1024, 256)}
+# Tiles of scores, (bytes, key columns), of the forward and the backward pass, for calls
+# without and with a causal or window band, and the bytes of scores a forward step may
+# take at once. About a core's L2 on current x86 server cores (1-2 MiB) with the Q, K
+# and V rows a task keeps beside it. Tiles are what the band skips or masks: small ones
+# waste little along a diagonal. A forward step takes a run of consecutive key tiles as
+# one wider tile, so that its products and elementwise passes are few and large. The
+# backward's step is one tile, since it keeps two (S and dP). On a 2-core AMD EPYC (1 MiB
+# L2 a core; bench/NOTES.md, session 9 and #19 at the end) these ran best: steps of
+# 1 MiB over tiles of 256 or 128 columns in the forward (0.8-0.9x the time of 256 x 256
+# tiles with a band), and 1 MiB tiles of 512 columns in the dense backward, 256 KiB of
+# 256 columns with a band (larger steps there were 0-35% slower).
+_TILES = {"forward": {False: (256 * 1024, 256), True: (128 * 1024, 128)},
+          "backward": {False: (1024 * 1024, 512), True: (256 * 1024, 256)}}
+_FORWARD_STEP_BYTES = 1024 * 1024
 # The backward splits a (batch entry, kv head)'s key blocks into sets until there are
 # this many tasks per thread: enough to even out uneven tasks, few extra dQ buffers.
 _TASKS_PER_THREAD = 2
 
 
-def tile_sizes(dtype, group: int, banded: bool = False) -> tuple[int, int]:
-    """(query rows, key columns) of a tile for ``group`` query heads per kv head, for a
-    call with a causal or window band or without (`_TILES`).
+def tile_sizes(dtype, group: int, banded: bool = False, *, backward: bool = False
+               ) -> tuple[int, int]:
+    """(query rows, key columns) of a forward or backward tile for ``group`` query heads
+    per kv head, for a call with a causal or window band or without (`_TILES`).
 
     Query blocks take as many rows as fit the tile's bytes of scores for the whole group,
     a multiple of 16 and at least 16.
     """
-    budget, cols = _TILES[banded]
+    budget, cols = _TILES["backward" if backward else "forward"][banded]
     rows = budget // (np.dtype(dtype).itemsize * cols * group)
     return max(16, rows // 16 * 16), cols
 
@@ -131,13 +138,18 @@ class _Rules:
         x = x[self.piece.entry if x.shape[0] > 1 else 0]
         return x[self.heads.start:self.heads.stop] if x.shape[0] > 1 else x
 
-    def tile_sizes(self, block_q: int | None, block_k: int | None) -> tuple[int, int]:
+    def tile_sizes(self, block_q: int | None, block_k: int | None, *, backward: bool
+                   ) -> tuple[int, int, int]:
+        """(query rows, key columns) of a tile and the bytes of scores a forward step
+        may take in a run of key tiles (0: one tile)."""
         # A tile is one block of the block-sparse mask, so a tile is skipped or kept whole.
         if self.block_mask is not None:
-            return self.mods.block_size
+            return (*self.mods.block_size, 0)
         banded = self.span_rules["causal"] or self.mods.windowed
-        default = tile_sizes(self.dtype, len(self.heads), banded)
-        return block_q or default[0], block_k or default[1]
+        default = tile_sizes(self.dtype, len(self.heads), banded, backward=backward)
+        # Sizes a caller chose are the steps' too (the tests walk small tiles so).
+        step = 0 if backward or block_q or block_k else _FORWARD_STEP_BYTES
+        return block_q or default[0], block_k or default[1], step
 
     def key_tiles(self, q_start: int, q_stop: int, block_k: int, q_tile: int):
         """Key tiles the query tile ``q_tile`` (rows ``[q_start, q_stop)``) visits."""
@@ -243,8 +255,29 @@ class _Rules:
         target += ds
 
 
-def _units(q, k, mods, *, scale, causal, block_q, block_k):
-    """(piece, kv head, rules, tile sizes) of every batch entry and kv head of a call."""
+def _runs(tiles, most: int):
+    """Runs of consecutive indices in ``tiles`` (ascending), each at most ``most`` long,
+    as ``(first, stop)``."""
+    run = None
+    for t in tiles:
+        if run is not None and t == run[1] and run[1] - run[0] < most:
+            run[1] += 1
+            continue
+        if run is not None:
+            yield tuple(run)
+        run = [t, t + 1]
+    if run is not None:
+        yield tuple(run)
+
+
+def _run_length(step_bytes: int, tile_elements: int, dtype) -> int:
+    """Tiles of ``tile_elements`` scores a step of ``step_bytes`` takes (at least 1)."""
+    return max(1, step_bytes // (tile_elements * np.dtype(dtype).itemsize))
+
+
+def _units(q, k, mods, *, scale, causal, block_q, block_k, backward):
+    """(piece, kv head, rules, (block_q, block_k, step bytes)) of every batch entry and
+    kv head of a call, for the forward or the backward pass."""
     hq, hk = q.shape[1], k.shape[1]
     for piece in _pieces(q.shape[0], mods):
         nq = len(range(q.shape[2])[piece.rows])
@@ -252,7 +285,7 @@ def _units(q, k, mods, *, scale, causal, block_q, block_k):
         for g in range(hk):
             rules = _Rules(mods, piece, g, nq=nq, nk=nk, hq=hq, hk=hk, scale=scale,
                            causal=causal, dtype=q.dtype)
-            yield piece, g, rules, rules.tile_sizes(block_q, block_k)
+            yield piece, g, rules, rules.tile_sizes(block_q, block_k, backward=backward)
 
 
 def _rows_of(x, piece: _Piece, rules: _Rules):
@@ -263,6 +296,19 @@ def _rows_of(x, piece: _Piece, rules: _Rules):
 def _keys_of(x, piece: _Piece, kv_head: int):
     """The ``(n, ...)`` part of a ``(B, Hk, N, ...)`` array that a piece and kv head own."""
     return x[piece.batch, kv_head, piece.keys]
+
+
+class _Workspace:
+    """A task's tile buffers, allocated once: a product into a fresh array of a tile's
+    size (up to 1 MiB) can cost page faults on every call; on the 2-core EPYC such products
+    ran at about half their rate inside the backward (bench/NOTES.md, #19)."""
+
+    def __init__(self, dtype, sizes: dict[str, int]):
+        self._flat = {name: np.empty(n, dtype) for name, n in sizes.items()}
+
+    def __call__(self, name: str, *shape: int) -> np.ndarray:
+        """A C-contiguous ``shape`` view of buffer ``name``."""
+        return self._flat[name][:math.prod(shape)].reshape(shape)
 
 
 def attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, scale: float,
@@ -307,16 +353,19 @@ def attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, scale: flo
     o = np.zeros((bsz, hq, nq, v.shape[3]), q.dtype)   # zero: rows of no varlen piece stay so
     lse = np.full((bsz, hq, nq), -np.inf, q.dtype)
     tasks = []
-    for piece, g, rules, (bq, bk) in _units(q, k, mods, scale=scale, causal=causal,
-                                            block_q=block_q, block_k=block_k):
+    for piece, g, rules, (bq, bk, step) in _units(q, k, mods, scale=scale, causal=causal,
+                                                  block_q=block_q, block_k=block_k,
+                                                  backward=False):
         qp, op, lsep = (_rows_of(x, piece, rules) for x in (q, o, lse))
         kp, vp = (_keys_of(x, piece, g) for x in (k, v))
         for q_tile, q_start in enumerate(range(0, qp.shape[1], bq)):
             q_stop = min(q_start + bq, qp.shape[1])
             key_tiles = rules.key_tiles(q_start, q_stop, bk, q_tile)
+            most = _run_length(step, len(rules.heads) * (q_stop - q_start) * bk, q.dtype)
             tasks.append((len(key_tiles), functools.partial(
                 _forward_block, qp[:, q_start:q_stop], kp, vp, op[:, q_start:q_stop],
-                lsep[:, q_start:q_stop], rules, (q_start, q_stop), q_tile, key_tiles, bk)))
+                lsep[:, q_start:q_stop], rules, (q_start, q_stop), q_tile, key_tiles, bk,
+                most)))
     # Longest first: causal blocks differ in length, and the threads take tasks in order.
     tasks.sort(key=lambda t: -t[0])
     _cpu_threads.run([task for _, task in tasks])
@@ -324,22 +373,23 @@ def attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, scale: flo
 
 
 def _forward_block(q, k, v, o, lse, rules: _Rules, rows: tuple[int, int], q_tile: int,
-                   key_tiles, block_k: int) -> None:
+                   key_tiles, block_k: int, most: int) -> None:
     """The FlashAttention-2 forward of query block ``q_tile``, ``q`` ``(G, r, d)``, of one
-    kv head (``k``, ``v``: ``(nk, d)``), writing its ``o`` and ``lse`` views."""
+    kv head (``k``, ``v``: ``(nk, d)``), writing its ``o`` and ``lse`` views; a step
+    takes up to ``most`` consecutive key tiles."""
     dtype = q.dtype
     qs = q * rules.scale_log2
     m = np.full(q.shape[:-1], -np.inf, dtype)  # running row max, log2 units
     l = np.zeros(q.shape[:-1], dtype)  # running row sum of exp2(s - m)
     acc = np.zeros(q.shape[:-1] + (v.shape[1],), dtype)  # unnormalised output
-    tile = np.empty(q.shape[:-1] + (block_k,), dtype)
+    g, r = q.shape[:2]
+    work = _Workspace(dtype, dict(s=g * r * block_k * most, pv=acc.size))
 
-    for t in key_tiles:
-        k_start, k_stop = t * block_k, min((t + 1) * block_k, k.shape[0])
+    for first, stop in _runs(key_tiles, most):
+        k_start, k_stop = first * block_k, min(stop * block_k, k.shape[0])
         cols = (k_start, k_stop)
-        s = tile[..., :k_stop - k_start]
-        np.matmul(qs, k[k_start:k_stop].T, out=s)
-        rules.scores_log2(s, rows, cols, (q_tile, t))
+        s = np.matmul(qs, k[k_start:k_stop].T, out=work("s", g, r, k_stop - k_start))
+        rules.scores_log2(s, rows, cols, (q_tile, first))  # runs are one tile with a block mask
         m_new = np.maximum(m, s.max(axis=-1))
         # A row that has seen no key yet has m_new = -inf, and exp2(-inf - -inf) is
         # NaN; subtracting 0 instead leaves its p = 0 and its (empty) state at 0.
@@ -353,7 +403,7 @@ def _forward_block(q, k, v, o, lse, rules: _Rules, rows: tuple[int, int], q_tile
         if dropped is not None:
             p *= dropped
         acc *= alpha[..., None]
-        acc += p @ v[k_start:k_stop]
+        acc += np.matmul(p, v[k_start:k_stop], out=work("pv", *acc.shape))
         m = m_new
 
     # FlashAttention-2 divides by l once here rather than in every tile. l is 0 only
@@ -422,10 +472,10 @@ def attention_backward(do: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarr
                                           or dbias.shape[3] == 1)
     threads = 1 if shared_dbias else _cpu_threads.num_threads()
     units = list(_units(q, k, mods, scale=scale, causal=causal, block_q=block_q,
-                        block_k=block_k))
+                        block_k=block_k, backward=True))
     sets = 1 if threads == 1 else -(-_TASKS_PER_THREAD * threads // max(len(units), 1))
     tasks, dq_parts = [], []
-    for piece, g, rules, (bq, bk) in units:
+    for piece, g, rules, (bq, bk, _) in units:
         rows_in = [_rows_of(x, piece, rules) for x in (q, do, lse_log2, delta, dq)]
         # q with the scale (and log2 e) folded in, once per unit: every key tile reads it.
         rows_in[0] = rows_in[0] * rules.scale_log2
@@ -454,11 +504,12 @@ def attention_backward(do: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarr
     return dq, dk, dv
 
 
-def _sum_at_b(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """``sum_g a[g]^T b[g]`` of ``(G, r, m)`` and ``(G, r, n)``: merging ``(G, r)`` into
-    one axis makes the sum over the query heads of a kv group part of a single product,
-    which is how a kv head's dK and dV collect every query head that reads it."""
-    return a.reshape(-1, a.shape[-1]).T @ b.reshape(-1, b.shape[-1])
+def _sum_at_b(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """``sum_g a[g]^T b[g]`` of ``(G, r, m)`` and ``(G, r, n)`` into ``out`` ``(m, n)``:
+    merging ``(G, r)`` into one axis makes the sum over the query heads of a kv
+    group part of a single product, which is how a kv head's dK and dV collect every query
+    head that reads it."""
+    return np.matmul(a.reshape(-1, a.shape[-1]).T, b.reshape(-1, b.shape[-1]), out=out)
 
 
 def _backward_keys(q, do, lse_log2, delta, dq, k, v, dk, dv, rules: _Rules, key_tiles,
@@ -470,29 +521,33 @@ def _backward_keys(q, do, lse_log2, delta, dq, k, v, dk, dv, rules: _Rules, key_
     this task's unscaled dQ terms; ``k``, ``v`` are ``(nk, ...)``, and ``dk``, ``dv`` are
     written for the task's key tiles.
     """
-    nq, nk = q.shape[1], k.shape[0]
+    (g, nq, d), (nk, dv_dim) = q.shape, v.shape
     dtype = q.dtype
+    work = _Workspace(dtype, dict(s=g * block_q * block_k, dp=g * block_q * block_k,
+                                  dq=g * block_q * d, dk=block_k * d, dv=block_k * dv_dim))
     for k_tile in key_tiles:
         k_start, k_stop = k_tile * block_k, min((k_tile + 1) * block_k, nk)
+        c = k_stop - k_start
         k_blk, v_blk = k[k_start:k_stop], v[k_start:k_stop]
-        dk_acc = np.zeros((k_stop - k_start, k.shape[1]), dtype)
-        dv_acc = np.zeros((k_stop - k_start, v.shape[1]), dtype)
+        dk_acc = np.zeros((c, d), dtype)
+        dv_acc = np.zeros((c, dv_dim), dtype)
 
         for t in rules.query_tiles(k_start, k_stop, block_q, k_tile):
             q_start, q_stop = t * block_q, min((t + 1) * block_q, nq)
+            r = q_stop - q_start
             rows, cols = (q_start, q_stop), (k_start, k_stop)
             qs = q[:, q_start:q_stop]
             do_blk = do[:, q_start:q_stop]
-            s = qs @ k_blk.T
+            s = np.matmul(qs, k_blk.T, out=work("s", g, r, c))
             capped_grad = rules.scores_log2(s, rows, cols, (t, k_tile))
             s -= lse_log2[:, q_start:q_stop, None]
             p = np.exp2(s, out=s)
-            dp = do_blk @ v_blk.T
+            dp = np.matmul(do_blk, v_blk.T, out=work("dp", g, r, c))
             dropped = rules.dropout_scale(rows, cols)
             if dropped is None:
-                dv_acc += _sum_at_b(p, do_blk)
+                dv_acc += _sum_at_b(p, do_blk, work("dv", c, dv_dim))
             else:
-                dv_acc += _sum_at_b(p * dropped, do_blk)
+                dv_acc += _sum_at_b(p * dropped, do_blk, work("dv", c, dv_dim))
                 dp *= dropped
             dp -= delta[:, q_start:q_stop, None]
             ds = np.multiply(dp, p, out=dp)  # d loss / d score
@@ -500,8 +555,8 @@ def _backward_keys(q, do, lse_log2, delta, dq, k, v, dk, dv, rules: _Rules, key_
                 rules.add_dbias(dbias, ds, rows, cols)
             if capped_grad is not None:
                 ds *= capped_grad
-            dq[:, q_start:q_stop] += ds @ k_blk
-            dk_acc += _sum_at_b(ds, qs)
+            dq[:, q_start:q_stop] += np.matmul(ds, k_blk, out=work("dq", g, r, d))
+            dk_acc += _sum_at_b(ds, qs, work("dk", c, d))
 
         # qs carries scale * log2(e), so ln(2) leaves dK = scale * dS^T Q.
         dk[k_start:k_stop] = dk_acc * dtype.type(_LN2)

@@ -10,7 +10,8 @@ import pytest
 
 from cupyflash import _cpu_threads, _reference
 from cupyflash._reference import attention_backward, attention_forward
-from test_mods_reference import MOD_CASES, assert_grad_close, run_case
+from oracle import naive_attention
+from test_mods_reference import MOD_CASES, MOD_PARAMS, assert_grad_close, run_case
 from test_reference import assert_close
 
 # Cases that split into many tasks of uneven length: causal, GQA, options that make
@@ -132,8 +133,31 @@ def test_thread_count_default_is_the_usable_cpus(monkeypatch):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("group", [1, 2, 8, 64])
 @pytest.mark.parametrize("banded", [False, True])
-def test_tile_sizes_fit_the_cache_budget(dtype, group, banded):
-    rows, cols = _reference.tile_sizes(dtype, group, banded)
+@pytest.mark.parametrize("backward", [False, True])
+def test_tile_sizes_fit_the_cache_budget(dtype, group, banded, backward):
+    rows, cols = _reference.tile_sizes(dtype, group, banded, backward=backward)
     assert rows >= 16 and rows % 16 == 0 and cols % 16 == 0
     scores = rows * cols * group * np.dtype(dtype).itemsize
-    assert scores <= _reference._TILES[banded][0] or rows == 16
+    budget = _reference._TILES["backward" if backward else "forward"][banded][0]
+    assert scores <= budget or rows == 16
+
+
+@MOD_PARAMS
+def test_forward_steps_of_several_key_tiles_match_the_oracle(case, rng, monkeypatch):
+    # Default sizes let a forward step take a run of key tiles (`_FORWARD_STEP_BYTES`);
+    # tiny ones here make runs of up to three 16 x 16 tiles (one with GQA's two heads),
+    # broken where a band or the block mask skips tiles, at the tests' lengths.
+    tile = 16 * 16 * 8
+    monkeypatch.setitem(_reference._TILES, "forward", {False: (tile, 16), True: (tile, 16)})
+    monkeypatch.setattr(_reference, "_FORWARD_STEP_BYTES", 3 * tile)
+    q, k, v, _, opts, mods, scale = run_case(case, rng, np.float64)
+    o, lse = attention_forward(q, k, v, scale=scale, causal=case.causal, mods=mods)
+    o_ref, lse_ref = naive_attention(q, k, v, scale=scale, causal=case.causal, **opts)
+    assert_close(o, o_ref, 1e-12)
+    assert_close(lse, lse_ref, 1e-12)
+
+
+def test_runs_of_tiles():
+    assert list(_reference._runs(range(2, 9), 3)) == [(2, 5), (5, 8), (8, 9)]
+    assert list(_reference._runs([0, 1, 3, 4, 5, 9], 2)) == [(0, 2), (3, 5), (5, 6), (9, 10)]
+    assert list(_reference._runs(range(0), 4)) == []
