@@ -27,6 +27,7 @@ p.add_argument("--head-dim", type=int, default=128)
 p.add_argument("--seqlen", type=int, default=16384)
 p.add_argument("--causal", action="store_true")
 p.add_argument("--backward", action="store_true")
+p.add_argument("--deterministic", action="store_true", help="the backward's ordered dQ")
 p.add_argument("--repeat", type=int, default=5)
 p.add_argument("--softcap", type=float, default=None, help="an option, to profile its kernels")
 p.add_argument("--dropout", type=float, default=0.0, help="an option, to profile its kernels")
@@ -55,7 +56,7 @@ q, k, v, do = (cp.random.standard_normal((B, H, a.seqlen, a.head_dim), dtype=cp.
 D = _kernels.padded_head_dim(a.head_dim, a.head_dim)
 mode = (_kernels.MODE_EXT | (_kernels.MODE_BIAS if a.bias else 0)) if options else _kernels.MODE_DENSE
 if a.backward:
-    plan = _cuda.device_backward_plan(q.dtype.name, D, False, mode, 0)
+    plan = _cuda.device_backward_plan(q.dtype.name, D, a.deterministic, mode, 0)
     variant = _cuda._choose(plan.kv[0][1], 0)
 else:
     variant = _cuda._choose(_kernels.forward_variants(q.dtype.name, D, mode), 0)
@@ -63,7 +64,7 @@ compiled = _nvrtc.compile_kernel(variant.source, variant.name_expression, _cuda.
 print(f"{variant.name_expression}: regs={compiled.registers}")
 print(compiled.binary_path)
 if a.backward:
-    _, ctx = cupyflash.attention_forward(q, k, v, causal=a.causal, **options)
+    _, ctx = cupyflash.attention_forward(q, k, v, causal=a.causal, deterministic=a.deterministic, **options)
 for _ in range(a.repeat):
     if a.backward:
         cupyflash.attention_backward(do, ctx)

@@ -203,7 +203,7 @@ FWD_SM80 = Family("fwd_sm80.cu")
 FWD_WIDE = Family("fwd_wide.cu")
 # bwd_sm90.cu keeps a copy of the option state per role (MODE_EXT): its roles work on
 # different units at times (Sm90BwdUnits).
-BWD_SM90 = Family("bwd_sm90.cu", arch="sm_90a", tensor_maps=True, mods_copies=4)
+BWD_SM90 = Family("bwd_sm90.cu", arch="sm_90a", tensor_maps=True, mods_copies=5)
 BWD_SM80 = Family("bwd_sm80.cu")
 # The fp32/fp64 backward keeps dK and dV of 16 keys per warp at 255 registers and spills a
 # few bytes from d = 128 (the tile tables say where): reported, not refused.
@@ -521,10 +521,10 @@ def _sm90_dkdv(dtype_name: str, D: int, tile, grads: int, mode: int) -> Variant:
     # bwd_sm90.cu Sm90BwdKVTile: K, V, Q and dO per stage, dS^T twice, the bias of a
     # sub-tile of BWD_SM90_SUB_M queries (MODE_BIAS), swizzled; the staged fp32 dQ tile
     # with rows of D + 8; a tile's lse2 and delta rows twice; 1024 bytes to align the
-    # tiles; Sm90BwdBarriers (10 + 2 STAGES mbarriers of 8 bytes, two unit words).
+    # tiles; Sm90BwdBarriers (11 + 2 STAGES mbarriers of 8 bytes, two unit words).
     bias = BWD_SM90_SUB_M * block_n if mode & MODE_BIAS else 0
     smem = ((2 * block_n * D + 2 * stages * block_m * D + 2 * block_n * block_m + bias) * 2
-            + (block_m * (D + 8) + 4 * block_m) * 4 + 1024 + 8 * (11 + 2 * stages))
+            + (block_m * (D + 8) + 4 * block_m) * 4 + 1024 + 8 * (12 + 2 * stages))
     expr = f"flash_bwd_dkdv_sm90<{CPP_TYPE[dtype_name]}, {D}, {block_m}, {consumers}, {grads}, {mode}, {smem}>"
     # + the producer warpgroup; the dQ workspace's rows padded as the staged tile's (DQ_LD)
     return Variant(BWD_SM90, expr, (consumers + 1) * 128, block_n, smem, mode=mode, tile=tuple(tile),

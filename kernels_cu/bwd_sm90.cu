@@ -59,7 +59,8 @@ template <int STAGES>
 struct Sm90BwdBarriers {
     u64 kv_full;                        // a unit's K and V
     u64 full[STAGES], empty[STAGES];    // a query tile's Q and dO
-    u64 dq_full, dq_empty;              // the staged dQ tile: written / read by the copy engine
+    u64 dq_full[2], dq_empty;           // the staged dQ tile: written (full[the tile's writer]) / read by
+                                        // the copy engine
     u64 bias_full, bias_empty;          // a sub-tile's bias (MODE_BIAS)
     u64 kv_empty;                       // the consumers are done with K and V (a unit's last dQ product)
     u64 unit_full[2], unit_empty[2];    // a unit's number, published in unit[k % 2] (Sm90BwdUnits)
@@ -137,7 +138,16 @@ struct Sm90BwdKVTile {
     static constexpr int CONSUMER_REGS = WarpgroupRegs<THREADS, PRODUCER_REGS>::CONSUMER;
     // The warps that read a unit's number from its slot (Sm90BwdUnits): the consumers', the
     // dQ writer and (MODE_BIAS) the bias loader.
-    static constexpr int UNIT_READERS = CONSUMERS * 4 + 1 + (BIAS ? 1 : 0);
+    // Deterministic: two dQ writers (the producer warpgroup's second and fourth warps), taking
+    // the tiles in turn, so that one's wait for its reduction to complete (before it passes
+    // the turn on) overlaps the other's reduction: with one, the consumers waited for the
+    // staging tile ~15% of the time at d = 128 (ncu at 28fb6d0, N = 2k; two: 1.07-1.25x).
+    // Dense only: the option kernels' consumers spilled 12-40 bytes with a second full
+    // barrier to choose. Not at d = 64, whose 128-query tiles take longer to compute than
+    // a writer's turn: 0.93-1.01x there.
+    static constexpr int DQ_WRITERS = ORDERED_DQ && MODE == MODE_DENSE && D == 128 ? 2 : 1;
+    static constexpr int WRITERS_BARRIER = 2;   // named barrier of the two writers
+    static constexpr int UNIT_READERS = CONSUMERS * 4 + DQ_WRITERS + (BIAS ? 1 : 0);
     // Persistent CTAs (Sm90BwdUnits) in dense mode. The option kernels' consumers have no
     // registers for the unit loop's state (60-220 bytes of spills, build check): they run
     // one CTA per unit (unit blockIdx.x), the same code with a loop of one turn.
@@ -165,7 +175,7 @@ struct Sm90BwdUnit {
 };
 struct Sm90BwdUnits {
     // The roles that keep a copy of their unit's option state.
-    static constexpr int PRODUCER = 0, DQ_WRITER = 1, BIAS_LOADER = 2, CONSUMERS = 3, ROLES = 4;
+    static constexpr int PRODUCER = 0, DQ_WRITER = 1, BIAS_LOADER = 2, CONSUMERS = 3, DQ_WRITER_2 = 4, ROLES = 5;
     int blocks, kv_heads, count;
 
     __device__ __forceinline__ explicit Sm90BwdUnits(const AttnParams& p)
@@ -175,6 +185,9 @@ struct Sm90BwdUnits {
         return {u - rest * blocks, rest % kv_heads, rest / kv_heads};
     }
 };
+
+// A dQ writer's index, as a type (Sm90BwdKVTile::DQ_WRITERS).
+template <int N> struct Sm90BwdWriter { static constexpr int INDEX = N; };
 
 // What every role derives from a unit and its option state: its key block and the pairs
 // that see it (bwd.cuh KeyBlockPairs), which every role walks in the same order.
@@ -265,7 +278,8 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
             mbar_init(&bars.full[s], 1);
             mbar_init(&bars.empty[s], CONSUMERS * 4);
         }
-        mbar_init(&bars.dq_full, CONSUMERS * 4);
+        mbar_init(&bars.dq_full[0], CONSUMERS * 4);
+        mbar_init(&bars.dq_full[1], CONSUMERS * 4);
         mbar_init(&bars.dq_empty, 1);
         mbar_init(&bars.bias_full, 1);
         mbar_init(&bars.bias_empty, CONSUMERS * 4);
@@ -385,44 +399,59 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                     }
                 }
             });
-        } else if (role == 1) {
+        } else if (role == 1 || (C::DQ_WRITERS == 2 && role == 3)) {
             // The dQ tile's rows (those in the sequence) into the workspace, whose rows
             // the host pads as the staging tile's (dq_ld = DQ_LD): one bulk reduction.
             // Deterministic: each tile's reduction waits for its turn (the key blocks
-            // ahead of this one have added theirs), and passes the turn on once done.
+            // ahead of this one have added theirs), and passes the turn on once done;
+            // writer 0 takes the even tiles, writer 1 the odd ones (C::DQ_WRITERS), each
+            // tile staged once the other's reduction has read the last one.
             if (dq_ld != C::DQ_LD) __trap();   // a host that drifted from this layout
-            int step = 0;   // dQ tiles staged, over every unit
-            auto take = [&](int k) { return rotated_turns() ? claim_unit(k) : read_unit(k); };
-            each_unit(take, Sm90BwdUnits::DQ_WRITER, lane == 0, warp_sync, false, [&](const UnitState& w) {
-                const ModsT& mods = w.mods;
-                const auto& mask = mods.mask;
-                for (int it = w.first(); it < w.count(); it = w.after(it), ++step) {
-                    const int h = w.pairs.head(it), q0 = w.pairs.q0(it);
-                    [[maybe_unused]] u32* turn = nullptr;
-                    [[maybe_unused]] u32 ahead = 0;
-                    if constexpr (C::ORDERED_DQ) {
-                        turn = p.dq_order + ((i64)w.unit.b * hq + h) * p.grid_m + q0 / BLOCK_M;   // grid_m: query tiles a head
-                        ahead = rotated_turns() ? w.turns.ahead_rotated(w.pairs, it, p.grid_n)
-                                              : w.turns.ahead(mask, q0, BLOCK_M, BLOCK_N, h, lane);
-                    }
-                    mbar_wait(&bars.dq_full, step & 1);
-                    if (lane == 0) {
-                        if constexpr (C::ORDERED_DQ) wait_turn(turn, ahead);
-                        const int rows = min(BLOCK_M, mask.nq - q0);
-                        float* dq_tile = dq_accum + (((i64)mods.tb * hq + h) * nq + mods.q_base + q0) * (i64)C::DQ_LD;
-                        bulk_reduce_add_f32(dq_tile, sdQ, u32(rows * C::DQ_LD) * sizeof(float));
-                        bulk_commit();
-                        bulk_wait_read<0>();
-                        mbar_arrive(&bars.dq_empty);
+            // The writer's index at compile time (at run time it spilled the writers' registers).
+            auto write_dq = [&](auto writer_index) {
+                constexpr int writer = decltype(writer_index)::INDEX;
+                int step = 0;   // dQ tiles staged, over every unit
+                auto take = [&](int k) { return writer == 0 && rotated_turns() ? claim_unit(k) : read_unit(k); };
+                each_unit(take, writer == 0 ? Sm90BwdUnits::DQ_WRITER : Sm90BwdUnits::DQ_WRITER_2, lane == 0, warp_sync,
+                          false, [&](const UnitState& w) {
+                    const ModsT& mods = w.mods;
+                    const auto& mask = mods.mask;
+                    for (int it = w.first(); it < w.count(); it = w.after(it), ++step) {
+                        if (step % C::DQ_WRITERS != writer) continue;
+                        const int h = w.pairs.head(it), q0 = w.pairs.q0(it);
+                        [[maybe_unused]] u32* turn = nullptr;
+                        [[maybe_unused]] u32 ahead = 0;
                         if constexpr (C::ORDERED_DQ) {
-                            bulk_wait<0>();
-                            pass_turn(turn);
+                            turn = p.dq_order + ((i64)w.unit.b * hq + h) * p.grid_m + q0 / BLOCK_M;   // grid_m: query tiles a head
+                            ahead = rotated_turns() ? w.turns.ahead_rotated(w.pairs, it, p.grid_n)
+                                                  : w.turns.ahead(mask, q0, BLOCK_M, BLOCK_N, h, lane);
                         }
+                        // Each writer's own full barrier: on a shared one, a writer waiting for the
+                        // tile after next could take the phase of the tile before for its own.
+                        mbar_wait(&bars.dq_full[writer], (step / C::DQ_WRITERS) & 1);
+                        if (lane == 0) {
+                            if constexpr (C::ORDERED_DQ) wait_turn(turn, ahead);
+                            const int rows = min(BLOCK_M, mask.nq - q0);
+                            float* dq_tile = dq_accum + (((i64)mods.tb * hq + h) * nq + mods.q_base + q0) * (i64)C::DQ_LD;
+                            bulk_reduce_add_f32(dq_tile, sdQ, u32(rows * C::DQ_LD) * sizeof(float));
+                            bulk_commit();
+                            bulk_wait_read<0>();
+                            mbar_arrive(&bars.dq_empty);
+                            if constexpr (C::ORDERED_DQ) {
+                                bulk_wait<0>();
+                                pass_turn(turn);
+                            }
+                        }
+                        __syncwarp();
                     }
-                    __syncwarp();
-                }
-            });
-            bulk_wait<0>();
+                    // Both writers are done with the unit before the next is claimed (where
+                    // writer 0 claims, no unit may have turns left to wait for: above).
+                    if constexpr (C::DQ_WRITERS == 2) named_barrier(C::WRITERS_BARRIER, 64);
+                });
+                bulk_wait<0>();
+            };
+            if (role == 1) write_dq(Sm90BwdWriter<0>());
+            else if constexpr (C::DQ_WRITERS == 2) write_dq(Sm90BwdWriter<1>());
         } else if (role == 2 && C::BIAS) {
             // Each sub-tile's bias, in the consumers' order, once they gave the stage back.
             // The host makes the bias map only for a bias with whole rows (Nq, Nk); axes
@@ -534,7 +563,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                     *reinterpret_cast<float2*>(row + dq_col0 + nt * 8 + 2 * t) = make_float2(dq[0][nt][2 * hh], dq[0][nt][2 * hh + 1]);
             }
             fence_async_smem();
-            release(&bars.dq_full);
+            release(&bars.dq_full[dq_step % C::DQ_WRITERS]);
         };
 
         for (int it = first(); it < n_iter; ++step) {
