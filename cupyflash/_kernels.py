@@ -192,18 +192,15 @@ class Family:
     tensor_maps: bool = False    # reads q, k, v through TMA tensor maps (the host encodes them)
     spill_free: bool = True      # tuned to live in registers for every dtype (the build check refuses spills)
     # Static shared memory of its kernels in every mode (the build check holds ptxas' figure
-    # to it); 0: only the MODE_EXT kernels', mods_copies x MODS_STATIC_SMEM.
+    # to it); 0: only the MODE_EXT kernels', MODS_STATIC_SMEM.
     static_smem: int = 0
-    mods_copies: int = 1
 
 
 # fwd_sm90.cu keeps two copies of the option state in static shared memory, in dense mode too.
 FWD_SM90 = Family("fwd_sm90.cu", arch="sm_90a", tensor_maps=True, static_smem=2 * MODS_STATIC_SMEM)
 FWD_SM80 = Family("fwd_sm80.cu")
 FWD_WIDE = Family("fwd_wide.cu")
-# bwd_sm90.cu keeps a copy of the option state per role (MODE_EXT): its roles work on
-# different units at times (Sm90BwdUnits).
-BWD_SM90 = Family("bwd_sm90.cu", arch="sm_90a", tensor_maps=True, mods_copies=5)
+BWD_SM90 = Family("bwd_sm90.cu", arch="sm_90a", tensor_maps=True)
 BWD_SM80 = Family("bwd_sm80.cu")
 # The fp32/fp64 backward keeps dK and dV of 16 keys per warp at 255 registers and spills a
 # few bytes from d = 128 (the tile tables say where): reported, not refused.
@@ -241,7 +238,7 @@ class Variant:
     @property
     def static_smem(self) -> int:
         """The static shared memory reserved for it (an upper bound; the build check)."""
-        return self.family.static_smem or (self.family.mods_copies * MODS_STATIC_SMEM if self.mode else 0)
+        return self.family.static_smem or (MODS_STATIC_SMEM if self.mode else 0)
 
 
 def padded_head_dim(d: int, dv: int) -> int:

@@ -149,8 +149,8 @@ struct Sm90BwdKVTile {
     static constexpr int WRITERS_BARRIER = 2;   // named barrier of the two writers
     static constexpr int UNIT_READERS = CONSUMERS * 4 + DQ_WRITERS + (BIAS ? 1 : 0);
     // Persistent CTAs (Sm90BwdUnits) in dense mode. The option kernels' consumers have no
-    // registers for the unit loop's state (60-220 bytes of spills, build check): they run
-    // one CTA per unit (unit blockIdx.x), the same code with a loop of one turn.
+    // registers for a loop over units (60-220 bytes of spills, build check): they run one
+    // CTA per unit, the same role code once.
     static constexpr bool PERSISTENT = MODE == MODE_DENSE;
     static_assert((GRADS & (GRAD_DV | GRAD_DK)) == (GRAD_DV | GRAD_DK), "dV and dK in one pass");
     // dQ in both modes (ordered in the deterministic one): the host never asks for less.
@@ -174,8 +174,6 @@ struct Sm90BwdUnit {
     int hk, b;
 };
 struct Sm90BwdUnits {
-    // The roles that keep a copy of their unit's option state.
-    static constexpr int PRODUCER = 0, DQ_WRITER = 1, BIAS_LOADER = 2, CONSUMERS = 3, DQ_WRITER_2 = 4, ROLES = 5;
     int blocks, kv_heads, count;
 
     __device__ __forceinline__ explicit Sm90BwdUnits(const AttnParams& p)
@@ -236,10 +234,9 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
     float* sdQ = reinterpret_cast<float*>(sBias + C::BIAS_ELEMS);   // also the epilogue's staging tile
     float* sRows = sdQ + C::DQ_FLOATS;        // two buffers of lse2 then delta, BLOCK_M each
     auto& bars = *reinterpret_cast<Sm90BwdBarriers<STAGES>*>(reinterpret_cast<unsigned char*>(sK) + C::TILE_BYTES);
-    // With the options, each role's copy of its unit's option state (mods.cuh Mods): the
-    // roles work on different units at times (the producer a unit ahead), and in
-    // registers the state would spill the consumers. Dense mode keeps it in registers.
-    __shared__ ModsT unit_mods[C::PERSISTENT && MODE != MODE_DENSE ? Sm90BwdUnits::ROLES : 1];
+    // The option kernels' state of the CTA's unit (mods.cuh Mods; in registers it would
+    // spill the consumers). The persistent dense kernels keep each role's in registers.
+    __shared__ ModsT cta_mods;
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int hq = p.grid_heads;
@@ -296,15 +293,15 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
     if constexpr (!C::PERSISTENT) {
         static_assert(MODE != MODE_DENSE, "dense kernels are persistent: one copy of the state in registers");
         const ModsT made = ModsT::make(p, blockIdx.z, hq);
-        if (threadIdx.x == 0) unit_mods[0] = made;
+        if (threadIdx.x == 0) cta_mods = made;
     }
     mbar_init_fence();
     __syncthreads();
-    const UnitState cta_unit = unit_state_of(unit_mods[0], {int(blockIdx.x), int(blockIdx.y), int(blockIdx.z)});
+    const UnitState cta_unit = unit_state_of(cta_mods, {int(blockIdx.x), int(blockIdx.y), int(blockIdx.z)});
     if (!C::PERSISTENT && !cta_unit.has_keys()) return;
 
     // Unit k of this CTA (every role takes the same ones, in order), -1 after the last:
-    // the producer's first warp (the dQ writer in the deterministic kernels, below) claims it
+    // the producer's first warp (the dQ writer where the turns rotate, below) claims it
     // from the counter and publishes it in slot k % 2; the other roles read it there and
     // give the slot back at once (one arrival a warp).
     auto claim_unit = [&](int k) {
@@ -329,38 +326,22 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
         }
         return warp_uniform(u);
     };
-    // Runs a role's `work` on each unit it takes: the CTA's one unit, or (persistent) each
-    // unit claimed or read (`take`) with keys, its option state in registers in dense mode,
-    // else in the role's own copy in shared memory (the roles work on different units at
-    // times), written by the role's first thread between two of the role's barriers
-    // (`sync`: the role's reads of the last unit's state are done before, the new state is
-    // visible after).
-    auto each_unit = [&](auto take, int role, bool first_thread, auto sync, bool terms, auto&& work) {
+    // Runs a role's `work` on each unit it takes: the CTA's one unit, or (persistent, dense)
+    // each unit claimed or read (`take`) that has keys, its state in registers.
+    auto each_unit = [&](auto take, auto&& work) {
         if constexpr (!C::PERSISTENT) {
             work(cta_unit);
         } else {
+            static_assert(MODE == MODE_DENSE, "each role's option state per unit: in registers, dense mode only");
             for (int k = 0;; ++k) {
                 const int u = take(k);
                 if (u < 0) break;
                 const Sm90BwdUnit unit = Sm90BwdUnits(p).decode(u);
-                if constexpr (MODE == MODE_DENSE) {
-                    const UnitState w = unit_state_of(ModsT::make(p, unit.b, hq), unit);
-                    if (w.has_keys()) work(w);
-                } else {
-                    ModsT& copy = unit_mods[role];
-                    sync();
-                    if (first_thread) {
-                        copy.set_bounds(p, unit.b);
-                        if (terms) copy.set_terms(p, unit.b, hq);
-                    }
-                    sync();
-                    const UnitState w = unit_state_of(copy, unit);
-                    if (w.has_keys()) work(w);
-                }
+                const UnitState w = unit_state_of(ModsT::make(p, unit.b, hq), unit);
+                if (w.has_keys()) work(w);
             }
         }
     };
-    auto warp_sync = [] { __syncwarp(); };
 
     // ------------------------------------------------------------------ producer
     if (warp >= CONSUMERS * 4) {
@@ -370,7 +351,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
             int step = 0;   // query tiles loaded, over every unit: stage step % STAGES
             int kv_n = 0;   // K/V blocks loaded
             auto take = [&](int k) { return rotated_turns() ? read_unit(k) : claim_unit(k); };
-            each_unit(take, Sm90BwdUnits::PRODUCER, lane == 0, warp_sync, false, [&](const UnitState& w) {
+            each_unit(take, [&](const UnitState& w) {
                 const ModsT& mods = w.mods;
                 if (w.first() >= w.count()) return;   // no query tile: the consumers write zeros
                 // Rows in the tensor maps' coordinates: under varlen the sequence's offset.
@@ -412,8 +393,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                 constexpr int writer = decltype(writer_index)::INDEX;
                 int step = 0;   // dQ tiles staged, over every unit
                 auto take = [&](int k) { return writer == 0 && rotated_turns() ? claim_unit(k) : read_unit(k); };
-                each_unit(take, writer == 0 ? Sm90BwdUnits::DQ_WRITER : Sm90BwdUnits::DQ_WRITER_2, lane == 0, warp_sync,
-                          false, [&](const UnitState& w) {
+                each_unit(take, [&](const UnitState& w) {
                     const ModsT& mods = w.mods;
                     const auto& mask = mods.mask;
                     for (int it = w.first(); it < w.count(); it = w.after(it), ++step) {
@@ -458,7 +438,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
             // it broadcasts over (stride 0) are read at 0.
             if (!p.mods.bias_tma) __trap();   // a host that drifted from this contract
             int n = 0;   // sub-tiles loaded, over every unit
-            each_unit(read_unit, Sm90BwdUnits::BIAS_LOADER, lane == 0, warp_sync, false, [&](const UnitState& w) {
+            each_unit(read_unit, [&](const UnitState& w) {
                 for (int it = w.first(); it < w.count(); it = w.after(it)) {
                     const int h = w.pairs.head(it), q0 = w.pairs.q0(it);
                     for (int sub = 0; sub < C::SUBTILES; ++sub, ++n) {
@@ -494,7 +474,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
 
     int step = 0;   // query tiles, over every unit: stage step % STAGES, dQ tile step, rows buffer step % 2
     int kv_n = 0;   // K/V blocks waited for
-    each_unit(read_unit, Sm90BwdUnits::CONSUMERS, threadIdx.x == 0, consumer_sync, true, [&](const UnitState& w) {
+    each_unit(read_unit, [&](const UnitState& w) {
         const ModsT& mods = w.mods;
         const auto& mask = mods.mask;
         const KeyBlockPairs& pairs = w.pairs;
