@@ -91,6 +91,18 @@ struct DqTurns {
     // those of the band that the rows see (key_tile_range, the band the walkers' own
     // query_tile_range describes) that the block mask leaves on, ahead in the order.
     // Every lane of the warp calls it (they share the block mask's reads).
+    template <bool EXT>
+    __device__ __forceinline__ u32 ahead(const MaskInfo<EXT>& mask, int q0, int block_m, int block_n, int h,
+                                         int lane) const {
+        const int2 band = mask.key_tile_range(q0, q0 + block_m, block_n);
+        const int lo = descending ? key_block + 1 : band.x, hi = descending ? band.y : key_block;
+        if (!EXT || mask.blocks == nullptr) return u32(max(0, hi - lo));
+        u32 on = 0;
+        for (int j = lo + lane; j < hi; j += 32)
+            on += mask.block_state(q0, q0 + block_m, j * block_n, (j + 1) * block_n, h) != 0;
+        return __reduce_add_sync(0xffffffffu, on);
+    }
+
     // The same count where every block walks the whole pair list, block y of `blocks`
     // starting at pairs.rotate_start(y, blocks) and the turns going by the order in which
     // the walks reach a pair (ties to the lower block): the pair that this block reaches at
@@ -103,25 +115,13 @@ struct DqTurns {
         // pair at step (pair - its start) mod count: before this block exactly when its
         // start lies in (start, start + it] cyclically, or equals this block's and y is
         // lower. In closed form (a loop over the blocks held 4 bytes more of the dQ
-        // writer's registers than it has; checked against that loop for every block and
-        // step, tests/test_kernel_plans.py).
+        // writer's registers than it has; its Python transcription checked against the
+        // walks in tests/test_dq_turns.py).
         const int count = pairs.count(), start = pairs.rot, end = start + it;
         auto starting_by = [&](int v) { return min(blocks, ((v + 1) * blocks + count - 1) / count); };   // starts <= v
         const int later = end < count ? starting_by(end) - starting_by(start)
                                       : blocks - starting_by(start) + starting_by(end - count);
         return u32(later + key_block - starting_by(start - 1));
-    }
-
-    template <bool EXT>
-    __device__ __forceinline__ u32 ahead(const MaskInfo<EXT>& mask, int q0, int block_m, int block_n, int h,
-                                         int lane) const {
-        const int2 band = mask.key_tile_range(q0, q0 + block_m, block_n);
-        const int lo = descending ? key_block + 1 : band.x, hi = descending ? band.y : key_block;
-        if (!EXT || mask.blocks == nullptr) return u32(max(0, hi - lo));
-        u32 on = 0;
-        for (int j = lo + lane; j < hi; j += 32)
-            on += mask.block_state(q0, q0 + block_m, j * block_n, (j + 1) * block_n, h) != 0;
-        return __reduce_add_sync(0xffffffffu, on);
     }
 };
 
