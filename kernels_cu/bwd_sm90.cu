@@ -42,7 +42,9 @@
 // their products and the softmax's gradient. In the deterministic mode (GRAD_DQ_ORDERED)
 // the key blocks take turns on each dQ tile in a fixed order (bwd.cuh DqTurns): the
 // dQ writer waits for the tile's turn and waits for its reduction to complete before it
-// passes the turn on.
+// passes the turn on (the dense d = 128 kernel has two writers taking the tiles in turn,
+// Sm90BwdKVTile::DQ_WRITERS; where a head's blocks all fit the CTAs at once, their walks
+// start staggered, DqTurns::ahead_rotated).
 // All operand tiles use the 128-byte-swizzled layout (wgmma.cuh Swizzle128): TMA's
 // boxes of 64 columns land as its panels.
 #include "elem.cuh"
