@@ -496,7 +496,7 @@ def _plan_backward(do, q, k, v, o, dq, dk, dv, *, scale, causal, deterministic, 
     if adds_dq is not None and adds_dq.grads & GRAD_DQ_ORDERED:
         query_tiles = math.ceil(rows / adds_dq.tile[0])
         dq_turns = batch * Hq * query_tiles
-        params.set(grid_m=query_tiles, grid_heads=Hq, grid_batch=batch)
+        params.set(grid_m=query_tiles)   # (grid_heads, grid_batch: the Hopper kernel's units, above)
     params.set(dq_ld=dq_ld or d)
     if adds_dq is None:
         variant = _choose(plan.dq, device_id)

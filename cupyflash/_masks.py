@@ -208,6 +208,22 @@ def key_block_range(q_start: int, q_stop: int, nq: int, nk: int, block_k: int, *
     return _tile_range(visible_key_span, q_start, q_stop, nq, block_k, nq, nk, rules)
 
 
+def pair_call(q0: int, q1: int, k0: int, k1: int, nq: int, nk: int, *, causal: bool, window=(-1, -1),
+              key_end=None):
+    """Rows ``[q0, q1)`` and keys ``[k0, k1)`` of a problem of ``nq`` x ``nk`` as a call of
+    their own (a streamed chunk pair, a ring step's chunks, a device's query block):
+    ``(key stop, causal)``, its keys ending where the rows' reach ends if inside and
+    ``causal`` whether it needs the causal mask at all; None where the band hides every
+    key (or every key sees is at or past ``key_end``, the longest sequence's keys)."""
+    first, stop = key_block_range(q0, q1, nq, nk, 1, causal=causal, window=window)
+    end = stop if key_end is None else min(stop, key_end)
+    if q1 <= q0 or k0 >= end or k1 <= first:
+        return None
+    stop = min(k1, stop)
+    # Not wholly visible to its first row: the call is causal.
+    return stop, causal and stop - 1 > q0 + nk - nq
+
+
 @_with_rules_doc
 def query_block_range(k_start: int, k_stop: int, nq: int, nk: int, block_q: int, *,
                       causal: bool, window=(-1, -1), key_stop=None, diagonal=None) -> tuple[int, int]:

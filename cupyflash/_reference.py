@@ -234,9 +234,9 @@ class _Rules:
         if p == 0:
             return None
         row0, key0 = self.mods.row0, self.mods.key0
-        keep = np.stack([dropout_keep_mask(self.mods.seed, self.mods.rng_offset,
-                                           self.piece.entry, h, np.arange(rows[0] + row0, rows[1] + row0),
-                                           np.arange(cols[0] + key0, cols[1] + key0), p=p, heads=self.hq)
+        rows_at, cols_at = np.arange(rows[0] + row0, rows[1] + row0), np.arange(cols[0] + key0, cols[1] + key0)
+        keep = np.stack([dropout_keep_mask(self.mods.seed, self.mods.rng_offset, self.piece.entry, h,
+                                           rows_at, cols_at, p=p, heads=self.hq)
                          for h in self.heads])
         return keep * self.dtype.type(dropout_scale(p))
 
@@ -546,9 +546,9 @@ def _backward_keys(q, do, lse_log2, delta, dq, k, v, dk, dv, rules: _Rules, key_
             dropped = rules.dropout_scale(rows, cols)
             if dropped is None:
                 dv_acc += _sum_at_b(p, do_blk, work("dv", c, dv_dim))
-            else:
-                dv_acc += _sum_at_b(p * dropped, do_blk, work("dv", c, dv_dim))
+            else:   # in place: `dropped` is this tile's own, not needed after
                 dp *= dropped
+                dv_acc += _sum_at_b(np.multiply(dropped, p, out=dropped), do_blk, work("dv", c, dv_dim))
             dp -= delta[:, q_start:q_stop, None]
             ds = np.multiply(dp, p, out=dp)  # d loss / d score
             if dbias is not None:

@@ -350,7 +350,7 @@ def _compact(x, lead, core_ndim):
 
 def _resolve_modifiers(options, problem, varlen=None):
     """The call's `_mods.Modifiers` in the compact form of `_mods`, on the caller's side
-    (`_move_modifiers` takes it to the backend), and the seed to report in the context.
+    (`_move_modifiers` takes it to the backend; `_claim_dropout_streams` its seed).
 
     Every check runs before any array is converted."""
     arrays = _validate.check_modifiers(
@@ -390,7 +390,7 @@ def _resolve_modifiers(options, problem, varlen=None):
         # Without a seed the streams are claimed by _claim_dropout_streams once nothing
         # can refuse the call any more; a plan reads neither the seed nor the offset.
         fields.update(dropout_p=options.dropout_p, seed=options.seed or 0)
-    return _mods.Modifiers(**fields), options.seed
+    return _mods.Modifiers(**fields)
 
 
 def _claim_dropout_streams(mods, options, problem, varlen=None):
@@ -423,7 +423,7 @@ def _forward(q, k, v, options, varlen=None, *, gradients=False):
     scale = _validate.resolve_scale(options.scale, problem.head_dim, problem.dtype)
     if varlen is not None:
         varlen = _validate.check_varlen(*varlen, problem)
-    mods, seed = _resolve_modifiers(options, problem, varlen)
+    mods = _resolve_modifiers(options, problem, varlen)
     backend = _select_backend(options.backend, problem, mods)
     plan = None
     if problem.batch and (problem.kind == _arrays.HOST or options.device_memory_limit is not None):
@@ -791,7 +791,7 @@ def streaming_plan(q, k, v, *, device_memory_limit, causal=False, window=None, b
         raise ValueError("return_dbias=True is the plan of a backward pass with a bias: pass bias "
                          "and backward=True")
     q, k, v, problem = _validate.check_inputs(q, k, v, layout=layout)
-    mods, _ = _resolve_modifiers(options, problem)
+    mods = _resolve_modifiers(options, problem)
     b, d, hk = problem.batch, problem.head_dim, _arrays.split_shape(k.shape, layout)[1]
     g = streaming.geometry((b, problem.heads, problem.q_len, d), (b, hk, problem.k_len, d),
                            (b, hk, problem.k_len, problem.value_dim), problem.dtype, mods,

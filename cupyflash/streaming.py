@@ -346,15 +346,11 @@ def _visible_pairs(g, qb, kb, seqlens_k, block_mask, *, keys_outside):
     pairs = []
     for i, j in order:
         (q0, q1), (k0, k1) = qb[i], kb[j]
-        # The keys the chunk's rows see run from its first row's first to its last row's
-        # last (the band's bounds grow with the row, `cupyflash._masks`).
-        lo, _ = _masks.visible_key_span(q0, g.q_len, g.k_len, causal=g.causal, window=g.window)
-        _, hi = _masks.visible_key_span(q1 - 1, g.q_len, g.k_len, causal=g.causal, window=g.window)
-        if k0 >= min(key_end, hi) or k1 <= lo:
+        call = _masks.pair_call(q0, q1, k0, k1, g.q_len, g.k_len, causal=g.causal, window=g.window,
+                                key_end=key_end)
+        if call is None:
             continue
-        stop = min(k1, int(hi))
-        # Not wholly visible to the first row: the call is causal.
-        causal = g.causal and stop - 1 > q0 + off
+        stop, causal = call
         # The dense kernels' diagonal is the call's corner: by the shifted boundaries the
         # pair's keys then end where the chunk's reach ends.
         assert g.placed or not causal or stop == q1 + off

@@ -321,12 +321,9 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
     auto read_unit = [&](int k) {
         const int slot = k % 2;
         mbar_wait(&bars.unit_full[slot], (k / 2) & 1);
-        int u = 0;
-        if (lane == 0) {
-            u = atomicAdd(&bars.unit[slot], 0);
-            mbar_arrive(&bars.unit_empty[slot]);
-        }
-        return warp_uniform(u);
+        const int u = read_published(&bars.unit[slot]);
+        if (lane == 0) mbar_arrive(&bars.unit_empty[slot]);   // after its read: the slot may be written again
+        return u;
     };
     // Runs a role's `work` on each unit it takes: the CTA's one unit, or (persistent, dense)
     // each unit claimed or read (`take`) that has keys, its state in registers.

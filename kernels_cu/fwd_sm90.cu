@@ -285,11 +285,7 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
         if (lane == 0) mbar_arrive(bar);
     };
     // A shared word the producer wrote before the barrier just waited for.
-    auto read_word = [&](int* word) {
-        int x = 0;
-        if (lane == 0) x = atomicAdd(word, 0);
-        return warp_uniform(x);
-    };
+    auto read_word = [](int* word) { return read_published(word); };
     // MODE_BIAS: the bias tiles come by TMA beside K and V where the bias has whole rows
     // (a tensor map describes it), else each thread loads its scores' bias (bias_tile).
     const bool bias_in_smem = (MODE & MODE_BIAS) != 0 && !C::TF32 && p.mods.bias_tma;

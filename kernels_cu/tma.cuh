@@ -32,6 +32,14 @@ __device__ __forceinline__ void mbar_arrive(u64* bar) {
     asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n"
                  :: "r"(smem_addr(bar)) : "memory");
 }
+// A word another warp wrote into shared memory before arriving on an mbarrier that this
+// warp has waited for (a work tile's or unit's number): lane 0 reads it with an atomic,
+// which the compiler keeps after the wait, and every lane gets it.
+__device__ __forceinline__ int read_published(int* word) {
+    int x = 0;
+    if (threadIdx.x % 32 == 0) x = atomicAdd(word, 0);
+    return __shfl_sync(0xffffffffu, x, 0);
+}
 // The producer's arrival on a full barrier, announcing `bytes` of copies to wait for.
 __device__ __forceinline__ void mbar_arrive_expect_tx(u64* bar, u32 bytes) {
     asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.expect_tx.shared::cta.b64 state, [%0], %1;\n}\n"

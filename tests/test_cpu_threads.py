@@ -145,8 +145,8 @@ def test_tile_sizes_fit_the_cache_budget(dtype, group, banded, backward):
 @MOD_PARAMS
 def test_forward_steps_of_several_key_tiles_match_the_oracle(case, rng, monkeypatch):
     # Default sizes let a forward step take a run of key tiles (`_FORWARD_STEP_BYTES`);
-    # tiny ones here make runs of up to three 16 x 16 tiles (one with GQA's two heads),
-    # broken where a band or the block mask skips tiles, at the tests' lengths.
+    # tiny ones here make runs of up to three 16 x 16 tiles (one with GQA's two heads) out
+    # of each query tile's range of key tiles (with a block mask a step is one tile).
     tile = 16 * 16 * 8
     monkeypatch.setitem(_reference._TILES, "forward", {False: (tile, 16), True: (tile, 16)})
     monkeypatch.setattr(_reference, "_FORWARD_STEP_BYTES", 3 * tile)

@@ -608,7 +608,7 @@ def test_multi_device_placed_blocks_compose_the_whole_call(parts, n_q, n_k, case
                                                 softcap=0.0, layout="bhsd", deterministic=False,
                                                 backend="numpy"), **options})
     problem = _validate.check_inputs(q, k, v, layout="bhsd")[3]
-    mods, _ = _resolve_modifiers(checked, problem)
+    mods = _resolve_modifiers(checked, problem)
     calls = _plan(problem, list(range(parts)), checked.causal, mods)
     assert sorted(r for c in calls for r in range(*c.rows)) == list(range(n_q))
     assert all(c.rows[0] % _mods.ORIGIN_ALIGN == 0 and c.keys[0] % _mods.ORIGIN_ALIGN == 0 for c in calls)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import _arrays, _mods, _validate
+from .. import _arrays, _masks, _mods, _validate
 from . import _pairs
 
 __all__ = ["multi_device_attention", "multi_device_attention_vjp", "query_blocks"]
@@ -46,7 +46,7 @@ def query_blocks(n_q, n_k, parts, causal, window=(-1, -1), *, placed=False):
         if lo >= hi:
             continue
         if placed:
-            first, stop = _pairs.reach(lo, hi, n_q, n_k, causal=causal, window=window)
+            first, stop = _masks.key_block_range(lo, hi, n_q, n_k, 1, causal=causal, window=window)
             keys = (first - first % align, stop) if first < stop else (0, 0)
         else:
             keys = (0, max(0, min(n_k, hi + n_k - n_q)) if causal else n_k)
@@ -196,7 +196,7 @@ def _run_forward(q, k, v, devices, options, layout, want_ctx):
 
     q, k, v, problem = _validate.check_inputs(q, k, v, layout=layout)
     scale = _validate.resolve_scale(options.scale, problem.head_dim, problem.dtype)
-    mods, _ = _resolve_modifiers(options, problem)
+    mods = _resolve_modifiers(options, problem)
     for device in devices:
         why_not = _cuda.unsupported_reason(problem.dtype, problem.head_dim, problem.value_dim,
                                            heads=problem.heads, device=device, mods=mods)

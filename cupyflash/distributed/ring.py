@@ -156,7 +156,7 @@ def _prepare(q, k, v, comm, *, causal, scale, softcap, layout, deterministic, wi
             raise ValueError(f"q is on GPU {problem.device} but comm's rank {comm.rank} runs on "
                              f"GPU {device}; each rank's arrays must be on its own GPU")
     # alibi_slopes is checked against the shard's batch dims and heads, the whole call's.
-    mods, _ = _resolve_modifiers(options, problem)
+    mods = _resolve_modifiers(options, problem)
     if problem.kind == _arrays.DEVICE:
         from .. import _cuda
         why_not = _cuda.unsupported_reason(problem.dtype, problem.head_dim, problem.value_dim,
@@ -384,7 +384,6 @@ class RingContext:
     seed: int | None        # the dropout seed (drawn from the process RNG where none was given)
     rng_offset: int         # the first Philox stream of this rank's dropout
     alibi_slopes: object = field(repr=False)
-    _mods: _mods.Modifiers = field(repr=False)
     _shards: _Shards = field(repr=False)
     _problem: _validate.Problem = field(repr=False)
 
@@ -492,7 +491,7 @@ def ring_attention_forward(q, k, v, comm, *, causal=False, scale=None, softcap=0
                       causal=options.causal, layout=layout, softcap=options.softcap,
                       deterministic=options.deterministic, window=options.window,
                       dropout_p=options.dropout_p, seed=call.seed, rng_offset=call.mods.rng_offset,
-                      alibi_slopes=options.alibi_slopes, _mods=call.mods, _shards=shards,
+                      alibi_slopes=options.alibi_slopes, _shards=shards,
                       _problem=problem)
     return o, ctx
 
