@@ -517,11 +517,12 @@ def _sm90_dkdv(dtype_name: str, D: int, tile, grads: int, mode: int) -> Variant:
     stages = 2
     # bwd_sm90.cu Sm90BwdKVTile: K, V, Q and dO per stage, dS^T twice, the bias of a
     # sub-tile of BWD_SM90_SUB_M queries (MODE_BIAS), swizzled; the staged fp32 dQ tile
-    # with rows of D + 8; a tile's lse2 and delta rows twice; 1024 bytes to align the
-    # tiles; Sm90BwdBarriers (11 + 2 STAGES mbarriers of 8 bytes, two unit words).
+    # with rows of D + 8; a tile's lse2 and delta rows a stage; 1024 bytes to align the
+    # tiles; Sm90BwdBarriers (11 + 2 STAGES mbarriers of 8 bytes, two unit words, a
+    # 16-byte Sm90BwdTileInfo a stage).
     bias = BWD_SM90_SUB_M * block_n if mode & MODE_BIAS else 0
     smem = ((2 * block_n * D + 2 * stages * block_m * D + 2 * block_n * block_m + bias) * 2
-            + (block_m * (D + 8) + 4 * block_m) * 4 + 1024 + 8 * (12 + 2 * stages))
+            + (block_m * (D + 8) + 2 * stages * block_m) * 4 + 1024 + 8 * (12 + 2 * stages) + 16 * stages)
     expr = f"flash_bwd_dkdv_sm90<{CPP_TYPE[dtype_name]}, {D}, {block_m}, {consumers}, {grads}, {mode}, {smem}>"
     # + the producer warpgroup; the dQ workspace's rows padded as the staged tile's (DQ_LD)
     return Variant(BWD_SM90, expr, (consumers + 1) * 128, block_n, smem, mode=mode, tile=tuple(tile),

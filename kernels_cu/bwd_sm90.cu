@@ -24,9 +24,11 @@
 //   64 x DQ_N piece per warpgroup (A: dS^T read MN-major, i.e. transposed; B: K,
 //   MN-major), issued at the start of the next tile ahead of its S^T, and stage it in
 //   fp32 in shared memory;
-//   producer (the last warpgroup): its first warp loads a unit's K and V and streams each
-//     query tile's Q and dO (TMA) through STAGES stages, each guarded by a "full"
-//     mbarrier and an "empty" one (every consumer warp has finished reading it); its
+//   producer (the last warpgroup): its first warp loads a unit's K and V, walks the
+//     pairs and streams each query tile's Q and dO (TMA), its lse2 and delta rows
+//     (cp.async) and what the consumers need to know of it (Sm90BwdTileInfo: head, rows,
+//     the block mask's state, the unit's last tile) through STAGES stages, each guarded by
+//     a "full" mbarrier and an "empty" one (every consumer warp has finished reading it); its
 //     second warp adds each staged dQ tile into the dQ workspace with one bulk reduction
 //     (cp.reduce.async.bulk; the workspace's rows are padded like the staging tile's, so
 //     a tile is one contiguous range) and hands the staging buffer back once the copy
@@ -36,10 +38,8 @@
 //     (bias^T / scale, read by ldmatrix.trans: bwd.cuh KeyRowBias) and give the stage
 //     back at once, so the next sub-tile's bias loads while this one's products run;
 //     with softcap, which caps the product alone, the pass adds it after the cap.
-// So the consumers issue no atomics and no loads into registers (each copies one word
-// of the next tile's lse2 or delta rows into shared memory with cp.async, waited for
-// before the tile's consumer barrier, which orders it for every reader): the mainloop is
-// their products and the softmax's gradient. In the deterministic mode (GRAD_DQ_ORDERED)
+// So the consumers issue no atomics, no loads from global memory and no walk of the pairs:
+// the mainloop is their products and the softmax's gradient. In the deterministic mode (GRAD_DQ_ORDERED)
 // the key blocks take turns on each dQ tile in a fixed order (bwd.cuh DqTurns): the
 // dQ writer waits for the tile's turn and waits for its reduction to complete before it
 // passes the turn on (the dense d = 128 kernel has two writers taking the tiles in turn,
@@ -56,6 +56,31 @@
 #include "wgmma.cuh"
 #include "bwd.cuh"
 
+// What the producer tells the consumers about a stage's query tile, written before its
+// arrival on the stage's full barrier, so that the consumers walk no pairs and read no
+// block mask themselves (a block-mask walk per tile was ~600 instructions a consumer
+// warp: ncu at 65a9d89, block density 1, d = 64).
+struct Sm90BwdTileInfo {
+    enum { MIXED_BLOCKS = 1,   // the block mask hides part of the tile (bwd.cuh block_state 2)
+           LAST = 2 };         // the unit's last tile
+    int h, q0;                 // the pair's query head and first query row
+    int flags;
+    int unused;                // 16 bytes a stage
+
+    // The consumers read the flags where they use them, not once a tile: held in registers
+    // across the tile they spilled the bias kernels at d = 128 (build check).
+    __device__ __forceinline__ int2 place() const {
+        int2 v;
+        asm volatile("ld.shared.v2.s32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(smem_addr(&h)) : "memory");
+        return v;
+    }
+    __device__ __forceinline__ bool has(int flag) const {
+        int v;
+        asm volatile("ld.shared.s32 %0, [%1];\n" : "=r"(v) : "r"(smem_addr(&flags)) : "memory");
+        return (v & flag) != 0;
+    }
+};
+
 // The pipeline's mbarriers, after the tiles in shared memory.
 template <int STAGES>
 struct Sm90BwdBarriers {
@@ -67,6 +92,7 @@ struct Sm90BwdBarriers {
     u64 kv_empty;                       // the consumers are done with K and V (a unit's last dQ product)
     u64 unit_full[2], unit_empty[2];    // a unit's number, published in unit[k % 2] (Sm90BwdUnits)
     int unit[2];
+    Sm90BwdTileInfo tile[STAGES];       // each stage's query tile
 };
 
 template <typename T, int D, int BLOCK_M, int CONSUMERS, int GRADS, int MODE>
@@ -94,10 +120,15 @@ struct Sm90BwdKVTile {
     // at d = 128 with the consumers' 224 registers, build check): the host sends such
     // calls to the sm80 kernels (cupyflash/_cuda.py _sm90_backward_map_specs).
     static constexpr bool SOFTCAP_BIAS = BIAS && !ORDERED_DQ;
+    // Whether the kernel serves softcap at all: its pass is compiled out of the
+    // deterministic bias kernels, which never get it (their consumers spilled in it at
+    // d = 128 once the producer described the tiles: 24 bytes, build check).
+    static constexpr bool SOFTCAP = !BIAS || SOFTCAP_BIAS;
     // With the options, tiles that no mask or dropout touches take passes without the
-    // selects (bwd.cuh BITS), but in the deterministic d = 128 kernel with the bias,
-    // where the second copy of the passes spills (48 bytes, NVRTC 12.9 build check).
-    static constexpr bool SELECT_FREE_TILES = D <= 64 || !(BIAS && ORDERED_DQ);
+    // selects (bwd.cuh BITS), but in the d = 128 kernels with the bias, where the second
+    // copy of the passes spills (deterministic: 48 bytes; since the producer describes
+    // the tiles, 4 bytes in the other too: NVRTC 12.9 build check).
+    static constexpr bool SELECT_FREE_TILES = D <= 64 || !BIAS;
     // Forms that take fewer instructions but keep more registers live, where they do not
     // spill (NVRTC 12.9, build check; the option kernels at d = 128 have 232 or 224
     // registers a consumer thread): the warpgroup index as the compiler can see it is
@@ -119,7 +150,7 @@ struct Sm90BwdKVTile {
     // Shared memory (cupyflash/_kernels.py mirrors it), from a 1024-byte aligned base: K, V,
     // Q x STAGES, dO x STAGES, dS^T x 2 (with dQ), a sub-tile's bias (MODE_BIAS), each a
     // multiple of 1024 bytes; the staged dQ tile (fp32, with dQ); a tile's lse2 and delta
-    // rows, two buffers; the barriers.
+    // rows, one buffer a stage; the barriers.
     static constexpr int KV_ELEMS = BLOCK_N * D, QO_ELEMS = BLOCK_M * D;
     static constexpr int DS_ELEMS = BLOCK_N * BLOCK_M;
     static constexpr int BIAS_ELEMS = BIAS ? SUB_M * BLOCK_N : 0;
@@ -129,7 +160,7 @@ struct Sm90BwdKVTile {
     static constexpr u32 QO_BYTES = 2 * QO_ELEMS * sizeof(T);   // Q and dO of a stage
     static constexpr int ALIGN = 1024;
     static constexpr int TILE_BYTES = (2 * KV_ELEMS + 2 * STAGES * QO_ELEMS + 2 * DS_ELEMS + BIAS_ELEMS) * sizeof(T) +
-                                      (DQ_FLOATS + 2 * 2 * BLOCK_M) * sizeof(float);
+                                      (DQ_FLOATS + STAGES * 2 * BLOCK_M) * sizeof(float);
     static constexpr int SMEM_BYTES = TILE_BYTES + ALIGN + sizeof(Sm90BwdBarriers<STAGES>);
     // Register budgets after setmaxnreg: the producer keeps 24 a thread (40 with the
     // options: with less, the dQ writer's walk of the block mask and its addresses under
@@ -234,7 +265,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
     T* sdS = sdO + STAGES * C::QO_ELEMS;      // two buffers (with dQ)
     T* sBias = sdS + 2 * C::DS_ELEMS;         // one stage (MODE_BIAS)
     float* sdQ = reinterpret_cast<float*>(sBias + C::BIAS_ELEMS);   // also the epilogue's staging tile
-    float* sRows = sdQ + C::DQ_FLOATS;        // two buffers of lse2 then delta, BLOCK_M each
+    float* sRows = sdQ + C::DQ_FLOATS;        // a stage's lse2 then delta rows, BLOCK_M each, STAGES buffers
     auto& bars = *reinterpret_cast<Sm90BwdBarriers<STAGES>*>(reinterpret_cast<unsigned char*>(sK) + C::TILE_BYTES);
     // The option kernels' state of the CTA's unit (mods.cuh Mods; in registers it would
     // spill the consumers). The persistent dense kernels keep each role's in registers.
@@ -368,15 +399,36 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                     load_panels(sV, p.v_map, &bars.kv_full, BLOCK_N, mods.k_base + w.k0, w.unit.hk);
                 }
                 ++kv_n;
-                for (int it = w.first(); it < w.count(); it = w.after(it), ++step) {
+                for (int it = w.first(); it < w.count(); ++step) {
                     const int s = step % STAGES;
                     mbar_wait(&bars.empty[s], ((step / STAGES) & 1) ^ 1);   // the consumers' release of the round before
                     const int h = w.pairs.head(it), q0 = w.pairs.q0(it);
+                    // The tile's lse2 and delta rows (the padded row workspaces: read whole), a
+                    // word a copy; each lane's copies are counted on the full barrier before
+                    // lane 0 arrives there, so the stage is full only once they have landed.
+                    {
+                        float* rows = sRows + s * 2 * BLOCK_M + lane;
+                        const i64 row0 = row_workspace_offset(mods.tb, h, hq, nq_pad) + mods.q_base + q0 + lane;
+                        #pragma unroll
+                        for (int i = 0; i < BLOCK_M; i += 32) {
+                            cp_async_4(rows + i, lse2 + row0 + i);
+                            cp_async_4(rows + BLOCK_M + i, delta + row0 + i);
+                        }
+                    }
+                    cp_async_mbar_arrive(&bars.full[s]);
+                    const int next = w.after(it);
+                    __syncwarp();
                     if (lane == 0) {
+                        const bool mixed = mods.mask.block_state(q0, q0 + BLOCK_M, w.k0, w.k0 + BLOCK_N, h) == 2;
+                        bars.tile[s] = {h, q0,
+                                        (mixed ? Sm90BwdTileInfo::MIXED_BLOCKS : 0) |
+                                            (next >= w.count() ? Sm90BwdTileInfo::LAST : 0),
+                                        0};
                         mbar_arrive_expect_tx(&bars.full[s], C::QO_BYTES);
                         load_panels(sQ + s * C::QO_ELEMS, p.q_map, &bars.full[s], BLOCK_M, mods.q_base + q0, h);
                         load_panels(sdO + s * C::QO_ELEMS, p.dout_map, &bars.full[s], BLOCK_M, mods.q_base + q0, h);
                     }
+                    it = next;
                 }
             });
         } else if (role == 1 || (C::DQ_WRITERS == 2 && role == 3)) {
@@ -435,7 +487,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
             // Each sub-tile's bias, in the consumers' order, once they gave the stage back.
             // The host makes the bias map only for a bias with whole rows (Nq, Nk); axes
             // it broadcasts over (stride 0) are read at 0.
-            if (!p.mods.bias_tma) __trap();   // a host that drifted from this contract
+            if (!p.mods.bias_tma || (!C::SOFTCAP && p.mods.softcap > 0)) __trap();   // a host that drifted from this contract
             int n = 0;   // sub-tiles loaded, over every unit
             each_unit(read_unit, [&](const UnitState& w) {
                 for (int it = w.first(); it < w.count(); it = w.after(it)) {
@@ -471,46 +523,21 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
     // This warpgroup's piece of the dQ tile (C::DQ_N columns of 64 query rows).
     const int dq_row0 = (wg / C::DQ_COLS) * 64, dq_col0 = (wg % C::DQ_COLS) * C::DQ_N;
 
-    int step = 0;   // query tiles, over every unit: stage step % STAGES, dQ tile step, rows buffer step % 2
+    int step = 0;   // query tiles, over every unit: stage step % STAGES, dQ tile step
     int kv_n = 0;   // K/V blocks waited for
     each_unit(read_unit, [&](const UnitState& w) {
         const ModsT& mods = w.mods;
         const auto& mask = mods.mask;
-        const KeyBlockPairs& pairs = w.pairs;
-        const int k0 = w.k0, n_iter = w.count();
-        // Every role walks the same pairs; `step` counts the visited ones.
-        auto first = [&]() { return w.first(); };
-        auto after = [&](int it) { return w.after(it); };
+        const int k0 = w.k0;
+        // The producer walks the pairs and describes each tile in its stage
+        // (Sm90BwdTileInfo); the consumers only ask whether the unit has one.
+        const bool has_tiles = w.first() < w.count();
         const int unit_step0 = step;
-        if (first() < n_iter) mbar_wait(&bars.kv_full, kv_n & 1);
+        if (has_tiles) mbar_wait(&bars.kv_full, kv_n & 1);
 
         float acc_dv[1][DT][4], acc_dk[1][DT][4];
         zero_frags(acc_dv);
         zero_frags(acc_dk);
-
-        // The rows of the row workspaces (padded: read whole) that tile `it` reads, into
-        // buffer `buf`: one word per thread (lse2 from thread 0, delta from BLOCK_M) by
-        // cp.async, so that no register holds it across the tile; waited for before the
-        // tile's consumer barrier, which orders it for every reader.
-        auto copy_rows = [&](int h, int q0, int buf) {
-            if (threadIdx.x < 2 * BLOCK_M) {
-                const float* ws = threadIdx.x < BLOCK_M ? lse2 : delta;
-                cp_async_4(sRows + buf * 2 * BLOCK_M + threadIdx.x,
-                           ws + row_workspace_offset(mods.tb, h, hq, nq_pad) + mods.q_base + q0 + threadIdx.x % BLOCK_M);
-            }
-            cp_async_commit();
-        };
-        // The pair's head and first query row, carried from one tile to the next: without a
-        // block mask (pair it + 1 follows pair it) without head()'s division, which cost ~25
-        // instructions at the top of every tile (ncu at 6576e99).
-        int h = 0, q0 = 0;
-        if (first() < n_iter) {
-            h = pairs.head(first());
-            q0 = pairs.q0(first());
-            copy_rows(h, q0, step % 2);
-        }
-        cp_async_wait<0>();
-        consumer_sync();
 
         // A tile's dQ = dS K goes to the tensor cores at the start of the next tile, ahead of
         // its S^T, and is staged while S^T runs (dP^T is issued after: with it in flight too,
@@ -545,27 +572,16 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
             release(&bars.dq_full[dq_step % C::DQ_WRITERS]);
         };
 
-        for (int it = first(); it < n_iter; ++step) {
-            const int next = after(it);
-            int h_next = h, q0_next = q0;
-            if (MODE == MODE_DENSE || mask.blocks == nullptr) {
-                pairs.following(h_next, q0_next);
-            } else {
-                h_next = pairs.head(next);
-                q0_next = pairs.q0(next);
-            }
-            // The next tile's rows into the other buffer (its last readers, the tile before
-            // this one, passed the barrier at its end), a whole tile ahead of the barrier at
-            // this one's end that waits for them (issued before the dV and dK products, the
-            // copies' latency held up that barrier: ncu at 6576e99). Here, before any product
-            // of the tile, only dK and dV hold registers.
-            if (next < n_iter) copy_rows(h_next, q0_next, (step + 1) % 2);
+        for (bool more = has_tiles; more; ++step) {
             const int s_ = step % STAGES;
             const T* sQb = sQ + s_ * C::QO_ELEMS;
             const T* sdOb = sdO + s_ * C::QO_ELEMS;
-            const float* sLseb = sRows + (step % 2) * 2 * BLOCK_M;
+            const float* sLseb = sRows + s_ * 2 * BLOCK_M;
             const float* sDeltab = sLseb + BLOCK_M;
             mbar_wait(&bars.full[s_], (step / STAGES) & 1);
+            const Sm90BwdTileInfo& tile = bars.tile[s_];   // the stage's until the next tile releases it
+            const int2 place = tile.place();
+            const int h = place.x, q0 = place.y;
 
             // Per sub-tile: S^T and dP^T as two batches (P^T is computed while dP^T
             // still runs), then dV += P^T dO and dK += dS^T Q as one batch, which runs on
@@ -585,7 +601,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                     // at no cost per score. Softcap caps the product alone: then it starts at
                     // 0 and the pass adds the bias.
                     mbar_wait(&bars.bias_full, (step * C::SUBTILES + sub) & 1);
-                    if (mods.softcap > 0.f) {
+                    if (C::SOFTCAP && mods.softcap > 0.f) {
                         zero_frags(s);
                     } else {
                         KeyRowBias<T, C::SUB_M> bias(sBias, warp_row0);
@@ -608,7 +624,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                 // barrier alone (the d = 64 kernels gave wrong gradients when the stage went
                 // back right after the loads). Here S^T's product, issued on the registers
                 // they fed, has taken them; with softcap, below, once the passes are done.
-                if (C::BIAS && mods.softcap == 0.f) release(&bars.bias_empty);
+                if (C::BIAS && !(C::SOFTCAP && mods.softcap > 0.f)) release(&bars.bias_empty);
                 if (sub == 0) {
                     wgmma_wait<1>();   // the last tile's dQ, dV and dK (S^T runs on)
                     if (step > unit_step0) {
@@ -622,7 +638,8 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                     Wgmma<T, C::SUB_M>::template ss<true>(dp[0], kmajor_desc<T, BLOCK_N>(sV, wg * 64, ks), kmajor_desc<T, BLOCK_M>(sdOb, r0, ks));
                 wgmma_commit();
 
-                const bool needs_mask = mask.tile_needs_mask(q0 + r0, q0 + r0 + C::SUB_M, k0, k0 + BLOCK_N, h);
+                const bool needs_mask = mask.band_needs_mask(q0 + r0, q0 + r0 + C::SUB_M, k0, k0 + BLOCK_N) ||
+                                        tile.has(Sm90BwdTileInfo::MIXED_BLOCKS);
                 // A query pair's rows as one 8-byte load (the passes read each pair twice, for
                 // keys g and g + 8: the compiler reuses the load).
                 auto pair_at = [&](const float* rows, int nt, int e) {
@@ -678,7 +695,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                     // shown and kept (bwd.cuh). The choice must be the same for the whole
                     // warpgroup (its wgmma waits are inside): from the tile and the call.
     #define CUPYFLASH_OPTION_SCORES(BITS)                                                                       \
-        if (hm.softcap > 0.f) {                                                                                 \
+        if (C::SOFTCAP && hm.softcap > 0.f) {                                                                   \
             wgmma_wait<0>();                                                                                    \
             reg_fence(s[0]);                                                                                    \
             reg_fence(dp[0]);                                                                                   \
@@ -718,7 +735,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                 for (int ks = 0; ks < C::QSTEPS; ++ks)
                     Wgmma<T, D>::template rs<true>(acc_dk[0], ds_frag[ks], mnmajor_desc<T, BLOCK_M>(sQb, r0 / 16 + ks));
                 wgmma_commit();
-                if (C::BIAS && mods.softcap > 0.f) release(&bars.bias_empty);   // see above
+                if (C::BIAS && C::SOFTCAP && mods.softcap > 0.f) release(&bars.bias_empty);   // see above
 
                 // dS^T into shared memory for dQ: each k-step's A fragment with one stmatrix
                 // (quarter lane / 8 of the fragment at lane % 8's row), or word by word.
@@ -740,15 +757,12 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                 }
             }
 
-            cp_async_wait<0>();   // the next tile's rows, for the barrier
-            fence_async_smem();
+            fence_async_smem();   // dS^T's writes, for the dQ products that read it
             named_barrier(C::CONSUMER_BARRIER, C::CONSUMER_THREADS);
             wgmma_wait<0>();   // dV and dK (ptxas follows the accumulators within an iteration)
             reg_fence(acc_dv[0]);
             reg_fence(acc_dk[0]);
-            it = next;
-            h = h_next;
-            q0 = q0_next;
+            more = !tile.has(Sm90BwdTileInfo::LAST);
         }
 
         if (step > unit_step0) {   // the unit's last tile: its dQ, then K, V and its stage go back
