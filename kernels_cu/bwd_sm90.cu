@@ -129,16 +129,13 @@ struct Sm90BwdKVTile {
     // copy of the passes spills (deterministic: 48 bytes; since the producer describes
     // the tiles, 4 bytes in the other too: NVRTC 12.9 build check).
     static constexpr bool SELECT_FREE_TILES = D <= 64 || !BIAS;
-    // Forms that take fewer instructions but keep more registers live, where they do not
-    // spill (NVRTC 12.9, build check; the option kernels at d = 128 have 232 or 224
-    // registers a consumer thread): the warpgroup index as the compiler can see it is
-    // warp-uniform (wgmma.cuh warp_uniform), so that the descriptors stay in uniform
-    // registers (not in the option kernels at d = 128 with the bias or ordered dQ); a
-    // query pair's lse2 and delta as one 8-byte load (dense, d = 64); dS^T stored by
-    // stmatrix (not in the deterministic option kernels at d = 128).
+    // The warpgroup index as the compiler can see it is warp-uniform (wgmma.cuh
+    // warp_uniform), so that the descriptors stay in uniform registers, where that does not
+    // spill (NVRTC 12.9, build check): not in the option kernels at d = 128 with the bias
+    // or ordered dQ (232 or 224 registers a consumer thread). (A query pair's lse2 and
+    // delta as one 8-byte load and dS^T stored by stmatrix, once also limited to some
+    // kernels, fit every kernel since the producer describes the tiles.)
     static constexpr bool UNIFORM_WG = D <= 64 || MODE == MODE_DENSE || !(BIAS || ORDERED_DQ);
-    static constexpr bool LEAN_PASSES = MODE == MODE_DENSE || D <= 64;
-    static constexpr bool STMATRIX_DS = LEAN_PASSES || !ORDERED_DQ;
     // dQ's BLOCK_M x D tile in one 64 x DQ_N piece per warpgroup: DQ_COLS pieces across.
     static constexpr int DQ_N = BLOCK_M * D / (64 * CONSUMERS);
     static constexpr int DQ_COLS = D / DQ_N;
@@ -647,10 +644,10 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                     return e % 2 ? pair.y : pair.x;
                 };
                 auto lse2_at = [&](int, int nt, int e) {
-                    return C::LEAN_PASSES ? pair_at(sLseb, nt, e) : sLseb[r0 + nt * 8 + 2 * t + (e % 2)];
+                    return pair_at(sLseb, nt, e);
                 };
                 auto delta_at = [&](int, int nt, int e) {
-                    return C::LEAN_PASSES ? pair_at(sDeltab, nt, e) : sDeltab[r0 + nt * 8 + 2 * t + (e % 2)];
+                    return pair_at(sDeltab, nt, e);
                 };
                 u32 p_frag[C::QSTEPS][4], ds_frag[C::QSTEPS][4];
                 if constexpr (MODE == MODE_DENSE) {
@@ -738,22 +735,13 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                 if (C::BIAS && C::SOFTCAP && mods.softcap > 0.f) release(&bars.bias_empty);   // see above
 
                 // dS^T into shared memory for dQ: each k-step's A fragment with one stmatrix
-                // (quarter lane / 8 of the fragment at lane % 8's row), or word by word.
+                // (quarter lane / 8 of the fragment at lane % 8's row).
                 #pragma unroll
                 for (int ks = 0; ks < C::QSTEPS; ++ks) {
-                    if constexpr (C::STMATRIX_DS) {
-                        const int quarter = lane / 8;
-                        stmatrix_x4(Swizzle128<T, BLOCK_N>::at(sdSb, warp_row0 + lane % 8 + (quarter % 2) * 8,
-                                                                r0 + ks * 16 + (quarter / 2) * 8),
-                                    ds_frag[ks]);
-                    } else {
-                        #pragma unroll
-                        for (int i = 0; i < 4; ++i) {
-                            const int col = r0 + ks * 16 + (i / 2) * 8;
-                            *reinterpret_cast<u32*>(Swizzle128<T, BLOCK_N>::at(sdSb, warp_row0 + g + (i % 2) * 8, col) +
-                                                    2 * t) = ds_frag[ks][i];
-                        }
-                    }
+                    const int quarter = lane / 8;
+                    stmatrix_x4(Swizzle128<T, BLOCK_N>::at(sdSb, warp_row0 + lane % 8 + (quarter % 2) * 8,
+                                                            r0 + ks * 16 + (quarter / 2) * 8),
+                                ds_frag[ks]);
                 }
             }
 
