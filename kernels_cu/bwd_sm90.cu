@@ -57,12 +57,14 @@
 #include "bwd.cuh"
 
 // What the producer tells the consumers about a stage's query tile, written before its
-// arrival on the stage's full barrier, so that the consumers walk no pairs and read no
-// block mask themselves (a block-mask walk per tile was ~600 instructions a consumer
-// warp: ncu at 65a9d89, block density 1, d = 64).
+// arrival on the stage's full barrier, so that the consumers walk no pairs and test no
+// mask bounds themselves (a block-mask walk per tile was ~600 instructions a consumer
+// warp: ncu at 65a9d89, block density 1, d = 64; the band's test of each sub-tile, on
+// the option state in shared memory, ~5% of the option kernels' stall samples at e81debe).
 struct Sm90BwdTileInfo {
-    enum { MIXED_BLOCKS = 1,   // the block mask hides part of the tile (bwd.cuh block_state 2)
-           LAST = 2 };         // the unit's last tile
+    enum { LAST = 1,           // the unit's last tile
+           MASKED = 2 };       // MASKED << sub: sub-tile sub needs the elementwise mask
+                               // (MaskInfo::tile_needs_mask)
     int h, q0;                 // the pair's query head and first query row
     int flags;
     int unused;                // 16 bytes a stage
@@ -400,6 +402,18 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                     const int s = step % STAGES;
                     mbar_wait(&bars.empty[s], ((step / STAGES) & 1) ^ 1);   // the consumers' release of the round before
                     const int h = w.pairs.head(it), q0 = w.pairs.q0(it);
+                    if (lane == 0) {
+                        // The block mask's state of the whole tile: mixed (2) masks both sub-tiles.
+                        const bool mixed = mods.mask.block_state(q0, q0 + BLOCK_M, w.k0, w.k0 + BLOCK_N, h) == 2;
+                        int flags = 0;
+                        #pragma unroll
+                        for (int sub = 0; sub < C::SUBTILES; ++sub) {
+                            const int r0 = q0 + sub * C::SUB_M;
+                            if (mixed || mods.mask.band_needs_mask(r0, r0 + C::SUB_M, w.k0, w.k0 + BLOCK_N))
+                                flags |= Sm90BwdTileInfo::MASKED << sub;
+                        }
+                        bars.tile[s] = {h, q0, flags, 0};
+                    }
                     // The tile's lse2 and delta rows (the padded row workspaces: read whole), a
                     // word a copy; each lane's copies are counted on the full barrier before
                     // lane 0 arrives there, so the stage is full only once they have landed.
@@ -416,11 +430,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                     const int next = w.after(it);
                     __syncwarp();
                     if (lane == 0) {
-                        const bool mixed = mods.mask.block_state(q0, q0 + BLOCK_M, w.k0, w.k0 + BLOCK_N, h) == 2;
-                        bars.tile[s] = {h, q0,
-                                        (mixed ? Sm90BwdTileInfo::MIXED_BLOCKS : 0) |
-                                            (next >= w.count() ? Sm90BwdTileInfo::LAST : 0),
-                                        0};
+                        if (next >= w.count()) bars.tile[s].flags |= Sm90BwdTileInfo::LAST;
                         mbar_arrive_expect_tx(&bars.full[s], C::QO_BYTES);
                         load_panels(sQ + s * C::QO_ELEMS, p.q_map, &bars.full[s], BLOCK_M, mods.q_base + q0, h);
                         load_panels(sdO + s * C::QO_ELEMS, p.dout_map, &bars.full[s], BLOCK_M, mods.q_base + q0, h);
@@ -635,8 +645,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                     Wgmma<T, C::SUB_M>::template ss<true>(dp[0], kmajor_desc<T, BLOCK_N>(sV, wg * 64, ks), kmajor_desc<T, BLOCK_M>(sdOb, r0, ks));
                 wgmma_commit();
 
-                const bool needs_mask = mask.band_needs_mask(q0 + r0, q0 + r0 + C::SUB_M, k0, k0 + BLOCK_N) ||
-                                        tile.has(Sm90BwdTileInfo::MIXED_BLOCKS);
+                const bool needs_mask = tile.has(Sm90BwdTileInfo::MASKED << sub);
                 // A query pair's rows as one 8-byte load (the passes read each pair twice, for
                 // keys g and g + 8: the compiler reuses the load).
                 auto pair_at = [&](const float* rows, int nt, int e) {
