@@ -55,15 +55,18 @@ def _option_kwargs(option, q):
         return dict(dropout_p=bench.MOD_DROPOUT, seed=0)
     if option == "deterministic":
         return dict(deterministic=True)
-    if option == "block1":   # a block mask that hides nothing: the mask walk's own cost
+    if option in ("block1", "block8"):   # a block mask that hides nothing (the walk's own cost), or 7/8
         n_blocks = -(-N // bench.MOD_BLOCK)
-        return dict(block_mask=cp.ones((1, H, n_blocks, n_blocks), dtype=cp.bool_), block_size=bench.MOD_BLOCK)
+        density = 1.0 if option == "block1" else 0.125
+        mask = bench.random_block_mask(np.random.default_rng(0), H, n_blocks, n_blocks, density)
+        return dict(block_mask=cp.asarray(mask), block_size=bench.MOD_BLOCK)
     if option == "seqlens_k":
         return dict(seqlens_k=np.full(q.shape[0], N - N // 4, np.int32))
     return {}
 
 
-OPTIONS = ("dense", "softcap", "alibi", "bias", "window2048", "dropout", "deterministic", "block1", "seqlens_k")
+OPTIONS = ("dense", "softcap", "alibi", "bias", "window2048", "dropout", "deterministic", "block1", "block8",
+           "seqlens_k")
 
 
 def _runs(module, q, k, v, do, causal, backward, options):

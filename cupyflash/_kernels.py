@@ -419,6 +419,7 @@ def bwd_sm90_persistent(variant: "Variant") -> bool:
 # bwd_sm90.cu's query sub-tile (SUB_M): the rows of its score tiles, and of a bias stage
 # (its tensor map's box).
 BWD_SM90_SUB_M = 64
+BWD_SM90_WALK_SLOTS = 4   # bwd_sm90.cu Sm90BwdKVTile::WALK_SLOTS
 # From d = 192, dK and dV beside each other exceed the registers (build check): the
 # dK/dV kernel runs twice, once for dV and once for dK (+ dQ), recomputing P.
 BWD_SPLIT_MIN_HEAD_DIM = 192
@@ -519,10 +520,12 @@ def _sm90_dkdv(dtype_name: str, D: int, tile, grads: int, mode: int) -> Variant:
     # sub-tile of BWD_SM90_SUB_M queries (MODE_BIAS), swizzled; the staged fp32 dQ tile
     # with rows of D + 8; a tile's lse2 and delta rows a stage; 1024 bytes to align the
     # tiles; Sm90BwdBarriers (11 + 2 STAGES mbarriers of 8 bytes, two unit words, a
-    # 16-byte Sm90BwdTileInfo a stage).
+    # 16-byte Sm90BwdTileInfo a stage; the walk's ring: two mbarriers and a tile info a
+    # slot, Sm90BwdKVTile::WALK_SLOTS).
     bias = BWD_SM90_SUB_M * block_n if mode & MODE_BIAS else 0
     smem = ((2 * block_n * D + 2 * stages * block_m * D + 2 * block_n * block_m + bias) * 2
-            + (block_m * (D + 8) + 2 * stages * block_m) * 4 + 1024 + 8 * (12 + 2 * stages) + 16 * stages)
+            + (block_m * (D + 8) + 2 * stages * block_m) * 4 + 1024 + 8 * (12 + 2 * stages) + 16 * stages
+            + (2 * 8 + 16) * BWD_SM90_WALK_SLOTS)
     expr = f"flash_bwd_dkdv_sm90<{CPP_TYPE[dtype_name]}, {D}, {block_m}, {consumers}, {grads}, {mode}, {smem}>"
     # + the producer warpgroup; the dQ workspace's rows padded as the staged tile's (DQ_LD)
     return Variant(BWD_SM90, expr, (consumers + 1) * 128, block_n, smem, mode=mode, tile=tuple(tile),

@@ -66,6 +66,22 @@ struct KeyBlockPairs {
             while (it < count() && mask.block_state(q0(it), q0(it) + block_m, k0, k1, head(it)) == 0) ++it;
         return it;
     }
+    // The same, every lane of the warp calling it: the lanes test 32 pairs at once. One
+    // pair after another the walk is a chain of dependent mask reads, which a sparse mask
+    // makes long (bwd_sm90.cu's walker, which the consumers wait for; the sm80 kernels
+    // keep next(): this one spills their d = 64 option kernel on sm_80, build check).
+    template <bool EXT>
+    __device__ __forceinline__ int next_in_warp(int it, const MaskInfo<EXT>& mask) const {
+        if (!EXT || mask.blocks == nullptr) return it;
+        const int lane = threadIdx.x % 32;
+        for (; it < count(); it += 32) {
+            const int pair = it + lane;
+            const bool on = pair < count() && mask.block_state(q0(pair), q0(pair) + block_m, k0, k1, head(pair)) != 0;
+            const u32 found = __ballot_sync(0xffffffffu, on);
+            if (found != 0) return it + __ffs(found) - 1;
+        }
+        return count();
+    }
 };
 
 

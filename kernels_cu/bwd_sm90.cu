@@ -56,18 +56,27 @@
 #include "wgmma.cuh"
 #include "bwd.cuh"
 
-// What the producer tells the consumers about a stage's query tile, written before its
-// arrival on the stage's full barrier, so that the consumers walk no pairs and test no
-// mask bounds themselves (a block-mask walk per tile was ~600 instructions a consumer
-// warp: ncu at 65a9d89, block density 1, d = 64; the band's test of each sub-tile, on
-// the option state in shared memory, ~5% of the option kernels' stall samples at e81debe).
+// A visited query tile of a unit, as the walker publishes it (Sm90BwdKVTile::WALKER) and
+// the producer passes it on to the consumers with the tile's stage, so that no other role
+// walks the pairs or tests mask bounds (a block-mask walk per tile was ~600 instructions
+// a consumer warp: ncu at 65a9d89, block density 1, d = 64; the band's test of each
+// sub-tile, on the option state in shared memory, ~5% of the option kernels' stall
+// samples at e81debe; and with a sparse block mask each walker's chain of dependent mask
+// reads fell behind the consumers).
 struct Sm90BwdTileInfo {
     enum { LAST = 1,           // the unit's last tile
            MASKED = 2 };       // MASKED << sub: sub-tile sub needs the elementwise mask
                                // (MaskInfo::tile_needs_mask)
     int h, q0;                 // the pair's query head and first query row
     int flags;
-    int unused;                // 16 bytes a stage
+    int it;                    // the pair's place in the walk (the rotated dQ turns)
+
+    __device__ __forceinline__ static Sm90BwdTileInfo read(const Sm90BwdTileInfo& slot) {
+        Sm90BwdTileInfo v;
+        asm volatile("ld.shared.v4.s32 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(v.h), "=r"(v.q0), "=r"(v.flags), "=r"(v.it) : "r"(smem_addr(&slot)) : "memory");
+        return v;
+    }
 
     // The consumers read the flags where they use them, not once a tile: held in registers
     // across the tile they spilled the bias kernels at d = 128 (build check).
@@ -84,7 +93,7 @@ struct Sm90BwdTileInfo {
 };
 
 // The pipeline's mbarriers, after the tiles in shared memory.
-template <int STAGES>
+template <int STAGES, int WALK_SLOTS>
 struct Sm90BwdBarriers {
     u64 kv_full;                        // a unit's K and V
     u64 full[STAGES], empty[STAGES];    // a query tile's Q and dO
@@ -95,6 +104,8 @@ struct Sm90BwdBarriers {
     u64 unit_full[2], unit_empty[2];    // a unit's number, published in unit[k % 2] (Sm90BwdUnits)
     int unit[2];
     Sm90BwdTileInfo tile[STAGES];       // each stage's query tile
+    u64 walk_full[WALK_SLOTS], walk_empty[WALK_SLOTS];   // the walk's ring (Sm90BwdKVTile::WALKER)
+    Sm90BwdTileInfo walk[WALK_SLOTS];
 };
 
 template <typename T, int D, int BLOCK_M, int CONSUMERS, int GRADS, int MODE>
@@ -160,7 +171,11 @@ struct Sm90BwdKVTile {
     static constexpr int ALIGN = 1024;
     static constexpr int TILE_BYTES = (2 * KV_ELEMS + 2 * STAGES * QO_ELEMS + 2 * DS_ELEMS + BIAS_ELEMS) * sizeof(T) +
                                       (DQ_FLOATS + STAGES * 2 * BLOCK_M) * sizeof(float);
-    static constexpr int SMEM_BYTES = TILE_BYTES + ALIGN + sizeof(Sm90BwdBarriers<STAGES>);
+    // The walk's ring (Sm90BwdTileInfo): the loader runs up to STAGES tiles ahead of the
+    // consumers and a dQ writer a tile behind them, so four slots let the walker run ahead
+    // of every reader.
+    static constexpr int WALK_SLOTS = 4;
+    static constexpr int SMEM_BYTES = TILE_BYTES + ALIGN + sizeof(Sm90BwdBarriers<STAGES, WALK_SLOTS>);
     // Register budgets after setmaxnreg: the producer keeps 24 a thread (40 with the
     // options: with less, the dQ writer's walk of the block mask and its addresses under
     // varlen spill, build check; 56 with the options and ordered dQ, whose turn count
@@ -168,8 +183,6 @@ struct Sm90BwdKVTile {
     // registers (tma.cuh WarpgroupRegs: 240, 232 with the options, 224 ordered).
     static constexpr int PRODUCER_REGS = MODE == MODE_DENSE ? 40 : (ORDERED_DQ ? 56 : 40);
     static constexpr int CONSUMER_REGS = WarpgroupRegs<THREADS, PRODUCER_REGS>::CONSUMER;
-    // The warps that read a unit's number from its slot (Sm90BwdUnits): the consumers', the
-    // dQ writer and (MODE_BIAS) the bias loader.
     // Deterministic: two dQ writers (the producer warpgroup's second and fourth warps), taking
     // the tiles in turn, so that one's wait for its reduction to complete (before it passes
     // the turn on) overlaps the other's reduction: with one, the consumers waited for the
@@ -179,7 +192,16 @@ struct Sm90BwdKVTile {
     // a writer's turn: 0.93-1.01x there.
     static constexpr int DQ_WRITERS = ORDERED_DQ && MODE == MODE_DENSE && D == 128 ? 2 : 1;
     static constexpr int WRITERS_BARRIER = 2;   // named barrier of the two writers
-    static constexpr int UNIT_READERS = CONSUMERS * 4 + DQ_WRITERS + (BIAS ? 1 : 0);
+    // The walker: the producer warpgroup's warp that no other role takes (the third, or
+    // with the bias, whose loader is the third, the fourth).
+    static constexpr int WALKER = BIAS ? 3 : 2;
+    static_assert(!(BIAS && DQ_WRITERS == 2), "the bias loader, two dQ writers and the walker: one warp short");
+    // The warps that read each walked tile from the ring: the loader, the dQ writers and
+    // (MODE_BIAS) the bias loader.
+    static constexpr int WALK_READERS = 1 + DQ_WRITERS + (BIAS ? 1 : 0);
+    // The warps that read a unit's number from its slot (Sm90BwdUnits): the consumers', the
+    // dQ writers, (MODE_BIAS) the bias loader and the walker.
+    static constexpr int UNIT_READERS = CONSUMERS * 4 + DQ_WRITERS + (BIAS ? 1 : 0) + 1;
     // Persistent CTAs (Sm90BwdUnits) in dense mode. The option kernels' consumers have no
     // registers for a loop over units (60-220 bytes of spills, build check): they run one
     // CTA per unit, the same role code once.
@@ -238,8 +260,9 @@ struct Sm90BwdUnitState {
     // Whether the block has keys (under varlen the grid covers the longest sequence).
     __device__ __forceinline__ bool has_keys() const { return k0 < mods.mask.nk; }
     __device__ __forceinline__ int count() const { return pairs.count(); }
-    __device__ __forceinline__ int first() const { return pairs.next(0, mods.mask); }
-    __device__ __forceinline__ int after(int it) const { return pairs.next(it + 1, mods.mask); }
+    // Every lane of the warp calls these (KeyBlockPairs::next_in_warp).
+    __device__ __forceinline__ int first() const { return pairs.next_in_warp(0, mods.mask); }
+    __device__ __forceinline__ int after(int it) const { return pairs.next_in_warp(it + 1, mods.mask); }
 };
 
 // One CTA per SM: the tiles take most of the shared memory, and the bound lets setmaxnreg
@@ -265,7 +288,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
     T* sBias = sdS + 2 * C::DS_ELEMS;         // one stage (MODE_BIAS)
     float* sdQ = reinterpret_cast<float*>(sBias + C::BIAS_ELEMS);   // also the epilogue's staging tile
     float* sRows = sdQ + C::DQ_FLOATS;        // a stage's lse2 then delta rows, BLOCK_M each, STAGES buffers
-    auto& bars = *reinterpret_cast<Sm90BwdBarriers<STAGES>*>(reinterpret_cast<unsigned char*>(sK) + C::TILE_BYTES);
+    auto& bars = *reinterpret_cast<Sm90BwdBarriers<STAGES, C::WALK_SLOTS>*>(reinterpret_cast<unsigned char*>(sK) + C::TILE_BYTES);
     // The option kernels' state of the CTA's unit (mods.cuh Mods; in registers it would
     // spill the consumers). The persistent dense kernels keep each role's in registers.
     __shared__ ModsT cta_mods;
@@ -316,6 +339,11 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
         for (int s = 0; s < 2; ++s) {
             mbar_init(&bars.unit_full[s], 1);
             mbar_init(&bars.unit_empty[s], C::UNIT_READERS);
+        }
+        #pragma unroll
+        for (int s = 0; s < C::WALK_SLOTS; ++s) {
+            mbar_init(&bars.walk_full[s], 1);
+            mbar_init(&bars.walk_empty[s], C::WALK_READERS);
         }
     }
     // One CTA per unit (C::PERSISTENT false): the block's unit, from the grid's three axes,
@@ -372,12 +400,23 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
         }
     };
 
+    // Tile e of the walk (over every unit), as a reader takes it from the ring: copied out
+    // and the slot given back at once (one arrival a warp).
+    auto read_walk = [&](int e) {
+        const int slot = e % C::WALK_SLOTS;
+        mbar_wait(&bars.walk_full[slot], (e / C::WALK_SLOTS) & 1);
+        const Sm90BwdTileInfo tile = Sm90BwdTileInfo::read(bars.walk[slot]);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&bars.walk_empty[slot]);
+        return tile;
+    };
+
     // ------------------------------------------------------------------ producer
     if (warp >= CONSUMERS * 4) {
         warpgroup_release_regs<C::PRODUCER_REGS>();
         const int role = warp - CONSUMERS * 4;
         if (role == 0) {
-            int step = 0;   // query tiles loaded, over every unit: stage step % STAGES
+            int step = 0;   // query tiles loaded, over every unit: stage step % STAGES, walk tile step
             int kv_n = 0;   // K/V blocks loaded
             auto take = [&](int k) { return rotated_turns() ? read_unit(k) : claim_unit(k); };
             each_unit(take, [&](const UnitState& w) {
@@ -398,28 +437,18 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                     load_panels(sV, p.v_map, &bars.kv_full, BLOCK_N, mods.k_base + w.k0, w.unit.hk);
                 }
                 ++kv_n;
-                for (int it = w.first(); it < w.count(); ++step) {
+                // Each walked tile into the next stage once the consumers gave it back.
+                for (bool more = true; more; ++step) {
+                    const Sm90BwdTileInfo tile = read_walk(step);
+                    more = !(tile.flags & Sm90BwdTileInfo::LAST);
                     const int s = step % STAGES;
                     mbar_wait(&bars.empty[s], ((step / STAGES) & 1) ^ 1);   // the consumers' release of the round before
-                    const int h = w.pairs.head(it), q0 = w.pairs.q0(it);
-                    if (lane == 0) {
-                        // The block mask's state of the whole tile: mixed (2) masks both sub-tiles.
-                        const bool mixed = mods.mask.block_state(q0, q0 + BLOCK_M, w.k0, w.k0 + BLOCK_N, h) == 2;
-                        int flags = 0;
-                        #pragma unroll
-                        for (int sub = 0; sub < C::SUBTILES; ++sub) {
-                            const int r0 = q0 + sub * C::SUB_M;
-                            if (mixed || mods.mask.band_needs_mask(r0, r0 + C::SUB_M, w.k0, w.k0 + BLOCK_N))
-                                flags |= Sm90BwdTileInfo::MASKED << sub;
-                        }
-                        bars.tile[s] = {h, q0, flags, 0};
-                    }
                     // The tile's lse2 and delta rows (the padded row workspaces: read whole), a
                     // word a copy; each lane's copies are counted on the full barrier before
                     // lane 0 arrives there, so the stage is full only once they have landed.
                     {
                         float* rows = sRows + s * 2 * BLOCK_M + lane;
-                        const i64 row0 = row_workspace_offset(mods.tb, h, hq, nq_pad) + mods.q_base + q0 + lane;
+                        const i64 row0 = row_workspace_offset(mods.tb, tile.h, hq, nq_pad) + mods.q_base + tile.q0 + lane;
                         #pragma unroll
                         for (int i = 0; i < BLOCK_M; i += 32) {
                             cp_async_4(rows + i, lse2 + row0 + i);
@@ -427,15 +456,13 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                         }
                     }
                     cp_async_mbar_arrive(&bars.full[s]);
-                    const int next = w.after(it);
                     __syncwarp();
                     if (lane == 0) {
-                        if (next >= w.count()) bars.tile[s].flags |= Sm90BwdTileInfo::LAST;
+                        bars.tile[s] = tile;
                         mbar_arrive_expect_tx(&bars.full[s], C::QO_BYTES);
-                        load_panels(sQ + s * C::QO_ELEMS, p.q_map, &bars.full[s], BLOCK_M, mods.q_base + q0, h);
-                        load_panels(sdO + s * C::QO_ELEMS, p.dout_map, &bars.full[s], BLOCK_M, mods.q_base + q0, h);
+                        load_panels(sQ + s * C::QO_ELEMS, p.q_map, &bars.full[s], BLOCK_M, mods.q_base + tile.q0, tile.h);
+                        load_panels(sdO + s * C::QO_ELEMS, p.dout_map, &bars.full[s], BLOCK_M, mods.q_base + tile.q0, tile.h);
                     }
-                    it = next;
                 }
             });
         } else if (role == 1 || (C::DQ_WRITERS == 2 && role == 3)) {
@@ -454,14 +481,16 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                 each_unit(take, [&](const UnitState& w) {
                     const ModsT& mods = w.mods;
                     const auto& mask = mods.mask;
-                    for (int it = w.first(); it < w.count(); it = w.after(it), ++step) {
+                    for (bool more = w.first() < w.count(); more; ++step) {
+                        const Sm90BwdTileInfo tile = read_walk(step);
+                        more = !(tile.flags & Sm90BwdTileInfo::LAST);
                         if (step % C::DQ_WRITERS != writer) continue;
-                        const int h = w.pairs.head(it), q0 = w.pairs.q0(it);
+                        const int h = tile.h, q0 = tile.q0;
                         [[maybe_unused]] u32* turn = nullptr;
                         [[maybe_unused]] u32 ahead = 0;
                         if constexpr (C::ORDERED_DQ) {
                             turn = p.dq_order + ((i64)w.unit.b * hq + h) * p.grid_m + q0 / BLOCK_M;   // grid_m: query tiles a head
-                            ahead = rotated_turns() ? w.turns.ahead_rotated(w.pairs, it, p.grid_n)
+                            ahead = rotated_turns() ? w.turns.ahead_rotated(w.pairs, tile.it, p.grid_n)
                                                   : w.turns.ahead(mask, q0, BLOCK_M, BLOCK_N, h, lane);
                         }
                         // Each writer's own full barrier: on a shared one, a writer waiting for the
@@ -496,9 +525,12 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
             // it broadcasts over (stride 0) are read at 0.
             if (!p.mods.bias_tma || (!C::SOFTCAP && p.mods.softcap > 0)) __trap();   // a host that drifted from this contract
             int n = 0;   // sub-tiles loaded, over every unit
+            int e = 0;   // walked tiles read
             each_unit(read_unit, [&](const UnitState& w) {
-                for (int it = w.first(); it < w.count(); it = w.after(it)) {
-                    const int h = w.pairs.head(it), q0 = w.pairs.q0(it);
+                for (bool more = w.first() < w.count(); more; ++e) {
+                    const Sm90BwdTileInfo tile = read_walk(e);
+                    more = !(tile.flags & Sm90BwdTileInfo::LAST);
+                    const int h = tile.h, q0 = tile.q0;
                     for (int sub = 0; sub < C::SUBTILES; ++sub, ++n) {
                         mbar_wait(&bars.bias_empty, (n & 1) ^ 1);
                         if (lane == 0) {
@@ -511,6 +543,35 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                         }
                         __syncwarp();
                     }
+                }
+            });
+        } else if (role == C::WALKER) {
+            // The walk: each unit's pairs that the mask leaves on (bwd.cuh KeyBlockPairs::next,
+            // 32 at a time), each published once every reader has taken the tile WALK_SLOTS
+            // before, with what the consumers need to know of it.
+            int e = 0;   // tiles published, over every unit
+            each_unit(read_unit, [&](const UnitState& w) {
+                const auto& mask = w.mods.mask;
+                for (int it = w.first(); it < w.count(); ++e) {
+                    const int next = w.after(it);
+                    const int slot = e % C::WALK_SLOTS;
+                    mbar_wait(&bars.walk_empty[slot], ((e / C::WALK_SLOTS) & 1) ^ 1);
+                    if (lane == 0) {
+                        const int h = w.pairs.head(it), q0 = w.pairs.q0(it);
+                        // The block mask's state of the whole tile: mixed (2) masks both sub-tiles.
+                        const bool mixed = mask.block_state(q0, q0 + BLOCK_M, w.k0, w.k0 + BLOCK_N, h) == 2;
+                        int flags = next >= w.count() ? Sm90BwdTileInfo::LAST : 0;
+                        #pragma unroll
+                        for (int sub = 0; sub < C::SUBTILES; ++sub) {
+                            const int r0 = q0 + sub * C::SUB_M;
+                            if (mixed || mask.band_needs_mask(r0, r0 + C::SUB_M, w.k0, w.k0 + BLOCK_N))
+                                flags |= Sm90BwdTileInfo::MASKED << sub;
+                        }
+                        bars.walk[slot] = {h, q0, flags, it};
+                        mbar_arrive(&bars.walk_full[slot]);
+                    }
+                    __syncwarp();
+                    it = next;
                 }
             });
         }
