@@ -539,8 +539,8 @@ def attention_backward(do, q, k, v, o, lse, dq, dk, dv, *, scale, causal, determ
         do, q, k, v, o, dq, dk, dv, scale=scale, causal=causal, deterministic=deterministic, mods=mods, dbias=dbias))
     B, Hq, Nq, d = q.shape
     acc = _arrays.accumulation_dtype(q.dtype).type
-    lse2 = cupy.empty((B, Hq, plan.nq_pad), acc)
-    delta = cupy.empty((B, Hq, plan.nq_pad), acc)
+    rows = cupy.empty((2, B, Hq, plan.nq_pad), acc)   # one array: bwd_sm90.cu reads both through one map
+    lse2, delta = rows[0], rows[1]
     dq_accum = dq_turns = work_counter = None
     if plan.dq_ld:   # the turn counters and the unit counter after the workspace: one allocation, one memset
         words = B * Hq * Nq * plan.dq_ld * np.dtype(acc).itemsize // 4
@@ -567,6 +567,10 @@ def attention_backward(do, q, k, v, o, lse, dq, dk, dv, *, scale, causal, determ
         if specs is not None:
             params.set(**_tensor_maps(specs, (q, do, k, v, mods.bias),
                                       ("q_map", "dout_map", "k_map", "v_map", "bias_map")))
+            rows_map = _tma.rows_map(rows, variant.tile[0])
+            if rows_map is None:
+                raise RuntimeError("the CUDA driver refused the tensor map of the backward's row workspaces")
+            params.set(rows_map=rows_map)
         _launch(variant, grid, device_id, params)
     params.set(dq_accum=_params.address(dq_accum))
     _launch(*plan.finish, device_id, params)

@@ -57,6 +57,7 @@ MODS = _struct([
 ])
 ATTN = _struct([
     ("q_map", TMA_MAP), ("k_map", TMA_MAP), ("v_map", TMA_MAP), ("bias_map", TMA_MAP), ("dout_map", TMA_MAP),
+    ("rows_map", TMA_MAP),
     ("q", TENSOR), ("k", TENSOR), ("v", TENSOR), ("o", TENSOR),
     ("dout", TENSOR), ("dq", TENSOR), ("dk", TENSOR), ("dv", TENSOR),
     ("lse", "ptr"), ("lse2", "ptr"), ("delta", "ptr"), ("dq_accum", "ptr"), ("dq_order", "ptr"),

@@ -18,6 +18,7 @@ from . import _arrays
 
 # CUtensorMapDataType, CUtensorMapSwizzle, CUtensorMapL2promotion (cuda.h).
 _DATA_TYPE = {"float16": 6, "float32": 7, "bfloat16": 9}
+_SWIZZLE_NONE = 0
 _SWIZZLE_128B = 3
 _L2_PROMOTION_256B = 3
 _INTERLEAVE_NONE = 0
@@ -77,6 +78,15 @@ def map_spec(x, box_rows: int):
     return None if encode(x.data.ptr, spec) is None else spec
 
 
+def rows_map(rows, box: int):
+    """The tensor map of the backward's row workspaces, one contiguous (2, B, Hq, nq_pad)
+    fp32 array (lse2 then delta, kernels_cu/bwd.cuh), for boxes of ``box`` rows of one head
+    and batch entry, without swizzle (bwd_sm90.cu loads a query tile's rows with its stage;
+    a box may start at any row: under varlen a sequence starts anywhere); None where the
+    driver refuses it."""
+    return _encode(rows.data.ptr, rows.dtype.name, tuple(rows.shape), tuple(rows.strides), 1, box, _SWIZZLE_NONE)
+
+
 def encode(ptr: int, spec):
     """The tensor map of the view at device address ``ptr`` with `map_spec` ``spec``;
     None where the driver refuses it."""
@@ -87,7 +97,8 @@ def encode(ptr: int, spec):
 # of microseconds (H100 host: ~40 us, a third of a forward call's host time): calls that
 # reuse buffers, as a training loop's do through CuPy's memory pool, reuse their maps.
 @functools.lru_cache(maxsize=256)
-def _encode(ptr: int, dtype_name: str, shape: tuple, strides: tuple, box_rows: int, box_cols: int):
+def _encode(ptr: int, dtype_name: str, shape: tuple, strides: tuple, box_rows: int, box_cols: int,
+            swizzle: int = _SWIZZLE_128B):
     encode = _encoder()
     if encode is None:
         return None
@@ -104,5 +115,5 @@ def _encode(ptr: int, dtype_name: str, shape: tuple, strides: tuple, box_rows: i
     start = -buf.ctypes.data % 64
     out = buf[start:start + MAP_BYTES].view(_MAP_DTYPE)
     status = encode(out.ctypes.data, _DATA_TYPE[dtype_name], 4, ctypes.c_void_p(ptr), dims, byte_strides, box,
-                    element_steps, _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_256B, _OOB_FILL_ZEROS)
+                    element_steps, _INTERLEAVE_NONE, swizzle, _L2_PROMOTION_256B, _OOB_FILL_ZEROS)
     return None if status != 0 else out[0]

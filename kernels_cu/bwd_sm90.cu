@@ -24,12 +24,13 @@
 //   64 x DQ_N piece per warpgroup (A: dS^T read MN-major, i.e. transposed; B: K,
 //   MN-major), issued at the start of the next tile ahead of its S^T, and stage it in
 //   fp32 in shared memory;
-//   producer (the last warpgroup): its first warp loads a unit's K and V, walks the
-//     pairs and streams each query tile's Q and dO (TMA), its lse2 and delta rows
-//     (cp.async) and what the consumers need to know of it (Sm90BwdTileInfo: head, rows,
-//     the block mask's state, the unit's last tile) through STAGES stages, each guarded by
-//     a "full" mbarrier and an "empty" one (every consumer warp has finished reading it); its
-//     second warp adds each staged dQ tile into the dQ workspace with one bulk reduction
+//   producer (the last warpgroup): its walker warp (Sm90BwdKVTile::WALKER) walks the
+//     unit's pairs and publishes each visited tile (Sm90BwdTileInfo: head, rows, which
+//     sub-tiles need the mask, the unit's last tile) in a ring that the other producer
+//     roles read; its first warp loads a unit's K and V and streams each tile's Q and dO,
+//     its lse2 and delta rows (TMA, AttnParams::rows_map) and its Sm90BwdTileInfo through
+//     STAGES stages, each guarded by a "full" mbarrier and an "empty" one (every consumer
+//     warp has finished reading it); its second warp adds each staged dQ tile into the dQ workspace with one bulk reduction
 //     (cp.reduce.async.bulk; the workspace's rows are padded like the staging tile's, so
 //     a tile is one contiguous range) and hands the staging buffer back once the copy
 //     engine has read it; its third warp (MODE_BIAS) streams the bias of each sub-tile,
@@ -71,25 +72,21 @@ struct Sm90BwdTileInfo {
     int flags;
     int it;                    // the pair's place in the walk (the rotated dQ turns)
 
-    __device__ __forceinline__ static Sm90BwdTileInfo read(const Sm90BwdTileInfo& slot) {
-        Sm90BwdTileInfo v;
-        asm volatile("ld.shared.v4.s32 {%0, %1, %2, %3}, [%4];\n"
-                     : "=r"(v.h), "=r"(v.q0), "=r"(v.flags), "=r"(v.it) : "r"(smem_addr(&slot)) : "memory");
-        return v;
+    // Written by one lane and read by lane 0 of each reader warp, with atomics (tma.cuh
+    // read_published): mbarriers order them, which racecheck does not follow (plain
+    // accesses were reported as hazards), and atomics it leaves alone.
+    __device__ __forceinline__ void publish(const Sm90BwdTileInfo& v) {
+        atomicExch(&h, v.h);
+        atomicExch(&q0, v.q0);
+        atomicExch(&flags, v.flags);
+        atomicExch(&it, v.it);
     }
-
+    __device__ __forceinline__ Sm90BwdTileInfo read() {
+        return {read_published(&h), read_published(&q0), read_published(&flags), read_published(&it)};
+    }
     // The consumers read the flags where they use them, not once a tile: held in registers
     // across the tile they spilled the bias kernels at d = 128 (build check).
-    __device__ __forceinline__ int2 place() const {
-        int2 v;
-        asm volatile("ld.shared.v2.s32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(smem_addr(&h)) : "memory");
-        return v;
-    }
-    __device__ __forceinline__ bool has(int flag) const {
-        int v;
-        asm volatile("ld.shared.s32 %0, [%1];\n" : "=r"(v) : "r"(smem_addr(&flags)) : "memory");
-        return (v & flag) != 0;
-    }
+    __device__ __forceinline__ bool has(int flag) { return (read_published(&flags) & flag) != 0; }
 };
 
 // The pipeline's mbarriers, after the tiles in shared memory.
@@ -168,6 +165,7 @@ struct Sm90BwdKVTile {
     static constexpr int DQ_FLOATS = BLOCK_M * DQ_LD;
     static constexpr u32 KV_BYTES = 2 * KV_ELEMS * sizeof(T);   // K and V
     static constexpr u32 QO_BYTES = 2 * QO_ELEMS * sizeof(T);   // Q and dO of a stage
+    static constexpr u32 ROWS_BYTES = 2 * BLOCK_M * sizeof(float);   // lse2 and delta of a stage
     static constexpr int ALIGN = 1024;
     static constexpr int TILE_BYTES = (2 * KV_ELEMS + 2 * STAGES * QO_ELEMS + 2 * DS_ELEMS + BIAS_ELEMS) * sizeof(T) +
                                       (DQ_FLOATS + STAGES * 2 * BLOCK_M) * sizeof(float);
@@ -405,7 +403,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
     auto read_walk = [&](int e) {
         const int slot = e % C::WALK_SLOTS;
         mbar_wait(&bars.walk_full[slot], (e / C::WALK_SLOTS) & 1);
-        const Sm90BwdTileInfo tile = Sm90BwdTileInfo::read(bars.walk[slot]);
+        const Sm90BwdTileInfo tile = bars.walk[slot].read();
         __syncwarp();
         if (lane == 0) mbar_arrive(&bars.walk_empty[slot]);
         return tile;
@@ -443,26 +441,18 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                     more = !(tile.flags & Sm90BwdTileInfo::LAST);
                     const int s = step % STAGES;
                     mbar_wait(&bars.empty[s], ((step / STAGES) & 1) ^ 1);   // the consumers' release of the round before
-                    // The tile's lse2 and delta rows (the padded row workspaces: read whole), a
-                    // word a copy; each lane's copies are counted on the full barrier before
-                    // lane 0 arrives there, so the stage is full only once they have landed.
-                    {
-                        float* rows = sRows + s * 2 * BLOCK_M + lane;
-                        const i64 row0 = row_workspace_offset(mods.tb, tile.h, hq, nq_pad) + mods.q_base + tile.q0 + lane;
-                        #pragma unroll
-                        for (int i = 0; i < BLOCK_M; i += 32) {
-                            cp_async_4(rows + i, lse2 + row0 + i);
-                            cp_async_4(rows + BLOCK_M + i, delta + row0 + i);
-                        }
-                    }
-                    cp_async_mbar_arrive(&bars.full[s]);
-                    __syncwarp();
                     if (lane == 0) {
-                        bars.tile[s] = tile;
-                        mbar_arrive_expect_tx(&bars.full[s], C::QO_BYTES);
+                        bars.tile[s].publish(tile);
+                        mbar_arrive_expect_tx(&bars.full[s], C::QO_BYTES + C::ROWS_BYTES);
                         load_panels(sQ + s * C::QO_ELEMS, p.q_map, &bars.full[s], BLOCK_M, mods.q_base + tile.q0, tile.h);
                         load_panels(sdO + s * C::QO_ELEMS, p.dout_map, &bars.full[s], BLOCK_M, mods.q_base + tile.q0, tile.h);
+                        // The tile's lse2 and delta rows (the padded row workspaces: read whole;
+                        // under varlen the box starts at the sequence's row, anywhere).
+                        float* rows = sRows + s * 2 * BLOCK_M;
+                        tma_load_4d(rows, p.rows_map, &bars.full[s], int(mods.q_base) + tile.q0, tile.h, mods.tb, 0);
+                        tma_load_4d(rows + BLOCK_M, p.rows_map, &bars.full[s], int(mods.q_base) + tile.q0, tile.h, mods.tb, 1);
                     }
+                    __syncwarp();
                 }
             });
         } else if (role == 1 || (C::DQ_WRITERS == 2 && role == 3)) {
@@ -567,7 +557,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                             if (mixed || mask.band_needs_mask(r0, r0 + C::SUB_M, w.k0, w.k0 + BLOCK_N))
                                 flags |= Sm90BwdTileInfo::MASKED << sub;
                         }
-                        bars.walk[slot] = {h, q0, flags, it};
+                        bars.walk[slot].publish({h, q0, flags, it});
                         mbar_arrive(&bars.walk_full[slot]);
                     }
                     __syncwarp();
@@ -647,9 +637,8 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
             const float* sLseb = sRows + s_ * 2 * BLOCK_M;
             const float* sDeltab = sLseb + BLOCK_M;
             mbar_wait(&bars.full[s_], (step / STAGES) & 1);
-            const Sm90BwdTileInfo& tile = bars.tile[s_];   // the stage's until the next tile releases it
-            const int2 place = tile.place();
-            const int h = place.x, q0 = place.y;
+            Sm90BwdTileInfo& tile = bars.tile[s_];   // the stage's until the next tile releases it
+            const int h = read_published(&tile.h), q0 = read_published(&tile.q0);
 
             // Per sub-tile: S^T and dP^T as two batches (P^T is computed while dP^T
             // still runs), then dV += P^T dO and dK += dS^T Q as one batch, which runs on

@@ -56,6 +56,7 @@ struct AttnParams {
     TmaMap q_map, k_map, v_map;         // the Hopper kernels' tensor maps (fwd_sm90.cu, bwd_sm90.cu)
     TmaMap bias_map;                    // the bias, where mods.bias_tma (Hopper kernels)
     TmaMap dout_map;                    // the backward's dO
+    TmaMap rows_map;                    // the backward's lse2 and delta rows, one (2, B, Hq, nq_pad) array (bwd_sm90.cu)
     TensorParams q, k, v, o;            // (B, H, N, d) views; o is written by the forward
     TensorParams dout, dq, dk, dv;      // the backward's gradient views
     void* lse;                          // (B, Hq, Nq) log-sum-exp, accumulation dtype

@@ -40,12 +40,6 @@ __device__ __forceinline__ int read_published(int* word) {
     if (threadIdx.x % 32 == 0) x = atomicAdd(word, 0);
     return __shfl_sync(0xffffffffu, x, 0);
 }
-// This thread's cp.async copies so far, counted on `bar`: the barrier's pending arrivals
-// grow by one now, and the copy engine arrives once those copies have landed, so the
-// phase completes only after them (and makes their writes visible to its waiters).
-__device__ __forceinline__ void cp_async_mbar_arrive(u64* bar) {
-    asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];\n" :: "r"(smem_addr(bar)) : "memory");
-}
 // The producer's arrival on a full barrier, announcing `bytes` of copies to wait for.
 __device__ __forceinline__ void mbar_arrive_expect_tx(u64* bar, u32 bytes) {
     asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.expect_tx.shared::cta.b64 state, [%0], %1;\n}\n"
