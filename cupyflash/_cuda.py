@@ -21,7 +21,7 @@ from . import _arrays, _mods, _nvrtc, _params, _philox, _tma
 from ._kernels import (BWD_ROW_PAD, BWD_SM90, BWD_SM90_SUB_M, CPP_TYPE, FWD_SM90, GRAD_DK, GRAD_DQ, GRAD_DQ_ORDERED,
                        HEAD_DIMS, MIN_COMPUTE_CAPABILITY, MODE_BIAS, MODE_DENSE, MODE_TF32, MODES, BackwardPlan,
                        Variant, backward_plan, bwd_sm90_persistent, forward_variants, forward_variants_for,
-                       kernel_mode, padded_head_dim)
+                       kernel_mode, padded_head_dim, sm90_rows_box)
 from ._validate import check_flag
 
 MAX_GRID_YZ = 65535   # grid y (heads) and z (batch) extents
@@ -567,7 +567,7 @@ def attention_backward(do, q, k, v, o, lse, dq, dk, dv, *, scale, causal, determ
         if specs is not None:
             params.set(**_tensor_maps(specs, (q, do, k, v, mods.bias),
                                       ("q_map", "dout_map", "k_map", "v_map", "bias_map")))
-            rows_map = _tma.rows_map(rows, variant.tile[0])
+            rows_map = _tma.rows_map(rows, sm90_rows_box(variant.tile[0]))
             if rows_map is None:
                 raise RuntimeError("the CUDA driver refused the tensor map of the backward's row workspaces")
             params.set(rows_map=rows_map)

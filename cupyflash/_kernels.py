@@ -511,6 +511,16 @@ def _sm80_dkdv(dtype_name: str, D: int, tile, grads: int, mode: int) -> Variant:
     return Variant(BWD_SM80, expr, warps * 32, block_n, smem, mode=mode, grads=grads)
 
 
+def sm90_rows_box(block_m: int) -> int:
+    """The rows of bwd_sm90.cu's lse2/delta box (Sm90BwdKVTile::ROWS_BOX): a query tile's,
+    and 4 more, the box starting at a 16-byte aligned row."""
+    return block_m + 4
+
+
+def _sm90_rows_ld(block_m: int) -> int:
+    return -(-sm90_rows_box(block_m) // 32) * 32   # Sm90BwdKVTile::ROWS_LD
+
+
 def _sm90_dkdv(dtype_name: str, D: int, tile, grads: int, mode: int) -> Variant:
     block_m, consumers = tile
     block_n = 64 * consumers
@@ -524,7 +534,7 @@ def _sm90_dkdv(dtype_name: str, D: int, tile, grads: int, mode: int) -> Variant:
     # slot, Sm90BwdKVTile::WALK_SLOTS).
     bias = BWD_SM90_SUB_M * block_n if mode & MODE_BIAS else 0
     smem = ((2 * block_n * D + 2 * stages * block_m * D + 2 * block_n * block_m + bias) * 2
-            + (block_m * (D + 8) + 2 * stages * block_m) * 4 + 1024 + 8 * (12 + 2 * stages) + 16 * stages
+            + (block_m * (D + 8) + 2 * stages * _sm90_rows_ld(block_m)) * 4 + 1024 + 8 * (12 + 2 * stages) + 16 * stages
             + (2 * 8 + 16) * BWD_SM90_WALK_SLOTS)
     expr = f"flash_bwd_dkdv_sm90<{CPP_TYPE[dtype_name]}, {D}, {block_m}, {consumers}, {grads}, {mode}, {smem}>"
     # + the producer warpgroup; the dQ workspace's rows padded as the staged tile's (DQ_LD)

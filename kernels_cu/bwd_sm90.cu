@@ -165,10 +165,14 @@ struct Sm90BwdKVTile {
     static constexpr int DQ_FLOATS = BLOCK_M * DQ_LD;
     static constexpr u32 KV_BYTES = 2 * KV_ELEMS * sizeof(T);   // K and V
     static constexpr u32 QO_BYTES = 2 * QO_ELEMS * sizeof(T);   // Q and dO of a stage
-    static constexpr u32 ROWS_BYTES = 2 * BLOCK_M * sizeof(float);   // lse2 and delta of a stage
+    // A tile's lse2 and delta rows come by TMA, whose box must start 16-byte aligned: from
+    // the tile's first row rounded down to a multiple of 4 (under varlen a sequence starts
+    // at any row), ROWS_BOX rows, each box ROWS_LD floats apart (128-byte aligned).
+    static constexpr int ROWS_BOX = BLOCK_M + 4, ROWS_LD = (ROWS_BOX + 31) / 32 * 32;
+    static constexpr u32 ROWS_BYTES = 2 * ROWS_BOX * sizeof(float);   // lse2 and delta of a stage
     static constexpr int ALIGN = 1024;
     static constexpr int TILE_BYTES = (2 * KV_ELEMS + 2 * STAGES * QO_ELEMS + 2 * DS_ELEMS + BIAS_ELEMS) * sizeof(T) +
-                                      (DQ_FLOATS + STAGES * 2 * BLOCK_M) * sizeof(float);
+                                      (DQ_FLOATS + STAGES * 2 * ROWS_LD) * sizeof(float);
     // The walk's ring (Sm90BwdTileInfo): the loader runs up to STAGES tiles ahead of the
     // consumers and a dQ writer a tile behind them, so four slots let the walker run ahead
     // of every reader.
@@ -285,7 +289,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
     T* sdS = sdO + STAGES * C::QO_ELEMS;      // two buffers (with dQ)
     T* sBias = sdS + 2 * C::DS_ELEMS;         // one stage (MODE_BIAS)
     float* sdQ = reinterpret_cast<float*>(sBias + C::BIAS_ELEMS);   // also the epilogue's staging tile
-    float* sRows = sdQ + C::DQ_FLOATS;        // a stage's lse2 then delta rows, BLOCK_M each, STAGES buffers
+    float* sRows = sdQ + C::DQ_FLOATS;        // a stage's lse2 then delta rows (C::ROWS_LD each), STAGES buffers
     auto& bars = *reinterpret_cast<Sm90BwdBarriers<STAGES, C::WALK_SLOTS>*>(reinterpret_cast<unsigned char*>(sK) + C::TILE_BYTES);
     // The option kernels' state of the CTA's unit (mods.cuh Mods; in registers it would
     // spill the consumers). The persistent dense kernels keep each role's in registers.
@@ -446,11 +450,12 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                         mbar_arrive_expect_tx(&bars.full[s], C::QO_BYTES + C::ROWS_BYTES);
                         load_panels(sQ + s * C::QO_ELEMS, p.q_map, &bars.full[s], BLOCK_M, mods.q_base + tile.q0, tile.h);
                         load_panels(sdO + s * C::QO_ELEMS, p.dout_map, &bars.full[s], BLOCK_M, mods.q_base + tile.q0, tile.h);
-                        // The tile's lse2 and delta rows (the padded row workspaces: read whole;
-                        // under varlen the box starts at the sequence's row, anywhere).
-                        float* rows = sRows + s * 2 * BLOCK_M;
-                        tma_load_4d(rows, p.rows_map, &bars.full[s], int(mods.q_base) + tile.q0, tile.h, mods.tb, 0);
-                        tma_load_4d(rows + BLOCK_M, p.rows_map, &bars.full[s], int(mods.q_base) + tile.q0, tile.h, mods.tb, 1);
+                        // The tile's lse2 and delta rows (the padded row workspaces: read whole),
+                        // from a 16-byte aligned row (C::ROWS_BOX).
+                        float* rows = sRows + s * 2 * C::ROWS_LD;
+                        const int row = (int(mods.q_base) + tile.q0) & ~3;
+                        tma_load_4d(rows, p.rows_map, &bars.full[s], row, tile.h, mods.tb, 0);
+                        tma_load_4d(rows + C::ROWS_LD, p.rows_map, &bars.full[s], row, tile.h, mods.tb, 1);
                     }
                     __syncwarp();
                 }
@@ -634,8 +639,9 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
             const int s_ = step % STAGES;
             const T* sQb = sQ + s_ * C::QO_ELEMS;
             const T* sdOb = sdO + s_ * C::QO_ELEMS;
-            const float* sLseb = sRows + s_ * 2 * BLOCK_M;
-            const float* sDeltab = sLseb + BLOCK_M;
+            // The tile's rows from where the loader's aligned box put them (dense: q_base 0).
+            const float* sLseb = sRows + s_ * 2 * C::ROWS_LD + (MODE == MODE_DENSE ? 0 : int(mods.q_base) & 3);
+            const float* sDeltab = sLseb + C::ROWS_LD;
             mbar_wait(&bars.full[s_], (step / STAGES) & 1);
             Sm90BwdTileInfo& tile = bars.tile[s_];   // the stage's until the next tile releases it
             const int h = read_published(&tile.h), q0 = read_published(&tile.q0);
@@ -697,10 +703,15 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
 
                 const bool needs_mask = tile.has(Sm90BwdTileInfo::MASKED << sub);
                 // A query pair's rows as one 8-byte load (the passes read each pair twice, for
-                // keys g and g + 8: the compiler reuses the load).
+                // keys g and g + 8: the compiler reuses the load); with the options word by word
+                // (under varlen the rows may start at an odd word).
                 auto pair_at = [&](const float* rows, int nt, int e) {
-                    const float2 pair = *reinterpret_cast<const float2*>(rows + r0 + nt * 8 + 2 * t);
-                    return e % 2 ? pair.y : pair.x;
+                    if constexpr (MODE == MODE_DENSE) {
+                        const float2 pair = *reinterpret_cast<const float2*>(rows + r0 + nt * 8 + 2 * t);
+                        return e % 2 ? pair.y : pair.x;
+                    } else {
+                        return rows[r0 + nt * 8 + 2 * t + e % 2];
+                    }
                 };
                 auto lse2_at = [&](int, int nt, int e) {
                     return pair_at(sLseb, nt, e);
