@@ -72,21 +72,27 @@ struct Sm90BwdTileInfo {
     int flags;
     int it;                    // the pair's place in the walk (the rotated dQ turns)
 
-    // Written by one lane and read by lane 0 of each reader warp, with atomics (tma.cuh
-    // read_published): mbarriers order them, which racecheck does not follow (plain
-    // accesses were reported as hazards), and atomics it leaves alone.
+    // Written by one lane with atomics, read with plain loads by every lane of the reader
+    // warps: mbarriers order them, which racecheck does not follow (plain writes were
+    // reported as hazards), and atomics it leaves alone. (Reading with atomics too, lane 0
+    // then a shuffle, cost the option kernels 5-12%: h100 2026-11-25 A/B at 4013483.)
     __device__ __forceinline__ void publish(const Sm90BwdTileInfo& v) {
         atomicExch(&h, v.h);
         atomicExch(&q0, v.q0);
         atomicExch(&flags, v.flags);
         atomicExch(&it, v.it);
     }
+    __device__ __forceinline__ static int ld(const int* p) {   // kept after the mbarrier wait before it
+        int v;
+        asm volatile("ld.shared.s32 %0, [%1];\n" : "=r"(v) : "r"(smem_addr(p)) : "memory");
+        return v;
+    }
     __device__ __forceinline__ Sm90BwdTileInfo read() {
-        return {read_published(&h), read_published(&q0), read_published(&flags), read_published(&it)};
+        return {ld(&h), ld(&q0), ld(&flags), ld(&it)};
     }
     // The consumers read the flags where they use them, not once a tile: held in registers
     // across the tile they spilled the bias kernels at d = 128 (build check).
-    __device__ __forceinline__ bool has(int flag) { return (read_published(&flags) & flag) != 0; }
+    __device__ __forceinline__ bool has(int flag) { return (ld(&flags) & flag) != 0; }
 };
 
 // The pipeline's mbarriers, after the tiles in shared memory.
@@ -644,7 +650,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
             const float* sDeltab = sLseb + C::ROWS_LD;
             mbar_wait(&bars.full[s_], (step / STAGES) & 1);
             Sm90BwdTileInfo& tile = bars.tile[s_];   // the stage's until the next tile releases it
-            const int h = read_published(&tile.h), q0 = read_published(&tile.q0);
+            const int h = Sm90BwdTileInfo::ld(&tile.h), q0 = Sm90BwdTileInfo::ld(&tile.q0);
 
             // Per sub-tile: S^T and dP^T as two batches (P^T is computed while dP^T
             // still runs), then dV += P^T dO and dK += dS^T Q as one batch, which runs on
