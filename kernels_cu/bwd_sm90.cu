@@ -184,11 +184,11 @@ struct Sm90BwdKVTile {
     // of every reader.
     static constexpr int WALK_SLOTS = 4;
     static constexpr int SMEM_BYTES = TILE_BYTES + ALIGN + sizeof(Sm90BwdBarriers<STAGES, WALK_SLOTS>);
-    // Register budgets after setmaxnreg: the producer keeps 24 a thread (40 with the
-    // options: with less, the dQ writer's walk of the block mask and its addresses under
-    // varlen spill, build check; 56 with the options and ordered dQ, whose turn count
-    // walks the block mask too: 48 spilled), the consumers share the rest of the launch's
-    // registers (tma.cuh WarpgroupRegs: 240, 232 with the options, 224 ordered).
+    // Register budgets after setmaxnreg: the producer warpgroup keeps 40 a thread (the
+    // walker's block-mask reads, the loader's addresses under varlen); 56 with the options
+    // and ordered dQ, whose turn count reads the block mask too (at 40 those kernels
+    // spilled 44-92 bytes, build check at b1f3630). The consumers share the rest of the
+    // launch's registers (tma.cuh WarpgroupRegs: 232, 224 with 56).
     static constexpr int PRODUCER_REGS = MODE == MODE_DENSE ? 40 : (ORDERED_DQ ? 56 : 40);
     static constexpr int CONSUMER_REGS = WarpgroupRegs<THREADS, PRODUCER_REGS>::CONSUMER;
     // Deterministic: two dQ writers (the producer warpgroup's second and fourth warps), taking
@@ -547,8 +547,8 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                 }
             });
         } else if (role == C::WALKER) {
-            // The walk: each unit's pairs that the mask leaves on (bwd.cuh KeyBlockPairs::next,
-            // 32 at a time), each published once every reader has taken the tile WALK_SLOTS
+            // The walk: each unit's pairs that the mask leaves on (bwd.cuh
+            // KeyBlockPairs::next_in_warp, 32 at a time), each published once every reader has taken the tile WALK_SLOTS
             // before, with what the consumers need to know of it.
             int e = 0;   // tiles published, over every unit
             each_unit(read_unit, [&](const UnitState& w) {
@@ -598,8 +598,8 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
         const ModsT& mods = w.mods;
         const auto& mask = mods.mask;
         const int k0 = w.k0;
-        // The producer walks the pairs and describes each tile in its stage
-        // (Sm90BwdTileInfo); the consumers only ask whether the unit has one.
+        // The walker walks the pairs and the loader passes each tile's record on in its
+        // stage (Sm90BwdTileInfo); the consumers only ask whether the unit has a tile.
         const bool has_tiles = w.first() < w.count();
         const int unit_step0 = step;
         if (has_tiles) mbar_wait(&bars.kv_full, kv_n & 1);
