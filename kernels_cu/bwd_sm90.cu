@@ -408,15 +408,19 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
         }
     };
 
-    // Tile e of the walk (over every unit), as a reader takes it from the ring: copied out
-    // and the slot given back at once (one arrival a warp).
-    auto read_walk = [&](int e) {
-        const int slot = e % C::WALK_SLOTS;
-        mbar_wait(&bars.walk_full[slot], (e / C::WALK_SLOTS) & 1);
-        const Sm90BwdTileInfo tile = bars.walk[slot].read();
-        __syncwarp();
-        if (lane == 0) mbar_arrive(&bars.walk_empty[slot]);
-        return tile;
+    // Runs a reader's `body(tile)` on each tile of unit w that the walker published, in
+    // order: each taken from the ring (`e` counts the role's walked tiles over every unit)
+    // and its slot given back at once (one arrival a warp).
+    auto each_walked_tile = [&](const UnitState& w, int& e, auto&& body) {
+        for (bool more = w.first() < w.count(); more; ++e) {
+            const int slot = e % C::WALK_SLOTS;
+            mbar_wait(&bars.walk_full[slot], (e / C::WALK_SLOTS) & 1);
+            const Sm90BwdTileInfo tile = bars.walk[slot].read();
+            __syncwarp();
+            if (lane == 0) mbar_arrive(&bars.walk_empty[slot]);
+            more = !(tile.flags & Sm90BwdTileInfo::LAST);
+            body(tile);
+        }
     };
 
     // ------------------------------------------------------------------ producer
@@ -446,9 +450,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                 }
                 ++kv_n;
                 // Each walked tile into the next stage once the consumers gave it back.
-                for (bool more = true; more; ++step) {
-                    const Sm90BwdTileInfo tile = read_walk(step);
-                    more = !(tile.flags & Sm90BwdTileInfo::LAST);
+                each_walked_tile(w, step, [&](const Sm90BwdTileInfo& tile) {
                     const int s = step % STAGES;
                     mbar_wait(&bars.empty[s], ((step / STAGES) & 1) ^ 1);   // the consumers' release of the round before
                     if (lane == 0) {
@@ -464,7 +466,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                         tma_load_4d(rows + C::ROWS_LD, p.rows_map, &bars.full[s], row, tile.h, mods.tb, 1);
                     }
                     __syncwarp();
-                }
+                });
             });
         } else if (role == 1 || (C::DQ_WRITERS == 2 && role == 3)) {
             // The dQ tile's rows (those in the sequence) into the workspace, whose rows
@@ -482,10 +484,8 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                 each_unit(take, [&](const UnitState& w) {
                     const ModsT& mods = w.mods;
                     const auto& mask = mods.mask;
-                    for (bool more = w.first() < w.count(); more; ++step) {
-                        const Sm90BwdTileInfo tile = read_walk(step);
-                        more = !(tile.flags & Sm90BwdTileInfo::LAST);
-                        if (step % C::DQ_WRITERS != writer) continue;
+                    each_walked_tile(w, step, [&](const Sm90BwdTileInfo& tile) {
+                        if (step % C::DQ_WRITERS != writer) return;
                         const int h = tile.h, q0 = tile.q0;
                         [[maybe_unused]] u32* turn = nullptr;
                         [[maybe_unused]] u32 ahead = 0;
@@ -511,7 +511,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                             }
                         }
                         __syncwarp();
-                    }
+                    });
                     // Both writers are done with the unit before the next is claimed (where
                     // writer 0 claims, no unit may have turns left to wait for: above).
                     if constexpr (C::DQ_WRITERS == 2) named_barrier(C::WRITERS_BARRIER, 64);
@@ -528,9 +528,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
             int n = 0;   // sub-tiles loaded, over every unit
             int e = 0;   // walked tiles read
             each_unit(read_unit, [&](const UnitState& w) {
-                for (bool more = w.first() < w.count(); more; ++e) {
-                    const Sm90BwdTileInfo tile = read_walk(e);
-                    more = !(tile.flags & Sm90BwdTileInfo::LAST);
+                each_walked_tile(w, e, [&](const Sm90BwdTileInfo& tile) {
                     const int h = tile.h, q0 = tile.q0;
                     for (int sub = 0; sub < C::SUBTILES; ++sub, ++n) {
                         mbar_wait(&bars.bias_empty, (n & 1) ^ 1);
@@ -544,12 +542,12 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                         }
                         __syncwarp();
                     }
-                }
+                });
             });
         } else if (role == C::WALKER) {
             // The walk: each unit's pairs that the mask leaves on (bwd.cuh
-            // KeyBlockPairs::next_in_warp, 32 at a time), each published once every reader has taken the tile WALK_SLOTS
-            // before, with what the consumers need to know of it.
+            // KeyBlockPairs::next_in_warp, 32 at a time), each published once every reader
+            // has taken the tile WALK_SLOTS before, with what the consumers need to know of it.
             int e = 0;   // tiles published, over every unit
             each_unit(read_unit, [&](const UnitState& w) {
                 const auto& mask = w.mods.mask;
