@@ -210,9 +210,12 @@ struct Sm90BwdKVTile {
     // The warps that read a unit's number from its slot (Sm90BwdUnits): the consumers', the
     // dQ writers, (MODE_BIAS) the bias loader and the walker.
     static constexpr int UNIT_READERS = CONSUMERS * 4 + DQ_WRITERS + (BIAS ? 1 : 0) + 1;
-    // Persistent CTAs (Sm90BwdUnits) in dense mode. The option kernels' consumers have no
-    // registers for a loop over units (60-220 bytes of spills, build check): they run one
-    // CTA per unit, the same role code once.
+    // Persistent CTAs (Sm90BwdUnits) in dense mode. The option kernels have no registers
+    // for a loop over units (build check: the consumers spilled 60-220 bytes; with the
+    // walker, each role's option state in shared memory, the producer 28-290 bytes at 40-48
+    // registers): they run one CTA per unit, the same role code once. Measured with its
+    // spills the persistent form read 0.96-1.09x (H100, N = 4k-16k, bench/NOTES.md
+    // session 18): at these lengths a unit's fill and drain are ~1% of it.
     static constexpr bool PERSISTENT = MODE == MODE_DENSE;
     static_assert((GRADS & (GRAD_DV | GRAD_DK)) == (GRAD_DV | GRAD_DK), "dV and dK in one pass");
     // dQ in both modes (ordered in the deterministic one): the host never asks for less.
