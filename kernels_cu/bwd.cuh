@@ -49,16 +49,6 @@ struct KeyBlockPairs {
     __device__ __forceinline__ int pair(int it) const { return it + rot < count() ? it + rot : it + rot - count(); }
     __device__ __forceinline__ int head(int it) const { return hk * group + pair(it) / m_count; }
     __device__ __forceinline__ int q0(int it) const { return (m_first + pair(it) % m_count) * block_m; }
-    // head() and q0() of pair it + 1 from those of pair it, without head()'s division:
-    // the next query tile, or the first tile of the next head (of the group's first head
-    // after the last: a rotated walk wraps).
-    __device__ __forceinline__ void following(int& h, int& q) const {
-        q += block_m;
-        if (q == (m_first + m_count) * block_m) {
-            q = m_first * block_m;
-            h = h + 1 == (hk + 1) * group ? hk * group : h + 1;
-        }
-    }
     // The first pair from `it` on that the block mask leaves on.
     template <bool EXT>
     __device__ __forceinline__ int next(int it, const MaskInfo<EXT>& mask) const {
