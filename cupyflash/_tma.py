@@ -82,8 +82,9 @@ def rows_map(rows, box: int):
     """The tensor map of the backward's row workspaces, one contiguous (2, B, Hq, nq_pad)
     fp32 array (lse2 then delta, kernels_cu/bwd.cuh), for boxes of ``box`` rows of one head
     and batch entry, without swizzle (bwd_sm90.cu loads a query tile's rows with its stage;
-    a box may start at any row: under varlen a sequence starts anywhere); None where the
-    driver refuses it."""
+    a box must start 16-byte aligned, so the kernel starts it at the tile's first row
+    rounded down to a multiple of 4: under varlen a sequence starts at any row); None
+    where the driver refuses it."""
     return _encode(rows.data.ptr, rows.dtype.name, tuple(rows.shape), tuple(rows.strides), 1, box, _SWIZZLE_NONE)
 
 
