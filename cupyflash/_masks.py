@@ -214,7 +214,7 @@ def pair_call(q0: int, q1: int, k0: int, k1: int, nq: int, nk: int, *, causal: b
     their own (a streamed chunk pair, a ring step's chunks, a device's query block):
     ``(key stop, causal)``, its keys ending where the rows' reach ends if inside and
     ``causal`` whether it needs the causal mask at all; None where the band hides every
-    key (or every key sees is at or past ``key_end``, the longest sequence's keys)."""
+    key (or every key the rows see is at or past ``key_end``, the longest sequence's keys)."""
     first, stop = key_block_range(q0, q1, nq, nk, 1, causal=causal, window=window)
     end = stop if key_end is None else min(stop, key_end)
     if q1 <= q0 or k0 >= end or k1 <= first:

@@ -326,7 +326,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
     // the rotation's arithmetic stays within an int. The flag is evaluated where used, from
     // the parameters: held across the roles' split, it was spilled.)
     auto rotated_turns = [&] {
-        return C::ORDERED_DQ && C::PERSISTENT && MODE == MODE_DENSE && !p.causal && 4 * p.grid_n <= int(gridDim.x) &&
+        return C::ORDERED_DQ && MODE == MODE_DENSE && !p.causal && 4 * p.grid_n <= int(gridDim.x) &&
                (i64)p.grid_m * group * (p.grid_n + 1) <= 0x7fffffff;
     };
     auto unit_state_of = [&](const ModsT& mods, Sm90BwdUnit unit) {
@@ -599,6 +599,8 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
         const ModsT& mods = w.mods;
         const auto& mask = mods.mask;
         const int k0 = w.k0;
+        // Whether this unit's call caps its scores (the kernels without softcap compile it out).
+        auto capped = [&] { return C::SOFTCAP && mods.softcap > 0.f; };
         // The walker walks the pairs and the loader passes each tile's record on in its
         // stage (Sm90BwdTileInfo); the consumers only ask whether the unit has a tile.
         const bool has_tiles = w.first() < w.count();
@@ -671,7 +673,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                     // at no cost per score. Softcap caps the product alone: then it starts at
                     // 0 and the pass adds the bias.
                     mbar_wait(&bars.bias_full, (step * C::SUBTILES + sub) & 1);
-                    if (C::SOFTCAP && mods.softcap > 0.f) {
+                    if (capped()) {
                         zero_frags(s);
                     } else {
                         KeyRowBias<T, C::SUB_M> bias(sBias, warp_row0);
@@ -694,7 +696,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                 // barrier alone (the d = 64 kernels gave wrong gradients when the stage went
                 // back right after the loads). Here S^T's product, issued on the registers
                 // they fed, has taken them; with softcap, below, once the passes are done.
-                if (C::BIAS && !(C::SOFTCAP && mods.softcap > 0.f)) release(&bars.bias_empty);
+                if (C::BIAS && !capped()) release(&bars.bias_empty);
                 if (sub == 0) {
                     wgmma_wait<1>();   // the last tile's dQ, dV and dK (S^T runs on)
                     if (step > unit_step0) {
@@ -769,7 +771,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                     // shown and kept (bwd.cuh). The choice must be the same for the whole
                     // warpgroup (its wgmma waits are inside): from the tile and the call.
     #define CUPYFLASH_OPTION_SCORES(BITS)                                                                       \
-        if (C::SOFTCAP && hm.softcap > 0.f) {                                                                   \
+        if (C::SOFTCAP && hm.softcap > 0.f) {   /* capped(), from the head's copy in registers */              \
             wgmma_wait<0>();                                                                                    \
             reg_fence(s[0]);                                                                                    \
             reg_fence(dp[0]);                                                                                   \
@@ -809,7 +811,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                 for (int ks = 0; ks < C::QSTEPS; ++ks)
                     Wgmma<T, D>::template rs<true>(acc_dk[0], ds_frag[ks], mnmajor_desc<T, BLOCK_M>(sQb, r0 / 16 + ks));
                 wgmma_commit();
-                if (C::BIAS && C::SOFTCAP && mods.softcap > 0.f) release(&bars.bias_empty);   // see above
+                if (C::BIAS && capped()) release(&bars.bias_empty);   // see above
 
                 // dS^T into shared memory for dQ: each k-step's A fragment with one stmatrix
                 // (quarter lane / 8 of the fragment at lane % 8's row).
