@@ -912,27 +912,32 @@ import cupyflash as cf
 from cupyflash.distributed import from_env, ring_attention_vjp, zigzag_shard
 
 comm = from_env()
-dtype, causal = sys.argv[1], sys.argv[2] == "1"
+causal = sys.argv[1] == "1"
 # Window, ALiBi and dropout with one seed on every rank: the unsharded call's mask.
-options = {} if sys.argv[4] == "plain" else dict(
+options = {} if sys.argv[2] == "plain" else dict(
     window=(300, 0 if causal else 200), alibi_slopes=np.array([2.0**-i for i in range(1, 9)], np.float32),
     dropout_p=0.15, seed=1234)
 rng = np.random.default_rng(0)                    # the same whole problem on every rank
 Q, K, V, dO = (rng.standard_normal(s).astype(np.float32)
                for s in ((2, 8, 1024, 128), (2, 2, 1024, 128), (2, 2, 1024, 128), (2, 8, 1024, 128)))
-g = lambda x: cp.asarray(x).astype(dtype)
-shard = lambda x: zigzag_shard(g(x), comm.rank, comm.size, -2)
-o, vjp = ring_attention_vjp(shard(Q), shard(K), shard(V), comm, causal=causal, **options)
-grads = vjp(shard(dO))
-whole, ctx = cf.attention_forward(g(Q), g(K), g(V), causal=causal, **options)
-ref = (whole, *cf.attention_backward(g(dO), ctx))
-worst = 0.0
-for i, (mine, r) in enumerate(zip((o, *grads), ref)):
-    r = zigzag_shard(r, comm.rank, comm.size, -2).astype(cp.float64)
-    err = float(cp.linalg.norm(mine.astype(cp.float64) - r) / cp.linalg.norm(r))
-    worst = max(worst, err / (1 if i == 0 else 3))
-print(f"rank {comm.rank}: worst error / limit share {worst:.3g}", flush=True)
-sys.exit(0 if worst < float(sys.argv[3]) else 1)
+failed = []
+for case in sys.argv[3:]:                          # dtype:limit, each dtype in turn
+    dtype, limit = case.split(":")
+    g = lambda x: cp.asarray(x).astype(dtype)
+    shard = lambda x: zigzag_shard(g(x), comm.rank, comm.size, -2)
+    o, vjp = ring_attention_vjp(shard(Q), shard(K), shard(V), comm, causal=causal, **options)
+    grads = vjp(shard(dO))
+    whole, ctx = cf.attention_forward(g(Q), g(K), g(V), causal=causal, **options)
+    ref = (whole, *cf.attention_backward(g(dO), ctx))
+    worst = 0.0
+    for i, (mine, r) in enumerate(zip((o, *grads), ref)):
+        r = zigzag_shard(r, comm.rank, comm.size, -2).astype(cp.float64)
+        err = float(cp.linalg.norm(mine.astype(cp.float64) - r) / cp.linalg.norm(r))
+        worst = max(worst, err / (1 if i == 0 else 3))
+    print(f"rank {comm.rank} {dtype}: worst error {worst:.3g} (limit {limit})", flush=True)
+    if not worst < float(limit):
+        failed.append(dtype)
+sys.exit(1 if failed else 0)
 """
 
 
@@ -942,8 +947,9 @@ sys.exit(0 if worst < float(sys.argv[3]) else 1)
 @pytest.mark.parametrize("world", [2, 4])
 def test_nccl_ring_in_processes(world, causal, options, tmp_path):
     """`world` processes (python -m cupyflash.distributed.launch), NCCL through CuPy: each
-    rank's output and gradients against its rows of the unsharded call on its GPU (bf16;
-    gradients 3x, as above), plain or with a window, ALiBi and seeded dropout."""
+    rank's output and gradients against its rows of the unsharded call on its GPU, in
+    every dtype (one launch; gradients 3x the dtype's tolerance, as above), plain or with
+    a window, ALiBi and seeded dropout."""
     from cupy.cuda import nccl
     from gpu_cases import TOLERANCE
     if _gpu_count() < world:
@@ -953,10 +959,11 @@ def test_nccl_ring_in_processes(world, causal, options, tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(_NCCL_WORKER)
     run = subprocess.run([sys.executable, "-m", "cupyflash.distributed.launch", "--nproc", str(world),
-                          str(script), "bfloat16", str(int(causal)), str(TOLERANCE["bfloat16"]), options],
+                          str(script), str(int(causal)), options,
+                          *(f"{dtype}:{TOLERANCE[dtype]}" for dtype in GPU_DTYPES)],
                          cwd=ROOT, env=_env(), timeout=300, capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert run.stdout.count("worst error") == world
+    assert run.stdout.count("worst error") == world * len(GPU_DTYPES)
 
 
 def test_example_runs_simulated_ranks_without_a_launcher():

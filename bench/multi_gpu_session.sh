@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# One device call on a machine of several GPUs (#18): NCCL through CuPy checked, the
+# multi-GPU tests (ring over NCCL in processes, 2 and 4 ranks, every dtype; the one-process
+# split over 2 and 4 GPUs), then bench/distributed.py's rows: the ring and the split at the
+# given N per GPU, each beside its single-GPU rows. Logs and JSON go to $OUT, a short table
+# comes last. Usage (repository root, on the GPU machine):
+#   COMMIT=<sha> bash bench/multi_gpu_session.sh [N per GPU ...]     (default 32768 131072)
+# SKIP="tests ring devices" leaves steps out; BIG=<N per GPU> adds the 4-GPU rows at that N
+# (262144: a 1M-token sequence), the split timed against one GPU over the whole sequence.
+set -u -o pipefail
+want() { [[ " ${SKIP:-} " != *" $1 "* ]]; }
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 CUPYFLASH_CACHE_DIR=${CUPYFLASH_CACHE_DIR:-/tmp/cupyflash-cache}
+# NVLink multicast stays off (the machine's rule; set again in case the environment lost it).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+seqlens=${*:-32768 131072}
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+gpus=$(nvidia-smi -L | wc -l)
+# CuPy finds libnccl through the nvidia-nccl wheel's lib folder where the loader does not.
+nccl_lib=$(python3 -c "import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], 'lib'))" 2>/dev/null)
+[ -n "$nccl_lib" ] && export LD_LIBRARY_PATH=$nccl_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+python3 -c "from cupy.cuda import nccl; print('nccl available', nccl.available, nccl.get_version() if nccl.available else '')"
+python3 -c "import cupyflash as cf; print(len(cf.precompile(dtypes=['bfloat16'], head_dims=[128], workers=16, options=True)), 'kernels')" \
+    > "$OUT/precompile.log" 2>&1; echo "precompile rc=$? ($(tail -1 "$OUT/precompile.log"))"
+want tests && { timeout 300 python3 -m pytest -m gpu tests/test_distributed.py -q -p no:cacheprovider \
+    -k "several or nccl or two_gpus" -rs > "$OUT/pytest-multi-gpu.log" 2>&1; echo "multi-gpu tests rc=$?"; tail -n 8 "$OUT/pytest-multi-gpu.log"; }
+rows=()
+for world in 2 4; do
+    [ "$world" -le "$gpus" ] || continue
+    devices=$(seq -s ' ' 0 $((world - 1)))
+    want ring && { timeout 200 python3 -m cupyflash.distributed.launch --nproc "$world" bench/distributed.py \
+        --seqlen-per-gpu $seqlens --repeat 3 ${COMMIT:+--commit "$COMMIT"} --out "$OUT/ring-$world.json" \
+        > "$OUT/ring-$world.log" 2>&1; echo "ring $world rc=$?"; rows+=("$OUT/ring-$world.json"); }
+    want devices && { timeout 200 python3 bench/distributed.py --devices $devices --seqlen-per-gpu $seqlens \
+        --repeat 3 ${COMMIT:+--commit "$COMMIT"} --out "$OUT/devices-$world.json" > "$OUT/devices-$world.log" 2>&1
+        echo "devices $world rc=$?"; rows+=("$OUT/devices-$world.json"); }
+done
+if [ -n "${BIG:-}" ] && [ "$gpus" -ge 4 ]; then
+    want ring && { timeout 240 python3 -m cupyflash.distributed.launch --nproc 4 bench/distributed.py \
+        --seqlen-per-gpu "$BIG" --repeat 2 ${COMMIT:+--commit "$COMMIT"} --out "$OUT/ring-4-big.json" \
+        > "$OUT/ring-4-big.log" 2>&1; echo "ring 4 big rc=$?"; rows+=("$OUT/ring-4-big.json"); }
+    want devices && { timeout 240 python3 bench/distributed.py --devices 0 1 2 3 --seqlen-per-gpu "$BIG" --repeat 2 \
+        --single-whole ${COMMIT:+--commit "$COMMIT"} --out "$OUT/devices-4-big.json" > "$OUT/devices-4-big.log" 2>&1
+        echo "devices 4 big rc=$?"; rows+=("$OUT/devices-4-big.json"); }
+fi
+python3 - "${rows[@]}" <<'EOF'
+import json, sys
+print(f"{'variant':8} {'gpus':>4} {'N/gpu':>7} {'seqlen':>8} {'pass':4} {'TFLOP/s/gpu':>11} {'ms':>9}")
+for path in sys.argv[1:]:
+    try:
+        rows = json.load(open(path))["rows"]
+    except (OSError, ValueError) as e:
+        print(f"{path}: {e}")
+        continue
+    for r in rows:
+        print(f"{r['variant']:8} {r['gpus']:>4} {r['N']:>7} {r['seqlen']:>8} {r['pass']:4} {r['tflops']:>11.1f} {r['ms']:>9.1f}")
+EOF
