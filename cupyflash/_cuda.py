@@ -557,8 +557,7 @@ def attention_backward(do, q, k, v, o, lse, dq, dk, dv, *, scale, causal, determ
     device_id = q.device.id
     _launch(*plan.prep, device_id, params)
     if dlse is not None:   # on the same stream, before the key-block kernels read D
-        # Under dropout the row carries its scale (kernels_cu/bwd.cuh): D / s - dlse / s.
-        delta[..., :Nq] -= dlse if mods.dropout_p == 0 else dlse * (1.0 / _philox.dropout_scale(mods.dropout_p))
+        delta[..., :Nq] -= dlse
     for variant, grid, specs in plan.kv:
         # Null where the launch adds nothing into dq (or dbias: only the dK launch has dS).
         params.set(dq_accum=_params.address(dq_accum if variant.grads & GRAD_DQ else None),
@@ -583,11 +582,8 @@ def _sm90_backward_map_specs(variant: Variant, q, k, v, do, mods, dbias):
     where a map of one of them cannot be made, or for a bias call it does not serve: a
     bias without whole (Nq, Nk) rows, one whose gradient is asked for (the sm80 kernels
     add dbias with atomics), or softcap beside it in the deterministic kernels
-    (Sm90BwdKVTile::SOFTCAP_BIAS); dropout in a kernel that compiles it out
-    (Sm90BwdKVTile::DROPOUT)."""
+    (Sm90BwdKVTile::SOFTCAP_BIAS)."""
     block_m, block_n = variant.tile[0], variant.block_m
-    if mods.dropout_p > 0 and not variant.dropout:
-        return None
     boxes = [(q, block_m), (do, block_m), (k, block_n), (v, block_n)]
     if variant.mode & MODE_BIAS:
         bias = mods.bias

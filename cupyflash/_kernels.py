@@ -223,7 +223,6 @@ class Variant:
     tile: tuple = ()         # the tile-table entry it was made from
     dq_ld: int = 0           # a key-block kernel's row stride of the dQ workspace; 0: the head dim
     grads: int = 0           # a key-block kernel's GRADS bits (bwd.cuh)
-    dropout: bool = True     # serves dropout (bwd_sm90.cu Sm90BwdKVTile::DROPOUT: not every Hopper backward)
 
     @property
     def source(self) -> str:
@@ -529,23 +528,18 @@ def _sm90_dkdv(dtype_name: str, D: int, tile, grads: int, mode: int) -> Variant:
     stages = 2
     # bwd_sm90.cu Sm90BwdKVTile: K, V, Q and dO per stage, dS^T twice, the bias of a
     # sub-tile of BWD_SM90_SUB_M queries (MODE_BIAS), swizzled; the staged fp32 dQ tile
-    # with rows of D + 8; a tile's lse2 and delta rows a stage; with dropout, two words a
-    # consumer thread (its bits in exchange); 1024 bytes to align the tiles;
-    # Sm90BwdBarriers (11 + 2 STAGES mbarriers of 8 bytes, two unit words, a
+    # with rows of D + 8; a tile's lse2 and delta rows a stage; 1024 bytes to align the
+    # tiles; Sm90BwdBarriers (11 + 2 STAGES mbarriers of 8 bytes, two unit words, a
     # 16-byte Sm90BwdTileInfo a stage; the walk's ring: two mbarriers and a tile info a
     # slot, Sm90BwdKVTile::WALK_SLOTS).
     bias = BWD_SM90_SUB_M * block_n if mode & MODE_BIAS else 0
-    # Sm90BwdKVTile::DROPOUT: not the deterministic option kernels at d = 128 (no registers
-    # for it; those calls take the sm80 kernels: _cuda._sm90_backward_map_specs).
-    dropout = mode != MODE_DENSE and not (grads & GRAD_DQ_ORDERED and D == 128)
     smem = ((2 * block_n * D + 2 * stages * block_m * D + 2 * block_n * block_m + bias) * 2
-            + (block_m * (D + 8) + 2 * stages * _sm90_rows_ld(block_m)) * 4 + (2 * 4 * 128 * consumers if dropout else 0)
-            + 1024 + 8 * (12 + 2 * stages) + 16 * stages
+            + (block_m * (D + 8) + 2 * stages * _sm90_rows_ld(block_m)) * 4 + 1024 + 8 * (12 + 2 * stages) + 16 * stages
             + (2 * 8 + 16) * BWD_SM90_WALK_SLOTS)
     expr = f"flash_bwd_dkdv_sm90<{CPP_TYPE[dtype_name]}, {D}, {block_m}, {consumers}, {grads}, {mode}, {smem}>"
     # + the producer warpgroup; the dQ workspace's rows padded as the staged tile's (DQ_LD)
     return Variant(BWD_SM90, expr, (consumers + 1) * 128, block_n, smem, mode=mode, tile=tuple(tile),
-                   dq_ld=D + 8, grads=grads, dropout=dropout)
+                   dq_ld=D + 8, grads=grads)
 
 
 def _sm80_dq(dtype_name: str, D: int, tile, mode: int) -> Variant:

@@ -9,10 +9,6 @@
 //   delta[i] = rowsum(dO_i * O_i), the softmax Jacobian's row term (D in the papers).
 // Rows in [nq, nq_pad) hold lse2 = +inf and delta = 0: a query tile reads its rows without
 // tail checks, and a padded row's P and dS are 0.
-// Under dropout (scale s = 1 / (1 - p) on the kept scores) the rows carry the scale: lse2
-// - log2 s and delta / s. Then the P that a kernel computes is s P, the P that multiplies
-// dO where kept, and dS = P o (kept dP s - delta) = (s P) o (kept dP - delta / s): no
-// product by s per score in any kernel (the host scales a dlse by 1 / s likewise).
 #pragma once
 #include "elem.cuh"
 #include "mma.cuh"
@@ -168,30 +164,29 @@ __device__ __forceinline__ Acc recomputed_p(const M& mods, const H& hm, Acc s, i
 }
 
 // dS = P o (dP~ - delta) of one score from recomputed_p's P, dP = dO_i . v_j and the
-// row's delta; dP~ is dP through the dropout mask (the rows carry the scale).
+// row's delta; dP~ is dP through the dropout mask and scale.
 template <int MODE, typename H, typename Acc>
 __device__ __forceinline__ Acc score_grad(const H& hm, Acc p, Acc dp, Acc delta) {
     if constexpr (MODE == MODE_DENSE) {
         return p * (dp - delta);
     } else {
-        const Acc kept_dp = !hm.dropout() || p > Acc(0) ? dp : Acc(0);
+        const Acc kept_dp = !hm.dropout() ? dp : (p > Acc(0) ? dp * hm.drop_scale : Acc(0));
         return (p < Acc(0) ? -p : p) * (kept_dp - delta);
     }
 }
 
-// The P that multiplies dO into dV: recomputed_p's, dropped ones 0 (kept ones come scaled:
-// the rows carry the scale).
+// The P that multiplies dO into dV: recomputed_p's, dropped ones 0, kept ones scaled.
 template <typename Acc>
-__device__ __forceinline__ Acc kept_p(Acc p) { return p > Acc(0) ? p : Acc(0); }
+__device__ __forceinline__ Acc kept_p(Acc p, Acc scale) { return p > Acc(0) ? p * scale : Acc(0); }
 
 template <int MT, int NT>
-__device__ __forceinline__ void dropped_p(float (&kept)[MT][NT][4], const float (&p)[MT][NT][4]) {
+__device__ __forceinline__ void dropped_p(float (&kept)[MT][NT][4], const float (&p)[MT][NT][4], float scale) {
     #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
         #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
             #pragma unroll
-            for (int e = 0; e < 4; ++e) kept[mt][nt][e] = kept_p(p[mt][nt][e]);
+            for (int e = 0; e < 4; ++e) kept[mt][nt][e] = kept_p(p[mt][nt][e], scale);
 }
 
 // recomputed_p over mma C fragments (mask.cuh for_each_score: fragment rows start at r0,
@@ -274,47 +269,46 @@ struct KeyRowBias {
     }
 };
 
-// Bit 4 nt + e of a tile's `visible` or `kept`: element e of n-tile nt.
-__device__ __forceinline__ bool score_bit(u32 bits, int nt, int e) { return (bits >> (4 * nt + e)) & 1; }
-
 // The options on bwd_sm90.cu's consumers (MODE_EXT, with MODE_BIAS its bias), whose scores come one
 // m-tile of C fragments at a time (bit 4 nt + e of `visible` and `kept` for element e of
 // n-tile nt: which scores the mask shows and dropout keeps, worked out while the products
 // ran; masking the scores at the peak of the registers spilled). The terms are
 // compile-time flags of each pass, chosen once per tile (a branch per term and score
-// would leave the scheduler one score's dependent chain at a time), and so are MASK and
-// KEEP, whether the passes select by `visible` and by `kept`: false where the tile needs
-// no mask, where the call has no dropout; each select is a bit test and a select per
-// score and use. Dropout's scale rides in the rows (above).
+// would leave the scheduler one score's dependent chain at a time), and so is BITS:
+// false where every score is shown and kept (no dropout, an unmasked tile), which saves
+// the selects. drop_scale is 1 without dropout.
 //
 // Without softcap, the dense kernels' two steps: p_pass turns S into P (0 where hidden)
 // while dP's product still runs, kept_a_frag packs the P that multiplies dO (dropped
-// scores 0), and grad_pass turns P into dS once dP is in.
-template <bool ALIBI, bool MASK, bool KEY_ROWS, int NT, typename Acc, typename H, typename L>
+// scores 0, kept ones scaled), and grad_pass turns P into dS once dP is in.
+template <bool ALIBI, bool BITS, bool KEY_ROWS, int NT, typename Acc, typename H, typename L>
 __device__ __forceinline__ void p_pass(Acc (&s)[1][NT][4], const H& hm, int r0, int c0, L&& lse2_at, u32 visible,
                                        Acc scale_log2) {
     for_each_score<KEY_ROWS>(s, r0, c0, [&](Acc& x, int i, int j, int mt, int nt, int e) {
         Acc score = x * scale_log2;
         if constexpr (ALIBI) score -= hm.alibi(i, j);
         const Acc p = exp2_fast(score - lse2_at(mt, nt, e));
-        x = !MASK || score_bit(visible, nt, e) ? p : Acc(0);
+        x = !BITS || (visible >> (4 * nt + e)) & 1 ? p : Acc(0);
     });
 }
 
-template <typename T, bool KEEP, int NT>
-__device__ __forceinline__ void kept_a_frag(u32 (&a)[4], const float (&p)[1][NT][4], int ks, u32 kept) {
-    auto k = [&](int nt, int e) { return !KEEP || score_bit(kept, nt, e) ? p[0][nt][e] : 0.f; };
+template <typename T, bool BITS, int NT>
+__device__ __forceinline__ void kept_a_frag(u32 (&a)[4], const float (&p)[1][NT][4], int ks, u32 kept,
+                                            float drop_scale) {
+    auto k = [&](int nt, int e) {
+        return !BITS ? p[0][nt][e] : (kept >> (4 * nt + e)) & 1 ? p[0][nt][e] * drop_scale : 0.f;
+    };
     a[0] = pack2<T>(k(2 * ks, 0), k(2 * ks, 1));
     a[1] = pack2<T>(k(2 * ks, 2), k(2 * ks, 3));
     a[2] = pack2<T>(k(2 * ks + 1, 0), k(2 * ks + 1, 1));
     a[3] = pack2<T>(k(2 * ks + 1, 2), k(2 * ks + 1, 3));
 }
 
-template <bool KEEP, bool KEY_ROWS, int NT, typename Acc, typename Dl>
+template <bool BITS, bool KEY_ROWS, int NT, typename Acc, typename Dl>
 __device__ __forceinline__ void grad_pass(Acc (&s)[1][NT][4], const Acc (&dp)[1][NT][4], int r0, int c0,
-                                          Dl&& delta_at, u32 kept) {
+                                          Dl&& delta_at, u32 kept, Acc drop_scale) {
     for_each_score<KEY_ROWS>(s, r0, c0, [&](Acc& x, int, int, int mt, int nt, int e) {
-        const Acc kept_dp = !KEEP || score_bit(kept, nt, e) ? dp[mt][nt][e] : Acc(0);
+        const Acc kept_dp = !BITS ? dp[mt][nt][e] : (kept >> (4 * nt + e)) & 1 ? dp[mt][nt][e] * drop_scale : Acc(0);
         x *= kept_dp - delta_at(mt, nt, e);
     });
 }
@@ -322,20 +316,25 @@ __device__ __forceinline__ void grad_pass(Acc (&s)[1][NT][4], const Acc (&dp)[1]
 // With softcap, one pass once both products are in: there are no registers for the
 // derivative 1 - tanh^2 to wait in between, so per score it lives only between its two
 // uses. s becomes the P that multiplies dO (kept_a_frag's values) and dp becomes dS.
-template <bool ALIBI, bool MASK, bool KEEP, bool KEY_ROWS, int NT, typename Acc, typename H, typename L,
-          typename Dl, typename Bias>
+template <bool ALIBI, bool BITS, bool KEY_ROWS, int NT, typename Acc, typename H, typename L, typename Dl,
+          typename Bias>
 __device__ __forceinline__ void capped_p_and_grad(Acc (&s)[1][NT][4], Acc (&dp)[1][NT][4], const H& hm, int r0, int c0,
                                                   L&& lse2_at, Dl&& delta_at, Bias& bias, u32 visible, u32 kept,
-                                                  Acc scale_log2) {
+                                                  Acc scale_log2, Acc drop_scale) {
     for_each_score<KEY_ROWS>(s, r0, c0, [&](Acc& x, int i, int j, int mt, int nt, int e) {
         Acc dtanh;
         Acc score = hm.capped(x * scale_log2, dtanh);
         if constexpr (Bias::ON) score = fma(bias.at(nt, e), Acc(LOG2E_D), score);
         if constexpr (ALIBI) score -= hm.alibi(i, j);
         const Acc p = exp2_fast(score - lse2_at(mt, nt, e));
-        const bool shown = !MASK || score_bit(visible, nt, e), keep = !KEEP || score_bit(kept, nt, e);
-        const Acc grad = p * ((keep ? dp[mt][nt][e] : Acc(0)) - delta_at(mt, nt, e)) * dtanh;
-        dp[mt][nt][e] = shown ? grad : Acc(0);
-        x = shown && keep ? p : Acc(0);
+        if constexpr (BITS) {
+            const bool shown = (visible >> (4 * nt + e)) & 1, keep = (kept >> (4 * nt + e)) & 1;
+            const Acc grad = p * ((keep ? dp[mt][nt][e] * drop_scale : Acc(0)) - delta_at(mt, nt, e)) * dtanh;
+            dp[mt][nt][e] = shown ? grad : Acc(0);
+            x = shown && keep ? p * drop_scale : Acc(0);
+        } else {
+            dp[mt][nt][e] = p * (dp[mt][nt][e] - delta_at(mt, nt, e)) * dtanh;
+            x = p;
+        }
     });
 }

@@ -140,11 +140,10 @@ struct Sm90BwdKVTile {
     // deterministic bias kernels, which never get it (their consumers spilled in it at
     // d = 128 once the producer described the tiles: 24 bytes, build check).
     static constexpr bool SOFTCAP = !BIAS || SOFTCAP_BIAS;
-    // With the options, the passes select by the mask's bits only on tiles that need the
-    // mask and by dropout's only in calls with dropout (bwd.cuh MASK, KEEP: four copies),
-    // but in the d = 128 kernels with the bias, where a second copy of the passes spills
-    // (deterministic: 48 bytes; since the producer describes the tiles, 4 bytes in the
-    // other too: NVRTC 12.9 build check): there every tile selects by both.
+    // With the options, tiles that no mask or dropout touches take passes without the
+    // selects (bwd.cuh BITS), but in the d = 128 kernels with the bias, where the second
+    // copy of the passes spills (deterministic: 48 bytes; since the producer describes
+    // the tiles, 4 bytes in the other too: NVRTC 12.9 build check).
     static constexpr bool SELECT_FREE_TILES = D <= 64 || !BIAS;
     // The warpgroup index as the compiler can see it is warp-uniform (wgmma.cuh
     // warp_uniform), so that the descriptors stay in uniform registers, where that does not
@@ -164,7 +163,7 @@ struct Sm90BwdKVTile {
     // Shared memory (cupyflash/_kernels.py mirrors it), from a 1024-byte aligned base: K, V,
     // Q x STAGES, dO x STAGES, dS^T x 2 (with dQ), a sub-tile's bias (MODE_BIAS), each a
     // multiple of 1024 bytes; the staged dQ tile (fp32, with dQ); a tile's lse2 and delta
-    // rows, one buffer a stage; dropout's bits in exchange (the options); the barriers.
+    // rows, one buffer a stage; the barriers.
     static constexpr int KV_ELEMS = BLOCK_N * D, QO_ELEMS = BLOCK_M * D;
     static constexpr int DS_ELEMS = BLOCK_N * BLOCK_M;
     static constexpr int BIAS_ELEMS = BIAS ? SUB_M * BLOCK_N : 0;
@@ -177,18 +176,9 @@ struct Sm90BwdKVTile {
     // at any row), ROWS_BOX rows, each box ROWS_LD floats apart (128-byte aligned).
     static constexpr int ROWS_BOX = BLOCK_M + 4, ROWS_LD = (ROWS_BOX + 31) / 32 * 32;
     static constexpr u32 ROWS_BYTES = 2 * ROWS_BOX * sizeof(float);   // lse2 and delta of a stage
-    // Dropout's bits, which each pair of sibling warps draws together (philox.cuh
-    // dropout_keep_bits_key_rows): a word a consumer thread, two buffers, each pair under
-    // its own named barrier. Dropout is compiled out of the deterministic option kernels at
-    // d = 128, whose consumers spilled 8-16 bytes with it once the passes took their copies
-    // by mask and dropout (NVRTC 12.9 build check; without it none): the host sends such
-    // calls to the sm80 kernels (cupyflash/_kernels.py Variant.dropout).
-    static constexpr bool DROPOUT = MODE != MODE_DENSE && !(D == 128 && ORDERED_DQ);
-    static constexpr int DROP_WORDS = DROPOUT ? 2 * CONSUMER_THREADS : 0;
-    static constexpr int PAIR_BARRIER0 = 3;   // after __syncthreads', CONSUMER_BARRIER and WRITERS_BARRIER
     static constexpr int ALIGN = 1024;
     static constexpr int TILE_BYTES = (2 * KV_ELEMS + 2 * STAGES * QO_ELEMS + 2 * DS_ELEMS + BIAS_ELEMS) * sizeof(T) +
-                                      (DQ_FLOATS + STAGES * 2 * ROWS_LD) * sizeof(float) + DROP_WORDS * sizeof(u32);
+                                      (DQ_FLOATS + STAGES * 2 * ROWS_LD) * sizeof(float);
     // The walk's ring (Sm90BwdTileInfo): the loader runs up to STAGES tiles ahead of the
     // consumers and a dQ writer a tile behind them, so four slots let the walker run ahead
     // of every reader.
@@ -234,8 +224,6 @@ struct Sm90BwdKVTile {
     static_assert(DQ_N % 64 == 0 && D % DQ_N == 0 && (BLOCK_M / 64) * DQ_COLS == CONSUMERS, "dQ pieces");
     static_assert(BWD_ROW_PAD % BLOCK_M == 0, "query tiles read the padded row workspaces whole");
     static_assert(2 * BLOCK_M <= CONSUMER_THREADS, "a consumer thread fetches one word of a tile's rows");
-    static_assert(PAIR_BARRIER0 > CONSUMER_BARRIER && PAIR_BARRIER0 > WRITERS_BARRIER &&
-                  PAIR_BARRIER0 + CONSUMERS * 2 <= 16, "named barriers: 16 a CTA");
     static_assert(DQ_FLOATS * sizeof(float) >= BLOCK_N * SmemTile<T, D>::stride * sizeof(T), "epilogue staging in the dQ tile");
 };
 
@@ -311,7 +299,6 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
     T* sBias = sdS + 2 * C::DS_ELEMS;         // one stage (MODE_BIAS)
     float* sdQ = reinterpret_cast<float*>(sBias + C::BIAS_ELEMS);   // also the epilogue's staging tile
     float* sRows = sdQ + C::DQ_FLOATS;        // a stage's lse2 then delta rows (C::ROWS_LD each), STAGES buffers
-    u32* sDropBits = reinterpret_cast<u32*>(sRows + STAGES * 2 * C::ROWS_LD);   // C::DROP_WORDS (options)
     auto& bars = *reinterpret_cast<Sm90BwdBarriers<STAGES, C::WALK_SLOTS>*>(reinterpret_cast<unsigned char*>(sK) + C::TILE_BYTES);
     // The option kernels' state of the CTA's unit (mods.cuh Mods; in registers it would
     // spill the consumers). The persistent dense kernels keep each role's in registers.
@@ -383,7 +370,6 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
     __syncthreads();
     const UnitState cta_unit = unit_state_of(cta_mods, {int(blockIdx.x), int(blockIdx.y), int(blockIdx.z)});
     if (!C::PERSISTENT && !cta_unit.has_keys()) return;
-    if (!C::DROPOUT && p.mods.drop_threshold != 0) __trap();   // a host that drifted from this contract
 
     // Unit k of this CTA (every role takes the same ones, in order), -1 after the last:
     // the producer's first warp (the dQ writer where the turns rotate, below) claims it
@@ -769,17 +755,10 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                     // while the products run; then P and dS as in dense mode, or with softcap
                     // in one pass once both products are in.
                     const auto hm = mods.at_head(h);
-                    const bool dropout = C::DROPOUT && hm.dropout();
-                    // Dropout's bits, drawn with the sibling warp (philox.cuh; two exchange
-                    // buffers, alternating by sub-tile).
-                    const u32 keep = dropout ? hm.template keep_bits_key_rows<QT>(
-                                                   k0 + warp_row0, q0 + r0,
-                                                   sDropBits + ((step * C::SUBTILES + sub) & 1) * C::CONSUMER_THREADS +
-                                                       (warp / 2) * 64,
-                                                   C::PAIR_BARRIER0 + warp / 2)
-                                             : ~0u;
+                    const u32 keep = hm.dropout() ? hm.template keep_bits_key_rows<QT>(k0 + warp_row0, q0 + r0) : ~0u;
                     const u32 visible = needs_mask ? mask.template visible_bits<true, QT>(k0 + warp_row0, q0 + r0, h)
                                                    : ~0u;
+                    const float drop_scale = hm.dropout() ? hm.drop_scale : 1.f;
                     const bool alibi = hm.slope_log2 != 0.f;
                     const int kr0 = k0 + warp_row0, qc0 = q0 + r0;
                     // MODE_BIAS with softcap: the bias from its stage in the one pass (above it
@@ -788,18 +767,18 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                         if constexpr (C::SOFTCAP_BIAS) return KeyRowBias<T, C::SUB_M>(sBias, warp_row0);
                         else return NoBias();
                     }();
-                    // MASK, KEEP: whether the passes select by the mask's and dropout's bits
-                    // (bwd.cuh). The choice must be the same for the whole warpgroup (its wgmma
-                    // waits are inside): from the tile and the call.
-    #define CUPYFLASH_OPTION_SCORES(MASK, KEEP)                                                                 \
+                    // BITS: whether the passes select by the bits; false where every score is
+                    // shown and kept (bwd.cuh). The choice must be the same for the whole
+                    // warpgroup (its wgmma waits are inside): from the tile and the call.
+    #define CUPYFLASH_OPTION_SCORES(BITS)                                                                       \
         if (C::SOFTCAP && hm.softcap > 0.f) {   /* capped(), from the head's copy in registers */              \
             wgmma_wait<0>();                                                                                    \
             reg_fence(s[0]);                                                                                    \
             reg_fence(dp[0]);                                                                                   \
-            if (alibi) capped_p_and_grad<true, MASK, KEEP, true>(s, dp, hm, kr0, qc0, lse2_at, delta_at, bias,  \
-                                                                 visible, keep, scale_log2);                    \
-            else capped_p_and_grad<false, MASK, KEEP, true>(s, dp, hm, kr0, qc0, lse2_at, delta_at, bias,       \
-                                                            visible, keep, scale_log2);                         \
+            if (alibi) capped_p_and_grad<true, BITS, true>(s, dp, hm, kr0, qc0, lse2_at, delta_at, bias, visible, keep, \
+                                                           scale_log2, drop_scale);                             \
+            else capped_p_and_grad<false, BITS, true>(s, dp, hm, kr0, qc0, lse2_at, delta_at, bias, visible,    \
+                                                      keep, scale_log2, drop_scale);                            \
             _Pragma("unroll") for (int ks = 0; ks < C::QSTEPS; ++ks) {                                          \
                 c_to_a_frag<T>(p_frag[ks], s, 0, ks);                                                           \
                 c_to_a_frag<T>(ds_frag[ks], dp, 0, ks);                                                         \
@@ -807,27 +786,19 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
         } else {                                                                                                \
             wgmma_wait<1>();                                                                                    \
             reg_fence(s[0]);                                                                                    \
-            if (alibi) p_pass<true, MASK, true>(s, hm, kr0, qc0, lse2_at, visible, scale_log2);                 \
-            else p_pass<false, MASK, true>(s, hm, kr0, qc0, lse2_at, visible, scale_log2);                      \
+            if (alibi) p_pass<true, BITS, true>(s, hm, kr0, qc0, lse2_at, visible, scale_log2);                 \
+            else p_pass<false, BITS, true>(s, hm, kr0, qc0, lse2_at, visible, scale_log2);                      \
             _Pragma("unroll") for (int ks = 0; ks < C::QSTEPS; ++ks)                                            \
-                kept_a_frag<T, KEEP>(p_frag[ks], s, ks, keep);                                                  \
+                kept_a_frag<T, BITS>(p_frag[ks], s, ks, keep, drop_scale);                                      \
             wgmma_wait<0>();                                                                                    \
             reg_fence(dp[0]);                                                                                   \
-            grad_pass<KEEP, true>(s, dp, kr0, qc0, delta_at, keep);                                             \
+            grad_pass<BITS, true>(s, dp, kr0, qc0, delta_at, keep, drop_scale);                                 \
             _Pragma("unroll") for (int ks = 0; ks < C::QSTEPS; ++ks) c_to_a_frag<T>(ds_frag[ks], s, 0, ks);     \
         }
-                    if constexpr (!C::SELECT_FREE_TILES) {
-                        CUPYFLASH_OPTION_SCORES(true, true)
-                    } else if (dropout) {
-                        if (needs_mask) {
-                            CUPYFLASH_OPTION_SCORES(true, true)
-                        } else {
-                            CUPYFLASH_OPTION_SCORES(false, true)
-                        }
-                    } else if (needs_mask) {
-                        CUPYFLASH_OPTION_SCORES(true, false)
+                    if (C::SELECT_FREE_TILES && !needs_mask && !hm.dropout()) {
+                        CUPYFLASH_OPTION_SCORES(false)
                     } else {
-                        CUPYFLASH_OPTION_SCORES(false, false)
+                        CUPYFLASH_OPTION_SCORES(true)
                     }
     #undef CUPYFLASH_OPTION_SCORES
                 }

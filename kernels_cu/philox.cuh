@@ -6,7 +6,6 @@
 // the scores it holds and the backward pass regenerates the forward's mask from indices.
 #pragma once
 #include "elem.cuh"
-#include "copy.cuh"   // named_barrier
 
 #define PHILOX_M0 0xD2511F53u
 #define PHILOX_M1 0xCD9E8D57u
@@ -112,61 +111,38 @@ __device__ __forceinline__ u64 dropout_keep_bits(u64 seed, u64 stream, int r0, i
 // The keep bits of the transposed products' fragments (bwd_sm90.cu: C fragments whose rows
 // are keys, for_each_score's KEY_ROWS layout): a warp's 16 keys from key0 (a multiple of
 // 16), NT n-tiles of queries from q0 (a multiple of 16); bit 4 nt + e for element e of
-// n-tile nt. Keys and queries count from the origin of `base`.
-//
-// A call's 16 bytes cover key bits 0, 3 and 4 and query bit 3 of one counter, and a
-// thread holds keys g and g + 8 (bit 3) for queries 16 m + 8 h + 2 t + u (bit 3: h). So
-// the call that lane 4 g + t draws for query group m and query bit 0 u serves
-//   - its own keys (key bit 0 = g & 1) and those of lane 4 (g ^ 1) + t (the other bit 0),
-//     which hold query u too: each of the two lanes draws the counters of its own u (= its
-//     key bit 0) and hands the other lane its bits by one shuffle;
-//   - the keys of the same lane in the sibling warp, whose keys differ in bit 4 alone (a
-//     warpgroup's warps 2 i and 2 i + 1, key0 ^ 16): each of the two warps draws the query
-//     groups of its own key bit 4's parity for both and they swap halves through
-//     `exchange`, 64 words of shared memory (the pair's), under named barrier `barrier` of
-//     the pair's 64 threads. A caller alternates two `exchange` buffers, so that a warp
-//     writes one again only after its sibling has passed the barrier that follows its read.
-// So the 16 bytes of every call are used: 2 calls for a thread's 32 scores, where each
-// lane alone would make 32 (and a warp alone, 4). Both warps of the pair must call it.
+// n-tile nt. A thread's keys g and g + 8 share a counter (the same j >> 5 and (j >> 1) & 3),
+// and so do its queries 16 m + 2 t + u and 16 m + 8 + 2 t + u; so do the keys of lane
+// 4 (g ^ 1) + t, which differ in key bit 0 alone. So the two lanes split the calls: each
+// draws the counters of one u for both lanes' keys and hands the other lane its bits by
+// one shuffle. One call gives 8 of the pair's scores (the forward's layout gets 16): 4
+// calls for a thread's 32 scores instead of 32. Keys and queries count from the origin of
+// `base`.
 template <int NT>
 __device__ __forceinline__ u32 dropout_keep_bits_key_rows(u64 seed, u64 stream, int key0, int q0, u32 threshold,
-                                                          uint2 base, u32* exchange, int barrier) {
-    static_assert(NT % 4 == 0 && 4 * NT <= 32, "query-group pairs of two n-tiles each, at most 32 scores");
+                                                          uint2 base) {
+    static_assert(NT % 2 == 0 && 4 * NT <= 32, "pairs of query n-tiles, at most 32 scores");
     const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int j = key0 + g;
-    const int u = g & 1;                    // the query this lane draws for: its own key bit 0
-    const int parity = (key0 >> 4) & 1;     // this warp's key bit 4: its query groups m = parity + 2 i
+    const int u = g & 1;   // the query this lane draws for: its own key bit 0
     const u32 x = base.x + static_cast<u32>((j >> 5) * 4 + ((j >> 1) & 3));
-    // Byte half * 8 + 4 * (key bit 4) + 2 kh + b: query bit 3, key bit 4, key g + 8 kh, key
-    // bit 0 b (j's bits 3 and 4 are key0's: g < 8, key0 % 16 == 0).
-    // Bit 4 (2 m + half) + 2 kh + b of `drawn`, byte m: query u's score of the key with bit
-    // 0 = b, for this warp's keys in the groups it draws, and for the sibling's keys of
-    // group m in byte m ^ 1 (the byte that the sibling's own draw fills in this warp's
-    // result).
+    const u32 pair_byte = static_cast<u32>(((j >> 3) & 3) * 2);   // + key bit 0; key g + 8's is 2 more
+    // Bit 4 nt + 2 kh + b of `drawn`: query u's score of the key with bit 0 = b, i.e. this
+    // lane's bits where b = u, and where b != u the partner's, which it moves to its u.
     u32 drawn = 0;
     #pragma unroll
-    for (int i = 0; i < NT / 4; ++i) {
-        const int m = 2 * i + parity;
+    for (int m = 0; m < NT / 2; ++m) {
         const uint4 w = dropout_words(seed, stream, x, base.y + static_cast<u32>(((q0 >> 4) + m) * 8 + 2 * t + u));
         #pragma unroll
-        for (int sibling = 0; sibling < 2; ++sibling)
+        for (int half = 0; half < 2; ++half)            // n-tile 2 m + half: query bit 3
             #pragma unroll
-            for (int half = 0; half < 2; ++half)        // n-tile 2 m + half: query bit 3
+            for (int kh = 0; kh < 2; ++kh)              // key g + 8 kh
                 #pragma unroll
-                for (int kh = 0; kh < 2; ++kh)          // key g + 8 kh
-                    #pragma unroll
-                    for (int b = 0; b < 2; ++b)         // key bit 0
-                        drawn |= u32(dropout_byte(w, half * 8 + 4 * (parity ^ sibling) + 2 * kh + b) >= threshold)
-                                 << (4 * (2 * (m ^ sibling) + half) + 2 * kh + b);
+                for (int b = 0; b < 2; ++b)             // key bit 0
+                    drawn |= u32(dropout_byte(w, half * 8 + pair_byte + b + 2 * kh) >= threshold)
+                             << (4 * (2 * m + half) + 2 * kh + b);
     }
     const u32 own = u ? 0xaaaaaaaau : 0x55555555u;   // the bits of this lane's key parity
     const u32 partners = __shfl_xor_sync(0xffffffffu, drawn, 4) & own;   // their query, these keys
-    const u32 fixed = (drawn & own) | (u ? partners >> 1 : partners << 1);
-    // Swap halves with the sibling: its word holds this warp's bits of the sibling's groups
-    // in the bytes of this warp's parity, one byte off.
-    exchange[parity * 32 + lane] = fixed;
-    named_barrier(barrier, 64);
-    const u32 mine = parity ? 0xff00ff00u : 0x00ff00ffu;   // the bytes of this warp's groups
-    const u32 theirs = exchange[(parity ^ 1) * 32 + lane] & mine;
-    return (fixed & mine) | (parity ? theirs >> 8 : theirs << 8);
+    return (drawn & own) | (u ? partners >> 1 : partners << 1);
 }

@@ -22,19 +22,17 @@ __global__ void dropout_keep_kernel(u64 seed, u64 offset, u32 batch, u32 head, u
     }
 }
 
-// keep[(key - key0) * nq_tile + (q - q0)] of a warp pair's 32 keys from key0 (a multiple
-// of 32) by NT * 8 queries from q0, counted from the origin (row_origin, key_origin), from
-// dropout_keep_bits_key_rows as the backward's threads hold them (bit 4 nt + e of lane
-// 4 g + t of warp w: key 16 w + g + 8 (e / 2), query 8 nt + 2 t + e % 2); the two warps of
-// one 64-thread block draw together, as a warpgroup's sibling warps do.
+// keep[(key - key0) * nq_tile + (q - q0)] of a warp's 16 keys from key0 by NT * 8 queries
+// from q0, counted from the origin (row_origin, key_origin), from dropout_keep_bits_key_rows
+// as the backward's threads hold them (bit 4 nt + e of lane 4 g + t: key g + 8 (e / 2),
+// query 8 nt + 2 t + e % 2); one warp per block.
 template <int NT>
 __global__ void dropout_key_rows_kernel(u64 seed, u64 stream, int key0, int q0, u32 row_origin, u32 key_origin,
                                         u32 threshold, unsigned char* keep) {
-    __shared__ u32 exchange[64];
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    const u32 bits = dropout_keep_bits_key_rows<NT>(seed, stream, key0 + 16 * warp, q0, threshold,
-                                                    dropout_counter_base(row_origin, key_origin), exchange, 1);
+    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const u32 bits = dropout_keep_bits_key_rows<NT>(seed, stream, key0, q0, threshold,
+                                                    dropout_counter_base(row_origin, key_origin));
     for (int nt = 0; nt < NT; ++nt)
         for (int e = 0; e < 4; ++e)
-            keep[(16 * warp + g + 8 * (e / 2)) * (NT * 8) + 8 * nt + 2 * t + e % 2] = (bits >> (4 * nt + e)) & 1u;
+            keep[(g + 8 * (e / 2)) * (NT * 8) + 8 * nt + 2 * t + e % 2] = (bits >> (4 * nt + e)) & 1u;
 }

@@ -138,9 +138,8 @@ def test_hopper_backward_only_where_it_builds(monkeypatch, arch, source, determi
 def test_hopper_backward_bias_calls_it_cannot_serve_take_the_next_kernel(monkeypatch, deterministic):
     # bwd_sm90.cu's MODE_BIAS kernel reads the bias through a tensor map of whole (Nq, Nk)
     # rows (boxes of BWD_SM90_SUB_M queries). A call asking for dbias, a bias broadcast
-    # over queries or keys, softcap beside a bias in the deterministic kernel, and dropout
-    # in the deterministic d = 128 kernel (Sm90BwdKVTile::DROPOUT) get no specs, so
-    # _plan_backward takes the sm80 kernels.
+    # over queries or keys, and softcap beside a bias in the deterministic kernel get no
+    # specs, so _plan_backward takes the sm80 kernels.
     from types import SimpleNamespace
     monkeypatch.setattr(_cuda, "_map_specs", lambda *boxes: tuple(rows for _, rows in boxes))
     (_, candidates), = _kernels.backward_plan("bfloat16", 128, deterministic,
@@ -150,8 +149,8 @@ def test_hopper_backward_bias_calls_it_cannot_serve_take_the_next_kernel(monkeyp
     q = do = np.zeros((2, 4, 100, 128))
     k = v = np.zeros((2, 2, 64, 128))
 
-    def specs(bias_shape, softcap=0.0, dbias=None, dropout_p=0.0):
-        mods = SimpleNamespace(bias=np.zeros(bias_shape), softcap=softcap, dropout_p=dropout_p)
+    def specs(bias_shape, softcap=0.0, dbias=None):
+        mods = SimpleNamespace(bias=np.zeros(bias_shape), softcap=softcap)
         return _cuda._sm90_backward_map_specs(hopper, q, k, v, do, mods, dbias)
 
     assert specs((1, 1, 100, 64)) == (64, 64, 128, 128, _kernels.BWD_SM90_SUB_M)
@@ -159,7 +158,6 @@ def test_hopper_backward_bias_calls_it_cannot_serve_take_the_next_kernel(monkeyp
     assert specs((1, 1, 1, 64)) is None and specs((1, 1, 100, 1)) is None   # broadcast rows
     assert specs((1, 1, 100, 64), dbias=np.zeros((1, 1, 100, 64))) is None
     assert (specs((1, 1, 100, 64), softcap=30.0) is None) == deterministic
-    assert (specs((1, 1, 100, 64), dropout_p=0.1) is None) == deterministic
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])

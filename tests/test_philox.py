@@ -349,21 +349,21 @@ def test_gpu_dropout_keep_matches_numpy(p, row0, key0, rng):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("p", [0.1, 0.5])
-@pytest.mark.parametrize("key0,q0", [(0, 0), (32, 64), (96, 4096 + 16), (2**20 + 32, 2**21 + 48)])
+@pytest.mark.parametrize("key0,q0", [(0, 0), (16, 64), (48, 4096 + 16), (2**20 + 32, 2**21 + 48)])
 @pytest.mark.parametrize("row_origin, key_origin", [(0, 0), (384, 2**20 + 160)])
 def test_gpu_key_rows_bits_match_numpy(p, key0, q0, row_origin, key_origin):
-    """The backward's keep bits (two lanes and two sibling warps sharing each Philox call,
-    bwd_sm90.cu) against the per-score draw of the NumPy twin, over a warp pair's 32 keys
-    x 64 queries, counted from an origin (a chunk pair's) or from 0."""
+    """The backward's keep bits (two lanes sharing each Philox call, bwd_sm90.cu) against
+    the per-score draw of the NumPy twin, over a warp's 16 keys x 64 queries, counted from
+    an origin (a chunk pair's) or from 0."""
     import cupy
 
     seed, stream = 2**63 + 12345, 77
-    keep = cupy.full((32, 64), 7, dtype=cupy.uint8)   # poisoned
+    keep = cupy.full((16, 64), 7, dtype=cupy.uint8)   # poisoned
     kernel = _gpu_kernel("dropout_key_rows_kernel<8>")
-    kernel((1,), (64,), (np.uint64(seed), np.uint64(stream), np.int32(key0), np.int32(q0),
+    kernel((1,), (32,), (np.uint64(seed), np.uint64(stream), np.int32(key0), np.int32(q0),
                          np.uint32(row_origin), np.uint32(key_origin),
                          np.uint32(_philox.dropout_threshold(p)), keep))
-    keys, queries = np.meshgrid(np.arange(key_origin + key0, key_origin + key0 + 32),
+    keys, queries = np.meshgrid(np.arange(key_origin + key0, key_origin + key0 + 16),
                                 np.arange(row_origin + q0, row_origin + q0 + 64), indexing="ij")
     expected = _philox.dropout_keep(seed, stream, 0, 0, queries.ravel(), keys.ravel(), p=p, heads=1)
-    np.testing.assert_array_equal(cupy.asnumpy(keep), expected.reshape(32, 64).astype(np.uint8))
+    np.testing.assert_array_equal(cupy.asnumpy(keep), expected.reshape(16, 64).astype(np.uint8))
