@@ -5,7 +5,7 @@
 # given N per GPU, each beside its single-GPU rows. Logs and JSON go to $OUT, a short table
 # comes last. Usage (repository root, on the GPU machine):
 #   COMMIT=<sha> bash bench/multi_gpu_session.sh [N per GPU ...]     (default 32768 131072)
-# SKIP="tests ring devices" leaves steps out; BIG=<N per GPU> adds the 4-GPU rows at that N
+# SKIP="tests ring devices" leaves steps out, TESTS=<pytest -k expr> picks the tests; BIG=<N per GPU> adds the 4-GPU rows at that N
 # (262144: a 1M-token sequence), the split timed against one GPU over the whole sequence.
 set -u -o pipefail
 want() { [[ " ${SKIP:-} " != *" $1 "* ]]; }
@@ -22,8 +22,9 @@ nccl_lib=$(python3 -c "import nvidia.nccl, os; print(os.path.join(list(nvidia.nc
 python3 -c "from cupy.cuda import nccl; print('nccl available', nccl.available, nccl.get_version() if nccl.available else '')"
 python3 -c "import cupyflash as cf; print(len(cf.precompile(head_dims=[64, 128], workers=16, options=True)), 'kernels')" \
     > "$OUT/precompile.log" 2>&1; echo "precompile rc=$? ($(tail -1 "$OUT/precompile.log"))"
-want tests && { timeout 240 python3 -m pytest -m gpu tests/test_distributed.py -q -p no:cacheprovider \
-    -k "several or nccl or two_gpus" -rs > "$OUT/pytest-multi-gpu.log" 2>&1; echo "multi-gpu tests rc=$?"; tail -n 8 "$OUT/pytest-multi-gpu.log"; }
+want tests && { timeout 330 python3 -m pytest -m gpu tests/test_distributed.py -q -p no:cacheprovider \
+    -k "${TESTS:-several or nccl or two_gpus or multi_device}" -rs --durations=5 > "$OUT/pytest-multi-gpu.log" 2>&1
+    echo "multi-gpu tests rc=$?"; tail -n 12 "$OUT/pytest-multi-gpu.log"; }
 rows=()
 for world in 2 4; do
     [ "$world" -le "$gpus" ] || continue
@@ -43,6 +44,8 @@ if [ -n "${BIG:-}" ] && [ "$gpus" -ge 4 ]; then
         --single-whole ${COMMIT:+--commit "$COMMIT"} --out "$OUT/devices-4-big.json" > "$OUT/devices-4-big.log" 2>&1
         echo "devices 4 big rc=$?"; rows+=("$OUT/devices-4-big.json"); }
 fi
+# One archive of the logs (the device tool brings back at most 8 files) beside the JSON.
+(cd "$OUT" && tar czf logs.tgz *.log && rm -f *.log)
 python3 - "${rows[@]}" <<'EOF'
 import json, sys
 print(f"{'variant':8} {'gpus':>4} {'N/gpu':>7} {'seqlen':>8} {'pass':4} {'TFLOP/s/gpu':>11} {'ms':>9}")

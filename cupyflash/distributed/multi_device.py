@@ -84,10 +84,38 @@ def _seq(x, lo, hi, layout, lse=False):
     return x[:, lo:hi] if layout == "bshd" else x[..., lo:hi, :]
 
 
+def _rows_of_bytes(x):
+    """``(width, height, pitch)`` where the array ``x`` is ``height`` runs of ``width``
+    contiguous bytes, ``pitch`` bytes apart (one 2D copy moves it), else None. A slice of
+    the sequence axis of a C-contiguous (B, H, N, d) or (B, N, H, d) array is such."""
+    width, axes = x.itemsize, []
+    for n, stride in reversed(list(zip(x.shape, x.strides))):
+        if n == 1:
+            continue
+        if not axes and stride == width:
+            width *= n                       # still inside the contiguous tail
+        else:
+            axes.append((n, stride))
+    if not axes:
+        return width, 1, width
+    (height, pitch), rest = axes[0], axes[1:]
+    for n, stride in rest:                   # the outer axes must step as one
+        if stride != pitch * height:
+            return None
+        height *= n
+    return (width, height, pitch) if pitch >= width else None
+
+
 class _Mover:
     """Copies between the host and the devices, queued on the current streams, with the
     sources kept alive until `finish` (a device-to-device copy reads its source on the
-    destination's stream, after an event of the source's)."""
+    destination's stream, after an event of the source's).
+
+    A device's inputs must be queued before any kernel on the device they come from: the
+    event a copy waits for is recorded on the source's stream when the copy is queued, so
+    a copy queued behind a device's own kernels would wait for them (the passes below move
+    every input first, then launch). A slice of the caller's array moves by one strided
+    copy straight from its memory; another layout is made contiguous on its device first."""
 
     def __init__(self):
         self.cp = _arrays.cupy_module()
@@ -105,15 +133,23 @@ class _Mover:
 
     def _peer(self, x, device):
         cp = self.cp
+        runs = _rows_of_bytes(x)
+        if runs and runs[1] > 1 and runs[2] > cp.cuda.Device(device).attributes["MaxPitch"]:
+            runs = None   # a 2D copy's pitch has a limit (2 GiB): (B, N, H, d) at N = 1M passes it
         with cp.cuda.Device(x.device.id):
-            src = cp.ascontiguousarray(x)
+            src = x if runs else cp.ascontiguousarray(x)
             ready = cp.cuda.Event(disable_timing=True)
             ready.record()
         with cp.cuda.Device(device):
             dst = cp.empty(src.shape, src.dtype)
             stream = cp.cuda.get_current_stream()
             stream.wait_event(ready)
-            dst.data.copy_from_device_async(src.data, src.nbytes, stream)
+            if runs and runs[1] > 1:
+                width, height, pitch = runs
+                cp.cuda.runtime.memcpy2DAsync(dst.data.ptr, width, src.data.ptr, pitch, width, height,
+                                              cp.cuda.runtime.memcpyDefault, stream.ptr)
+            else:
+                dst.data.copy_from_device_async(src.data, src.nbytes, stream)
             done = cp.cuda.Event(disable_timing=True)
             done.record(stream)
         self._keep.append(src)
@@ -174,6 +210,40 @@ def _plan(problem, devices, causal, mods):
     return calls
 
 
+def _key_spans(calls):
+    """Per device, the key ranges to copy: one call's keys lie in one of them, and calls
+    whose keys overlap or touch share one (a device's causal prefixes nest)."""
+    spans = {}
+    for call in sorted(calls, key=lambda c: c.keys):
+        merged = spans.setdefault(call.device, [])
+        lo, hi = call.keys
+        if merged and lo <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+        else:
+            merged.append((lo, hi))
+    return spans
+
+
+def _move_inputs(mover, calls, q, k, v, layout):
+    """``(q, k, v)`` of each call on its device: its query rows, and its keys as a view of
+    the copy of its device's key span (`_key_spans`), so that each key moves once a device."""
+    spans = _key_spans(calls)
+    copies = {}
+    for device, ranges in spans.items():
+        with _arrays.on_device(device):
+            for lo, hi in ranges:
+                copies[device, lo, hi] = tuple(mover.to_device(_seq(x, lo, hi, layout), device) for x in (k, v))
+    moved = []
+    for call in calls:
+        lo, hi = call.keys
+        (a, b), = [(a, b) for a, b in spans[call.device] if a <= lo and hi <= b]
+        with _arrays.on_device(call.device):
+            qg = mover.to_device(_seq(q, *call.rows, layout), call.device)
+        kg, vg = (_seq(x, lo - a, hi - a, layout) for x in copies[call.device, a, b])
+        moved.append((qg, kg, vg))
+    return moved
+
+
 @dataclass
 class _Pass:
     """What the backward pass needs of a forward pass."""
@@ -215,13 +285,12 @@ def _run_forward(q, k, v, devices, options, layout, want_ctx):
     mover = _Mover()
     with _arrays.on_device(home):
         xp = _arrays.namespace(kind)
+        running = [call for call in calls if call.sees_keys]
+        # Every input copy queued before any kernel (_Mover), then every device's kernels.
+        inputs = _move_inputs(mover, running, q, k, v, layout)
         parts = []
-        for call in calls:   # every device's copies and kernels queued before any result is read
-            if not call.sees_keys:
-                continue
+        for call, (qg, kg, vg) in zip(running, inputs):
             with _arrays.on_device(call.device):
-                qg, kg, vg = (mover.to_device(_seq(x, a, b, layout), call.device)
-                              for x, (a, b) in ((q, call.rows), (k, call.keys), (v, call.keys)))
                 og = _arrays.empty((*qg.shape[:-1], problem.value_dim), problem.dtype, _arrays.DEVICE)
                 lg = _arrays.empty(_arrays.lse_shape(qg.shape, layout), acc, _arrays.DEVICE)
                 call.mods = _move_modifiers(call.mods, _arrays.DEVICE, call.device)
@@ -258,15 +327,18 @@ def _run_backward(do, dlse, state):
         xp = _arrays.namespace(kind)
         dq = xp.zeros(state.q.shape, state.q.dtype)
         dk_acc, dv_acc = xp.zeros(state.k.shape, acc), xp.zeros(state.v.shape, acc)
-        results = []
-        for call in state.calls:
-            if call.saved is None:
-                continue
+        running = [call for call in state.calls if call.saved is not None]
+        moved = []   # every copy queued before any kernel (_Mover)
+        for call in running:
             lo, hi = call.rows
             with _arrays.on_device(call.device):
                 dog = mover.to_device(_seq(do, lo, hi, layout), call.device)
                 dlg = None if dlse is None else mover.to_device(
                     _seq(dlse, lo, hi, layout, lse=True).astype(acc), call.device)
+            moved.append((dog, dlg))
+        results = []
+        for call, (dog, dlg) in zip(running, moved):
+            with _arrays.on_device(call.device):
                 grads = tuple(_arrays.empty(x.shape, x.dtype, _arrays.DEVICE) for x in call.saved[:3])
                 qg, kg, vg, og, lg = call.saved
                 _cuda.attention_backward(
