@@ -522,6 +522,26 @@ def test_from_env_names_missing_variables(monkeypatch):
         from_env()
 
 
+def test_a_rank_that_keeps_its_process_group_exits(tmp_path):
+    """from_env's group is stopped at exit: rank 0's rendezvous server (a child process of
+    cupyx.distributed) kept a script whose communicator lived to the end from exiting."""
+    pytest.importorskip("cupyx.distributed")
+    from cupyflash.distributed.launch import _free_port as free_port
+    script = tmp_path / "keeps_group.py"
+    script.write_text(
+        "from cupyx.distributed import _store\n"
+        "from cupyflash.distributed.comm import _stop_at_exit\n"
+        "store = _store.TCPStore(1)\n"
+        f"store.run('127.0.0.1', {free_port()})\n"
+        "class Backend:\n"
+        "    stop = staticmethod(store.stop)\n"
+        "backend = Backend()   # a module global, as a script's communicator is\n"
+        "_stop_at_exit(backend)\n")
+    run = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=_env(), timeout=60,
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+
+
 def test_launcher_sets_the_ring_environment(tmp_path):
     script = tmp_path / "show.py"
     script.write_text(textwrap.dedent("""

@@ -14,6 +14,7 @@ or torchrun set them.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import sys
@@ -343,4 +344,16 @@ def from_env():
     cp.cuda.Device(local).use()
     import cupyx.distributed
     backend = cupyx.distributed.init_process_group(world, rank, backend="nccl", host=host, port=port)
+    _stop_at_exit(backend)
     return NcclCommunicator(backend, device=local)
+
+
+def _stop_at_exit(backend):
+    """Stop ``backend`` (rank 0's rendezvous server) when the interpreter exits.
+
+    cupyx.distributed's rank 0 serves the rendezvous from a child process until the backend
+    is stopped, and the backend's finaliser does nothing once exit has begun; multiprocessing
+    joins the child at exit, so a script that keeps its communicator to the end (a module
+    global) never exited (seen on 4 H200s: every rank done, the launcher waiting). Registered
+    after cupyx's own exit hook (its import comes first), this runs before it."""
+    atexit.register(backend.stop)
