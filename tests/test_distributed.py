@@ -623,6 +623,37 @@ def test_rows_of_bytes_describe_a_2d_copy(view, rng):
     assert got == np.ascontiguousarray(x).tobytes()
 
 
+def test_move_inputs_give_each_call_its_rows_and_keys(monkeypatch, rng):
+    """multi_device's input moves (pure Python, with a mover that records its copies): each
+    call gets its query rows and its keys, and a device's keys move once a span."""
+    import contextlib
+    from types import SimpleNamespace
+    from cupyflash.distributed import multi_device
+    monkeypatch.setattr(multi_device._arrays, "on_device", lambda device: contextlib.nullcontext())
+
+    class Recorder:
+        def __init__(self):
+            self.copies = []
+
+        def to_device(self, x, device):
+            self.copies.append((device, x.shape[-2]))
+            return x.copy()
+
+    q, k, v = (rng.standard_normal((1, 2, 64, 4)) for _ in range(3))
+    calls = [SimpleNamespace(device=d, rows=r, keys=ks) for d, r, ks in
+             [(0, (0, 8), (0, 8)), (0, (56, 64), (0, 64)), (1, (8, 16), (0, 16)), (1, (48, 56), (0, 56)),
+              (2, (16, 24), (40, 48))]]
+    mover = Recorder()
+    moved = list(multi_device._move_inputs(mover, calls, q, k, v, "bhsd"))
+    for call, (qg, kg, vg) in zip(calls, moved):
+        np.testing.assert_array_equal(qg, q[..., slice(*call.rows), :])
+        np.testing.assert_array_equal(kg, k[..., slice(*call.keys), :])
+        np.testing.assert_array_equal(vg, v[..., slice(*call.keys), :])
+    key_copies = sorted(c for c in mover.copies if c[1] != 8)
+    assert key_copies == [(0, 64), (0, 64), (1, 56), (1, 56)]   # k and v once a device
+    assert sum(c[1] == 8 for c in mover.copies) == 5 + 2          # the rows, and device 2's keys
+
+
 def test_key_spans_share_one_copy_per_device():
     """A device's calls whose keys overlap or touch read one copied span; apart, two."""
     from types import SimpleNamespace

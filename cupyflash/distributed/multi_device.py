@@ -113,8 +113,8 @@ class _Mover:
 
     A device's inputs must be queued before any kernel on the device they come from: the
     event a copy waits for is recorded on the source's stream when the copy is queued, so
-    a copy queued behind a device's own kernels would wait for them (the passes below move
-    every input first, then launch). A slice of the caller's array moves by one strided
+    a copy queued behind a device's own kernels would wait for them (`_queued`: the passes
+    move every input from a GPU first, then launch). A slice of the caller's array moves by one strided
     copy straight from its memory; another layout is made contiguous on its device first."""
 
     def __init__(self):
@@ -225,23 +225,28 @@ def _key_spans(calls):
 
 
 def _move_inputs(mover, calls, q, k, v, layout):
-    """``(q, k, v)`` of each call on its device: its query rows, and its keys as a view of
-    the copy of its device's key span (`_key_spans`), so that each key moves once a device."""
+    """``(q, k, v)`` of each call on its device, in call order: its query rows, and its
+    keys as a view of the copy of its device's key span (`_key_spans`, copied where the
+    device's first call needs it), so that each key moves once a device."""
     spans = _key_spans(calls)
     copies = {}
-    for device, ranges in spans.items():
-        with _arrays.on_device(device):
-            for lo, hi in ranges:
-                copies[device, lo, hi] = tuple(mover.to_device(_seq(x, lo, hi, layout), device) for x in (k, v))
-    moved = []
     for call in calls:
         lo, hi = call.keys
         (a, b), = [(a, b) for a, b in spans[call.device] if a <= lo and hi <= b]
         with _arrays.on_device(call.device):
+            if (call.device, a) not in copies:
+                copies[call.device, a] = tuple(mover.to_device(_seq(x, a, b, layout), call.device) for x in (k, v))
             qg = mover.to_device(_seq(q, *call.rows, layout), call.device)
-        kg, vg = (_seq(x, lo - a, hi - a, layout) for x in copies[call.device, a, b])
-        moved.append((qg, kg, vg))
-    return moved
+        kg, vg = (_seq(x, lo - a, hi - a, layout) for x in copies[call.device, a])
+        yield qg, kg, vg
+
+
+def _queued(kind, moves):
+    """``moves`` (an iterator of copies, one item a call) ready to be zipped with the calls'
+    launches: from the GPUs, every copy queued before any kernel (`_Mover`); from the host,
+    where a copy returns once done, each call's just before its kernels, so that the devices
+    start one by one while the host copies on."""
+    return moves if kind == _arrays.HOST else list(moves)
 
 
 @dataclass
@@ -286,10 +291,8 @@ def _run_forward(q, k, v, devices, options, layout, want_ctx):
     with _arrays.on_device(home):
         xp = _arrays.namespace(kind)
         running = [call for call in calls if call.sees_keys]
-        # Every input copy queued before any kernel (_Mover), then every device's kernels.
-        inputs = _move_inputs(mover, running, q, k, v, layout)
         parts = []
-        for call, (qg, kg, vg) in zip(running, inputs):
+        for call, (qg, kg, vg) in zip(running, _queued(kind, _move_inputs(mover, running, q, k, v, layout))):
             with _arrays.on_device(call.device):
                 og = _arrays.empty((*qg.shape[:-1], problem.value_dim), problem.dtype, _arrays.DEVICE)
                 lg = _arrays.empty(_arrays.lse_shape(qg.shape, layout), acc, _arrays.DEVICE)
@@ -328,16 +331,18 @@ def _run_backward(do, dlse, state):
         dq = xp.zeros(state.q.shape, state.q.dtype)
         dk_acc, dv_acc = xp.zeros(state.k.shape, acc), xp.zeros(state.v.shape, acc)
         running = [call for call in state.calls if call.saved is not None]
-        moved = []   # every copy queued before any kernel (_Mover)
-        for call in running:
-            lo, hi = call.rows
-            with _arrays.on_device(call.device):
-                dog = mover.to_device(_seq(do, lo, hi, layout), call.device)
-                dlg = None if dlse is None else mover.to_device(
-                    _seq(dlse, lo, hi, layout, lse=True).astype(acc), call.device)
-            moved.append((dog, dlg))
+
+        def moves():
+            for call in running:
+                lo, hi = call.rows
+                with _arrays.on_device(call.device):
+                    dog = mover.to_device(_seq(do, lo, hi, layout), call.device)
+                    dlg = None if dlse is None else mover.to_device(
+                        _seq(dlse, lo, hi, layout, lse=True).astype(acc), call.device)
+                yield dog, dlg
+
         results = []
-        for call, (dog, dlg) in zip(running, moved):
+        for call, (dog, dlg) in zip(running, _queued(kind, moves())):
             with _arrays.on_device(call.device):
                 grads = tuple(_arrays.empty(x.shape, x.dtype, _arrays.DEVICE) for x in call.saved[:3])
                 qg, kg, vg, og, lg = call.saved
