@@ -51,7 +51,8 @@ def parse_args(argv=None):
     p.add_argument("--repeat", type=int, default=5, help="timed calls per case (default: %(default)s)")
     p.add_argument("--single-whole", action="store_true",
                    help="also time one GPU over the whole sequence (once, without a warm-up: the "
-                        "shard's rows have compiled the kernels), for the speed-up")
+                        "shard's rows have compiled the kernels; the first allocation of its buffers "
+                        "is in the time, milliseconds against seconds at 1M tokens), for the speed-up")
     p.add_argument("--out", type=Path, help="write the rows as JSON here")
     p.add_argument("--commit", help="record this as the commit (default: the checkout's own)")
     return p.parse_args(argv)

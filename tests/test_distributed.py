@@ -522,6 +522,28 @@ def test_from_env_names_missing_variables(monkeypatch):
         from_env()
 
 
+def test_from_env_stops_its_group_at_exit(monkeypatch):
+    """from_env hands the process group it joins to _stop_at_exit (the test below shows
+    what that does), with the GPU and NCCL replaced by stand-ins."""
+    cupyx_distributed = pytest.importorskip("cupyx.distributed")
+    from types import SimpleNamespace
+    from cupyflash import _gpu_status
+    from cupyflash.distributed import comm
+    backend, stopped = object(), []
+    fake_cupy = SimpleNamespace(cuda=SimpleNamespace(
+        runtime=SimpleNamespace(getDeviceCount=lambda: 2),
+        Device=lambda device: SimpleNamespace(use=lambda: None)))
+    monkeypatch.setattr(_gpu_status, "why_not_usable", lambda: None)
+    monkeypatch.setattr(comm._arrays, "cupy_module", lambda: fake_cupy)
+    monkeypatch.setattr(cupyx_distributed, "init_process_group", lambda *args, **kwargs: backend)
+    monkeypatch.setattr(comm, "NcclCommunicator", lambda group, device: (group, device))
+    monkeypatch.setattr(comm, "_stop_at_exit", stopped.append)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert comm.from_env() == (backend, 1)
+    assert stopped == [backend]
+
+
 def test_a_rank_that_keeps_its_process_group_exits(tmp_path):
     """from_env's group is stopped at exit: rank 0's rendezvous server (a child process of
     cupyx.distributed) kept a script whose communicator lived to the end from exiting."""
@@ -652,6 +674,27 @@ def test_move_inputs_give_each_call_its_rows_and_keys(monkeypatch, rng):
     key_copies = sorted(c for c in mover.copies if c[1] != 8)
     assert key_copies == [(0, 64), (0, 64), (1, 56), (1, 56)]   # k and v once a device
     assert sum(c[1] == 8 for c in mover.copies) == 5 + 2          # the rows, and device 2's keys
+
+
+@pytest.mark.parametrize("kind", ["numpy", "cupy"])
+def test_queued_moves_gpu_inputs_before_any_launch(kind):
+    """multi_device's order: from a GPU every copy is queued before the first kernel (a copy
+    waits for an event on its source's stream, behind any kernel queued there first); from
+    the host, whose copies return once done, each call's copies just before its kernels."""
+    from cupyflash.distributed.multi_device import _queued
+    events = []
+
+    def moves():
+        for call in range(3):
+            events.append(("copy", call))
+            yield call
+
+    for call in _queued(kind, moves()):
+        events.append(("launch", call))
+    if kind == "cupy":
+        assert events == [("copy", c) for c in range(3)] + [("launch", c) for c in range(3)]
+    else:
+        assert events == [(what, c) for c in range(3) for what in ("copy", "launch")]
 
 
 def test_key_spans_share_one_copy_per_device():

@@ -106,6 +106,28 @@ def _rows_of_bytes(x):
     return (width, height, pitch) if pitch >= width else None
 
 
+# cudaErrorPeerAccessAlreadyEnabled: CuPy's own copies between the two devices came first.
+_PEER_ACCESS_ALREADY_ENABLED = 704
+_peer_pairs = set()
+
+
+def _allow_peer_access(device, peer):
+    """Let ``device`` read ``peer``'s memory directly where the hardware can, once a pair.
+    CuPy does this before its own copies between devices, not before the 2D copies of
+    `_Mover`: without it a copy between devices may not take the direct path."""
+    if (device, peer) in _peer_pairs:
+        return
+    cp = _arrays.cupy_module()
+    if cp.cuda.runtime.deviceCanAccessPeer(device, peer):
+        with cp.cuda.Device(device):
+            try:
+                cp.cuda.runtime.deviceEnablePeerAccess(peer)
+            except cp.cuda.runtime.CUDARuntimeError as e:
+                if e.status != _PEER_ACCESS_ALREADY_ENABLED:
+                    raise
+    _peer_pairs.add((device, peer))
+
+
 class _Mover:
     """Copies between the host and the devices, queued on the current streams, with the
     sources kept alive until `finish` (a device-to-device copy reads its source on the
@@ -145,6 +167,7 @@ class _Mover:
             stream = cp.cuda.get_current_stream()
             stream.wait_event(ready)
             if runs and runs[1] > 1:
+                _allow_peer_access(device, x.device.id)
                 width, height, pitch = runs
                 cp.cuda.runtime.memcpy2DAsync(dst.data.ptr, width, src.data.ptr, pitch, width, height,
                                               cp.cuda.runtime.memcpyDefault, stream.ptr)
@@ -328,17 +351,16 @@ def _run_backward(do, dlse, state):
     mover = _Mover()
     with _arrays.on_device(home):
         xp = _arrays.namespace(kind)
-        dq = xp.zeros(state.q.shape, state.q.dtype)
-        dk_acc, dv_acc = xp.zeros(state.k.shape, acc), xp.zeros(state.v.shape, acc)
         running = [call for call in state.calls if call.saved is not None]
 
         def moves():
             for call in running:
                 lo, hi = call.rows
+                # The cast where dlse is (the caller's device), so that the copy follows it.
+                dl = None if dlse is None else _seq(dlse, lo, hi, layout, lse=True).astype(acc)
                 with _arrays.on_device(call.device):
                     dog = mover.to_device(_seq(do, lo, hi, layout), call.device)
-                    dlg = None if dlse is None else mover.to_device(
-                        _seq(dlse, lo, hi, layout, lse=True).astype(acc), call.device)
+                    dlg = None if dl is None else mover.to_device(dl, call.device)
                 yield dog, dlg
 
         results = []
@@ -352,6 +374,10 @@ def _run_backward(do, dlse, state):
                     deterministic=state.deterministic, mods=call.mods, dbias=None,
                     dlse=None if dlg is None else _arrays.lse_bhs_view(dlg, layout))
                 results.append((call, grads))
+        # Zeroed after every copy and launch is queued: on the caller's stream, before
+        # them, the fills would hold back each copy from it (_Mover).
+        dq = xp.zeros(state.q.shape, state.q.dtype)
+        dk_acc, dv_acc = xp.zeros(state.k.shape, acc), xp.zeros(state.v.shape, acc)
         for call, (dqg, dkg, dvg) in results:
             _seq(dq, *call.rows, layout)[...] = mover.back(dqg, kind, home)
             _seq(dk_acc, *call.keys, layout)[...] += mover.back(dkg, kind, home).astype(acc)
