@@ -697,6 +697,36 @@ def test_queued_moves_gpu_inputs_before_any_launch(kind):
         assert events == [(what, c) for c in range(3) for what in ("copy", "launch")]
 
 
+def test_peer_access_is_enabled_once_a_pair(monkeypatch):
+    """Before a strided copy between GPUs, the reading GPU gets direct access to the other's
+    memory: once a pair, where the hardware allows, an 'already enabled' answer accepted."""
+    import contextlib
+    from types import SimpleNamespace
+    runtime_error = pytest.importorskip("cupy_backends.cuda.api.runtime").CUDARuntimeError
+    from cupyflash.distributed import multi_device
+    calls, current = [], []
+
+    def enable(peer):
+        calls.append((current[-1], peer))
+        if (current[-1], peer) == (2, 0):
+            raise runtime_error(multi_device._PEER_ACCESS_ALREADY_ENABLED)
+
+    @contextlib.contextmanager
+    def device(d):
+        current.append(d)
+        yield
+        current.pop()
+
+    fake = SimpleNamespace(cuda=SimpleNamespace(Device=device, runtime=SimpleNamespace(
+        deviceCanAccessPeer=lambda d, p: int(p != 3), deviceEnablePeerAccess=enable,
+        CUDARuntimeError=runtime_error)))
+    monkeypatch.setattr(multi_device._arrays, "cupy_module", lambda: fake)
+    monkeypatch.setattr(multi_device, "_peer_pairs", set())
+    for device_id, peer in [(1, 0), (1, 0), (2, 0), (0, 3), (0, 1)]:
+        multi_device._allow_peer_access(device_id, peer)
+    assert calls == [(1, 0), (2, 0), (0, 1)]
+
+
 def test_key_spans_share_one_copy_per_device():
     """A device's calls whose keys overlap or touch read one copied span; apart, two."""
     from types import SimpleNamespace
