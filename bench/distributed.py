@@ -12,10 +12,10 @@ N * gpus long). Two ways to run it:
 Each case also gets a single-GPU row: the plain `cupyflash.attention` call on one GPU's
 shard alone (N per GPU, causal), ``gpus = 1``, so the per-GPU rate of the split can be
 read against the rate of its local work; with --single-whole also one over the whole
-sequence (N = seqlen, timed once), for the split's speed-up over one GPU. Times are the median of --repeat calls after a
-warm-up, each call synchronised (every device, and for the ring every rank, since the
-exchanges make the ranks wait for one another); TFLOP/s per GPU counts
-`cupyflash.bench.flops` of the whole sequence (causal: half of 4 N^2 d per head, 2.5x
+sequence (N = seqlen, timed once), for the split's speed-up over one GPU. Times are the
+median of --repeat calls after a warm-up, each call synchronised (every device, and for
+the ring every rank, since the exchanges make the ranks wait for one another); TFLOP/s per
+GPU counts `cupyflash.bench.flops` of the whole sequence (causal: half of 4 N^2 d per head, 2.5x
 that backward) divided by the number of GPUs.
 
 Rows: gpu, date, commit, dtype, head_dim, N (per GPU), seqlen (whole sequence), causal,
@@ -98,7 +98,8 @@ def single_rows(meta, n, repeat, warm_up=True):
     def fwd():
         state["o"], state["ctx"] = cf.attention_forward(q, k, v, causal=CAUSAL)
 
-    rows = [make_row(meta, n=n, gpus=1, variant="single", pass_="fwd", ms=median_ms(fwd, sync, repeat, warm_up))]
+    ms = median_ms(fwd, sync, repeat, warm_up)
+    rows = [make_row(meta, n=n, gpus=1, variant="single", pass_="fwd", ms=ms)]
     ms = median_ms(lambda: cf.attention_backward(do, state["ctx"]), sync, repeat, warm_up)
     rows.append(make_row(meta, n=n, gpus=1, variant="single", pass_="bwd", ms=ms))
     return rows

@@ -5,8 +5,9 @@
 # given N per GPU, each beside its single-GPU rows. Logs and JSON go to $OUT, a short table
 # comes last. Usage (repository root, on the GPU machine):
 #   COMMIT=<sha> bash bench/multi_gpu_session.sh [N per GPU ...]     (default 32768 131072)
-# SKIP="tests ring devices" leaves steps out, TESTS=<pytest -k expr> picks the tests; BIG=<N per GPU> adds the 4-GPU rows at that N
-# (262144: a 1M-token sequence), the split timed against one GPU over the whole sequence.
+# SKIP="tests ring devices" leaves steps out, TESTS=<pytest -k expr> picks the tests;
+# BIG=<N per GPU> adds the 4-GPU rows at that N (262144: a 1M-token sequence), the split
+# timed against one GPU over the whole sequence.
 set -u -o pipefail
 want() { [[ " ${SKIP:-} " != *" $1 "* ]]; }
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -26,23 +27,27 @@ want tests && { timeout 330 python3 -m pytest -m gpu tests/test_distributed.py -
     -k "${TESTS:-several or nccl or two_gpus or multi_device}" -rs --durations=5 > "$OUT/pytest-multi-gpu.log" 2>&1
     echo "multi-gpu tests rc=$?"; tail -n 12 "$OUT/pytest-multi-gpu.log"; }
 rows=()
+# bench_rows VARIANT GPUS NAME REPEAT "N per GPU ..." [bench/distributed.py options]: one step's JSON and log.
+bench_rows() {
+    local variant=$1 world=$2 name=$3 repeat=$4 ns=$5; shift 5
+    want "$variant" || return 0
+    if [ "$variant" = ring ]; then
+        set -- -m cupyflash.distributed.launch --nproc "$world" bench/distributed.py "$@"
+    else
+        set -- bench/distributed.py --devices $(seq -s ' ' 0 $((world - 1))) "$@"
+    fi
+    timeout 240 python3 "$@" --seqlen-per-gpu $ns --repeat "$repeat" ${COMMIT:+--commit "$COMMIT"} \
+        --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+    echo "$name rc=$?"; rows+=("$OUT/$name.json")
+}
 for world in 2 4; do
     [ "$world" -le "$gpus" ] || continue
-    devices=$(seq -s ' ' 0 $((world - 1)))
-    want ring && { timeout 200 python3 -m cupyflash.distributed.launch --nproc "$world" bench/distributed.py \
-        --seqlen-per-gpu $seqlens --repeat 3 ${COMMIT:+--commit "$COMMIT"} --out "$OUT/ring-$world.json" \
-        > "$OUT/ring-$world.log" 2>&1; echo "ring $world rc=$?"; rows+=("$OUT/ring-$world.json"); }
-    want devices && { timeout 200 python3 bench/distributed.py --devices $devices --seqlen-per-gpu $seqlens \
-        --repeat 3 ${COMMIT:+--commit "$COMMIT"} --out "$OUT/devices-$world.json" > "$OUT/devices-$world.log" 2>&1
-        echo "devices $world rc=$?"; rows+=("$OUT/devices-$world.json"); }
+    bench_rows ring "$world" "ring-$world" 3 "$seqlens"
+    bench_rows devices "$world" "devices-$world" 3 "$seqlens"
 done
 if [ -n "${BIG:-}" ] && [ "$gpus" -ge 4 ]; then
-    want ring && { timeout 240 python3 -m cupyflash.distributed.launch --nproc 4 bench/distributed.py \
-        --seqlen-per-gpu "$BIG" --repeat 2 ${COMMIT:+--commit "$COMMIT"} --out "$OUT/ring-4-big.json" \
-        > "$OUT/ring-4-big.log" 2>&1; echo "ring 4 big rc=$?"; rows+=("$OUT/ring-4-big.json"); }
-    want devices && { timeout 240 python3 bench/distributed.py --devices 0 1 2 3 --seqlen-per-gpu "$BIG" --repeat 2 \
-        --single-whole ${COMMIT:+--commit "$COMMIT"} --out "$OUT/devices-4-big.json" > "$OUT/devices-4-big.log" 2>&1
-        echo "devices 4 big rc=$?"; rows+=("$OUT/devices-4-big.json"); }
+    bench_rows ring 4 ring-4-big 2 "$BIG"
+    bench_rows devices 4 devices-4-big 2 "$BIG" --single-whole
 fi
 # One archive of the logs (the device tool brings back at most 8 files) beside the JSON.
 (cd "$OUT" && tar czf logs.tgz *.log && rm -f *.log)

@@ -136,8 +136,9 @@ class _Mover:
     A device's inputs must be queued before any kernel on the device they come from: the
     event a copy waits for is recorded on the source's stream when the copy is queued, so
     a copy queued behind a device's own kernels would wait for them (`_queued`: the passes
-    move every input from a GPU first, then launch). A slice of the caller's array moves by one strided
-    copy straight from its memory; another layout is made contiguous on its device first."""
+    move every input from a GPU first, then launch). A slice of the caller's array moves by
+    one strided copy straight from its memory; another layout is made contiguous on its
+    device first."""
 
     def __init__(self):
         self.cp = _arrays.cupy_module()
@@ -156,19 +157,21 @@ class _Mover:
     def _peer(self, x, device):
         cp = self.cp
         runs = _rows_of_bytes(x)
-        if runs and runs[1] > 1 and runs[2] > cp.cuda.Device(device).attributes["MaxPitch"]:
-            runs = None   # a 2D copy's pitch has a limit (2 GiB): (B, N, H, d) at N = 1M passes it
+        # A 2D copy where x is strided runs within the pitch limit (2 GiB: a (B, N, H, d)
+        # slice at N = 1M passes it); one plain copy where x is contiguous; else staged.
+        strided = runs if runs and runs[1] > 1 and runs[2] <= cp.cuda.runtime.deviceGetAttribute(
+            cp.cuda.runtime.cudaDevAttrMaxPitch, device) else None
         with cp.cuda.Device(x.device.id):
-            src = x if runs else cp.ascontiguousarray(x)
+            src = x if strided or x.flags.c_contiguous else cp.ascontiguousarray(x)
             ready = cp.cuda.Event(disable_timing=True)
             ready.record()
         with cp.cuda.Device(device):
             dst = cp.empty(src.shape, src.dtype)
             stream = cp.cuda.get_current_stream()
             stream.wait_event(ready)
-            if runs and runs[1] > 1:
+            if strided:
                 _allow_peer_access(device, x.device.id)
-                width, height, pitch = runs
+                width, height, pitch = strided
                 cp.cuda.runtime.memcpy2DAsync(dst.data.ptr, width, src.data.ptr, pitch, width, height,
                                               cp.cuda.runtime.memcpyDefault, stream.ptr)
             else:
