@@ -11,15 +11,9 @@
 set -u -o pipefail
 want() { [[ " ${SKIP:-} " != *" $1 "* ]]; }
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 CUPYFLASH_CACHE_DIR=${CUPYFLASH_CACHE_DIR:-/tmp/cupyflash-cache}
-# NVLink multicast stays off (the machine's rule; set again in case the environment lost it).
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+source "$(dirname "$0")/multi_gpu_env.sh"
 seqlens=${*:-32768 131072}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
-gpus=$(nvidia-smi -L | wc -l)
-# CuPy finds libnccl through the nvidia-nccl wheel's lib folder where the loader does not.
-nccl_lib=$(python3 -c "import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], 'lib'))" 2>/dev/null)
-[ -n "$nccl_lib" ] && export LD_LIBRARY_PATH=$nccl_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 python3 -c "from cupy.cuda import nccl; print('nccl available', nccl.available, nccl.get_version() if nccl.available else '')"
 python3 -c "import cupyflash as cf; print(len(cf.precompile(head_dims=[64, 128], workers=16, options=True)), 'kernels')" \
     > "$OUT/precompile.log" 2>&1; echo "precompile rc=$? ($(tail -1 "$OUT/precompile.log"))"

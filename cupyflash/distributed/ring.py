@@ -37,8 +37,8 @@ The backward pass runs the ring again: for each visiting K/V shard a rank comput
 pair's gradients with the attention backward given the query rows' GLOBAL output and LSE
 (P = exp(S - lse) are then the global probabilities, D = rowsum(dO o) the global row
 term), so each pair's dq, dk, dv are exactly its share of the whole gradient. dq is
-summed locally; the dk/dv accumulators (fp32) travel with their K/V shard and, after a
-last hop, arrive complete at their owner.
+summed locally; the dk/dv accumulators (fp32) travel with their K/V shard and, complete
+after R steps, take a last hop to their owner in the gradients' dtype.
 """
 
 from __future__ import annotations
@@ -173,6 +173,13 @@ def _prepare(q, k, v, comm, *, causal, scale, softcap, layout, deterministic, wi
 
 # The ring ----------------------------------------------------------------------------------
 
+# NCCL moves the data with kernels of its own, which need SMs beside the attention kernels;
+# the persistent ones hold every SM until done, so an exchange queued beside one would wait
+# for it. The exchanges' stream is the most urgent (its kernels take the SMs freed between
+# kernels first) and the ring's kernels leave COMM_SMS SMs to it (bench/NOTES.md, session 20).
+EXCHANGE_URGENT = True
+COMM_SMS = 8
+
 
 class _Ring:
     """One rank's view of the ring: its communicator, where it computes, and the streams.
@@ -186,7 +193,12 @@ class _Ring:
         self.comm, self.place, self.layout = comm, place, layout
         self.size, self.rank = comm.size, comm.rank
         self.compute = place.current_stream()
-        self.stream = place.new_stream() if self.size > 1 else None
+        self.stream = place.new_stream(urgent=EXCHANGE_URGENT) if self.size > 1 else None
+
+    def computing(self):
+        """The block to launch the ring's kernels in: with other ranks, persistent kernels
+        leave `COMM_SMS` SMs to the exchanges."""
+        return self.place.leaving_sms_free(COMM_SMS if self.size > 1 else 0)
 
     def view(self, x):
         return _arrays.bhsd_view(x, self.layout)
@@ -348,14 +360,27 @@ def _backward(ring, shards, do, q, k, v, o, lse, dq, dk, dv, *, dlse, scale, det
                 landed = None
             _rows(dk_acc, klo, khi)[...] += pk.astype(acc)
             _rows(dv_acc, klo, khi)[...] += pv.astype(acc)
-        if ring.size > 1:   # after the last step this sends each shard's sums home
+        if step + 1 < ring.size:   # the sums travel on with their shard
             landed = ring.exchange(travel[step % 2], travel[(step + 1) % 2])
-    if landed is not None:
+    if landed is not None:   # the last step had no call to wait for them
         ring.arrived(landed)
-    dk_own, dv_own = travel[ring.size % len(travel)]   # after R hops: this rank's own shard
+    dk_own, dv_own = _sums_home(ring, travel[(ring.size - 1) % 2], dk.dtype)
     ring.view(dq)[...] = dq_acc.astype(dq.dtype)
-    ring.view(dk)[...] = dk_own.astype(dk.dtype)
-    ring.view(dv)[...] = dv_own.astype(dv.dtype)
+    ring.view(dk)[...] = dk_own
+    ring.view(dv)[...] = dv_own
+
+
+def _sums_home(ring, sums, dtype):
+    """The complete dk, dv sums of the shard this rank held last, sent one hop on to their
+    owner, and this rank's own from its predecessor. Complete, they travel in the
+    gradients' dtype: the last hop follows the last kernels with nothing to hide it, and
+    16-bit sums take half the bytes of the accumulators."""
+    if ring.size == 1:
+        return sums
+    send = [s.astype(dtype, copy=False) for s in sums]
+    home = [ring.place.xp.empty_like(s) for s in send]
+    ring.arrived(ring.exchange(send, home))
+    return home
 
 
 # Public functions ----------------------------------------------------------------------------
@@ -485,8 +510,9 @@ def ring_attention_forward(q, k, v, comm, *, causal=False, scale=None, softcap=0
         if call.problem.batch:   # every rank has the same (empty) batch: nothing to send
             xp = place.xp
             ring = _Ring(comm, place, layout)
-            _forward(ring, shards, call.q, xp.ascontiguousarray(call.k),
-                     xp.ascontiguousarray(call.v), o, lse, scale=call.scale)
+            with ring.computing():
+                _forward(ring, shards, call.q, xp.ascontiguousarray(call.k),
+                         xp.ascontiguousarray(call.v), o, lse, scale=call.scale)
     ctx = RingContext(q=call.q, k=call.k, v=call.v, o=o, lse=lse, comm=comm, scale=call.scale,
                       causal=options.causal, layout=layout, softcap=options.softcap,
                       deterministic=options.deterministic, window=options.window,
@@ -570,9 +596,10 @@ def ring_attention_backward(do, ctx, *, dlse=None):
             if dlse is not None:
                 dlse = _arrays.lse_bhs_view(dlse.astype(ctx.lse.dtype), ctx.layout)
             ring = _Ring(ctx.comm, place, ctx.layout)
-            _backward(ring, ctx._shards, do, ctx.q, xp.ascontiguousarray(ctx.k),
-                      xp.ascontiguousarray(ctx.v), ctx.o, _arrays.lse_bhs_view(ctx.lse, ctx.layout),
-                      *grads, dlse=dlse, scale=ctx.scale, deterministic=ctx.deterministic)
+            with ring.computing():
+                _backward(ring, ctx._shards, do, ctx.q, xp.ascontiguousarray(ctx.k),
+                          xp.ascontiguousarray(ctx.v), ctx.o, _arrays.lse_bhs_view(ctx.lse, ctx.layout),
+                          *grads, dlse=dlse, scale=ctx.scale, deterministic=ctx.deterministic)
     return grads
 
 

@@ -1,0 +1,104 @@
+"""Ring attention's exchanges against its kernels: does the transfer hide under the compute?
+
+An A/B of how the ring shares the GPU with NCCL, in one launch (one process per GPU):
+each variant sets `cupyflash.distributed.ring`'s EXCHANGE_URGENT (the exchanges' stream at
+the highest priority or the default one) and COMM_SMS (the SMs its persistent kernels leave
+free), and times ring attention's forward and backward on the shapes of bench/distributed.py
+(bf16, d = 128, H = 16, B = 1, causal). It also times the exchanges alone: one sendrecv of a
+K/V shard (the forward's message) and of its fp32 dK/dV sums (the backward's), for NCCL's
+rate between neighbours. NCCL's own variables (NCCL_MAX_P2P_NCHANNELS, ...) are read once
+per process: compare them across launches; the rows record the NCCL_* environment.
+
+    python -m cupyflash.distributed.launch --nproc 2 bench/ring_overlap.py \
+        --seqlen-per-gpu 32768 --variants 0:0 1:0 1:8 1:16 --out ring-overlap-2.json
+
+A variant is URGENT:COMM_SMS. Rank 0 prints one JSON row per (N, variant, pass) and the
+single-GPU rows of the shard (bench/distributed.py's), and writes them with --out.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
+
+from cupyflash import bench  # noqa: E402
+from cupyflash import distributed as dist  # noqa: E402
+from cupyflash.distributed import ring  # noqa: E402
+
+import distributed as rows_of  # noqa: E402  (bench/distributed.py: shapes, inputs, rows)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seqlen-per-gpu", type=int, nargs="+", default=[32768])
+    p.add_argument("--variants", nargs="+", default=["0:0", "1:0", "1:8"],
+                   help="URGENT:COMM_SMS pairs (default: %(default)s)")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--out", type=Path)
+    p.add_argument("--commit")
+    return p.parse_args(argv)
+
+
+def exchange_rows(meta, comm, n):
+    """GB/s of one sendrecv to the next rank (bytes sent per second), alone on the GPU."""
+    import cupy as cp
+    shape = (rows_of.BATCH, rows_of.HEADS, n, rows_of.HEAD_DIM)
+    stream = cp.cuda.Stream(non_blocking=True)
+    out = []
+    for what, dtype in (("kv", rows_of.DTYPE), ("dkdv_fp32", "float32")):
+        send = [cp.ones(shape, dtype) for _ in range(2)]
+        recv = [cp.empty(shape, dtype) for _ in range(2)]
+
+        def once():
+            comm.sendrecv(send, (comm.rank + 1) % comm.size, recv, (comm.rank - 1) % comm.size, stream)
+
+        ms = rows_of.median_ms(once, stream.synchronize, 5)
+        nbytes = sum(x.nbytes for x in send)
+        out.append(dict(meta, N=n, gpus=comm.size, message=what, bytes=nbytes, ms=ms,
+                        gb_per_s=nbytes / (ms * 1e-3) / 1e9))
+    return out
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    import cupy as cp
+    comm = dist.from_env()
+    lead = comm.rank == 0
+    nccl_env = {k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_")}
+    meta = {"gpu": bench.gpu_name(), "date": datetime.date.today().isoformat(),
+            "commit": args.commit or bench.checkout_commit(), "nccl_env": nccl_env}
+    variants = [tuple(int(x) for x in v.split(":")) for v in args.variants]
+    found = []
+    for n in args.seqlen_per_gpu:
+        found += exchange_rows(meta, comm, n)
+        q, k, v, do = rows_of.inputs(n, seed=comm.rank)
+        sync = cp.cuda.get_current_stream().synchronize
+        for urgent, comm_sms in variants:
+            ring.EXCHANGE_URGENT, ring.COMM_SMS = bool(urgent), comm_sms
+            state = {}
+
+            def fwd():
+                state["o"], state["ctx"] = dist.ring_attention_forward(q, k, v, comm, causal=rows_of.CAUSAL)
+
+            times = {"fwd": rows_of.median_ms(fwd, sync, args.repeat)}
+            times["bwd"] = rows_of.median_ms(lambda: dist.ring_attention_backward(do, state["ctx"]),
+                                             sync, args.repeat)
+            for pass_, ms in times.items():
+                found.append(dict(rows_of.make_row(meta, n=n, gpus=comm.size, variant="ring",
+                                                   pass_=pass_, ms=ms),
+                                  exchange_urgent=bool(urgent), comm_sms=comm_sms))
+        if lead:
+            found += rows_of.single_rows(meta, n, args.repeat)
+    if lead:
+        for r in found:
+            print(json.dumps(r), flush=True)
+        if args.out:
+            args.out.write_text(json.dumps({**meta, "rows": found}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
