@@ -38,6 +38,8 @@ def parse_args(argv=None):
     p.add_argument("--variants", nargs="+", default=["0:0", "1:0", "1:8"],
                    help="URGENT:COMM_SMS pairs (default: %(default)s)")
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--timeline", action="store_true",
+                   help="also print each rank's steps of one call (0:0), as CUDA event times")
     p.add_argument("--out", type=Path)
     p.add_argument("--commit")
     return p.parse_args(argv)
@@ -61,6 +63,66 @@ def exchange_rows(meta, comm, n):
         out.append(dict(meta, N=n, gpus=comm.size, message=what, bytes=nbytes, ms=ms,
                         gb_per_s=nbytes / (ms * 1e-3) / 1e9))
     return out
+
+
+class Timeline:
+    """CUDA events on the compute stream after each of the ring's steps (kernel calls,
+    merges, waits for an exchange), for one call: the time between two marks is what ran
+    (or was waited for) since the previous one. Installed by patching the ring's calls."""
+
+    def __init__(self):
+        import cupy as cp
+        self.cp, self.marks = cp, []
+
+    def mark(self, label):
+        event = self.cp.cuda.Event()
+        event.record(self.cp.cuda.get_current_stream())
+        self.marks.append((label, event))
+
+    def wrap(self, owner, name, label, before=None):
+        original = getattr(owner, name)
+
+        def wrapped(*args, **kwargs):
+            if before:
+                self.mark(before)
+            result = original(*args, **kwargs)
+            self.mark(label)
+            return result
+        setattr(owner, name, wrapped)
+        return original
+
+    def report(self):
+        self.marks[-1][1].synchronize()
+        start, rows = self.marks[0][1], []
+        for (_, a), (label, b) in zip(self.marks, self.marks[1:]):
+            rows.append((label, self.cp.cuda.get_elapsed_time(a, b), self.cp.cuda.get_elapsed_time(start, b)))
+        return rows
+
+
+def timeline(comm, q, k, v, do):
+    """One forward and one backward call with their steps marked; prints this rank's."""
+    from cupyflash import _cuda
+    t = Timeline()
+    patched = [(_cuda, "attention_forward", t.wrap(_cuda, "attention_forward", "fwd kernels")),
+               (_cuda, "attention_backward", t.wrap(_cuda, "attention_backward", "bwd kernels")),
+               (ring, "merge_into", t.wrap(ring, "merge_into", "merge")),
+               (ring._Ring, "arrived", t.wrap(ring._Ring, "arrived", "waited for an exchange",
+                                              before="(sums, copies) before a wait")),
+               (ring, "_sums_home", t.wrap(ring, "_sums_home", "sums home"))]
+    try:
+        for pass_ in ("fwd", "bwd"):
+            t.marks = []
+            t.mark("start")
+            if pass_ == "fwd":
+                o, ctx = dist.ring_attention_forward(q, k, v, comm, causal=rows_of.CAUSAL)
+            else:
+                dist.ring_attention_backward(do, ctx)
+            t.mark("end (outputs written)")
+            for label, ms, at in t.report():
+                print(f"rank {comm.rank} {pass_}: {label:32} {ms:7.2f} ms (at {at:7.2f})", flush=True)
+    finally:
+        for owner, name, original in patched:
+            setattr(owner, name, original)
 
 
 def main(argv=None):
@@ -91,6 +153,9 @@ def main(argv=None):
                 found.append(dict(rows_of.make_row(meta, n=n, gpus=comm.size, variant="ring",
                                                    pass_=pass_, ms=ms),
                                   exchange_urgent=bool(urgent), comm_sms=comm_sms))
+        if args.timeline:
+            ring.EXCHANGE_URGENT, ring.COMM_SMS = False, 0
+            timeline(comm, q, k, v, do)
         if lead:
             found += rows_of.single_rows(meta, n, args.repeat)
     if lead:

@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .. import _arrays, _masks, _mods, _validate
+from ..merge import add_into
 from . import _pairs
 
 __all__ = ["multi_device_attention", "multi_device_attention_vjp", "query_blocks"]
@@ -383,8 +384,8 @@ def _run_backward(do, dlse, state):
         dk_acc, dv_acc = xp.zeros(state.k.shape, acc), xp.zeros(state.v.shape, acc)
         for call, (dqg, dkg, dvg) in results:
             _seq(dq, *call.rows, layout)[...] = mover.back(dqg, kind, home)
-            _seq(dk_acc, *call.keys, layout)[...] += mover.back(dkg, kind, home).astype(acc)
-            _seq(dv_acc, *call.keys, layout)[...] += mover.back(dvg, kind, home).astype(acc)
+            add_into(_seq(dk_acc, *call.keys, layout), mover.back(dkg, kind, home))
+            add_into(_seq(dv_acc, *call.keys, layout), mover.back(dvg, kind, home))
         mover.finish(home)
         return dq, dk_acc.astype(state.k.dtype), dv_acc.astype(state.v.dtype)
 

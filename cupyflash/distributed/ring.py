@@ -46,7 +46,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .. import _arrays, _mods, _validate
-from ..merge import merge_into
+from ..merge import add_into, merge_into
 from . import _pairs
 from ._place import place_of
 from .zigzag import zigzag_chunks
@@ -173,12 +173,15 @@ def _prepare(q, k, v, comm, *, causal, scale, softcap, layout, deterministic, wi
 
 # The ring ----------------------------------------------------------------------------------
 
-# NCCL moves the data with kernels of its own, which need SMs beside the attention kernels;
-# the persistent ones hold every SM until done, so an exchange queued beside one would wait
-# for it. The exchanges' stream is the most urgent (its kernels take the SMs freed between
-# kernels first) and the ring's kernels leave COMM_SMS SMs to it (bench/NOTES.md, session 20).
-EXCHANGE_URGENT = True
-COMM_SMS = 8
+# NCCL moves the data with kernels of its own, which need SMs beside the attention kernels,
+# and the persistent ones hold every SM until done. Two ways to make room, measured by
+# bench/ring_overlap.py (bench/NOTES.md, session 20): the exchanges' stream at the highest
+# priority (EXCHANGE_URGENT: its kernels take the SMs freed between kernels first) and
+# persistent kernels leaving COMM_SMS SMs free during a ring. On 2 and 4 H200s at 32k
+# tokens a GPU neither paid (the exchanges mostly ran in the gaps between kernels; 8 SMs
+# left free cost about their share of the compute), so both are off.
+EXCHANGE_URGENT = False
+COMM_SMS = 0
 
 
 class _Ring:
@@ -320,7 +323,7 @@ def _forward(ring, shards, q, k, v, o, lse, *, scale):
             backend.attention_forward(_rows(qb, lo, hi), _rows(kb, klo, khi), _rows(vb, klo, khi),
                                       po, pl, scale=scale, causal=call.causal, mods=call.mods)
             merge_into(_rows(o_acc, lo, hi), _rows(lse_acc, lo, hi), po, pl, xp)
-    ob[...] = o_acc.astype(o.dtype)
+    ob[...] = o_acc   # cast as it is copied
 
 
 def _backward(ring, shards, do, q, k, v, o, lse, dq, dk, dv, *, dlse, scale, deterministic):
@@ -354,18 +357,18 @@ def _backward(ring, shards, do, q, k, v, o, lse, dq, dk, dv, *, dlse, scale, det
                 _rows(ob, lo, hi), _rows(lse, lo, hi), pq, pk, pv, scale=scale, causal=call.causal,
                 deterministic=deterministic, mods=call.mods, dbias=None,
                 dlse=None if dlse is None else _rows(dlse, lo, hi))
-            _rows(dq_acc, lo, hi)[...] += pq.astype(acc)
+            add_into(_rows(dq_acc, lo, hi), pq)
             if landed is not None:   # the accumulators of this shard, from the previous rank
                 ring.arrived(landed)
                 landed = None
-            _rows(dk_acc, klo, khi)[...] += pk.astype(acc)
-            _rows(dv_acc, klo, khi)[...] += pv.astype(acc)
+            add_into(_rows(dk_acc, klo, khi), pk)
+            add_into(_rows(dv_acc, klo, khi), pv)
         if step + 1 < ring.size:   # the sums travel on with their shard
             landed = ring.exchange(travel[step % 2], travel[(step + 1) % 2])
     if landed is not None:   # the last step had no call to wait for them
         ring.arrived(landed)
     dk_own, dv_own = _sums_home(ring, travel[(ring.size - 1) % 2], dk.dtype)
-    ring.view(dq)[...] = dq_acc.astype(dq.dtype)
+    ring.view(dq)[...] = dq_acc
     ring.view(dk)[...] = dk_own
     ring.view(dv)[...] = dv_own
 
