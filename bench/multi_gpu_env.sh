@@ -1,4 +1,4 @@
-# Sourced by the multi-GPU device scripts (bench/multi_gpu_session.sh, bench/ring_overlap.sh):
+# Sourced by the multi-GPU device scripts (bench/multi_gpu_session.sh, bench/ring_profile.sh):
 # the checkout on PYTHONPATH, a kernel cache, NVLink multicast off and CuPy able to load NCCL.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 CUPYFLASH_CACHE_DIR=${CUPYFLASH_CACHE_DIR:-/tmp/cupyflash-cache}
 # NVLink multicast stays off (the machine's rule; set again in case the environment lost it).

@@ -11,11 +11,9 @@ CuPy: the NumPy backend and the build check must work without it.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import math
-import threading
 
 import numpy as np
 
@@ -355,14 +353,12 @@ def attention_forward(q, k, v, o, lse, *, scale: float, causal: bool, mods=_mods
     if plan.map_specs is not None:
         specs = plan.map_specs + (() if plan.bias_spec is None else (plan.bias_spec,))
         params.set(**_tensor_maps(specs, (q, k, v, mods.bias), ("q_map", "k_map", "v_map", "bias_map")))
-    grid = plan.grid
     if plan.persistent:
         import cupy
 
         counter = cupy.zeros(1, cupy.int32)   # freed to the pool, reused only after the launch (same stream)
         params.set(work_counter=counter.data.ptr)
-        grid = _persistent_grid(grid, q.device.id)
-    _launch(plan.variant, grid, q.device.id, params)
+    _launch(plan.variant, plan.grid, q.device.id, params)
 
 
 def _tensor_maps(specs, arrays, names) -> dict:
@@ -392,35 +388,6 @@ def _work_grid(params: _params.Params, blocks: int, heads: int, batch: int, devi
     tiles = blocks * heads * batch
     params.set(grid_m=blocks, grid_heads=heads, grid_batch=batch)
     return (min(tiles, _sm_count(device_id)),) if PERSISTENT_FORWARD else (tiles,)
-
-
-# SMs that persistent launches on this thread leave free (`leaving_sms_free`).
-_free_sms = threading.local()
-
-
-@contextlib.contextmanager
-def leaving_sms_free(count: int):
-    """Persistent launches made on this thread inside the block take ``count`` fewer CTAs
-    than the device has SMs.
-
-    A persistent kernel holds every SM until its last work unit is done: a kernel of
-    another stream that should run beside it (NCCL's sends and receives, which ring
-    attention overlaps with its kernels) gets no SM before then, so the transfer would
-    follow the compute instead of hiding under it. The persistent CTAs take their units
-    from a counter, so fewer of them do the same work."""
-    previous = getattr(_free_sms, "count", 0)
-    _free_sms.count = int(count)
-    try:
-        yield
-    finally:
-        _free_sms.count = previous
-
-
-def _persistent_grid(grid: tuple, device_id: int) -> tuple:
-    """A persistent launch's grid (one CTA per SM, at most one per unit) less the SMs
-    this thread leaves free."""
-    free = getattr(_free_sms, "count", 0)
-    return grid if not free else (max(1, min(grid[0], _sm_count(device_id) - free)),)
 
 
 @functools.lru_cache(maxsize=None)
@@ -604,8 +571,6 @@ def attention_backward(do, q, k, v, o, lse, dq, dk, dv, *, scale, causal, determ
             if rows_map is None:
                 raise RuntimeError("the CUDA driver refused the tensor map of the backward's row workspaces")
             params.set(rows_map=rows_map)
-        if bwd_sm90_persistent(variant):
-            grid = _persistent_grid(grid, device_id)
         _launch(variant, grid, device_id, params)
     params.set(dq_accum=_params.address(dq_accum))
     _launch(*plan.finish, device_id, params)

@@ -206,27 +206,3 @@ def test_fp32_forward_on_hopper_and_its_precision(monkeypatch, tf32, options, D)
         "float32", D, False, mode & ~_kernels.MODE_TF32)
     monkeypatch.setattr(_cuda, "_device_info", lambda device_id: ("sm_80", 163 * 1024))
     assert _cuda._choose(_kernels.forward_variants_for("float32", D, mods, causal=True), 0).source == "fwd_wide.cu"
-
-
-
-def test_persistent_launches_leave_the_sms_asked_for(monkeypatch):
-    """`leaving_sms_free` (ring attention's exchanges run NCCL kernels beside ours): a
-    persistent grid takes that many fewer CTAs, never fewer than one, on this thread only,
-    and the count is restored on leaving the block."""
-    import threading
-
-    monkeypatch.setattr(_cuda, "_sm_count", lambda device_id: 132)
-    grid = _cuda._persistent_grid
-    assert grid((132,), 0) == (132,)
-    with _cuda.leaving_sms_free(8):
-        assert grid((132,), 0) == (124,)
-        assert grid((40,), 0) == (40,)   # fewer units than CTAs: one CTA a unit, as before
-        with _cuda.leaving_sms_free(500):
-            assert grid((132,), 0) == (1,)
-        assert grid((132,), 0) == (124,)
-        elsewhere = []
-        thread = threading.Thread(target=lambda: elsewhere.append(grid((132,), 0)))
-        thread.start()
-        thread.join()
-        assert elsewhere == [(132,)]
-    assert grid((132,), 0) == (132,)

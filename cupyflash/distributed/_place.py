@@ -30,7 +30,7 @@ class HostPlace:
     def current_stream(self):
         return None
 
-    def new_stream(self, *, urgent=False):
+    def new_stream(self):
         return None
 
     def record(self, stream):
@@ -44,14 +44,6 @@ class HostPlace:
 
     def activate(self):
         return contextlib.nullcontext()
-
-    def leaving_sms_free(self, count):
-        return contextlib.nullcontext()
-
-
-# Lower numbers are more urgent; CUDA clamps a priority to the device's range (0 to -5 on
-# current GPUs), and CuPy does not expose the range.
-_HIGHEST_PRIORITY = -(2**20)
 
 
 class DevicePlace:
@@ -72,11 +64,9 @@ class DevicePlace:
         with self.xp.cuda.Device(self.device):
             return self.xp.cuda.get_current_stream()
 
-    def new_stream(self, *, urgent=False):
-        """A non-blocking stream; ``urgent``: at the device's highest priority, so that
-        its kernels take SMs before pending work of the other streams does."""
+    def new_stream(self):
         with self.xp.cuda.Device(self.device):
-            return self.xp.cuda.Stream(non_blocking=True, priority=_HIGHEST_PRIORITY if urgent else None)
+            return self.xp.cuda.Stream(non_blocking=True)
 
     def record(self, stream):
         with self.xp.cuda.Device(self.device):
@@ -93,12 +83,6 @@ class DevicePlace:
 
     def activate(self):
         return self.xp.cuda.Device(self.device)
-
-    def leaving_sms_free(self, count):
-        """Persistent kernels launched on this thread inside the block leave ``count`` SMs
-        to other streams' kernels (`cupyflash._cuda.leaving_sms_free`)."""
-        from .. import _cuda
-        return _cuda.leaving_sms_free(count)
 
 
 def place_of(x):

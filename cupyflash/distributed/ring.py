@@ -173,16 +173,6 @@ def _prepare(q, k, v, comm, *, causal, scale, softcap, layout, deterministic, wi
 
 # The ring ----------------------------------------------------------------------------------
 
-# NCCL moves the data with kernels of its own, which need SMs beside the attention kernels,
-# and the persistent ones hold every SM until done. Two ways to make room, measured by
-# bench/ring_overlap.py (bench/NOTES.md, session 20): the exchanges' stream at the highest
-# priority (EXCHANGE_URGENT: its kernels take the SMs freed between kernels first) and
-# persistent kernels leaving COMM_SMS SMs free during a ring. On 2 and 4 H200s at 32k
-# tokens a GPU neither paid (the exchanges mostly ran in the gaps between kernels; 8 SMs
-# left free cost about their share of the compute), so both are off.
-EXCHANGE_URGENT = False
-COMM_SMS = 0
-
 
 class _Ring:
     """One rank's view of the ring: its communicator, where it computes, and the streams.
@@ -196,12 +186,7 @@ class _Ring:
         self.comm, self.place, self.layout = comm, place, layout
         self.size, self.rank = comm.size, comm.rank
         self.compute = place.current_stream()
-        self.stream = place.new_stream(urgent=EXCHANGE_URGENT) if self.size > 1 else None
-
-    def computing(self):
-        """The block to launch the ring's kernels in: with other ranks, persistent kernels
-        leave `COMM_SMS` SMs to the exchanges."""
-        return self.place.leaving_sms_free(COMM_SMS if self.size > 1 else 0)
+        self.stream = place.new_stream() if self.size > 1 else None
 
     def view(self, x):
         return _arrays.bhsd_view(x, self.layout)
@@ -513,9 +498,8 @@ def ring_attention_forward(q, k, v, comm, *, causal=False, scale=None, softcap=0
         if call.problem.batch:   # every rank has the same (empty) batch: nothing to send
             xp = place.xp
             ring = _Ring(comm, place, layout)
-            with ring.computing():
-                _forward(ring, shards, call.q, xp.ascontiguousarray(call.k),
-                         xp.ascontiguousarray(call.v), o, lse, scale=call.scale)
+            _forward(ring, shards, call.q, xp.ascontiguousarray(call.k),
+                     xp.ascontiguousarray(call.v), o, lse, scale=call.scale)
     ctx = RingContext(q=call.q, k=call.k, v=call.v, o=o, lse=lse, comm=comm, scale=call.scale,
                       causal=options.causal, layout=layout, softcap=options.softcap,
                       deterministic=options.deterministic, window=options.window,
@@ -599,10 +583,9 @@ def ring_attention_backward(do, ctx, *, dlse=None):
             if dlse is not None:
                 dlse = _arrays.lse_bhs_view(dlse.astype(ctx.lse.dtype), ctx.layout)
             ring = _Ring(ctx.comm, place, ctx.layout)
-            with ring.computing():
-                _backward(ring, ctx._shards, do, ctx.q, xp.ascontiguousarray(ctx.k),
-                          xp.ascontiguousarray(ctx.v), ctx.o, _arrays.lse_bhs_view(ctx.lse, ctx.layout),
-                          *grads, dlse=dlse, scale=ctx.scale, deterministic=ctx.deterministic)
+            _backward(ring, ctx._shards, do, ctx.q, xp.ascontiguousarray(ctx.k),
+                      xp.ascontiguousarray(ctx.v), ctx.o, _arrays.lse_bhs_view(ctx.lse, ctx.layout),
+                      *grads, dlse=dlse, scale=ctx.scale, deterministic=ctx.deterministic)
     return grads
 
 

@@ -1,19 +1,19 @@
-"""Ring attention's exchanges against its kernels: does the transfer hide under the compute?
+"""Where ring attention's time goes: NCCL's exchange rate, the ring's rows, each step's time.
 
-An A/B of how the ring shares the GPU with NCCL, in one launch (one process per GPU):
-each variant sets `cupyflash.distributed.ring`'s EXCHANGE_URGENT (the exchanges' stream at
-the highest priority or the default one) and COMM_SMS (the SMs its persistent kernels leave
-free), and times ring attention's forward and backward on the shapes of bench/distributed.py
-(bf16, d = 128, H = 16, B = 1, causal). It also times the exchanges alone: one sendrecv of a
-K/V shard (the forward's message) and of its fp32 dK/dV sums (the backward's), for NCCL's
-rate between neighbours. NCCL's own variables (NCCL_MAX_P2P_NCHANNELS, ...) are read once
-per process: compare them across launches; the rows record the NCCL_* environment.
+One launch, one process per GPU, on the shapes of bench/distributed.py (bf16, d = 128,
+H = 16, B = 1, causal):
+- the exchanges alone: one sendrecv to the next rank of a K/V shard (the forward's message)
+  and of its fp32 dK/dV sums (the backward's), for NCCL's rate between neighbours;
+- ring attention's forward and backward (median of --repeat), beside the shard's
+  single-GPU rows (bench/distributed.py's);
+- with --timeline, each rank's steps of one forward and one backward call, timed by CUDA
+  events on the compute stream (kernel calls, merges, sums, waits for an exchange).
+NCCL's own variables (NCCL_MAX_P2P_NCHANNELS, ...) are read once per process: compare them
+across launches; the rows record the NCCL_* environment. (2245752's version also switched
+the exchanges' stream priority and SMs left free for NCCL: bench/NOTES.md, session 20.)
 
-    python -m cupyflash.distributed.launch --nproc 2 bench/ring_overlap.py \
-        --seqlen-per-gpu 32768 --variants 0:0 1:0 1:8 1:16 --out ring-overlap-2.json
-
-A variant is URGENT:COMM_SMS. Rank 0 prints one JSON row per (N, variant, pass) and the
-single-GPU rows of the shard (bench/distributed.py's), and writes them with --out.
+    python -m cupyflash.distributed.launch --nproc 2 bench/ring_profile.py \
+        --seqlen-per-gpu 32768 --timeline --out ring-profile-2.json
 """
 
 import argparse
@@ -35,11 +35,9 @@ import distributed as rows_of  # noqa: E402  (bench/distributed.py: shapes, inpu
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seqlen-per-gpu", type=int, nargs="+", default=[32768])
-    p.add_argument("--variants", nargs="+", default=["0:0", "1:0", "1:8"],
-                   help="URGENT:COMM_SMS pairs (default: %(default)s)")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--timeline", action="store_true",
-                   help="also print each rank's steps of one call (0:0), as CUDA event times")
+                   help="also print each rank's steps of one call, as CUDA event times")
     p.add_argument("--out", type=Path)
     p.add_argument("--commit")
     return p.parse_args(argv)
@@ -100,7 +98,8 @@ class Timeline:
 
 
 def timeline(comm, q, k, v, do):
-    """One forward and one backward call with their steps marked; prints this rank's."""
+    """One forward and one backward call with their steps marked; prints this rank's (in
+    one write, so that the ranks' lines do not interleave)."""
     from cupyflash import _cuda
     t = Timeline()
     patched = [(_cuda, "attention_forward", t.wrap(_cuda, "attention_forward", "fwd kernels")),
@@ -109,6 +108,7 @@ def timeline(comm, q, k, v, do):
                (ring._Ring, "arrived", t.wrap(ring._Ring, "arrived", "waited for an exchange",
                                               before="(sums, copies) before a wait")),
                (ring, "_sums_home", t.wrap(ring, "_sums_home", "sums home"))]
+    lines = []
     try:
         for pass_ in ("fwd", "bwd"):
             t.marks = []
@@ -118,11 +118,13 @@ def timeline(comm, q, k, v, do):
             else:
                 dist.ring_attention_backward(do, ctx)
             t.mark("end (outputs written)")
-            for label, ms, at in t.report():
-                print(f"rank {comm.rank} {pass_}: {label:32} {ms:7.2f} ms (at {at:7.2f})", flush=True)
+            lines += [f"rank {comm.rank} {pass_}: {label:32} {ms:7.2f} ms (at {at:7.2f})"
+                      for label, ms, at in t.report()]
     finally:
         for owner, name, original in patched:
             setattr(owner, name, original)
+    sys.stdout.write("\n".join(lines) + "\n")
+    sys.stdout.flush()
 
 
 def main(argv=None):
@@ -133,28 +135,21 @@ def main(argv=None):
     nccl_env = {k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_")}
     meta = {"gpu": bench.gpu_name(), "date": datetime.date.today().isoformat(),
             "commit": args.commit or bench.checkout_commit(), "nccl_env": nccl_env}
-    variants = [tuple(int(x) for x in v.split(":")) for v in args.variants]
     found = []
     for n in args.seqlen_per_gpu:
         found += exchange_rows(meta, comm, n)
         q, k, v, do = rows_of.inputs(n, seed=comm.rank)
         sync = cp.cuda.get_current_stream().synchronize
-        for urgent, comm_sms in variants:
-            ring.EXCHANGE_URGENT, ring.COMM_SMS = bool(urgent), comm_sms
-            state = {}
+        state = {}
 
-            def fwd():
-                state["o"], state["ctx"] = dist.ring_attention_forward(q, k, v, comm, causal=rows_of.CAUSAL)
+        def fwd():
+            state["o"], state["ctx"] = dist.ring_attention_forward(q, k, v, comm, causal=rows_of.CAUSAL)
 
-            times = {"fwd": rows_of.median_ms(fwd, sync, args.repeat)}
-            times["bwd"] = rows_of.median_ms(lambda: dist.ring_attention_backward(do, state["ctx"]),
-                                             sync, args.repeat)
-            for pass_, ms in times.items():
-                found.append(dict(rows_of.make_row(meta, n=n, gpus=comm.size, variant="ring",
-                                                   pass_=pass_, ms=ms),
-                                  exchange_urgent=bool(urgent), comm_sms=comm_sms))
+        found.append(rows_of.make_row(meta, n=n, gpus=comm.size, variant="ring", pass_="fwd",
+                                      ms=rows_of.median_ms(fwd, sync, args.repeat)))
+        ms = rows_of.median_ms(lambda: dist.ring_attention_backward(do, state["ctx"]), sync, args.repeat)
+        found.append(rows_of.make_row(meta, n=n, gpus=comm.size, variant="ring", pass_="bwd", ms=ms))
         if args.timeline:
-            ring.EXCHANGE_URGENT, ring.COMM_SMS = False, 0
             timeline(comm, q, k, v, do)
         if lead:
             found += rows_of.single_rows(meta, n, args.repeat)
