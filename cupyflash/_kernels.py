@@ -529,15 +529,13 @@ def _sm90_dkdv(dtype_name: str, D: int, tile, grads: int, mode: int) -> Variant:
     # bwd_sm90.cu Sm90BwdKVTile: K, V, Q and dO per stage, dS^T twice, the bias of a
     # sub-tile of BWD_SM90_SUB_M queries (MODE_BIAS), swizzled; the staged fp32 dQ tile
     # with rows of D + 8; a tile's lse2 and delta rows a stage; 1024 bytes to align the
-    # tiles; the option kernels without the bias: dropout's keep bits, a word per consumer
-    # thread and sub-tile a stage (Sm90BwdKVTile::DRAWS); Sm90BwdBarriers (11 + 2 STAGES
-    # mbarriers of 8 bytes, two unit words, a 16-byte Sm90BwdTileInfo a stage; the walk's
-    # ring: two mbarriers and a tile info a slot, Sm90BwdKVTile::WALK_SLOTS).
+    # tiles; Sm90BwdBarriers (11 + 2 STAGES mbarriers of 8 bytes, two unit words, a
+    # 16-byte Sm90BwdTileInfo a stage; the walk's ring: two mbarriers and a tile info a
+    # slot, Sm90BwdKVTile::WALK_SLOTS).
     bias = BWD_SM90_SUB_M * block_n if mode & MODE_BIAS else 0
-    keep_words = (block_m // BWD_SM90_SUB_M) * consumers * 128 if mode != MODE_DENSE and not mode & MODE_BIAS else 0
     smem = ((2 * block_n * D + 2 * stages * block_m * D + 2 * block_n * block_m + bias) * 2
-            + (block_m * (D + 8) + 2 * stages * _sm90_rows_ld(block_m) + stages * keep_words) * 4 + 1024
-            + 8 * (12 + 2 * stages) + 16 * stages + (2 * 8 + 16) * BWD_SM90_WALK_SLOTS)
+            + (block_m * (D + 8) + 2 * stages * _sm90_rows_ld(block_m)) * 4 + 1024 + 8 * (12 + 2 * stages) + 16 * stages
+            + (2 * 8 + 16) * BWD_SM90_WALK_SLOTS)
     expr = f"flash_bwd_dkdv_sm90<{CPP_TYPE[dtype_name]}, {D}, {block_m}, {consumers}, {grads}, {mode}, {smem}>"
     # + the producer warpgroup; the dQ workspace's rows padded as the staged tile's (DQ_LD)
     return Variant(BWD_SM90, expr, (consumers + 1) * 128, block_n, smem, mode=mode, tile=tuple(tile),

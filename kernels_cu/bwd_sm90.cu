@@ -38,11 +38,9 @@
 //     do not fit beside dS^T and dQ). The consumers start S^T's accumulator from it
 //     (bias^T / scale, read by ldmatrix.trans: bwd.cuh KeyRowBias) and give the stage
 //     back at once, so the next sub-tile's bias loads while this one's products run;
-//     with softcap, which caps the product alone, the pass adds it after the cap;
-//     its fourth warp (the option kernels without the bias, Sm90BwdKVTile::DRAWER) draws
-//     dropout's keep bits of each tile into its stage.
-// So the consumers issue no atomics, no loads from global memory, no walk of the pairs and
-// (but beside the bias) no Philox: the mainloop is their products and the softmax's gradient. In the deterministic mode (GRAD_DQ_ORDERED)
+//     with softcap, which caps the product alone, the pass adds it after the cap.
+// So the consumers issue no atomics, no loads from global memory and no walk of the pairs:
+// the mainloop is their products and the softmax's gradient. In the deterministic mode (GRAD_DQ_ORDERED)
 // the key blocks take turns on each dQ tile in a fixed order (bwd.cuh DqTurns): the
 // dQ writer waits for the tile's turn and waits for its reduction to complete before it
 // passes the turn on (the dense d = 128 kernel has two writers taking the tiles in turn,
@@ -165,7 +163,7 @@ struct Sm90BwdKVTile {
     // Shared memory (cupyflash/_kernels.py mirrors it), from a 1024-byte aligned base: K, V,
     // Q x STAGES, dO x STAGES, dS^T x 2 (with dQ), a sub-tile's bias (MODE_BIAS), each a
     // multiple of 1024 bytes; the staged dQ tile (fp32, with dQ); a tile's lse2 and delta
-    // rows, one buffer a stage; its keep bits a stage (DRAWS, below); the barriers.
+    // rows, one buffer a stage; the barriers.
     static constexpr int KV_ELEMS = BLOCK_N * D, QO_ELEMS = BLOCK_M * D;
     static constexpr int DS_ELEMS = BLOCK_N * BLOCK_M;
     static constexpr int BIAS_ELEMS = BIAS ? SUB_M * BLOCK_N : 0;
@@ -179,19 +177,8 @@ struct Sm90BwdKVTile {
     static constexpr int ROWS_BOX = BLOCK_M + 4, ROWS_LD = (ROWS_BOX + 31) / 32 * 32;
     static constexpr u32 ROWS_BYTES = 2 * ROWS_BOX * sizeof(float);   // lse2 and delta of a stage
     static constexpr int ALIGN = 1024;
-    // Dropout's keep bits, drawn by the producer warpgroup's fourth warp, which the option
-    // kernels leave idle but beside the bias (its loader and the walker take the third and
-    // fourth): one word a consumer thread and sub-tile of each stage's tile, in the layout
-    // that thread would draw (philox.cuh dropout_keep_bits_key_rows), so that the
-    // consumers' tile loop runs no Philox. (On them, at d = 128 and N = 16k, dropout ran
-    // 2.3x the dense kernel's instructions, about half of it the Philox rounds: ncu at
-    // f6946af, bench/NOTES.md session 18.) The drawer arrives on each stage's full barrier
-    // beside the loader, with or without dropout in the call.
-    static constexpr bool DRAWS = MODE != MODE_DENSE && !BIAS;
-    static constexpr int DRAWER = 3;
-    static constexpr int KEEP_WORDS = DRAWS ? SUBTILES * CONSUMER_THREADS : 0;   // a stage's
     static constexpr int TILE_BYTES = (2 * KV_ELEMS + 2 * STAGES * QO_ELEMS + 2 * DS_ELEMS + BIAS_ELEMS) * sizeof(T) +
-                                      (DQ_FLOATS + STAGES * 2 * ROWS_LD) * sizeof(float) + STAGES * KEEP_WORDS * sizeof(u32);
+                                      (DQ_FLOATS + STAGES * 2 * ROWS_LD) * sizeof(float);
     // The walk's ring (Sm90BwdTileInfo): the loader runs up to STAGES tiles ahead of the
     // consumers and a dQ writer a tile behind them, so four slots let the walker run ahead
     // of every reader.
@@ -200,9 +187,8 @@ struct Sm90BwdKVTile {
     // Register budgets after setmaxnreg: the producer warpgroup keeps 40 a thread (the
     // walker's block-mask reads, the loader's addresses under varlen); 56 with the options
     // and ordered dQ, whose turn count reads the block mask too (at 40 those kernels
-    // spilled 44-92 bytes, build check at b1f3630); 48 for the drawer's Philox rounds (at
-    // 40 it spilled 64-148 bytes), which leaves the consumers their 232. The consumers share
-    // the rest of the launch's registers (tma.cuh WarpgroupRegs: 232, 224 with 56).
+    // spilled 44-92 bytes, build check at b1f3630). The consumers share the rest of the
+    // launch's registers (tma.cuh WarpgroupRegs: 232, 224 with 56).
     static constexpr int PRODUCER_REGS = MODE == MODE_DENSE ? 40 : (ORDERED_DQ ? 56 : 40);
     static constexpr int CONSUMER_REGS = WarpgroupRegs<THREADS, PRODUCER_REGS>::CONSUMER;
     // Deterministic: two dQ writers (the producer warpgroup's second and fourth warps), taking
@@ -218,12 +204,9 @@ struct Sm90BwdKVTile {
     // with the bias, whose loader is the third, the fourth).
     static constexpr int WALKER = BIAS ? 3 : 2;
     static_assert(!(BIAS && DQ_WRITERS == 2), "the bias loader, two dQ writers and the walker: one warp short");
-    static_assert(!(DRAWS && (DQ_WRITERS == 2 || WALKER == DRAWER)), "the drawer's warp is taken");
-    // The warps that read each walked tile from the ring: the loader, the dQ writers,
-    // (MODE_BIAS) the bias loader and the drawer.
-    static constexpr int WALK_READERS = 1 + DQ_WRITERS + (BIAS ? 1 : 0) + (DRAWS ? 1 : 0);
-    // Arrivals on a stage's full barrier: the loader's (with its copies' bytes) and the drawer's.
-    static constexpr int FULL_ARRIVALS = DRAWS ? 2 : 1;
+    // The warps that read each walked tile from the ring: the loader, the dQ writers and
+    // (MODE_BIAS) the bias loader.
+    static constexpr int WALK_READERS = 1 + DQ_WRITERS + (BIAS ? 1 : 0);
     // The warps that read a unit's number from its slot (Sm90BwdUnits): the consumers', the
     // dQ writers, (MODE_BIAS) the bias loader and the walker.
     static constexpr int UNIT_READERS = CONSUMERS * 4 + DQ_WRITERS + (BIAS ? 1 : 0) + 1;
@@ -316,7 +299,6 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
     T* sBias = sdS + 2 * C::DS_ELEMS;         // one stage (MODE_BIAS)
     float* sdQ = reinterpret_cast<float*>(sBias + C::BIAS_ELEMS);   // also the epilogue's staging tile
     float* sRows = sdQ + C::DQ_FLOATS;        // a stage's lse2 then delta rows (C::ROWS_LD each), STAGES buffers
-    u32* sKeep = reinterpret_cast<u32*>(sRows + STAGES * 2 * C::ROWS_LD);   // C::KEEP_WORDS a stage (C::DRAWS)
     auto& bars = *reinterpret_cast<Sm90BwdBarriers<STAGES, C::WALK_SLOTS>*>(reinterpret_cast<unsigned char*>(sK) + C::TILE_BYTES);
     // The option kernels' state of the CTA's unit (mods.cuh Mods; in registers it would
     // spill the consumers). The persistent dense kernels keep each role's in registers.
@@ -356,7 +338,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
         mbar_init(&bars.kv_empty, CONSUMERS * 4);
         #pragma unroll
         for (int s = 0; s < STAGES; ++s) {
-            mbar_init(&bars.full[s], C::FULL_ARRIVALS);
+            mbar_init(&bars.full[s], 1);
             mbar_init(&bars.empty[s], CONSUMERS * 4);
         }
         mbar_init(&bars.dq_full[0], CONSUMERS * 4);
@@ -565,42 +547,6 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                     }
                 });
             });
-        } else if (C::DRAWS && role == C::DRAWER) {
-            // Dropout's keep bits of each walked tile into its stage once the consumers gave
-            // it back: for each consumer warp and sub-tile, the word each of its lanes would
-            // draw (philox.cuh: a pair of lanes trades draws by a shuffle, and so do this
-            // warp's), two consumer warps' keys (32 from a multiple of 32) a call.
-            if constexpr (C::DRAWS) {
-                int step = 0;   // query tiles, over every unit: stage step % STAGES, as the loader's
-                each_unit(read_unit, [&](const UnitState& w) {
-                    const ModsT& mods = w.mods;
-                    each_walked_tile(w, step, [&](const Sm90BwdTileInfo& tile) {
-                        const int s = step % STAGES;
-                        mbar_wait(&bars.empty[s], ((step / STAGES) & 1) ^ 1);
-                        if (mods.dropout()) {
-                            // The seed and threshold straight from the parameters (constant
-                            // memory, operands of the rounds), not held in the drawer's registers.
-                            const ModsParams& o = p.mods;
-                            const u64 stream = mods.stream0 + tile.h;   // HeadMods::stream
-                            u32* keep = sKeep + s * C::KEEP_WORDS + lane;   // [sub][consumer warp][lane]
-                            #pragma unroll 1
-                            for (int pair = 0; pair < C::SUBTILES * CONSUMERS * 2; ++pair) {
-                                const int sub = pair / (CONSUMERS * 2), warps = pair % (CONSUMERS * 2);
-                                u32 first, second;
-                                dropout_keep_bits_key_rows_x2<QT>(o.rng_seed, stream, w.k0 + warps * 32,
-                                                                  tile.q0 + sub * C::SUB_M, o.drop_threshold,
-                                                                  dropout_counter_base(o.row0, o.key0), first, second);
-                                // Atomics, as Sm90BwdTileInfo::publish: the consumers' plain reads are
-                                // ordered by the full barrier, which racecheck does not follow.
-                                atomicExch(keep + (2 * pair) * 32, first);
-                                atomicExch(keep + (2 * pair + 1) * 32, second);
-                            }
-                        }
-                        __syncwarp();   // every lane's words, before lane 0's arrival releases them
-                        if (lane == 0) mbar_arrive(&bars.full[s]);
-                    });
-                });
-            }
         } else if (role == C::WALKER) {
             // The walk: each unit's pairs that the mask leaves on (bwd.cuh
             // KeyBlockPairs::next_in_warp, 32 at a time), each published once every reader
@@ -809,11 +755,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                     // while the products run; then P and dS as in dense mode, or with softcap
                     // in one pass once both products are in.
                     const auto hm = mods.at_head(h);
-                    u32 keep = ~0u;
-                    if (hm.dropout()) {
-                        if constexpr (C::DRAWS) keep = sKeep[s_ * C::KEEP_WORDS + (sub * CONSUMERS * 4 + warp) * 32 + lane];
-                        else keep = hm.template keep_bits_key_rows<QT>(k0 + warp_row0, q0 + r0);
-                    }
+                    const u32 keep = hm.dropout() ? hm.template keep_bits_key_rows<QT>(k0 + warp_row0, q0 + r0) : ~0u;
                     const u32 visible = needs_mask ? mask.template visible_bits<true, QT>(k0 + warp_row0, q0 + r0, h)
                                                    : ~0u;
                     const float drop_scale = hm.dropout() ? hm.drop_scale : 1.f;

@@ -84,11 +84,6 @@ struct HeadMods<T, Acc, true> {
     __device__ __forceinline__ u32 keep_bits_key_rows(int k0, int q0) const {
         return dropout_keep_bits_key_rows<NT>(seed, stream, k0, q0, threshold, drop_base);
     }
-    // The same for the keys from k0 (a multiple of 32) and from k0 + 16 at once.
-    template <int NT>
-    __device__ __forceinline__ void keep_bits_key_rows_x2(int k0, int q0, u32& first, u32& second) const {
-        dropout_keep_bits_key_rows_x2<NT>(seed, stream, k0, q0, threshold, drop_base, first, second);
-    }
 
     // The score of (row i, key j) in log2 units from the raw product s = q_i . k_j:
     // scale (folded with log2 e), softcap, bias, ALiBi, and -inf where hidden (only

@@ -21,26 +21,14 @@ __device__ __forceinline__ uint4 philox_round(uint4 c, uint2 k) {
 }
 
 // _philox.philox4x32: counter words x..w are Random123's ctr[0..3], key x, y its key[0..1].
-// LEAN: the rounds in a loop, for code with few registers (bwd_sm90.cu's drawer has 40):
-// unrolled, the compiler computes the rounds' keys up front and overlaps the products of
-// several rounds, and the drawer spilled 40-148 bytes (build check).
-template <int ROUNDS = 10, bool LEAN = false>
+template <int ROUNDS = 10>
 __device__ __forceinline__ uint4 philox4x32(uint4 counter, uint2 key) {
     counter = philox_round(counter, key);
-    if constexpr (LEAN) {
-        #pragma unroll 1
-        for (int r = 1; r < ROUNDS; ++r) {
-            key.x += PHILOX_W0;
-            key.y += PHILOX_W1;
-            counter = philox_round(counter, key);
-        }
-    } else {
-        #pragma unroll
-        for (int r = 1; r < ROUNDS; ++r) {
-            key.x += PHILOX_W0;
-            key.y += PHILOX_W1;
-            counter = philox_round(counter, key);
-        }
+#pragma unroll
+    for (int r = 1; r < ROUNDS; ++r) {
+        key.x += PHILOX_W0;
+        key.y += PHILOX_W1;
+        counter = philox_round(counter, key);
     }
     return counter;
 }
@@ -74,11 +62,10 @@ __device__ __forceinline__ uint2 dropout_counter_base(u32 row0, u32 key0) {
 }
 
 // _philox._dropout_words: the four words of counter (x, y) of one stream.
-template <bool LEAN = false>
 __device__ __forceinline__ uint4 dropout_words(u64 seed, u64 stream, u32 x, u32 y) {
     const uint4 counter = {x, y, static_cast<u32>(stream), static_cast<u32>(stream >> 32)};
     const uint2 key = {static_cast<u32>(seed), static_cast<u32>(seed >> 32)};
-    return philox4x32<10, LEAN>(counter, key);
+    return philox4x32<10>(counter, key);
 }
 
 // Byte b (0 .. 15) of a call's words.
@@ -131,31 +118,6 @@ __device__ __forceinline__ u64 dropout_keep_bits(u64 seed, u64 stream, int r0, i
 // one shuffle. One call gives 8 of the pair's scores (the forward's layout gets 16): 4
 // calls for a thread's 32 scores instead of 32. Keys and queries count from the origin of
 // `base`.
-// The bits that one call's words give a lane of dropout_keep_bits_key_rows: its keys whose
-// byte pair starts at pair_byte (((j >> 3) & 3) * 2), query n-tiles 2 m and 2 m + 1; bit
-// 4 nt + 2 kh + b is query u's score of key g + 8 kh with bit 0 = b (u: the lane's own
-// key bit 0), i.e. the lane's own bits where b = u and its partner's where b != u.
-__device__ __forceinline__ u32 key_rows_call_bits(uint4 w, u32 pair_byte, int m, u32 threshold) {
-    u32 drawn = 0;
-    #pragma unroll
-    for (int half = 0; half < 2; ++half)            // n-tile 2 m + half: query bit 3
-        #pragma unroll
-        for (int kh = 0; kh < 2; ++kh)              // key g + 8 kh
-            #pragma unroll
-            for (int b = 0; b < 2; ++b)             // key bit 0
-                drawn |= u32(dropout_byte(w, half * 8 + pair_byte + b + 2 * kh) >= threshold)
-                         << (4 * (2 * m + half) + 2 * kh + b);
-    return drawn;
-}
-
-// A lane's keep bits from what it drew (key_rows_call_bits): its own, and its partner's
-// (lane ^ 4) draws of its other query.
-__device__ __forceinline__ u32 key_rows_trade(u32 drawn, int u) {
-    const u32 own = u ? 0xaaaaaaaau : 0x55555555u;   // the bits of this lane's key parity
-    const u32 partners = __shfl_xor_sync(0xffffffffu, drawn, 4) & own;   // their query, these keys
-    return (drawn & own) | (u ? partners >> 1 : partners << 1);
-}
-
 template <int NT>
 __device__ __forceinline__ u32 dropout_keep_bits_key_rows(u64 seed, u64 stream, int key0, int q0, u32 threshold,
                                                           uint2 base) {
@@ -165,36 +127,22 @@ __device__ __forceinline__ u32 dropout_keep_bits_key_rows(u64 seed, u64 stream, 
     const int u = g & 1;   // the query this lane draws for: its own key bit 0
     const u32 x = base.x + static_cast<u32>((j >> 5) * 4 + ((j >> 1) & 3));
     const u32 pair_byte = static_cast<u32>(((j >> 3) & 3) * 2);   // + key bit 0; key g + 8's is 2 more
+    // Bit 4 nt + 2 kh + b of `drawn`: query u's score of the key with bit 0 = b, i.e. this
+    // lane's bits where b = u, and where b != u the partner's, which it moves to its u.
     u32 drawn = 0;
     #pragma unroll
-    for (int m = 0; m < NT / 2; ++m)
-        drawn |= key_rows_call_bits(dropout_words(seed, stream, x, base.y + static_cast<u32>(((q0 >> 4) + m) * 8 + 2 * t + u)),
-                                    pair_byte, m, threshold);
-    return key_rows_trade(drawn, u);
-}
-
-// dropout_keep_bits_key_rows of two warps' keys at once: those from key0, a multiple of 32
-// (byte pairs from 0), and those from key0 + 16 (byte pairs from 4). Their lanes' counters
-// are the same (only key bit 4 differs), and each call's other 8 bytes are the second
-// warp's: half the calls of drawing each alone (bwd_sm90.cu's drawer warp draws for every
-// consumer warp).
-template <int NT>
-__device__ __forceinline__ void dropout_keep_bits_key_rows_x2(u64 seed, u64 stream, int key0, int q0, u32 threshold,
-                                                              uint2 base, u32& first, u32& second) {
-    static_assert(NT % 2 == 0 && 4 * NT <= 32, "pairs of query n-tiles, at most 32 scores");
-    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    const int j = key0 + g;
-    const int u = g & 1;
-    const u32 x = base.x + static_cast<u32>((j >> 5) * 4 + ((j >> 1) & 3));
-    u32 a = 0, b = 0;
-    // One call at a time, its rounds in a loop (LEAN): the drawer has a producer's 40
-    // registers (build check: with the calls or the rounds unrolled it spilled).
-    #pragma unroll 1
     for (int m = 0; m < NT / 2; ++m) {
-        const uint4 w = dropout_words<true>(seed, stream, x, base.y + static_cast<u32>(((q0 >> 4) + m) * 8 + 2 * t + u));
-        a |= key_rows_call_bits(w, 0, 0, threshold) << (8 * m);
-        b |= key_rows_call_bits(w, 4, 0, threshold) << (8 * m);
+        const uint4 w = dropout_words(seed, stream, x, base.y + static_cast<u32>(((q0 >> 4) + m) * 8 + 2 * t + u));
+        #pragma unroll
+        for (int half = 0; half < 2; ++half)            // n-tile 2 m + half: query bit 3
+            #pragma unroll
+            for (int kh = 0; kh < 2; ++kh)              // key g + 8 kh
+                #pragma unroll
+                for (int b = 0; b < 2; ++b)             // key bit 0
+                    drawn |= u32(dropout_byte(w, half * 8 + pair_byte + b + 2 * kh) >= threshold)
+                             << (4 * (2 * m + half) + 2 * kh + b);
     }
-    first = key_rows_trade(a, u);
-    second = key_rows_trade(b, u);
+    const u32 own = u ? 0xaaaaaaaau : 0x55555555u;   // the bits of this lane's key parity
+    const u32 partners = __shfl_xor_sync(0xffffffffu, drawn, 4) & own;   // their query, these keys
+    return (drawn & own) | (u ? partners >> 1 : partners << 1);
 }
