@@ -2,7 +2,7 @@
 # One device call: an option's backward A/B against another version (bench/ab_versions.py;
 # OLD defaults to .ab_old: git archive <commit> cupyflash kernels_cu | tar -x -C .ab_old,
 # carried to the device), both versions' kernels precompiled first, then the --mods rows of
-# the backward at N = 16k. Usage: OPTIONS="dropout softcap" COMMIT=<sha> bash bench/ab_backward_session.sh
+# the backward at N = 16k (MODS= leaves them out). Usage: OPTIONS="dropout softcap" COMMIT=<sha> bash bench/ab_backward_session.sh
 set -u -o pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 OLD=${OLD:-.ab_old}
@@ -15,5 +15,5 @@ for option in ${OPTIONS:-dropout}; do
     timeout 150 python3 bench/ab_versions.py "$OLD" --backward --option "$option" --seqlens 4096 16384 \
         > "$OUT/ab-$option.log" 2>&1; echo "ab $option rc=$?"; cat "$OUT/ab-$option.log"
 done
-[ -n "${MODS:-1}" ] && { timeout 200 python3 -m cupyflash.bench --mods --passes bwd --mods-seqlens 16384 ${COMMIT:+--commit "$COMMIT"} \
+[ -n "${MODS-1}" ] && { timeout 200 python3 -m cupyflash.bench --mods --passes bwd --mods-seqlens 16384 ${COMMIT:+--commit "$COMMIT"} \
     --out "$OUT/mods-bwd.json" > "$OUT/mods-bwd.log" 2>&1; echo "mods rc=$?"; sed -n '/^pass /,$p' "$OUT/mods-bwd.log"; }

@@ -118,6 +118,20 @@ __device__ __forceinline__ u64 dropout_keep_bits(u64 seed, u64 stream, int r0, i
 // one shuffle. One call gives 8 of the pair's scores (the forward's layout gets 16): 4
 // calls for a thread's 32 scores instead of 32. Keys and queries count from the origin of
 // `base`.
+// Bits 0-3: whether bytes 0-3 of `word` are >= the threshold (1 .. 255), four compares in
+// a few integer instructions: a byte plus 256 - threshold, in a 16-bit lane of its own,
+// carries into the lane's bit 8 exactly when it is >= the threshold. `lanes_add` is
+// (256 - threshold) in both 16-bit halves (bytes_at_least_add).
+__device__ __forceinline__ u32 bytes_at_least_add(u32 threshold) {
+    return (256u - threshold) * 0x00010001u;
+}
+__device__ __forceinline__ u32 bytes_at_least(u32 word, u32 lanes_add) {
+    const u32 even = (word & 0x00ff00ffu) + lanes_add;          // bytes 0, 2: carries at bits 8, 24
+    const u32 odd = ((word >> 8) & 0x00ff00ffu) + lanes_add;    // bytes 1, 3: carries at bits 8, 24
+    const u32 carries = ((even >> 8) & 0x00010001u) | ((odd >> 7) & 0x00020002u);   // bits 0, 1, 16, 17
+    return (carries | (carries >> 14)) & 0xfu;
+}
+
 template <int NT>
 __device__ __forceinline__ u32 dropout_keep_bits_key_rows(u64 seed, u64 stream, int key0, int q0, u32 threshold,
                                                           uint2 base) {
@@ -126,7 +140,11 @@ __device__ __forceinline__ u32 dropout_keep_bits_key_rows(u64 seed, u64 stream, 
     const int j = key0 + g;
     const int u = g & 1;   // the query this lane draws for: its own key bit 0
     const u32 x = base.x + static_cast<u32>((j >> 5) * 4 + ((j >> 1) & 3));
-    const u32 pair_byte = static_cast<u32>(((j >> 3) & 3) * 2);   // + key bit 0; key g + 8's is 2 more
+    // The keys' bytes: from byte ((j >> 3) & 3) * 2 of each 8-byte half, key bit 0 and then
+    // key g + 8 (2 more). key0 is a multiple of 16, so that is byte 0 or 4 (the warp's: key
+    // bit 4), and a half's four bytes are one word of the call's, in the bits' order.
+    const bool high_word = (j >> 4) & 1;
+    const u32 lanes_add = bytes_at_least_add(threshold);
     // Bit 4 nt + 2 kh + b of `drawn`: query u's score of the key with bit 0 = b, i.e. this
     // lane's bits where b = u, and where b != u the partner's, which it moves to its u.
     u32 drawn = 0;
@@ -134,13 +152,10 @@ __device__ __forceinline__ u32 dropout_keep_bits_key_rows(u64 seed, u64 stream, 
     for (int m = 0; m < NT / 2; ++m) {
         const uint4 w = dropout_words(seed, stream, x, base.y + static_cast<u32>(((q0 >> 4) + m) * 8 + 2 * t + u));
         #pragma unroll
-        for (int half = 0; half < 2; ++half)            // n-tile 2 m + half: query bit 3
-            #pragma unroll
-            for (int kh = 0; kh < 2; ++kh)              // key g + 8 kh
-                #pragma unroll
-                for (int b = 0; b < 2; ++b)             // key bit 0
-                    drawn |= u32(dropout_byte(w, half * 8 + pair_byte + b + 2 * kh) >= threshold)
-                             << (4 * (2 * m + half) + 2 * kh + b);
+        for (int half = 0; half < 2; ++half) {          // n-tile 2 m + half: query bit 3
+            const u32 word = half ? (high_word ? w.w : w.z) : (high_word ? w.y : w.x);
+            drawn |= bytes_at_least(word, lanes_add) << (4 * (2 * m + half));
+        }
     }
     const u32 own = u ? 0xaaaaaaaau : 0x55555555u;   // the bits of this lane's key parity
     const u32 partners = __shfl_xor_sync(0xffffffffu, drawn, 4) & own;   // their query, these keys
