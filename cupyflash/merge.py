@@ -99,7 +99,7 @@ def merge_into(o_acc, lse_acc, o_part, lse_part, xp):
     if isinstance(o_acc, np.ndarray):
         o_acc *= w[0][..., None]
         o_acc += w[1][..., None] * o_part
-    else:   # one pass over o (four, with a widened copy of the part, as above)
+    else:   # one pass over o (as separate CuPy operations, four and a widened copy of the part)
         _gpu_kernels().merge_into(o_part, w[0][..., None], w[1][..., None], o_acc)
     lse_acc[...] = lse
 

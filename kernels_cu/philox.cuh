@@ -108,16 +108,6 @@ __device__ __forceinline__ u64 dropout_keep_bits(u64 seed, u64 stream, int r0, i
     return bits;
 }
 
-// The keep bits of the transposed products' fragments (bwd_sm90.cu: C fragments whose rows
-// are keys, for_each_score's KEY_ROWS layout): a warp's 16 keys from key0 (a multiple of
-// 16), NT n-tiles of queries from q0 (a multiple of 16); bit 4 nt + e for element e of
-// n-tile nt. A thread's keys g and g + 8 share a counter (the same j >> 5 and (j >> 1) & 3),
-// and so do its queries 16 m + 2 t + u and 16 m + 8 + 2 t + u; so do the keys of lane
-// 4 (g ^ 1) + t, which differ in key bit 0 alone. So the two lanes split the calls: each
-// draws the counters of one u for both lanes' keys and hands the other lane its bits by
-// one shuffle. One call gives 8 of the pair's scores (the forward's layout gets 16): 4
-// calls for a thread's 32 scores instead of 32. Keys and queries count from the origin of
-// `base`.
 // Bits 0-3: whether bytes 0-3 of `word` are >= the threshold (1 .. 255), four compares in
 // a few integer instructions: a byte plus 256 - threshold, in a 16-bit lane of its own,
 // carries into the lane's bit 8 exactly when it is >= the threshold. `lanes_add` is
@@ -132,6 +122,16 @@ __device__ __forceinline__ u32 bytes_at_least(u32 word, u32 lanes_add) {
     return (carries | (carries >> 14)) & 0xfu;
 }
 
+// The keep bits of the transposed products' fragments (bwd_sm90.cu: C fragments whose rows
+// are keys, for_each_score's KEY_ROWS layout): a warp's 16 keys from key0 (a multiple of
+// 16), NT n-tiles of queries from q0 (a multiple of 16); bit 4 nt + e for element e of
+// n-tile nt. A thread's keys g and g + 8 share a counter (the same j >> 5 and (j >> 1) & 3),
+// and so do its queries 16 m + 2 t + u and 16 m + 8 + 2 t + u; so do the keys of lane
+// 4 (g ^ 1) + t, which differ in key bit 0 alone. So the two lanes split the calls: each
+// draws the counters of one u for both lanes' keys and hands the other lane its bits by
+// one shuffle. One call gives 8 of the pair's scores (the forward's layout gets 16): 4
+// calls for a thread's 32 scores instead of 32. Keys and queries count from the origin of
+// `base`.
 template <int NT>
 __device__ __forceinline__ u32 dropout_keep_bits_key_rows(u64 seed, u64 stream, int key0, int q0, u32 threshold,
                                                           uint2 base) {
