@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on a machine of several GPUs (#18): NCCL through CuPy checked, the
-# multi-GPU tests (ring over NCCL in processes, 2 and 4 ranks, every dtype; the one-process
-# split over 2 and 4 GPUs), then bench/distributed.py's rows: the ring and the split at the
+# multi-GPU tests (bench/multi_gpu_tests.sh: the ring over NCCL in processes, 2 and 4
+# ranks, every dtype; the one-process split over 2 and 4 GPUs; merges, streaming), then bench/distributed.py's rows: the ring and the split at the
 # given N per GPU, each beside its single-GPU rows. Logs and JSON go to $OUT, a short table
 # comes last. Usage (repository root, on the GPU machine):
 #   COMMIT=<sha> bash bench/multi_gpu_session.sh [N per GPU ...]     (default 32768 131072)
@@ -10,16 +10,16 @@
 # timed against one GPU over the whole sequence.
 set -u -o pipefail
 want() { [[ " ${SKIP:-} " != *" $1 "* ]]; }
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 source "$(dirname "$0")/multi_gpu_env.sh"
 seqlens=${*:-32768 131072}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
 python3 -c "from cupy.cuda import nccl; print('nccl available', nccl.available, nccl.get_version() if nccl.available else '')"
-python3 -c "import cupyflash as cf; print(len(cf.precompile(head_dims=[64, 128], workers=16, options=True)), 'kernels')" \
-    > "$OUT/precompile.log" 2>&1; echo "precompile rc=$? ($(tail -1 "$OUT/precompile.log"))"
-want tests && { timeout 330 python3 -m pytest -m gpu tests/test_distributed.py -q -p no:cacheprovider \
-    -k "${TESTS:-several or nccl or two_gpus or multi_device}" -rs --durations=5 > "$OUT/pytest-multi-gpu.log" 2>&1
-    echo "multi-gpu tests rc=$?"; tail -n 12 "$OUT/pytest-multi-gpu.log"; }
+if want tests; then
+    bash "$(dirname "$0")/multi_gpu_tests.sh"   # precompiles the kernels the rows use too
+else
+    precompile "head_dims=[64, 128], options=True"
+fi
 rows=()
 # bench_rows VARIANT GPUS NAME REPEAT "N per GPU ..." [bench/distributed.py options]: one step's JSON and log.
 bench_rows() {

@@ -5,8 +5,7 @@
 set -u -o pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 source "$(dirname "$0")/multi_gpu_env.sh"
-python3 -c "import os, cupyflash as cf; print(len(cf.precompile(head_dims=[64, 128], workers=os.cpu_count(), options=True)), 'kernels')" \
-    > "$OUT/precompile.log" 2>&1; echo "precompile rc=$? ($(tail -1 "$OUT/precompile.log"))"
+precompile "head_dims=[64, 128], options=True"
 timeout ${TEST_SECONDS:-400} python3 -m pytest -m gpu tests/test_distributed.py tests/test_merge.py tests/test_streaming.py \
     -q -p no:cacheprovider -rs --durations=8 ${TESTS:+-k "$TESTS"} > "$OUT/pytest-multi-gpu.log" 2>&1
 echo "multi-gpu tests rc=$?"; tail -n 25 "$OUT/pytest-multi-gpu.log"

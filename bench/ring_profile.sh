@@ -7,8 +7,7 @@ set -u -o pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 source "$(dirname "$0")/multi_gpu_env.sh"
 seqlens=${*:-32768}
-python3 -c "import cupyflash as cf; print(len(cf.precompile(dtypes=['bfloat16'], head_dims=[128], workers=16)), 'kernels')" \
-    > "$OUT/precompile.log" 2>&1; echo "precompile rc=$? ($(tail -1 "$OUT/precompile.log"))"
+precompile "dtypes=['bfloat16'], head_dims=[128]"
 run() {   # run NAME WORLD [VAR=value ...]: one launch
     local name=$1 world=$2; shift 2
     [ "$world" -le "$gpus" ] || return 0

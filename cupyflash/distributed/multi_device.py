@@ -22,6 +22,7 @@ device's current stream, and the caller's device waits for the others through ev
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from .. import _arrays, _masks, _mods, _validate
@@ -129,6 +130,13 @@ def _allow_peer_access(device, peer):
     _peer_pairs.add((device, peer))
 
 
+@functools.lru_cache(maxsize=None)
+def _max_pitch(device):
+    """The largest pitch of a 2D copy on ``device`` (asked once a device, not once a copy)."""
+    cp = _arrays.cupy_module()
+    return cp.cuda.runtime.deviceGetAttribute(cp.cuda.runtime.cudaDevAttrMaxPitch, device)
+
+
 class _Mover:
     """Copies between the host and the devices, queued on the current streams, with the
     sources kept alive until `finish` (a device-to-device copy reads its source on the
@@ -160,8 +168,7 @@ class _Mover:
         runs = _rows_of_bytes(x)
         # A 2D copy where x is strided runs within the pitch limit (2 GiB: a (B, N, H, d)
         # slice at N = 1M passes it); one plain copy where x is contiguous; else staged.
-        strided = runs if runs and runs[1] > 1 and runs[2] <= cp.cuda.runtime.deviceGetAttribute(
-            cp.cuda.runtime.cudaDevAttrMaxPitch, device) else None
+        strided = runs if runs and runs[1] > 1 and runs[2] <= _max_pitch(device) else None
         with cp.cuda.Device(x.device.id):
             src = x if strided or x.flags.c_contiguous else cp.ascontiguousarray(x)
             ready = cp.cuda.Event(disable_timing=True)
