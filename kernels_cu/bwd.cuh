@@ -7,6 +7,10 @@
 //              one exp2, and +inf where LSE = -inf (a row that sees no key), so that P = 0
 //              there instead of exp2(-inf + inf) = NaN;
 //   delta[i] = rowsum(dO_i * O_i), the softmax Jacobian's row term (D in the papers).
+// Under dropout (scale s = 1 / (1 - p) on kept scores) both rows carry s: lse2 - log2(s)
+// and delta / s. Then exp2(...) is P' = s P, the P that multiplies dO into dV for a kept
+// score as it is, and dS = P (s dP - delta) = P' (dP - delta / s) for a kept score,
+// P' (0 - delta / s) for a dropped one: no product by s per score anywhere.
 // Rows in [nq, nq_pad) hold lse2 = +inf and delta = 0: a query tile reads its rows without
 // tail checks, and a padded row's P and dS are 0.
 #pragma once
@@ -164,29 +168,30 @@ __device__ __forceinline__ Acc recomputed_p(const M& mods, const H& hm, Acc s, i
 }
 
 // dS = P o (dP~ - delta) of one score from recomputed_p's P, dP = dO_i . v_j and the
-// row's delta; dP~ is dP through the dropout mask and scale.
+// row's delta; dP~ is dP through the dropout mask (its scale is in the rows).
 template <int MODE, typename H, typename Acc>
 __device__ __forceinline__ Acc score_grad(const H& hm, Acc p, Acc dp, Acc delta) {
     if constexpr (MODE == MODE_DENSE) {
         return p * (dp - delta);
     } else {
-        const Acc kept_dp = !hm.dropout() ? dp : (p > Acc(0) ? dp * hm.drop_scale : Acc(0));
+        const Acc kept_dp = !hm.dropout() || p > Acc(0) ? dp : Acc(0);
         return (p < Acc(0) ? -p : p) * (kept_dp - delta);
     }
 }
 
-// The P that multiplies dO into dV: recomputed_p's, dropped ones 0, kept ones scaled.
+// The P that multiplies dO into dV: recomputed_p's, dropped ones 0 (kept ones carry the
+// scale through the rows).
 template <typename Acc>
-__device__ __forceinline__ Acc kept_p(Acc p, Acc scale) { return p > Acc(0) ? p * scale : Acc(0); }
+__device__ __forceinline__ Acc kept_p(Acc p) { return p > Acc(0) ? p : Acc(0); }
 
 template <int MT, int NT>
-__device__ __forceinline__ void dropped_p(float (&kept)[MT][NT][4], const float (&p)[MT][NT][4], float scale) {
+__device__ __forceinline__ void dropped_p(float (&kept)[MT][NT][4], const float (&p)[MT][NT][4]) {
     #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
         #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
             #pragma unroll
-            for (int e = 0; e < 4; ++e) kept[mt][nt][e] = kept_p(p[mt][nt][e], scale);
+            for (int e = 0; e < 4; ++e) kept[mt][nt][e] = kept_p(p[mt][nt][e]);
 }
 
 // recomputed_p over mma C fragments (mask.cuh for_each_score: fragment rows start at r0,
@@ -276,11 +281,11 @@ struct KeyRowBias {
 // compile-time flags of each pass, chosen once per tile (a branch per term and score
 // would leave the scheduler one score's dependent chain at a time), and so is BITS:
 // false where every score is shown and kept (no dropout, an unmasked tile), which saves
-// the selects. drop_scale is 1 without dropout.
+// the selects. Dropout's scale is in the rows (above): P comes out of p_pass scaled.
 //
 // Without softcap, the dense kernels' two steps: p_pass turns S into P (0 where hidden)
 // while dP's product still runs, kept_a_frag packs the P that multiplies dO (dropped
-// scores 0, kept ones scaled), and grad_pass turns P into dS once dP is in.
+// scores 0), and grad_pass turns P into dS once dP is in.
 template <bool ALIBI, bool BITS, bool KEY_ROWS, int NT, typename Acc, typename H, typename L>
 __device__ __forceinline__ void p_pass(Acc (&s)[1][NT][4], const H& hm, int r0, int c0, L&& lse2_at, u32 visible,
                                        Acc scale_log2) {
@@ -293,11 +298,8 @@ __device__ __forceinline__ void p_pass(Acc (&s)[1][NT][4], const H& hm, int r0, 
 }
 
 template <typename T, bool BITS, int NT>
-__device__ __forceinline__ void kept_a_frag(u32 (&a)[4], const float (&p)[1][NT][4], int ks, u32 kept,
-                                            float drop_scale) {
-    auto k = [&](int nt, int e) {
-        return !BITS ? p[0][nt][e] : (kept >> (4 * nt + e)) & 1 ? p[0][nt][e] * drop_scale : 0.f;
-    };
+__device__ __forceinline__ void kept_a_frag(u32 (&a)[4], const float (&p)[1][NT][4], int ks, u32 kept) {
+    auto k = [&](int nt, int e) { return !BITS || (kept >> (4 * nt + e)) & 1 ? p[0][nt][e] : 0.f; };
     a[0] = pack2<T>(k(2 * ks, 0), k(2 * ks, 1));
     a[1] = pack2<T>(k(2 * ks, 2), k(2 * ks, 3));
     a[2] = pack2<T>(k(2 * ks + 1, 0), k(2 * ks + 1, 1));
@@ -306,9 +308,9 @@ __device__ __forceinline__ void kept_a_frag(u32 (&a)[4], const float (&p)[1][NT]
 
 template <bool BITS, bool KEY_ROWS, int NT, typename Acc, typename Dl>
 __device__ __forceinline__ void grad_pass(Acc (&s)[1][NT][4], const Acc (&dp)[1][NT][4], int r0, int c0,
-                                          Dl&& delta_at, u32 kept, Acc drop_scale) {
+                                          Dl&& delta_at, u32 kept) {
     for_each_score<KEY_ROWS>(s, r0, c0, [&](Acc& x, int, int, int mt, int nt, int e) {
-        const Acc kept_dp = !BITS ? dp[mt][nt][e] : (kept >> (4 * nt + e)) & 1 ? dp[mt][nt][e] * drop_scale : Acc(0);
+        const Acc kept_dp = !BITS || (kept >> (4 * nt + e)) & 1 ? dp[mt][nt][e] : Acc(0);
         x *= kept_dp - delta_at(mt, nt, e);
     });
 }
@@ -320,7 +322,7 @@ template <bool ALIBI, bool BITS, bool KEY_ROWS, int NT, typename Acc, typename H
           typename Bias>
 __device__ __forceinline__ void capped_p_and_grad(Acc (&s)[1][NT][4], Acc (&dp)[1][NT][4], const H& hm, int r0, int c0,
                                                   L&& lse2_at, Dl&& delta_at, Bias& bias, u32 visible, u32 kept,
-                                                  Acc scale_log2, Acc drop_scale) {
+                                                  Acc scale_log2) {
     for_each_score<KEY_ROWS>(s, r0, c0, [&](Acc& x, int i, int j, int mt, int nt, int e) {
         Acc dtanh;
         Acc score = hm.capped(x * scale_log2, dtanh);
@@ -329,9 +331,9 @@ __device__ __forceinline__ void capped_p_and_grad(Acc (&s)[1][NT][4], Acc (&dp)[
         const Acc p = exp2_fast(score - lse2_at(mt, nt, e));
         if constexpr (BITS) {
             const bool shown = (visible >> (4 * nt + e)) & 1, keep = (kept >> (4 * nt + e)) & 1;
-            const Acc grad = p * ((keep ? dp[mt][nt][e] * drop_scale : Acc(0)) - delta_at(mt, nt, e)) * dtanh;
+            const Acc grad = p * ((keep ? dp[mt][nt][e] : Acc(0)) - delta_at(mt, nt, e)) * dtanh;
             dp[mt][nt][e] = shown ? grad : Acc(0);
-            x = shown && keep ? p * drop_scale : Acc(0);
+            x = shown && keep ? p : Acc(0);
         } else {
             dp[mt][nt][e] = p * (dp[mt][nt][e] - delta_at(mt, nt, e)) * dtanh;
             x = p;

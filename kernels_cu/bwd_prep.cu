@@ -45,9 +45,12 @@ flash_bwd_prep(const __grid_constant__ AttnParams p)
     #pragma unroll
     for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
     if (lane == 0) {
+        // Dropout's scale rides in both rows (bwd.cuh); without dropout the rows are exactly
+        // LSE log2(e) and the sum (drop_scale is not set then).
+        const bool dropout = p.mods.drop_threshold != 0;
         const Acc l = static_cast<const Acc*>(p.lse)[((i64)b * gridDim.y + h) * nq + row];   // (B, Hq, nq)
-        lse2[at] = l == Acc(-INFINITY) ? Acc(INFINITY) : l * Acc(LOG2E_D);
-        delta[at] = sum;
+        lse2[at] = l == Acc(-INFINITY) ? Acc(INFINITY) : l * Acc(LOG2E_D) - (dropout ? Acc(log2(p.mods.drop_scale)) : Acc(0));
+        delta[at] = dropout ? sum / Acc(p.mods.drop_scale) : sum;
     }
 }
 

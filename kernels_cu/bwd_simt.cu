@@ -172,7 +172,7 @@ flash_bwd_dkdv_simt(const __grid_constant__ AttnParams p)
                         atomicAdd(dbias_b + h * dbias_sh + (q0 + qi) * dbias_sq + (k0 + kj) * dbias_sk, ds);
                     ds *= dtanh;
                 }
-                sP[kj * LDP + qi] = MODE == MODE_DENSE || !mods.dropout() ? p : (p > T(0) ? p * mods.drop_scale : T(0));
+                sP[kj * LDP + qi] = MODE == MODE_DENSE || !mods.dropout() ? p : kept_p(p);
                 sdS[kj * LDP + qi] = ds;
             }
         }

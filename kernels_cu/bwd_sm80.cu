@@ -157,7 +157,7 @@ flash_bwd_dkdv_sm80(const __grid_constant__ AttnParams p)
             if constexpr (C::DV) {
                 if (MODE != MODE_DENSE && mods.dropout()) {
                     float kept[MT][SNT][4];
-                    dropped_p(kept, s, mods.drop_scale);
+                    dropped_p(kept, s);
                     warp_mm_AB<T, D, MT, SNT, DT>(acc_dv, kept, sdOs);
                 } else {
                     warp_mm_AB<T, D, MT, SNT, DT>(acc_dv, s, sdOs);

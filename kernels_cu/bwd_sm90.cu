@@ -758,7 +758,6 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                     const u32 keep = hm.dropout() ? hm.template keep_bits_key_rows<QT>(k0 + warp_row0, q0 + r0) : ~0u;
                     const u32 visible = needs_mask ? mask.template visible_bits<true, QT>(k0 + warp_row0, q0 + r0, h)
                                                    : ~0u;
-                    const float drop_scale = hm.dropout() ? hm.drop_scale : 1.f;
                     const bool alibi = hm.slope_log2 != 0.f;
                     const int kr0 = k0 + warp_row0, qc0 = q0 + r0;
                     // MODE_BIAS with softcap: the bias from its stage in the one pass (above it
@@ -776,9 +775,9 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
             reg_fence(s[0]);                                                                                    \
             reg_fence(dp[0]);                                                                                   \
             if (alibi) capped_p_and_grad<true, BITS, true>(s, dp, hm, kr0, qc0, lse2_at, delta_at, bias, visible, keep, \
-                                                           scale_log2, drop_scale);                             \
+                                                           scale_log2);                                         \
             else capped_p_and_grad<false, BITS, true>(s, dp, hm, kr0, qc0, lse2_at, delta_at, bias, visible,    \
-                                                      keep, scale_log2, drop_scale);                            \
+                                                      keep, scale_log2);                                        \
             _Pragma("unroll") for (int ks = 0; ks < C::QSTEPS; ++ks) {                                          \
                 c_to_a_frag<T>(p_frag[ks], s, 0, ks);                                                           \
                 c_to_a_frag<T>(ds_frag[ks], dp, 0, ks);                                                         \
@@ -789,10 +788,10 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
             if (alibi) p_pass<true, BITS, true>(s, hm, kr0, qc0, lse2_at, visible, scale_log2);                 \
             else p_pass<false, BITS, true>(s, hm, kr0, qc0, lse2_at, visible, scale_log2);                      \
             _Pragma("unroll") for (int ks = 0; ks < C::QSTEPS; ++ks)                                            \
-                kept_a_frag<T, BITS>(p_frag[ks], s, ks, keep, drop_scale);                                      \
+                kept_a_frag<T, BITS>(p_frag[ks], s, ks, keep);                                                  \
             wgmma_wait<0>();                                                                                    \
             reg_fence(dp[0]);                                                                                   \
-            grad_pass<BITS, true>(s, dp, kr0, qc0, delta_at, keep, drop_scale);                                 \
+            grad_pass<BITS, true>(s, dp, kr0, qc0, delta_at, keep);                                             \
             _Pragma("unroll") for (int ks = 0; ks < C::QSTEPS; ++ks) c_to_a_frag<T>(ds_frag[ks], s, 0, ks);     \
         }
                     if (C::SELECT_FREE_TILES && !needs_mask && !hm.dropout()) {

@@ -216,8 +216,7 @@ flash_bwd_dkdv_wide(const __grid_constant__ AttnParams p)
                     wide_mm_AB<Rows>(acc_dv, s, sdOs + col0);
                 } else {   // dropout: the P that multiplies dO (bwd.cuh kept_p)
                     const bool dropout = mods.dropout();
-                    const T drop_scale = mods.drop_scale;
-                    wide_mm_AB<Rows>(acc_dv, s, sdOs + col0, [=](T p) { return dropout ? kept_p(p, drop_scale) : p; });
+                    wide_mm_AB<Rows>(acc_dv, s, sdOs + col0, [=](T p) { return dropout ? kept_p(p) : p; });
                 }
             }
 

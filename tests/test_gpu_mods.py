@@ -594,6 +594,26 @@ def test_entry_points_agree_with_modifiers(rng):
     _check(got, ref, "bfloat16")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_dropout_with_an_lse_gradient(rng, dtype, causal):
+    """attention_backward(dlse=...) under dropout: the kernels carry dropout's scale in
+    their row workspaces (kernels_cu/bwd.cuh), the LSE's gradient included, and the
+    gradients still match the float64 reference."""
+    nq, nk = 129, 300
+    host = _qkv(rng, dtype, 64, nq, nk, 2, "bhsd")
+    dlse = rng.standard_normal((2, 4, nq)).astype(np.float64 if dtype == "float64" else np.float32)
+    kw = dict(causal=causal, dropout_p=0.3, seed=11)
+    results = []
+    for backend, inputs, g in (("cuda" if not DRY_RUN else "numpy", [_dev(x) for x in host], _dev(dlse)),
+                               ("numpy", [x.astype(np.float64) for x in host], dlse.astype(np.float64))):
+        o, ctx = cupyflash.attention_forward(*inputs[:3], backend=backend, **kw)
+        grads = cupyflash.attention_backward(inputs[3], ctx, dlse=g)
+        results.append({"o": _host(o), "lse": _host(ctx.lse), **dict(zip(GRAD_NAMES, (_host(x) for x in grads)))})
+    got, ref = results
+    _check(got, ref, dtype)
+
+
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_deterministic_backward_with_modifiers_is_bitwise_reproducible(rng, dtype):
     """deterministic=True: dq, dk, dv and dbias identical run to run with dropout, bias,
