@@ -6,7 +6,8 @@
 
 With ``--backward`` the forward runs once and the backward ``--repeat`` times; profile
 its key-block kernel with ``ncu -k regex:flash_bwd_dkdv``, the forward's with
-``-k regex:flash_fwd``.
+``-k regex:flash_fwd``. ``--ptx`` prints the path of its PTX too (bench/fp64_profile.sh
+turns it into a SASS opcode count).
 """
 
 import argparse
@@ -29,6 +30,7 @@ p.add_argument("--causal", action="store_true")
 p.add_argument("--backward", action="store_true")
 p.add_argument("--deterministic", action="store_true", help="the backward's ordered dQ")
 p.add_argument("--repeat", type=int, default=5)
+p.add_argument("--ptx", action="store_true", help="also print the path of its PTX")
 p.add_argument("--softcap", type=float, default=None, help="an option, to profile its kernels")
 p.add_argument("--dropout", type=float, default=0.0, help="an option, to profile its kernels")
 p.add_argument("--window", type=int, default=None, help="an option (left extent, right 0), to profile its kernels")
@@ -63,6 +65,9 @@ else:
 compiled = _nvrtc.compile_kernel(variant.source, variant.name_expression, _cuda._device_info(0)[0])
 print(f"{variant.name_expression}: regs={compiled.registers}")
 print(compiled.binary_path)
+if a.ptx:   # for `ptxas -arch=sm_90a` and `nvdisasm -c` (the device's cuobjdump cannot read NVRTC's cubins)
+    arch = _cuda._device_info(0)[0].replace("sm_", "compute_")
+    print(_nvrtc.compile_kernel(variant.source, variant.name_expression, arch).binary_path)
 if a.backward:
     _, ctx = cupyflash.attention_forward(q, k, v, causal=a.causal, deterministic=a.deterministic, **options)
 for _ in range(a.repeat):
