@@ -557,7 +557,7 @@ def attention_backward(do, q, k, v, o, lse, dq, dk, dv, *, scale, causal, determ
     device_id = q.device.id
     _launch(*plan.prep, device_id, params)
     if dlse is not None:   # on the same stream, before the key-block kernels read D
-        # (which carries dropout's scale as D / s: bwd.cuh's row workspaces)
+        # Under dropout the row carries its scale (kernels_cu/bwd.cuh): D / s - dlse / s.
         delta[..., :Nq] -= dlse if mods.dropout_p == 0 else dlse * (1.0 / _philox.dropout_scale(mods.dropout_p))
     for variant, grid, specs in plan.kv:
         # Null where the launch adds nothing into dq (or dbias: only the dK launch has dS).

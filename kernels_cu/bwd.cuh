@@ -10,7 +10,8 @@
 // Under dropout (scale s = 1 / (1 - p) on kept scores) both rows carry s: lse2 - log2(s)
 // and delta / s. Then exp2(...) is P' = s P, the P that multiplies dO into dV for a kept
 // score as it is, and dS = P (s dP - delta) = P' (dP - delta / s) for a kept score,
-// P' (0 - delta / s) for a dropped one: no product by s per score anywhere.
+// P' (0 - delta / s) for a dropped one: no product by s per score anywhere (the host
+// scales a dlse by 1 / s likewise).
 // Rows in [nq, nq_pad) hold lse2 = +inf and delta = 0: a query tile reads its rows without
 // tail checks, and a padded row's P and dS are 0.
 #pragma once

@@ -45,12 +45,13 @@ flash_bwd_prep(const __grid_constant__ AttnParams p)
     #pragma unroll
     for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
     if (lane == 0) {
-        // Dropout's scale rides in both rows (bwd.cuh); without dropout the rows are exactly
-        // LSE log2(e) and the sum (drop_scale is not set then).
-        const bool dropout = p.mods.drop_threshold != 0;
         const Acc l = static_cast<const Acc*>(p.lse)[((i64)b * gridDim.y + h) * nq + row];   // (B, Hq, nq)
-        lse2[at] = l == Acc(-INFINITY) ? Acc(INFINITY) : l * Acc(LOG2E_D) - (dropout ? Acc(log2(p.mods.drop_scale)) : Acc(0));
-        delta[at] = dropout ? sum / Acc(p.mods.drop_scale) : sum;
+        // Under dropout the rows carry its scale s (bwd.cuh): lse2 - log2 s, delta / s.
+        const bool dropout = p.mods.drop_threshold != 0;
+        const Acc drop_log2 = dropout ? Acc(log2(p.mods.drop_scale)) : Acc(0);
+        const Acc keep_prob = dropout ? Acc(1.0 / p.mods.drop_scale) : Acc(1);
+        lse2[at] = l == Acc(-INFINITY) ? Acc(INFINITY) : l * Acc(LOG2E_D) - drop_log2;
+        delta[at] = sum * keep_prob;
     }
 }
 

@@ -62,8 +62,8 @@ struct HeadMods<T, Acc, true> {
     i64 bias_sq, bias_sk;
     Acc slope_log2;      // ALiBi slope times log2(e); 0: off
     u64 seed, stream;    // Dropout: keep (row, key) iff its Philox draw >= threshold;
-    u32 threshold;       // 0: off. Kept scores are scaled by drop_scale.
-    Acc drop_scale;
+    u32 threshold;       // 0: off. (Kept scores' scale: Mods::drop_scale in the forward,
+                         // the row workspaces in the backward, bwd.cuh.)
     uint2 drop_base;     // the counters of the call's origin in its problem (Mods)
 
     __device__ __forceinline__ bool dropout() const { return threshold != 0; }
@@ -329,7 +329,6 @@ struct Mods {
             m.seed = seed;
             m.stream = stream0 + h;
             m.threshold = threshold;
-            m.drop_scale = drop_scale;
             m.drop_base = drop_base;
             return m;
         } else {
