@@ -2,6 +2,7 @@
 // cuda_bf16.h), so NVRTC needs no include path: 16-bit types are their bits, and the
 // conversions are single PTX instructions.
 #pragma once
+#include "exp2_f64.cuh"
 
 typedef unsigned short u16;
 typedef unsigned int u32;
@@ -61,13 +62,14 @@ template <> __device__ __forceinline__ u32 pack2<bfloat16_t>(float lo, float hi)
 }
 
 // Base-2 exponential on the SFU: the online softmax works in log2 units with log2(e)
-// folded into the scale, so one FFMA and one MUFU.EX2 give each probability.
+// folded into the scale, so one FFMA and one MUFU.EX2 give each probability. fp64: a
+// table and a short polynomial (exp2_f64.cuh), for x below 1024.
 __device__ __forceinline__ float exp2_fast(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
 }
-__device__ __forceinline__ double exp2_fast(double x) { return exp2(x); }
+__device__ __forceinline__ double exp2_fast(double x) { return exp2_f64(x); }
 // log2 for the LSE, once per row: the SFU's for fp32, the accurate one for fp64.
 __device__ __forceinline__ float log2_fast(float x) { return __log2f(x); }
 __device__ __forceinline__ double log2_fast(double x) { return log2(x); }
