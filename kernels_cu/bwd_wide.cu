@@ -56,6 +56,10 @@ struct WideBwdKVTile {
     typedef typename BothWaysRows<T, D>::type Rows;          // K, V, Q, dO
     typedef typename BothWaysRows<T, BLOCK_N>::type DSRows;  // dS, query-major
     static constexpr bool DV = GRADS & GRAD_DV, DK = GRADS & GRAD_DK, DQ = GRADS & GRAD_DQ;
+    // Independent MMA chains of S^T and dP^T (mma_wide.cuh wide_mm_ABt_from): four for
+    // fp32 at d = 128, whose warps have one product a k-step (1.06x, H200, session 22);
+    // at d = 96 and 256 the extra accumulators cost more than they gave (0.96-0.98x).
+    static constexpr int CHAINS = sizeof(T) == 4 && D == 128 ? 4 : 1;
     // Shared memory, in this order (cupyflash/_kernels.py mirrors the sizes):
     static constexpr int K_ELEMS = Rows::size(BLOCK_N);
     static constexpr int V_ELEMS = DK ? Rows::size(BLOCK_N) : 0;   // dP needs V; dV alone does not
@@ -201,11 +205,11 @@ flash_bwd_dkdv_wide(const __grid_constant__ AttnParams p)
             zero_frags(s);
             if constexpr (HALVES == 2) {
                 zero_frags(dp);
-                if (half == 0) wide_mm_ABt<Rows, C::KSTEPS>(s, sK, warp_row0, sQs);
-                else wide_mm_ABt<Rows, C::KSTEPS>(dp, sV, warp_row0, sdOs);
+                if (half == 0) wide_mm_ABt<Rows, C::KSTEPS, C::CHAINS>(s, sK, warp_row0, sQs);
+                else wide_mm_ABt<Rows, C::KSTEPS, C::CHAINS>(dp, sV, warp_row0, sdOs);
                 trade_halves<C::TRADE_IN_DS>(s, dp, sTrade, warp, half);
             } else {
-                wide_mm_ABt<Rows, C::KSTEPS>(s, sK, warp_row0, sQs);
+                wide_mm_ABt<Rows, C::KSTEPS, C::CHAINS>(s, sK, warp_row0, sQs);
             }
             recompute_p<MODE, true>(s, dtanh, mods, mods.at_head(h), k0 + warp_row0, q0 + q_s,
                                     [&](int, int nt, int e) { return sLseb[q_s + nt * 8 + 2 * t + (e % 2)]; },
@@ -224,7 +228,7 @@ flash_bwd_dkdv_wide(const __grid_constant__ AttnParams p)
                 // dP^T = V dO^T; dS^T = P^T o (dP^T - delta[query]), in place of P^T.
                 if constexpr (HALVES == 1) {
                     zero_frags(dp);
-                    wide_mm_ABt<Rows, C::KSTEPS>(dp, sV, warp_row0, sdOs);
+                    wide_mm_ABt<Rows, C::KSTEPS, C::CHAINS>(dp, sV, warp_row0, sdOs);
                 }
                 grad_scores<MODE, true>(s, dp, dtanh, mods, mods.at_head(h), k0 + warp_row0, q0 + q_s,
                                         [&](int, int nt, int e) { return sDeltab[q_s + nt * 8 + 2 * t + (e % 2)]; },
@@ -302,6 +306,8 @@ struct WideBwdQTile {
     static constexpr int SNT = SLICE / 8;
     static constexpr int KSTEPS = D / 8;
     static constexpr int DT = D / 8;                  // n-tiles of dQ
+    // MMA chains of S and dP, as WideBwdKVTile's (fp32 d = 128: 1.05x).
+    static constexpr int CHAINS = sizeof(T) == 4 && D == 128 ? 4 : 1;
     typedef typename BothWaysRows<T, D>::type Rows;   // Q, dO, K, V
     // Shared memory: Q, dO, then K and V with two buffers each (cupyflash/_kernels.py mirrors it).
     static constexpr int SMEM_BYTES = (2 * Rows::size(BLOCK_M) + 4 * Rows::size(BLOCK_N)) * sizeof(T);
@@ -387,7 +393,7 @@ flash_bwd_dq_wide(const __grid_constant__ AttnParams p)
             T s[MT][SNT][4];
             T dtanh[MODE == MODE_EXT ? MT : 1][MODE == MODE_EXT ? SNT : 1][4];
             zero_frags(s);
-            wide_mm_ABt<Rows, C::KSTEPS>(s, sQ, warp_row0, sKs);
+            wide_mm_ABt<Rows, C::KSTEPS, C::CHAINS>(s, sQ, warp_row0, sKs);
             recompute_p<MODE, false>(s, dtanh, mods, mods.at_head(h), q0 + warp_row0, k0 + k_s,
                                      [&](int mt, int, int e) { return row_lse[mt][e / 2]; },
                                      scale_log2, needs_mask);
@@ -396,7 +402,7 @@ flash_bwd_dq_wide(const __grid_constant__ AttnParams p)
             // key-block kernel adds the bias gradient.)
             T dp[MT][SNT][4];
             zero_frags(dp);
-            wide_mm_ABt<Rows, C::KSTEPS>(dp, sdO, warp_row0, sVs);
+            wide_mm_ABt<Rows, C::KSTEPS, C::CHAINS>(dp, sdO, warp_row0, sVs);
             grad_scores<MODE, false>(s, dp, dtanh, mods, mods.at_head(h), q0 + warp_row0, k0 + k_s,
                                      [&](int mt, int, int e) { return row_delta[mt][e / 2]; },
                                      nullptr, 0, 0, 0);

@@ -36,6 +36,10 @@ struct WideFwdTile {
     static constexpr int NT = SUB_N / 8;            // n-tiles of S, k-steps of P V
     static constexpr int KSTEPS = D / 8;            // k-steps of Q K^T
     static constexpr int DT = DV_TILE / 8;          // n-tiles of O in one column pass
+    // Independent MMA chains of S (mma_wide.cuh wide_mm_ABt_from): fp32's 16-key sub-tiles
+    // (d >= 192) have two products a k-step, each three dependent TF32 MMAs (four chains:
+    // 1.03x at d = 192 and 256, H200, session 22); fp64 and wider sub-tiles need none.
+    static constexpr int CHAINS = sizeof(T) == 4 ? 4 : 1;
     typedef PairRows<T, D> QKRows;                             // Q and K
     typedef RowMajor<SmemTile<T, DV_TILE>::stride> VRows;
     static constexpr int LDQ = QKRows::stride, LDV = VRows::stride;
@@ -133,7 +137,7 @@ flash_fwd_wide(const __grid_constant__ AttnParams p)
             // S = Q K_sub^T
             T s[MT][NT][4];
             zero_frags(s);
-            wide_mm_ABt_from<typename C::QKRows, C::KSTEPS>(s, [&](Operand<T, 4>& a, int mt, int ks) {
+            wide_mm_ABt_from<typename C::QKRows, C::KSTEPS, C::CHAINS>(s, [&](Operand<T, 4>& a, int mt, int ks) {
                 if (C::Q_IN_REGS) a = q_frag[C::Q_IN_REGS ? mt : 0][C::Q_IN_REGS ? ks : 0];
                 else load_a<typename C::QKRows>(a, sQ, warp_row0 + mt * 16, ks * 8);
             }, sKs);

@@ -255,9 +255,25 @@ __device__ __forceinline__ void store_o_row(T* row, const T (&c)[4], const T (&d
 //                     the paired column layout of load_b_pair (store_o_row writes it).
 
 // C[MT][NT] += A B^T over 8 KSTEPS columns, B rows [0, 8 NT) of a tile laid out as LB;
-// load_a(a, mt, ks) fills A's operand of m-tile mt, k-step ks.
-template <typename LB, int KSTEPS, typename T, int MT, int NT, typename LoadA>
+// load_a(a, mt, ks) fills A's operand of m-tile mt, k-step ks. CHAINS > 1: the k-steps
+// rotate through enough accumulators (added at the end) that the warp keeps that many
+// independent chains of MMAs in flight with few (m-tile, n-tile) products. fp32 is where
+// it matters: each product is three TF32 MMAs into one accumulator. For fp64, a DMMA's
+// result is ready ~50 cycles after its issue and a scheduler's pipe takes one every 32
+// cycles (bench/dmma_chains.cu): two warps of one product each already keep it full.
+// The tile structs choose CHAINS from measurements (the extra accumulators cost
+// registers that some tiles do not have).
+constexpr int accumulator_sets(int products, int ksteps, int chains) {
+    int sets = 1;
+    while (products * sets < chains && ksteps % (2 * sets) == 0) sets *= 2;
+    return sets;
+}
+template <typename LB, int KSTEPS, int CHAINS = 1, typename T, int MT, int NT, typename LoadA>
 __device__ __forceinline__ void wide_mm_ABt_from(T (&c)[MT][NT][4], LoadA&& load_a, const T* sB) {
+    constexpr int SETS = accumulator_sets(MT * NT, KSTEPS, CHAINS);
+    T extra[SETS][MT][NT][4];   // set 0 is c itself
+    #pragma unroll
+    for (int set = 1; set < SETS; ++set) zero_frags(extra[set]);
     #pragma unroll
     for (int ks = 0; ks < KSTEPS; ++ks) {
         Operand<T, 4> a[MT];
@@ -268,15 +284,23 @@ __device__ __forceinline__ void wide_mm_ABt_from(T (&c)[MT][NT][4], LoadA&& load
             Operand<T, 2> b;
             load_bt<LB>(b, sB, nt * 8, ks * 8);
             #pragma unroll
-            for (int mt = 0; mt < MT; ++mt) mma_16x8x8(c[mt][nt], a[mt], b);
+            for (int mt = 0; mt < MT; ++mt) mma_16x8x8(ks % SETS == 0 ? c[mt][nt] : extra[ks % SETS][mt][nt], a[mt], b);
         }
     }
+    #pragma unroll
+    for (int set = 1; set < SETS; ++set)
+        #pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+            #pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+                #pragma unroll
+                for (int e = 0; e < 4; ++e) c[mt][nt][e] += extra[set][mt][nt][e];
 }
 
 // The same with A rows a_row0 + [0, 16 MT) of a tile laid out as L, as B is.
-template <typename L, int KSTEPS, typename T, int MT, int NT>
+template <typename L, int KSTEPS, int CHAINS = 1, typename T, int MT, int NT>
 __device__ __forceinline__ void wide_mm_ABt(T (&c)[MT][NT][4], const T* sA, int a_row0, const T* sB) {
-    wide_mm_ABt_from<L, KSTEPS>(
+    wide_mm_ABt_from<L, KSTEPS, CHAINS>(
         c, [&](Operand<T, 4>& a, int mt, int ks) { load_a<L>(a, sA, a_row0 + mt * 16, ks * 8); }, sB);
 }
 
