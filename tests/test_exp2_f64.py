@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from cupyflash import _nvrtc
+from kernel_tests import ARCHS, assert_builds, gpu_kernel
 
 HEADER = _nvrtc.KERNEL_DIR / "exp2_f64.cuh"
 TABLE_SIZE = 128
@@ -139,31 +140,16 @@ def test_emulated_exp2_within_one_ulp():
     assert worst > 0.3   # the samples reach the rounding, not only exact cases
 
 
-try:
-    _nvrtc.nvrtc_version()
-    _NO_NVRTC = None
-except Exception as exc:  # pragma: no cover - depends on the machine
-    _NO_NVRTC = f"NVRTC not loadable ({type(exc).__name__}); install cupyflash[cuda12] or [cuda13]"
-
-
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_test_kernel_builds(arch):
-    if _NO_NVRTC:
-        pytest.skip(_NO_NVRTC)
-    compiled = _nvrtc.compile_kernel("exp2_f64_test.cu", "exp2_f64_kernel", arch)
-    assert compiled.lowered_name and compiled.binary_path.stat().st_size > 0
-    assert compiled.spill_stores == 0 and compiled.spill_loads == 0
+    assert_builds("exp2_f64_test.cu", ["exp2_f64_kernel"], arch)
 
 
 @pytest.mark.gpu
 def test_gpu_exp2_matches_the_emulation():
     import cupy
 
-    from cupyflash import _cuda
-
-    arch, _ = _cuda._device_info(cupy.cuda.Device().id)
-    compiled = _nvrtc.compile_kernel("exp2_f64_test.cu", "exp2_f64_kernel", arch)
-    kernel = cupy.RawModule(path=str(compiled.binary_path)).get_function(compiled.lowered_name)
+    kernel = gpu_kernel("exp2_f64_test.cu", "exp2_f64_kernel")
     xs = _samples()
     x = cupy.asarray(xs)
     y = cupy.full_like(x, 12345.0)   # poisoned: every element must be written

@@ -10,7 +10,8 @@ import math
 import numpy as np
 import pytest
 
-from cupyflash import _nvrtc, _philox
+from cupyflash import _philox
+from kernel_tests import ARCHS, assert_builds, gpu_kernel
 
 # Known answers of Philox4x32-R, "counter[4] key[2] -> output[4]" in hex uint32 words, from
 # Random123's tests/kat_vectors as D. E. Shaw Research cut and pasted them into
@@ -277,32 +278,13 @@ def test_single_element_arguments_are_checked():
 
 KERNELS = ("philox4x32_kernel<10>", "philox4x32_kernel<7>", "dropout_keep_kernel", "dropout_key_rows_kernel<8>")
 
-try:
-    _nvrtc.nvrtc_version()
-    _NO_NVRTC = None
-except Exception as exc:  # pragma: no cover - depends on the machine
-    _NO_NVRTC = f"NVRTC not loadable ({type(exc).__name__}); install cupyflash[cuda12] or [cuda13]"
-
-
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_test_kernels_build(arch):
-    if _NO_NVRTC:
-        pytest.skip(_NO_NVRTC)
-    for expr in KERNELS:
-        compiled = _nvrtc.compile_kernel("philox_test.cu", expr, arch)
-        assert compiled.lowered_name and compiled.binary_path.stat().st_size > 0
-        assert compiled.spill_stores == 0 and compiled.spill_loads == 0
+    assert_builds("philox_test.cu", KERNELS, arch)
 
 
 def _gpu_kernel(expr):
-    """Compile for this GPU and load through cupy.RawModule, as cupyflash._cuda._load does."""
-    import cupy
-
-    from cupyflash import _cuda
-
-    arch, _ = _cuda._device_info(cupy.cuda.Device().id)
-    compiled = _nvrtc.compile_kernel("philox_test.cu", expr, arch)
-    return cupy.RawModule(path=str(compiled.binary_path)).get_function(compiled.lowered_name)
+    return gpu_kernel("philox_test.cu", expr)
 
 
 @pytest.mark.gpu
