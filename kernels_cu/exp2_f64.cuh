@@ -75,7 +75,10 @@ __device__ __forceinline__ double exp2_f64(double x) {
     const double frac = __ldg(&EXP2_FRACTIONS[k & 127]);
     // 2^n * 2^(j / 128) by the exponent's bits: n >= -1022 where the result is used, so
     // the entry (in [1, 2)) stays normal. Scaling the entry, not the result, keeps a NaN q.
-    const double entry = __hiloint2double(__double2hiint(frac) + (k >> 7) * (1 << 20), __double2loint(frac));
+    // (Unsigned: for x outside the domain n << 20 may wrap; the select below drops it.)
+    const unsigned n_bits = static_cast<unsigned>(k >> 7) << 20;
+    const double entry = __hiloint2double(static_cast<int>(static_cast<unsigned>(__double2hiint(frac)) + n_bits),
+                                          __double2loint(frac));
     const double y = fma(entry, q, entry);
     // x < -1022 or -inf: the high word of x from that of -1022 (exclusive; x within 2^-11
     // below -1022 still rounds to n = -1022) up to that of -inf, compared as one range.
