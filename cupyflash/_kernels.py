@@ -560,14 +560,11 @@ def _wide_dkdv(dtype_name: str, D: int, tile, grads: int, mode: int) -> Variant:
     dk, dq = bool(grads & GRAD_DK), bool(grads & GRAD_DQ)
     # bwd_wide.cu WideBwdKVTile: K, V (with dK), Q and dO twice, dS (with dQ), the halves'
     # trading slots (a slice's S^T or dP^T per warp; in dS's buffer with one slice a tile);
-    # lse2 (and delta) twice. K, V and dS in fp64 as mma_wide.cuh RowPairs (no padding;
-    # WideBwdLayouts), else as Q and dO.
-    def kv_ds_elems(rows, cols):
-        return rows * cols if dtype_name == "float64" else _both_ways_elems(dtype_name, rows, cols)
+    # lse2 (and delta) twice.
     trade = warps * (block_n // (warps // halves)) * slice_ if halves == 2 else 0
-    ds = dq * kv_ds_elems(block_m, block_n)
+    ds = dq * _both_ways_elems(dtype_name, block_m, block_n)
     ds_trade = max(ds, trade) if halves == 2 and slice_ == block_m else ds + trade
-    elems = (kv_ds_elems(block_n, D) * (1 + dk) + 4 * _both_ways_elems(dtype_name, block_m, D)
+    elems = (_both_ways_elems(dtype_name, block_n, D) * (1 + dk) + 4 * _both_ways_elems(dtype_name, block_m, D)
              + ds_trade + (4 if dk else 2) * block_m)
     smem = elems * np.dtype(dtype_name).itemsize
     expr = (f"flash_bwd_dkdv_wide<{CPP_TYPE[dtype_name]}, {D}, {block_m}, {block_n}, {warps}, {slice_}, "

@@ -40,18 +40,6 @@
 #include "tensor.cuh"
 #include "bwd.cuh"
 
-// The key-block kernel's layouts of K and V (KV) and of dS (DS): fp64 in row pairs
-// (SWIZZLE 0 for K and V, 1 for dS: mma_wide.cuh RowPairs), fp32 as Q and dO
-// (BothWaysRows: its A operands are split into TF32 pairs element by element anyway).
-template <typename T, int D, int BLOCK_N> struct WideBwdLayouts {
-    typedef RowPairs<T, D, 0> KV;
-    typedef RowPairs<T, BLOCK_N, 1> DS;
-};
-template <int D, int BLOCK_N> struct WideBwdLayouts<float, D, BLOCK_N> {
-    typedef typename BothWaysRows<float, D>::type KV;
-    typedef typename BothWaysRows<float, BLOCK_N>::type DS;
-};
-
 // SLICE: queries of S^T and dP^T live at once beside the accumulators (8 or 16, per the
 // tile table: spills and measurements). HALVES: 1, or 2 where dK and dV of a warp's keys
 // do not fit its registers whole (see the top of this file). The plans launch GRADS =
@@ -65,20 +53,16 @@ struct WideBwdKVTile {
     static constexpr int KSTEPS = D / 8;
     static constexpr int COLS = D / HALVES;           // columns of dK, dV per warp
     static constexpr int DT = COLS / 8;               // their n-tiles
-    typedef typename BothWaysRows<T, D>::type Rows;          // Q, dO (fp32: K, V too)
-    // K and V, read as A operands (S^T, dP^T) and K as dQ's B operand down its rows; dS,
-    // query-major, as dQ's A operand: for fp64 in row pairs (mma_wide.cuh RowPairs: the
-    // operands come out of their loads in the MMA's order).
-    typedef typename WideBwdLayouts<T, D, BLOCK_N>::KV KVRows;
-    typedef typename WideBwdLayouts<T, D, BLOCK_N>::DS DSRows;
+    typedef typename BothWaysRows<T, D>::type Rows;          // K, V, Q, dO
+    typedef typename BothWaysRows<T, BLOCK_N>::type DSRows;  // dS, query-major
     static constexpr bool DV = GRADS & GRAD_DV, DK = GRADS & GRAD_DK, DQ = GRADS & GRAD_DQ;
     // Independent MMA chains of S^T and dP^T (mma_wide.cuh wide_mm_ABt_from): four for
     // fp32 at d = 128, whose warps have one product a k-step (1.06x, H200, session 22);
     // at d = 96 and 256 the extra accumulators cost more than they gave (0.96-0.98x).
     static constexpr int CHAINS = sizeof(T) == 4 && D == 128 ? 4 : 1;
     // Shared memory, in this order (cupyflash/_kernels.py mirrors the sizes):
-    static constexpr int K_ELEMS = KVRows::size(BLOCK_N);
-    static constexpr int V_ELEMS = DK ? KVRows::size(BLOCK_N) : 0;   // dP needs V; dV alone does not
+    static constexpr int K_ELEMS = Rows::size(BLOCK_N);
+    static constexpr int V_ELEMS = DK ? Rows::size(BLOCK_N) : 0;   // dP needs V; dV alone does not
     static constexpr int QDO_ELEMS = 4 * Rows::size(BLOCK_M);      // Q and dO, two buffers each
     static constexpr int DS_ELEMS = DQ ? DSRows::size(BLOCK_M) : 0;
     static constexpr int TRADE_ELEMS = HALVES == 2 ? WARPS * MT * SNT * 4 * 32 : 0;   // a slice's S^T or dP^T a warp
@@ -168,13 +152,9 @@ flash_bwd_dkdv_wide(const __grid_constant__ AttnParams p)
     const Strided<const T> Q = tensor<const T>(p.q), K = tensor<const T>(p.k), V = tensor<const T>(p.v);
     const Strided<const T> dO = tensor<const T>(p.dout);
 
-    auto load_kv_tile = [&](T* dst, const Strided<const T>& X, int cols) {
-        const T* src = X.at(mods.tb, hk, mods.k_base + k0);
-        if constexpr (C::KVRows::ROW_PAIRS) load_tile_row_pairs<T, BLOCK_N, D, C::THREADS, typename C::KVRows>(dst, src, X.row, k_rows, cols);
-        else load_tile_as<T, BLOCK_N, D, C::THREADS, typename C::KVRows>(dst, src, X.row, k_rows, cols, vec);
-    };
-    load_kv_tile(sK, K, d);
-    if constexpr (C::DK) load_kv_tile(sV, V, dim_v);
+    load_tile_as<T, BLOCK_N, D, C::THREADS, Rows>(sK, K.at(mods.tb, hk, mods.k_base + k0), K.row, k_rows, d, vec);
+    if constexpr (C::DK)
+        load_tile_as<T, BLOCK_N, D, C::THREADS, Rows>(sV, V.at(mods.tb, hk, mods.k_base + k0), V.row, k_rows, dim_v, vec);
 
     // Q, dO, lse2 (and delta) of iteration `it` into buffer `buf` (as in bwd_sm80.cu: the
     // row workspaces are padded; under varlen the 16-byte copies need the start aligned).
@@ -223,19 +203,13 @@ flash_bwd_dkdv_wide(const __grid_constant__ AttnParams p)
             T dp[C::DK ? MT : 1][C::DK ? SNT : 1][4];
             T dtanh[MODE == MODE_EXT ? MT : 1][MODE == MODE_EXT ? SNT : 1][4];
             zero_frags(s);
-            // X Y^T with X = K or V (A, C::KVRows) and Y = Q or dO (B, Rows).
-            auto keys_by_queries = [&](auto& acc, const T* sX, const T* sY) {
-                wide_mm_ABt_from<Rows, C::KSTEPS, C::CHAINS>(acc, [&](Operand<T, 4>& a, int mt, int ks) {
-                    load_a<typename C::KVRows>(a, sX, warp_row0 + mt * 16, ks * 8);
-                }, sY);
-            };
             if constexpr (HALVES == 2) {
                 zero_frags(dp);
-                if (half == 0) keys_by_queries(s, sK, sQs);
-                else keys_by_queries(dp, sV, sdOs);
+                if (half == 0) wide_mm_ABt<Rows, C::KSTEPS, C::CHAINS>(s, sK, warp_row0, sQs);
+                else wide_mm_ABt<Rows, C::KSTEPS, C::CHAINS>(dp, sV, warp_row0, sdOs);
                 trade_halves<C::TRADE_IN_DS>(s, dp, sTrade, warp, half);
             } else {
-                keys_by_queries(s, sK, sQs);
+                wide_mm_ABt<Rows, C::KSTEPS, C::CHAINS>(s, sK, warp_row0, sQs);
             }
             recompute_p<MODE, true>(s, dtanh, mods, mods.at_head(h), k0 + warp_row0, q0 + q_s,
                                     [&](int, int nt, int e) { return sLseb[q_s + nt * 8 + 2 * t + (e % 2)]; },
@@ -254,7 +228,7 @@ flash_bwd_dkdv_wide(const __grid_constant__ AttnParams p)
                 // dP^T = V dO^T; dS^T = P^T o (dP^T - delta[query]), in place of P^T.
                 if constexpr (HALVES == 1) {
                     zero_frags(dp);
-                    keys_by_queries(dp, sV, sdOs);
+                    wide_mm_ABt<Rows, C::KSTEPS, C::CHAINS>(dp, sV, warp_row0, sdOs);
                 }
                 grad_scores<MODE, true>(s, dp, dtanh, mods, mods.at_head(h), k0 + warp_row0, q0 + q_s,
                                         [&](int, int nt, int e) { return sDeltab[q_s + nt * 8 + 2 * t + (e % 2)]; },
@@ -282,12 +256,9 @@ flash_bwd_dkdv_wide(const __grid_constant__ AttnParams p)
                 if (job_col0 >= d) continue;   // padding columns: dQ is 0 there
                 T part[1][2][4];
                 zero_frags(part);
-                // K's rows are dQ's k: for fp64 read down its row pairs (load_b_pair), dS
-                // labelled alike (load_a_down).
-                wide_mm_AB_from<typename C::KVRows, BLOCK_N / 8>(part, [&](Operand<T, 4>& a, int, int ks) {
-                    if constexpr (C::KVRows::ROW_PAIRS) load_a_down<DSRows>(a, sdS, mq * 16, ks);
-                    else load_a<DSRows>(a, sdS, mq * 16, ks * 8);
-                }, sK + C::KVRows::block(0, job_col0));
+                wide_mm_AB_from<Rows, BLOCK_N / 8>(part, [&](Operand<T, 4>& a, int, int ks) {
+                    load_a<DSRows>(a, sdS, mq * 16, ks * 8);
+                }, sK + job_col0);
                 #pragma unroll
                 for (int hh = 0; hh < 2; ++hh) {
                     const int row = q0 + mq * 16 + g + hh * 8;

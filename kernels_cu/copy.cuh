@@ -18,7 +18,6 @@ struct SmemTile { static constexpr int stride = COLS + Chunk<T>::elems; };
 template <int STRIDE> struct RowMajor {
     static constexpr int stride = STRIDE;
     static constexpr bool PLAIN = true;   // at() is row * stride + col
-    static constexpr bool ROW_PAIRS = false;   // (mma_wide.cuh RowPairs)
     __device__ __forceinline__ static constexpr int at(int row, int col) { return row * STRIDE + col; }
     __device__ __forceinline__ static constexpr int block(int row, int col) { return at(row, col); }
     __host__ __device__ static constexpr int size(int rows) { return rows * STRIDE; }
@@ -33,11 +32,6 @@ __device__ __forceinline__ u32 smem_addr(const void* p) {
 // 16-byte asynchronous copy; bytes past `src_bytes` are zero-filled (0 reads nothing).
 __device__ __forceinline__ void cp_async_16(void* dst, const void* src, int src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
-                 :: "r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
-}
-// 8-byte asynchronous copy of src_bytes (0 or 8; the rest zero-filled), through L1.
-__device__ __forceinline__ void cp_async_8(void* dst, const void* src, int src_bytes) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n"
                  :: "r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
 }
 // 4-byte asynchronous copy (through L1: .cg takes 16 bytes only).

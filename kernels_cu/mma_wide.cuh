@@ -59,7 +59,7 @@ template <typename T, int COLS> struct PairRows : RowMajor<COLS + 8> {};
 template <typename T, int COLS> struct PairRowsStaggered {
     static_assert(sizeof(T) == 8, "fp64 elements");
     static constexpr int stride = COLS + 8;
-    static constexpr bool PLAIN = false, ROW_PAIRS = false;
+    static constexpr bool PLAIN = false;
     static constexpr int GROUP = 8 * stride + 12;   // 8 rows, a multiple of 16 bytes
     __host__ __device__ static constexpr int size(int rows) { return rows / 8 * GROUP; }
     __device__ __forceinline__ static constexpr int at(int row, int col) {
@@ -80,55 +80,6 @@ template <typename T, int COLS> struct PairRowsStaggered {
 template <typename T, int COLS> struct PairRowsByBlock : PairRows<T, COLS> { static constexpr bool PLAIN = false; };
 template <typename T, int COLS> struct BothWaysRows { typedef PairRowsStaggered<T, COLS> type; };
 template <int COLS> struct BothWaysRows<float, COLS> { typedef PairRowsByBlock<float, COLS> type; };
-
-// RowPairs (fp64 tiles read as A operands, or as B operands with k as their row): rows r
-// and r + 8 of each 16-row group interleaved element by element. Row pair p = 8 (r / 16)
-// + r % 8 holds 2 COLS elements, and its 16-byte chunk c is column c of both rows, so one
-// 16-byte load is an A fragment's (a0, a1) or (a2, a3), and a B operand read down the
-// rows is (b0, b1) when the k-slots t and t + 4 of a step stand for rows r and r + 8
-// (k_row). With pairs along a row (PairRows) those operands took two 16-byte loads of
-// (a0, a2) and (a1, a3), and ptxas moved every element into the MMA's operand order: the
-// fp64 backward at d = 128 spent 44% of its instructions on IMAD.MOV (ncu, H200, session
-// 23). Chunks sit at c ^ SWIZZLE's function of p (low three bits), so that a quarter-warp's
-// 16-byte loads fall on distinct banks: SWIZZLE 0 for the A reads at columns (2t, 2t + 1)
-// of row pairs g and the B reads at columns 2g, 2g + 1 of row pairs k_row (K, V);
-// SWIZZLE 1 for A reads at columns k_row, k_row + 8 of row pairs g (dS). No padding.
-template <typename T, int COLS, int SWIZZLE>
-struct RowPairs {
-    static_assert(sizeof(T) == 8 && COLS % 8 == 0, "fp64 elements, whole 128-byte row segments");
-    static constexpr bool PLAIN = false, ROW_PAIRS = true;
-    static constexpr int PAIR = 2 * COLS;
-    __host__ __device__ static constexpr int size(int rows) { return rows * COLS; }
-    __device__ __forceinline__ static constexpr int swizzle(int p) {
-        return SWIZZLE == 0 ? (p & 1) | ((p & 2) << 1) : ((p & 1) << 2) | ((p >> 1) & 1);
-    }
-    // The chunk of row r (r % 16 < 8) and r + 8 at column c: (r, c) there, (r + 8, c) next.
-    __device__ __forceinline__ static constexpr int pair_at(int r, int c) {
-        const int p = (r >> 4) * 8 + (r & 7);
-        return p * PAIR + 2 * (c ^ swizzle(p));
-    }
-    __device__ __forceinline__ static constexpr int at(int r, int c) { return pair_at(r, c) + ((r >> 3) & 1); }
-    // Where a block at row R (a multiple of 16) and column C (a multiple of 8) starts: a
-    // tile pointer moved by it keeps the layout.
-    __device__ __forceinline__ static constexpr int block(int R, int C) { return (R >> 4) * 8 * PAIR + 2 * C; }
-    // The row that k-slot t (0..3) of step kt stands for, read down the rows; k-slot t + 4
-    // is that row + 8. The steps take each 16-row group in two halves of 4 row pairs.
-    __device__ __forceinline__ static constexpr int k_row(int kt, int t) { return 16 * (kt >> 1) + 4 * (kt & 1) + t; }
-};
-
-// A ROWS x COLS tile of global memory (the first `rows` x `cols` of it; zeros past them)
-// into a RowPairs tile, by 8-byte asynchronous copies (elements of a row are not adjacent
-// there): as load_tile_as, visible after the caller's cp_async_wait + __syncthreads.
-template <typename T, int ROWS, int COLS, int NTHREADS, typename L>
-__device__ __forceinline__ void load_tile_row_pairs(T* dst, const T* src, i64 ld, int rows, int cols) {
-    static_assert(L::ROW_PAIRS && ROWS % 16 == 0, "a RowPairs tile of whole 16-row groups");
-    #pragma unroll 4
-    for (int e = threadIdx.x; e < ROWS * COLS; e += NTHREADS) {
-        const int r = e / COLS, c = e % COLS;
-        const bool in = r < rows && c < cols;
-        cp_async_8(dst + L::at(r, c), in ? src + r * ld + c : src, in ? 8 : 0);
-    }
-}
 
 // Operand registers of one 16x8x8 step (N = 4 for A, 2 for B), filled element by element.
 template <typename T, int N> struct Operand;
@@ -221,43 +172,16 @@ __device__ __forceinline__ const T* element(const T* tile, int R, int C, int r, 
     else return tile + L::block(R, C) + L::at(r, c);
 }
 
-// A operand of a RowPairs tile: rows row0 + [0, 16) (row0 a multiple of 16), k-slot t at
-// column k0 + c_lo and t + 4 at k0 + c_hi (k0 a multiple of 8, c_lo and c_hi this lane's:
-// a block's offset plus a lane's, as element() takes them).
-template <typename L, typename T>
-__device__ __forceinline__ void load_a_row_pairs(Operand<T, 4>& a, const T* tile, int row0, int k0, int c_lo, int c_hi) {
-    const int g = threadIdx.x % 32 / 4;
-    const auto lo = load_pair(element<L>(tile, row0, k0, g, c_lo));
-    const auto hi = load_pair(element<L>(tile, row0, k0, g, c_hi));
-    a.set(0, lo.x);
-    a.set(1, lo.y);
-    a.set(2, hi.x);
-    a.set(3, hi.y);
-}
-
-// A operand: the 16x8 block at (row0, k0) of a tile laid out as L, its k-slots t and t + 4
-// at columns k0 + 2t and k0 + 2t + 1 (as load_bt's B operands pair them).
+// A operand: the 16x8 block at (row0, k0) of a tile laid out as L.
 template <typename L, typename T>
 __device__ __forceinline__ void load_a(Operand<T, 4>& a, const T* tile, int row0, int k0) {
     const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    if constexpr (L::ROW_PAIRS) {
-        load_a_row_pairs<L>(a, tile, row0, k0, 2 * t, 2 * t + 1);
-        return;
-    }
     const auto top = load_pair(element<L>(tile, row0, k0, g, 2 * t));   // row0: a multiple of 8
     const auto bottom = load_pair(element<L>(tile, row0 + 8, k0, g, 2 * t));
     a.set(0, top.x);
     a.set(2, top.y);
     a.set(1, bottom.x);
     a.set(3, bottom.y);
-}
-
-// A operand of a RowPairs tile for a product whose B operand is a RowPairs tile read down
-// its rows (load_b_pair): k-slot t of step kt at column k_row(kt, t), t + 4 at k_row + 8.
-template <typename L, typename T>
-__device__ __forceinline__ void load_a_down(Operand<T, 4>& a, const T* tile, int row0, int kt) {
-    const int c = L::k_row(kt, threadIdx.x % 4) % 16;   // the step's group of 16 rows from 16 (kt / 2)
-    load_a_row_pairs<L>(a, tile, row0, 16 * (kt / 2), c, c + 8);
 }
 
 // B operand of X^T for the n-tile n0..n0+7 and k slice k0..k0+7, X row-major with n as
@@ -272,21 +196,9 @@ __device__ __forceinline__ void load_bt(Operand<T, 2>& b, const T* tile, int n0,
 
 // B operands of X for the two n-tiles of columns n0..n0+15 and k slice k0..k0+7, X
 // row-major with k as its row (V for O = P V), laid out as L: b[j] is n-tile j of the pair.
-// A RowPairs X is read at the rows of RowPairs::k_row (step k0 / 8), which its A operand
-// (load_a_down) must label alike.
 template <typename L, typename T>
 __device__ __forceinline__ void load_b_pair(Operand<T, 2> (&b)[2], const T* tile, int k0, int n0) {
     const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    if constexpr (L::ROW_PAIRS) {
-        const int kt = k0 / 8, r = L::k_row(kt, t) % 16;   // its group of 16 rows from 16 (kt / 2)
-        const auto even = load_pair(element<L>(tile, 16 * (kt / 2), n0, r, 2 * g));       // (b0, b1) of n-tile 0
-        const auto odd = load_pair(element<L>(tile, 16 * (kt / 2), n0, r, 2 * g + 1));    // and of n-tile 1
-        b[0].set(0, even.x);
-        b[0].set(1, even.y);
-        b[1].set(0, odd.x);
-        b[1].set(1, odd.y);
-        return;
-    }
     const auto even = load_pair(element<L>(tile, k0, n0, 2 * t, 2 * g));   // k0: a multiple of 8
     const auto odd = load_pair(element<L>(tile, k0, n0, 2 * t + 1, 2 * g));
     b[0].set(0, even.x);
