@@ -569,7 +569,10 @@ def _wide_dkdv(dtype_name: str, D: int, tile, grads: int, mode: int) -> Variant:
     smem = elems * np.dtype(dtype_name).itemsize
     expr = (f"flash_bwd_dkdv_wide<{CPP_TYPE[dtype_name]}, {D}, {block_m}, {block_n}, {warps}, {slice_}, "
             f"{grads}, {halves}, {mode}, {smem}>")
-    return Variant(BWD_WIDE, expr, warps * 32, block_n, smem, mode=mode, grads=grads)
+    # fp64 dQ staged for bulk reductions at d = 128: the workspace's rows padded as the
+    # staged tile's (WideBwdKVTile::STAGED_DQ, DQ_LD).
+    dq_ld = D + 2 if dtype_name == "float64" and dq and halves == 2 and D >= 128 else 0
+    return Variant(BWD_WIDE, expr, warps * 32, block_n, smem, mode=mode, grads=grads, dq_ld=dq_ld)
 
 
 def _wide_dq(dtype_name: str, D: int, tile, mode: int) -> Variant:

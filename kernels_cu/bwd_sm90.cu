@@ -504,7 +504,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                             if constexpr (C::ORDERED_DQ) wait_turn(turn, ahead);
                             const int rows = min(BLOCK_M, mask.nq - q0);
                             float* dq_tile = dq_accum + (((i64)mods.tb * hq + h) * nq + mods.q_base + q0) * (i64)C::DQ_LD;
-                            bulk_reduce_add_f32(dq_tile, sdQ, u32(rows * C::DQ_LD) * sizeof(float));
+                            bulk_reduce_add(dq_tile, sdQ, u32(rows * C::DQ_LD) * sizeof(float));
                             bulk_commit();
                             bulk_wait_read<0>();
                             mbar_arrive(&bars.dq_empty);

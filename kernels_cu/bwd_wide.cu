@@ -17,8 +17,8 @@
 //   half 0 computes S^T and half 1 dP^T, over all of d, and they trade them through
 //   shared memory (trade_halves), so no product is computed twice. With GRAD_DQ the
 //   warps also write dS, query-major, to shared memory and add dQ = dS K over the whole
-//   key block into the workspace with atomics, each (query m-tile, 16 columns) job a
-//   complete sum.
+//   key block into the workspace, each (query m-tile, 16 columns) job a complete sum:
+//   with atomics, or (fp64 at d = 128 on sm_90) staged for one bulk reduction a tile.
 //
 // flash_bwd_dq_wide (the deterministic mode): a CTA owns BLOCK_M query rows of one head
 //   and streams the key tiles its rows see, recomputing S, P, dP and dS per tile with dQ
@@ -38,6 +38,7 @@
 #include "mma_wide.cuh"
 #include "mods.cuh"
 #include "tensor.cuh"
+#include "tma.cuh"
 #include "bwd.cuh"
 
 // SLICE: queries of S^T and dP^T live at once beside the accumulators (8 or 16, per the
@@ -73,12 +74,26 @@ struct WideBwdKVTile {
     static constexpr int DS_TRADE_ELEMS = TRADE_IN_DS ? (DS_ELEMS > TRADE_ELEMS ? DS_ELEMS : TRADE_ELEMS)
                                                       : DS_ELEMS + TRADE_ELEMS;
     static constexpr int ROW_ELEMS = (DK ? 4 : 2) * BLOCK_M;  // lse2 (and delta), two buffers each
+    // fp64 dQ on sm_90 at d = 128 (BULK_DQ in the kernel): the warps stage a query tile's
+    // dQ in the tile's Q buffer, dead once dK's product has read it (dQ = dS K reads dS and
+    // K), and one thread adds it into the workspace with one bulk reduction. Per element,
+    // 2048 atomic adds a 16-query tile, the dQ phase took a third of the kernel's time for
+    // a fifth of its products (ncu, H200, session 23: 60 ms against 40 without dQ); staged,
+    // 1.08x. Where it was measured slower the atomics stay: d = 64 (one half of 128 keys,
+    // half the atomics a product: 0.97x, the barrier and the wait cost more) and d = 96
+    // (0.97-0.98x, with the load deferred as noted in the kernel); fp32 too. Staged rows are
+    // DQ_LD = D + 2 elements apart, as the workspace's (the host pads them: _kernels.py
+    // Variant.dq_ld), so that a tile is one range and the quarter-warps' 32-byte row writes
+    // fall on distinct banks.
+    static constexpr bool STAGED_DQ = DQ && sizeof(T) == 8 && HALVES == 2 && D >= 128;
+    static constexpr int DQ_LD = STAGED_DQ ? D + 2 : D;
     static constexpr int SMEM_BYTES = (K_ELEMS + V_ELEMS + QDO_ELEMS + DS_TRADE_ELEMS + ROW_ELEMS) * sizeof(T);
     static_assert(BLOCK_N % (16 * KEY_WARPS) == 0 && BLOCK_M % SLICE == 0 && COLS % 16 == 0, "tile shape");
     static_assert(GRADS != 0 && (!DQ || DK), "dQ comes with dK (both need dS)");
     static_assert(HALVES == 1 || (HALVES == 2 && DV && DK && WARPS % 2 == 0), "the halves trade S^T for dP^T");
     static_assert(HALVES == 1 || WARPS / 2 < 16, "a pair's named barrier id, 1 + warp / 2, is at most 15");
     static_assert(BWD_ROW_PAD % BLOCK_M == 0, "query tiles read the padded row workspaces whole");
+    static_assert(!STAGED_DQ || BLOCK_M * DQ_LD <= Rows::size(BLOCK_M), "dQ staged in a Q buffer");
 };
 
 // The two halves of a key pair trade their products of a slice: half 0 computed S^T into
@@ -180,6 +195,12 @@ flash_bwd_dkdv_wide(const __grid_constant__ AttnParams p)
     zero_frags(acc_dv);
     zero_frags(acc_dk);
 
+    // The staged dQ (WideBwdKVTile::STAGED_DQ) where bulk reductions exist.
+#if __CUDA_ARCH__ >= 900
+    constexpr bool BULK_DQ = C::STAGED_DQ;
+#else
+    constexpr bool BULK_DQ = false;
+#endif
     for (int step = 0; it < n_iter; ++step) {
         const int h = pairs.head(it), q0 = pairs.q0(it);
         const int next = pairs.next(it + 1, mask);
@@ -248,9 +269,11 @@ flash_bwd_dkdv_wide(const __grid_constant__ AttnParams p)
         if constexpr (C::DQ) {
             __syncthreads();
             // dQ = dS K over all BLOCK_N keys, the warps taking (query m-tile, 16 columns)
-            // jobs: each job is a complete sum, added once per element.
+            // jobs: each job is a complete sum, added once per element, by atomics or staged
+            // for one bulk reduction of the tile (BULK_DQ).
             constexpr int JOBS = (BLOCK_M / 16) * (D / 16);
             T* dq_head = dq_accum + (((i64)mods.tb * hq + h) * nq + mods.q_base) * (i64)dq_ld;
+            T* stage = sQ + buf * Q_TILE;   // this tile's Q buffer, as rows of C::DQ_LD
             for (int job = warp; job < JOBS; job += WARPS) {
                 const int mq = job % (BLOCK_M / 16), job_col0 = (job / (BLOCK_M / 16)) * 16;
                 if (job_col0 >= d) continue;   // padding columns: dQ is 0 there
@@ -262,18 +285,41 @@ flash_bwd_dkdv_wide(const __grid_constant__ AttnParams p)
                 #pragma unroll
                 for (int hh = 0; hh < 2; ++hh) {
                     const int row = q0 + mq * 16 + g + hh * 8;
-                    if (row >= mask.nq) continue;
                     T x[4];   // columns job_col0 + 4 t .. + 3 of the row
                     paired_row(x, part[0][0], part[0][1], hh, T(1));
+                    if constexpr (BULK_DQ) {   // rows past nq are staged, not copied
+                        store4(stage + (row - q0) * C::DQ_LD + job_col0 + 4 * t, x[0], x[1], x[2], x[3]);
+                        continue;
+                    }
+                    if (row >= mask.nq) continue;
                     #pragma unroll
                     for (int i = 0; i < 4; ++i)
                         if (job_col0 + 4 * t + i < d) atomicAdd(dq_head + (i64)row * dq_ld + job_col0 + 4 * t + i, x[i]);
+                }
+            }
+            if constexpr (BULK_DQ) {
+                // Columns past d go into the workspace's padding, which nothing reads (jobs
+                // from d on are skipped and leave their staged columns unwritten).
+                fence_async_smem();
+                __syncthreads();
+                if (threadIdx.x == 0) {
+                    if (dq_ld != C::DQ_LD) __trap();   // a host that drifted from this layout
+                    const int rows = min(BLOCK_M, mask.nq - q0);
+                    bulk_reduce_add(dq_head + (i64)q0 * C::DQ_LD, stage, u32(rows * C::DQ_LD) * sizeof(T));
+                    bulk_commit();
+                    // The next tile loads into this buffer after its first barrier. (Deferring
+                    // that load to its dQ barrier instead, and this wait with it, measured no
+                    // better: 1.07x at d = 128, H200.)
+                    bulk_wait_read<0>();
                 }
             }
         }
         it = next;
     }
     cp_async_wait<0>();
+#if __CUDA_ARCH__ >= 900
+    if (C::STAGED_DQ && threadIdx.x == 0) bulk_wait<0>();   // the last tile's reduction performed
+#endif
 
     // Epilogue: each thread writes four consecutive columns of its rows (store_o_row).
     #pragma unroll

@@ -119,13 +119,22 @@ struct WarpgroupRegs {
     static_assert(PRODUCER_REGS <= LAUNCH && CONSUMER >= LAUNCH, "a producer that gives registers back");
 };
 
+// This thread's shared-memory writes (cp.async included) made visible to the async proxy:
+// to wgmma's operand reads and to bulk copies (after a barrier for other threads' reads).
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
 // Bulk reductions from shared to global memory (sm_90): one thread adds `bytes` (a
-// multiple of 16; both addresses 16-byte aligned) of floats at `src` into `dst`, in L2,
-// without the SM waiting. The copy engine reads the source asynchronously: the writers
-// of `src` make their writes visible to it first (fence_async_smem, then a barrier), and
-// the issuing thread waits for the reads (bulk_wait_read) before `src` is written again.
-__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, const float* src, u32 bytes) {
+// multiple of 16; both addresses 16-byte aligned) of floats or doubles at `src` into
+// `dst`, in L2, without the SM waiting. The copy engine reads the source asynchronously:
+// the writers of `src` make their writes visible to it first (fence_async_smem, then a
+// barrier), and the issuing thread waits for the reads (bulk_wait_read) before `src` is
+// written again.
+__device__ __forceinline__ void bulk_reduce_add(float* dst, const float* src, u32 bytes) {
     asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+                 :: "l"(dst), "r"(smem_addr(src)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bulk_reduce_add(double* dst, const double* src, u32 bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f64 [%0], [%1], %2;\n"
                  :: "l"(dst), "r"(smem_addr(src)), "r"(bytes) : "memory");
 }
 // Closes this thread's bulk operations issued so far into one group.

@@ -15,7 +15,7 @@
 //   wgmma_commit()     closes the batch; wgmma_wait<N>() waits until at most N batches
 //                      are pending; the accumulators may be read only after that
 //                      (reg_fence keeps the compiler from hoisting reads above the wait);
-//   fence_async_smem() makes this thread's shared-memory writes (cp.async included)
+//   fence_async_smem() (tma.cuh) makes this thread's shared-memory writes (cp.async included)
 //                      visible to the async proxy that wgmma reads through; a barrier
 //                      after it publishes them to the whole CTA.
 #pragma once
@@ -145,7 +145,6 @@ __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_grou
 template <int N> __device__ __forceinline__ void wgmma_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory");
 }
-__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 // An empty volatile asm per register: reads of d after it cannot move above an earlier
 // volatile asm (the wait), writes before it cannot sink below.
