@@ -4,12 +4,20 @@
 # sections, and the SASS opcode count of the instantiation that runs (NVRTC's PTX through
 # ptxas and nvdisasm); and what mma.m16n8k16.f64 becomes in SASS (bench/dmma_k16.cu).
 # Usage: bash bench/fp64_profile.sh   (CASES="fwd64 fwd128 bwd128" picks cases; NO_K16=1 skips
-# the DMMA k16 check). The stall reasons are printed largest first.
+# the DMMA k16 check). The stall reasons are printed largest first. PHASES=1 first prints
+# the backward's kernel durations at d = 128, default and deterministic=True: its dK/dV
+# kernel with dQ against the same without it (how much of the time dQ's phase takes;
+# session 23: 60 against 40 ms).
 set -u -o pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 CUPYFLASH_CACHE_DIR=${CUPYFLASH_CACHE_DIR:-/tmp/cupyflash-cache}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader
 python3 -c "import cupyflash as cf; print(len(cf.precompile(dtypes=['float64'], head_dims=[64, 128], workers=16)), 'kernels')"
+[ -n "${PHASES:-}" ] && for det in "" --deterministic; do
+    echo "backward d = 128 ${det:-default}: pre-pass, dK/dV, then dQ conversion or kernel"
+    timeout 150 ncu --section SpeedOfLight -k regex:flash_bwd -c 3 python3 bench/profile_case.py --dtype float64 \
+        --head-dim 128 --seqlen 4096 --backward --repeat 1 $det 2>&1 | grep -E "^  [a-z_ ]*flash_bwd|Duration" | cut -c1-100
+done
 [ -z "${NO_K16:-}" ] && nvcc -cubin -arch=sm_90a bench/dmma_k16.cu -o "$OUT/dmma_k16.cubin" \
     && cuobjdump -sass "$OUT/dmma_k16.cubin" | grep -E "DMMA|HMMA" | sed 's/^ */  /'
 sections="--section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats --section InstructionStats"
