@@ -21,8 +21,8 @@ done
 [ -z "${NO_K16:-}" ] && nvcc -cubin -arch=sm_90a bench/dmma_k16.cu -o "$OUT/dmma_k16.cubin" \
     && cuobjdump -sass "$OUT/dmma_k16.cubin" | grep -E "DMMA|HMMA" | sed 's/^ */  /'
 sections="--section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats --section InstructionStats"
-# Stall reasons: cycles a warp spends in each between two issued instructions.
-stalls="--metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio"
+. bench/ncu_stalls.sh
+stalls="--metrics $NCU_STALLS"
 for case in ${CASES:-fwd64 fwd128 bwd128}; do
     d=${case//[a-z]/}
     args="--dtype float64 --head-dim $d --seqlen 4096 --repeat 2 --ptx"
@@ -33,7 +33,7 @@ for case in ${CASES:-fwd64 fwd128 bwd128}; do
         && { echo "$case SASS:"; python3 bench/sass_histogram.py < "$OUT/$case.sass"; }
     timeout 240 ncu $sections $stalls -k "$kernel" -c 1 python3 bench/profile_case.py $args > "$OUT/ncu-$case.txt" 2>&1
     echo "$case ncu rc=$?"
-    grep -E "issue_stalled" "$OUT/ncu-$case.txt" | sort -k3 -g -r | head -8
+    stalls_largest_first "$OUT/ncu-$case.txt"
     grep -E "Duration|Issue Slots Busy|Executed Ipc Active|No Eligible|Warp Cycles Per Issued|Achieved Occupancy|Registers Per|Compute \(SM\) Throughput|Memory Throughput|Shared|FP64|pipe|utiliz" "$OUT/ncu-$case.txt" | head -30
 done
 rm -f "$OUT"/*.cubin

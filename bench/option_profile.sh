@@ -10,7 +10,8 @@ set -u -o pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 CUPYFLASH_CACHE_DIR=${CUPYFLASH_CACHE_DIR:-/tmp/cupyflash-cache}
 sections="--section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section LaunchStats"
-stalls="--metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sectors_srcunit_tex_lookup_hit.sum,lts__t_sectors_srcunit_tex_lookup_miss.sum"
+. bench/ncu_stalls.sh
+stalls="--metrics $NCU_STALLS,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sectors_srcunit_tex_lookup_hit.sum,lts__t_sectors_srcunit_tex_lookup_miss.sum"
 dir=$(mktemp -d)
 IFS='|' read -ra cases <<< "${CASES:-dense:--head-dim 64}"
 for spec in "${cases[@]}"; do
@@ -28,6 +29,6 @@ for spec in "${cases[@]}"; do
     echo "== $name ($args) ncu rc=$?"
     grep -E "^ *(Duration|DRAM Throughput|Memory Throughput|L2 Hit Rate|Issue Slots Busy|Warp Cycles Per Issued|No Eligible|Registers Per Thread|Grid Size) " "$dir/$name.txt" | sed 's/  */ /g'
     grep -E "dram__bytes_(read|write)\.sum|lookup_(hit|miss)" "$dir/$name.txt" | sed 's/  */ /g'
-    grep -E "issue_stalled" "$dir/$name.txt" | sort -k3 -g -r | head -7 | sed 's/  */ /g; s/smsp__average_warps_issue_stalled_//; s/_per_issue_active.ratio//'
+    stalls_largest_first "$dir/$name.txt" 7
 done
 tar -czf "$OUT/ncu-options.tgz" -C "$dir" $(cd "$dir" && ls *.txt *.log 2>/dev/null)

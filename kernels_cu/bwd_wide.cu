@@ -41,6 +41,12 @@
 #include "tma.cuh"
 #include "bwd.cuh"
 
+// Independent MMA chains of the products over d (S^T and dP^T here, S and dP in the dQ
+// kernel; mma_wide.cuh wide_mm_ABt_from): four for fp32 at d = 128, whose warps have one
+// product a k-step (1.06x, and 1.05x for the dQ kernel, H200, session 22); at d = 96 and
+// 256 the extra accumulators cost more than they gave (0.96-0.98x); fp64 needs none.
+template <typename T, int D> constexpr int wide_bwd_chains() { return sizeof(T) == 4 && D == 128 ? 4 : 1; }
+
 // SLICE: queries of S^T and dP^T live at once beside the accumulators (8 or 16, per the
 // tile table: spills and measurements). HALVES: 1, or 2 where dK and dV of a warp's keys
 // do not fit its registers whole (see the top of this file). The plans launch GRADS =
@@ -57,10 +63,7 @@ struct WideBwdKVTile {
     typedef typename BothWaysRows<T, D>::type Rows;          // K, V, Q, dO
     typedef typename BothWaysRows<T, BLOCK_N>::type DSRows;  // dS, query-major
     static constexpr bool DV = GRADS & GRAD_DV, DK = GRADS & GRAD_DK, DQ = GRADS & GRAD_DQ;
-    // Independent MMA chains of S^T and dP^T (mma_wide.cuh wide_mm_ABt_from): four for
-    // fp32 at d = 128, whose warps have one product a k-step (1.06x, H200, session 22);
-    // at d = 96 and 256 the extra accumulators cost more than they gave (0.96-0.98x).
-    static constexpr int CHAINS = sizeof(T) == 4 && D == 128 ? 4 : 1;
+    static constexpr int CHAINS = wide_bwd_chains<T, D>();
     // Shared memory, in this order (cupyflash/_kernels.py mirrors the sizes):
     static constexpr int K_ELEMS = Rows::size(BLOCK_N);
     static constexpr int V_ELEMS = DK ? Rows::size(BLOCK_N) : 0;   // dP needs V; dV alone does not
@@ -303,7 +306,9 @@ flash_bwd_dkdv_wide(const __grid_constant__ AttnParams p)
                 fence_async_smem();
                 __syncthreads();
                 if (threadIdx.x == 0) {
-                    if (dq_ld != C::DQ_LD) __trap();   // a host that drifted from this layout
+                    // A host that drifted from the staged rows. (Checked once before the loop
+                    // instead, by every thread, it cost this kernel 4 bytes of spills.)
+                    if (dq_ld != C::DQ_LD) __trap();
                     const int rows = min(BLOCK_M, mask.nq - q0);
                     bulk_reduce_add(dq_head + (i64)q0 * C::DQ_LD, stage, u32(rows * C::DQ_LD) * sizeof(T));
                     bulk_commit();
@@ -352,8 +357,7 @@ struct WideBwdQTile {
     static constexpr int SNT = SLICE / 8;
     static constexpr int KSTEPS = D / 8;
     static constexpr int DT = D / 8;                  // n-tiles of dQ
-    // MMA chains of S and dP, as WideBwdKVTile's (fp32 d = 128: 1.05x).
-    static constexpr int CHAINS = sizeof(T) == 4 && D == 128 ? 4 : 1;
+    static constexpr int CHAINS = wide_bwd_chains<T, D>();
     typedef typename BothWaysRows<T, D>::type Rows;   // Q, dO, K, V
     // Shared memory: Q, dO, then K and V with two buffers each (cupyflash/_kernels.py mirrors it).
     static constexpr int SMEM_BYTES = (2 * Rows::size(BLOCK_M) + 4 * Rows::size(BLOCK_N)) * sizeof(T);
