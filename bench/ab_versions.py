@@ -3,6 +3,7 @@ version's, in one process on the same inputs, beside torch SDPA's cuDNN and flas
 backends (kernel work: a change must not slow the dense call beyond run-to-run noise).
 
     python bench/ab_versions.py OLD [--backward] [--head-dims 64 128] [--option softcap] [--dtype float32]
+                                [--precision tf32]
         # OLD: a directory with that version's cupyflash/ and kernels_cu/
         # (git archive <commit> cupyflash kernels_cu | tar -x -C OLD)
 
@@ -85,6 +86,7 @@ def main(argv):
     p.add_argument("--seqlens", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
     p.add_argument("--option", choices=OPTIONS, default="dense")
     p.add_argument("--dtype", default="bfloat16", help="fp32/fp64: no peers (torch's flash and cuDNN take 16-bit)")
+    p.add_argument("--precision", default="highest", help='fp32: "tf32" for one TF32 product (the forward)')
     a = p.parse_args(argv)
     old = load_version(a.old.resolve())
     pass_ = "bwd" if a.backward else "fwd"
@@ -100,6 +102,8 @@ def main(argv):
                 flop = bench.flops(B, H, N, d, causal, pass_)
                 tf = lambda run: flop / bench.time_ms(run) / 1e9   # noqa: E731
                 options = _option_kwargs(a.option, q)
+                if a.precision != "highest":
+                    options["precision"] = a.precision
                 runs = {"new": _runs(cupyflash, q, k, v, do, causal, a.backward, options),
                         "old": _runs(old, q, k, v, do, causal, a.backward, options)}
                 readings = [(name, tf(runs[name])) for name in ("new", "old", "new", "old")]

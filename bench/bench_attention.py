@@ -10,17 +10,20 @@ kernels, not for measuring them.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cupyflash import _kernels, bench  # noqa: E402
+from cupyflash import _cuda, _kernels, bench  # noqa: E402
 
 # Forward tile candidates per (dtype, head dim), in the form of the tile tables' entries:
 # for 16-bit dtypes ("sm90", _kernels.FWD_SM90_TILES' (BLOCK_N, CONSUMERS, STAGES)) (Hopper
 # only) and ("sm80", _kernels.FWD_SM80_TILES' (BLOCK_M, BLOCK_N, WARPS)), for fp32/fp64
-# _kernels.FWD_WIDE_TILES' (BLOCK_M, BLOCK_N, SUB_N, WARPS, DV_TILE) (all spill-free).
+# _kernels.FWD_WIDE_TILES' (BLOCK_M, BLOCK_N, SUB_N, WARPS, DV_TILE) (all spill-free), and
+# for fp32 on Hopper ("sm90", FWD_SM90_F32_TILES' entry); "tf32" is fp32 with
+# precision="tf32" (FWD_SM90_TF32_TILES).
 TUNE_CANDIDATES = {
     ("bfloat16", 64): [("sm90", (128, 3, 2)), ("sm90", (128, 2, 2)), ("sm90", (128, 3, 3)),
                        ("sm90", (128, 2, 4)), ("sm90", (64, 3, 4)), ("sm90", (192, 2, 2))],
@@ -32,7 +35,11 @@ TUNE_CANDIDATES = {
     ("float64", 64): [(64, 32, 32, 4, 64), (64, 32, 16, 4, 64), (128, 32, 16, 8, 64)],
     ("float64", 128): [(128, 16, 16, 8, 128), (128, 16, 8, 8, 128), (96, 16, 16, 6, 128), (128, 16, 16, 8, 64),
                        (64, 32, 16, 4, 128)],
+    ("tf32", 64): [("sm90", (64, 3, 3)), ("sm90", (64, 3, 4)), ("sm90", (128, 2, 2))],
+    ("tf32", 128): [("sm90", (32, 3, 3)), ("sm90", (64, 2, 2)), ("sm90", (32, 2, 3)), ("sm90", (32, 2, 4))],
 }
+# The Hopper table each dtype's ("sm90", tile) candidates replace.
+SM90_TABLES = {"tf32": _kernels.FWD_SM90_TF32_TILES, "float32": _kernels.FWD_SM90_F32_TILES}
 
 
 def tune(dtype, d, candidates):
@@ -43,23 +50,34 @@ def tune(dtype, d, candidates):
     import cupyflash
 
     seqlens = (2048, 4096, 16384) if dtype in _kernels.HALF_DTYPES else (1024, 4096)
+    precision = "tf32" if dtype == "tf32" else "highest"
+    array_dtype = "float32" if dtype == "tf32" else dtype
     print(f"tuning {dtype} d={d}")
+    # The Hopper candidates compiled at once, in parallel (precompile builds every Hopper
+    # tile of a table), rather than one by one at their first calls.
+    hopper = tuple(tile for family, tile in (c for c in candidates if c[0] == "sm90"))
+    if hopper:
+        SM90_TABLES.get(dtype, _kernels.FWD_SM90_TILES)[d] = hopper
+        cupyflash.precompile(dtypes=[array_dtype], head_dims=[d], workers=os.cpu_count())
     for tile in candidates:
-        if dtype not in _kernels.HALF_DTYPES:
-            _kernels.FWD_WIDE_TILES[dtype][d] = (tile,)
-        elif tile[0] == "sm90":
+        if tile[0] == "sm90":
             tile = tile[1]
-            _kernels.FWD_SM90_TILES[d] = (tile,)
+            SM90_TABLES.get(dtype, _kernels.FWD_SM90_TILES)[d] = (tile,)
+        elif dtype not in _kernels.HALF_DTYPES:
+            _kernels.FWD_WIDE_TILES[dtype][d] = (tile,)
         else:   # an sm80 tile: no Hopper tile in front of it
             tile = tile[1]
             _kernels.FWD_SM90_TILES.pop(d, None)
             _kernels.FWD_SM80_TILES[d] = (tile,)
+        _cuda._FORWARD_PLANS.clear()   # the plans chosen from the tables before
         for causal in (False, True):
             for N in seqlens:
                 H, B = bench.HIDDEN // d, bench.TOKENS // N
-                q, k, v = (cp.random.standard_normal((B, H, N, d), dtype=cp.float32).astype(dtype) for _ in range(3))
+                q, k, v = (cp.random.standard_normal((B, H, N, d), dtype=cp.float32).astype(array_dtype)
+                           for _ in range(3))
                 try:
-                    ms = bench.time_ms(lambda: cupyflash.attention(q, k, v, causal=causal), repeat=10)
+                    ms = bench.time_ms(lambda: cupyflash.attention(q, k, v, causal=causal, precision=precision),
+                                       repeat=10)
                     print(f"  tile {tile} causal={int(causal)} N={N}: "
                           f"{bench.flops(B, H, N, d, causal, 'fwd') / ms / 1e9:7.1f} TFLOP/s", flush=True)
                 except Exception as exc:

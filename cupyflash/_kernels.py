@@ -100,10 +100,15 @@ FWD_SM90_F32_EXT_TILES = {
 }
 _FWD_SM90_F32_TABLES = {MODE_DENSE: FWD_SM90_F32_TILES, MODE_EXT: FWD_SM90_F32_EXT_TILES,
                         MODE_EXT | MODE_BIAS: FWD_SM90_F32_EXT_TILES}
-# precision="tf32": one product, a stage holds K, V and V^T (3 BLOCK_N x d fp32 tiles).
+# precision="tf32": one product, a stage holds K and V^T (2 BLOCK_N x d fp32 tiles) beside
+# one landing buffer of V. Under a causal band (or a window) the 128-row tiles serve
+# (forward_variants_for). H200, N = 1k / 4k (bench/NOTES.md, session 24): d = 128 (32, 3, 3)
+# 133 / 158 TFLOP/s, causal 95 / 135; (64, 2, 2) 140 / 152, causal 117 / 143; (32, 2, 3),
+# the tile before one landing buffer, 127 / 134; d = 64 (64, 3, 3) 133 / 158, causal 98 /
+# 141; (128, 2, 2) 138 / 151, causal 108 / 140.
 FWD_SM90_TF32_TILES = {
-    64: ((64, 3, 3),),
-    128: ((32, 2, 3),),
+    64: ((64, 3, 3), (128, 2, 2)),
+    128: ((32, 3, 3), (64, 2, 2)),
 }
 FWD_SM90_TF32_EXT_TILES = {
     64: ((64, 2, 3),),
@@ -266,14 +271,16 @@ def _sm90_forward(dtype_name: str, D: int, tile, mode: int) -> Variant:
     block_m = 64 * consumers
     item = np.dtype(dtype_name).itemsize
     # fwd_sm90.cu Sm90FwdTile: Q, then a K tile and a V tile per stage, swizzled (fp32:
-    # K with its low parts, V with V^T and its low parts, 2 + 3 block_n x D tiles; with one
-    # TF32 product K, and V with V^T), and with the bias a (block_m, block_n) bias tile per
-    # stage; 1024 bytes to align them; then Sm90FwdBarriers (2 + 8 STAGES mbarriers of 8
-    # bytes, then the schedule's STAGES + 1 ints, padded to 8 bytes).
-    kv_tiles = 2 if item == 2 else 3 if mode & MODE_TF32 else 5
+    # K with its low parts and V^T with its low parts, 2 + 2 block_n x D tiles; with one
+    # TF32 product K and V^T), with the bias a (block_m, block_n) bias tile per stage, and
+    # fp32's landing buffer of V (LANDINGS); 1024 bytes to align them; then Sm90FwdBarriers
+    # (2 + 9 STAGES mbarriers of 8 bytes, then the schedule's STAGES + 1 ints, padded to 8
+    # bytes).
+    kv_tiles = 2 if item == 2 or mode & MODE_TF32 else 4
+    landings = 0 if item == 2 else 1
     bias = stages * block_m * block_n if mode & MODE_BIAS and item == 2 else 0   # fp32: no bias stage
-    smem = (((block_m + kv_tiles * stages * block_n) * D + bias) * item + 1024 + 8 * (2 + 8 * stages)
-            + -(-4 * (stages + 1) // 8) * 8)
+    smem = (((block_m + (kv_tiles * stages + landings) * block_n) * D + bias) * item + 1024
+            + 8 * (2 + 9 * stages) + -(-4 * (stages + 1) // 8) * 8)
     expr = f"flash_fwd_sm90<{CPP_TYPE[dtype_name]}, {D}, {block_n}, {consumers}, {stages}, {mode}, {smem}>"
     return Variant(FWD_SM90, expr, (consumers + 1) * 128, block_m, smem, mode=mode, tile=tuple(tile))
 
@@ -308,16 +315,19 @@ def forward_variants(dtype_name: str, D: int, mode: int = MODE_DENSE) -> list[Va
 
 def forward_variants_for(dtype_name: str, D: int, mods, *, causal: bool) -> list[Variant]:
     """forward_variants of the call's mode, less the Hopper option tiles that do not
-    suit it: 192-row tiles (three consumers) under a causal or window band, and tiles
-    whose query rows a block of the block mask would split (every tile would then need
-    the element mask: 192 rows and blocks of 128)."""
+    suit it: 192-row tiles (three consumers) under a causal or window band (so too the
+    dense precision="tf32" tiles), and tiles whose query rows a block of the block mask
+    would split (every tile would then need the element mask: 192 rows and blocks of 128)."""
     variants = forward_variants(dtype_name, D, kernel_mode(mods))
 
     def suits(v: Variant) -> bool:
-        if v.family is not FWD_SM90 or v.mode & ~MODE_TF32 == MODE_DENSE:
+        if v.family is not FWD_SM90:
             return True
-        if (causal or mods.windowed) and v.block_m > 128:
+        dense = v.mode & ~MODE_TF32 == MODE_DENSE
+        if (causal or mods.windowed) and v.block_m > 128 and (not dense or v.mode & MODE_TF32):
             return False
+        if dense:
+            return True
         block_q = mods.block_size[0]
         return mods.block_mask is None or v.block_m % block_q == 0 or block_q % v.block_m == 0
 

@@ -324,12 +324,15 @@ template <bool ALIBI, bool BITS, bool KEY_ROWS, int NT, typename Acc, typename H
 __device__ __forceinline__ void capped_p_and_grad(Acc (&s)[1][NT][4], Acc (&dp)[1][NT][4], const H& hm, int r0, int c0,
                                                   L&& lse2_at, Dl&& delta_at, Bias& bias, u32 visible, u32 kept,
                                                   Acc scale_log2) {
+    const Acc to_tanh = hm.tanh_arg(scale_log2), cap = hm.cap_log2();
     for_each_score<KEY_ROWS>(s, r0, c0, [&](Acc& x, int i, int j, int mt, int nt, int e) {
         Acc dtanh;
-        Acc score = hm.capped(x * scale_log2, dtanh);
-        if constexpr (Bias::ON) score = fma(bias.at(nt, e), Acc(LOG2E_D), score);
-        if constexpr (ALIBI) score -= hm.alibi(i, j);
-        const Acc p = exp2_fast(score - lse2_at(mt, nt, e));
+        const Acc th = hm.capped_tanh(x, to_tanh, dtanh);
+        // The exponent's terms beside the cap, which then rides in the exp2's FMA.
+        Acc rest = -lse2_at(mt, nt, e);
+        if constexpr (Bias::ON) rest = fma(bias.at(nt, e), Acc(LOG2E_D), rest);
+        if constexpr (ALIBI) rest -= hm.alibi(i, j);
+        const Acc p = exp2_fast(fma(th, cap, rest));
         if constexpr (BITS) {
             const bool shown = (visible >> (4 * nt + e)) & 1, keep = (kept >> (4 * nt + e)) & 1;
             const Acc grad = p * ((keep ? dp[mt][nt][e] : Acc(0)) - delta_at(mt, nt, e)) * dtanh;

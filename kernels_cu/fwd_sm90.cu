@@ -77,8 +77,10 @@
 // mbarrier ordering, then sees no plain write racing the plain reads of a stage's
 // previous round.
 // fp32: the split warps' arrivals (k_split, v_split) follow k_full and v_full, and the
-// consumers wait for them instead; the producer writes the schedule word in every mode,
-// and END there once no work is left, which stops the split warps.
+// consumers wait for them instead; v_full and v_landing_free guard V's landing buffers
+// (Sm90FwdTile::LANDINGS), the latter completed by the split warps once they have read
+// one. The producer writes the schedule word in every mode, and END there once no work is
+// left, which stops the split warps.
 template <int STAGES>
 struct Sm90FwdBarriers {
     static constexpr int END = -1;
@@ -87,6 +89,7 @@ struct Sm90FwdBarriers {
     u64 k_empty[STAGES], v_empty[STAGES];
     u64 bias_full[STAGES], bias_empty[STAGES];   // MODE_BIAS with the bias by TMA
     u64 k_split[STAGES], v_split[STAGES];         // fp32: the split warps wrote the low parts
+    u64 v_landing_free[STAGES];                   // fp32: ... and read V's landing buffer
     int tile[STAGES];
     int work;   // the work tile whose Q is in flight (END: none left)
 };
@@ -162,10 +165,15 @@ struct Sm90FwdTile {
     static constexpr int PSTEPS = BLOCK_N / WgmmaK<T>::elems;   // k-steps of P V
     static constexpr int Q_ELEMS = BLOCK_M * D, KV_ELEMS = BLOCK_N * D;
     // A stage's K tile: K, and for fp32 its low parts as BLOCK_N more rows (K_ROWS rows in
-    // all, so each panel holds both); its V tile: V, and for fp32 V^T and V^T's low parts
-    // (precision="tf32": K alone, V and V^T).
+    // all, so each panel holds both); its V tile: V as TMA lands it, or for fp32 V^T and
+    // V^T's low parts (precision="tf32": V^T), which the split warps write from V's landing
+    // buffer. One landing buffer serves every stage (the next V lands once the split warps
+    // have read the last): the shared memory it frees bought precision="tf32" at d = 128
+    // three consumer warpgroups or 64-key tiles (it fitted 32 keys and two: 1.14-1.25x),
+    // and with a landing buffer a stage instead 3xTF32 measured 0.95-0.99x (H200).
     static constexpr int K_ROWS = SPLIT ? 2 * BLOCK_N : BLOCK_N;
-    static constexpr int K_TILE_ELEMS = K_ROWS * D, V_TILE_ELEMS = (SPLIT ? 3 : TF32 ? 2 : 1) * KV_ELEMS;
+    static constexpr int K_TILE_ELEMS = K_ROWS * D, V_TILE_ELEMS = (SPLIT ? 2 : 1) * KV_ELEMS;
+    static constexpr int LANDINGS = TF32 ? 1 : 0;
     static constexpr int SPLIT_WARPS = 3;           // fp32: the producer warpgroup's warps 1 .. 3
     // MODE_BIAS: a bias tile per stage (BLOCK_M rows, BLOCK_N / 64 panels of 64 keys);
     // none for fp32, whose bias the consumers load from global memory.
@@ -174,9 +182,11 @@ struct Sm90FwdTile {
     static constexpr u32 Q_BYTES = Q_ELEMS * sizeof(T), KV_BYTES = KV_ELEMS * sizeof(T);
     static constexpr u32 BIAS_BYTES = BIAS_ELEMS * sizeof(T);
     // Shared memory (cupyflash/_kernels.py mirrors it): Q, K x STAGES, V x STAGES, bias x
-    // STAGES (MODE_BIAS), each 1024-byte aligned; then the mbarriers and the schedule.
+    // STAGES (MODE_BIAS), V's landing buffers (fp32), each 1024-byte aligned; then the
+    // mbarriers and the schedule.
     static constexpr int ALIGN = 1024;
-    static constexpr int TILE_BYTES = (Q_ELEMS + STAGES * (K_TILE_ELEMS + V_TILE_ELEMS + BIAS_ELEMS)) * sizeof(T);
+    static constexpr int TILE_BYTES =
+        (Q_ELEMS + STAGES * (K_TILE_ELEMS + V_TILE_ELEMS + BIAS_ELEMS) + LANDINGS * KV_ELEMS) * sizeof(T);
     // The dynamic shared memory the host must give: the tiles, the slack to align them,
     // the barriers.
     static constexpr int SMEM_BYTES = TILE_BYTES + ALIGN + sizeof(Sm90FwdBarriers<STAGES>);
@@ -189,19 +199,30 @@ struct Sm90FwdTile {
     static constexpr int CONSUMER_REGS = WarpgroupRegs<THREADS, PRODUCER_REGS>::CONSUMER;
     static_assert(D % PANEL == 0 && BLOCK_N % PANEL == 0 && BLOCK_N <= 256 && D <= 256 && BLOCK_M <= 256,
                   "tile shape (TMA boxes take at most 256 rows)");
+    static_assert(LANDINGS <= STAGES, "landing buffers share the stages' barrier arrays");
+
+    // Where the t-th key tile's V lands (TMA's layout; `v_tiles`: the stages' V tiles,
+    // `landings`: fp32's buffers) and the index and round of its landing barriers.
+    __device__ static __forceinline__ int landing(int t) { return TF32 ? t % LANDINGS : t % STAGES; }
+    __device__ static __forceinline__ u32 landing_parity(int t) { return (t / (TF32 ? LANDINGS : STAGES)) & 1; }
+    template <typename E>
+    __device__ static __forceinline__ E* landed_v(E* v_tiles, E* landings, int t) {
+        return TF32 ? landings + landing(t) * KV_ELEMS : v_tiles + landing(t) * V_TILE_ELEMS;
+    }
 };
 
 // The split warps of an fp32 tile (C::TF32): for each stage the producer fills, in the
 // producer's order, once K has landed its low parts into the K tile's rows BLOCK_N ..
-// (the same swizzle phase: BLOCK_N is a multiple of 8), and once V has landed V^T and its
-// low parts (rows: head-dim columns; columns: keys, each 8-key group's keys in the order
-// 0 2 4 6 1 3 5 7, so that the C fragment of S, keys 2t and 2t + 1 of a thread's rows, is
-// P V's A fragment as it is: a0 a1 a2 a3 = c0 c2 c1 c3, k-slots t and t + 4). With one
-// product (precision="tf32") they round K in place and V^T to TF32 instead. Each write
-// is fenced for the wgmmas (async proxy) before the warp's arrival. They stop at a
-// schedule word END.
+// (the same swizzle phase: BLOCK_N is a multiple of 8), and once V has landed in its
+// landing buffer the stage's V^T and its low parts (rows: head-dim columns; columns:
+// keys, each 8-key group's keys in the order 0 2 4 6 1 3 5 7, so that the C fragment of
+// S, keys 2t and 2t + 1 of a thread's rows, is P V's A fragment as it is: a0 a1 a2 a3 =
+// c0 c2 c1 c3, k-slots t and t + 4). With one product (precision="tf32") they round K in
+// place and V^T to TF32 instead. Each write is fenced for the wgmmas (async proxy) before
+// the warp's arrival, and the landing buffer goes back to the producer beside V^T's
+// arrival. They stop at a schedule word END.
 template <typename C, typename Bars, typename ReadWord, typename ReleaseBar>
-__device__ __forceinline__ void split_stages(float* sK, float* sV, Bars& bars, ReadWord&& read_word,
+__device__ __forceinline__ void split_stages(float* sK, float* sV, float* sLanding, Bars& bars, ReadWord&& read_word,
                                              ReleaseBar&& release_bar) {
     constexpr int BLOCK_N = C::BLOCK_N, D = C::D, STAGES = C::STAGES;
     constexpr int SPLIT_THREADS = C::SPLIT_WARPS * 32;
@@ -229,9 +250,9 @@ __device__ __forceinline__ void split_stages(float* sK, float* sV, Bars& bars, R
         fence_async_smem();
         release_bar(&bars.k_split[s]);
 
-        mbar_wait(&bars.v_full[s], parity);
-        float* v_tile = sV + s * C::V_TILE_ELEMS;
-        float* vt = v_tile + C::KV_ELEMS;
+        mbar_wait(&bars.v_full[C::landing(t)], C::landing_parity(t));
+        float* v_tile = C::landed_v(sV, sLanding, t);
+        float* vt = sV + s * C::V_TILE_ELEMS;
         float* vt_low = vt + C::KV_ELEMS;
         // A thread takes one head-dim column d of an 8-key group: a warp reads 32
         // neighbouring columns of a key row (128 bytes) and writes 16-byte chunks of 8
@@ -254,6 +275,7 @@ __device__ __forceinline__ void split_stages(float* sK, float* sV, Bars& bars, R
             }
         }
         fence_async_smem();
+        release_bar(&bars.v_landing_free[C::landing(t)]);
         release_bar(&bars.v_split[s]);
     }
 }
@@ -272,6 +294,7 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
     T* sK = sQ + C::Q_ELEMS;                    // STAGES K tiles
     T* sV = sK + STAGES * C::K_TILE_ELEMS;      // STAGES V tiles
     T* sBias = sV + STAGES * C::V_TILE_ELEMS;   // STAGES buffers (MODE_BIAS)
+    T* sLanding = sBias + STAGES * C::BIAS_ELEMS;   // LANDINGS buffers (fp32)
     auto& bars = *reinterpret_cast<Sm90FwdBarriers<STAGES>*>(reinterpret_cast<unsigned char*>(sQ) + C::TILE_BYTES);
     // The option state of the current work tile (mods.cuh), one copy for the producer
     // thread and one for the consumers, each written and read by its own side (the
@@ -303,6 +326,7 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
             mbar_init(&bars.bias_empty[s], CONSUMERS * 4);
             mbar_init(&bars.k_split[s], C::SPLIT_WARPS);
             mbar_init(&bars.v_split[s], C::SPLIT_WARPS);
+            mbar_init(&bars.v_landing_free[s], C::SPLIT_WARPS);
         }
         mbar_init_fence();
     }
@@ -440,10 +464,15 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
                                             p.mods.bias_sh != 0 ? h : 0, p.mods.bias_sb != 0 ? work.b : 0);
                         }
                     }
+                    // fp32: V lands apart and the split warps write the stage's V^T from it,
+                    // after this wait on the stage (so the consumers are done with it).
                     mbar_wait(&bars.v_empty[s], parity);
+                    if constexpr (C::TF32)
+                        mbar_wait(&bars.v_landing_free[C::landing(t)], C::landing_parity(t) ^ 1);
                     if (leader) {
-                        mbar_arrive_expect_tx(&bars.v_full[s], C::KV_BYTES);
-                        load_panels(sV + s * C::V_TILE_ELEMS, p.v_map, &bars.v_full[s], BLOCK_N,
+                        u64* landed = &bars.v_full[C::landing(t)];
+                        mbar_arrive_expect_tx(landed, C::KV_BYTES);
+                        load_panels(C::landed_v(sV, sLanding, t), p.v_map, landed, BLOCK_N,
                                     mods.k_base + (i64)j * BLOCK_N, hk);
                     }
                     k_pos = next;
@@ -451,7 +480,7 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
                 }
             }
         } else if constexpr (C::TF32) {
-            split_stages<C>(sK, sV, bars, read_word, release_bar);
+            split_stages<C>(sK, sV, sLanding, bars, read_word, release_bar);
         }
         return;
     }
@@ -573,9 +602,9 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
             if constexpr (TF32 && !SPLIT) {
                 #pragma unroll
                 for (int ks = 0; ks < C::PSTEPS; ++ks)
-                    Wgmma<float, D>::template rs<true>(acc[0], p_frag[ks], kmajor_desc<float, D>(sVb + C::KV_ELEMS, 0, ks));
+                    Wgmma<float, D>::template rs<true>(acc[0], p_frag[ks], kmajor_desc<float, D>(sVb, 0, ks));
             } else if constexpr (SPLIT) {
-                const float* vt = sVb + C::KV_ELEMS;
+                const float* vt = sVb;
                 const float* vt_low = vt + C::KV_ELEMS;
                 Wgmma<float, D>::template rs<false>(o_tile[0], p_low[0], kmajor_desc<float, D>(vt, 0, 0));
                 #pragma unroll

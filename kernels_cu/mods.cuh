@@ -90,8 +90,7 @@ struct HeadMods<T, Acc, true> {
     // checked when `masked`). `dtanh` receives softcap's derivative factor 1 - tanh^2
     // (left alone without softcap).
     __device__ __forceinline__ Acc score_log2(Acc s, int i, int j, Acc scale_log2, bool masked, Acc& dtanh) const {
-        Acc x = s * scale_log2;
-        if (softcap > Acc(0)) x = capped(x, dtanh);
+        Acc x = softcap > Acc(0) ? cap_log2() * capped_tanh(s, tanh_arg(scale_log2), dtanh) : s * scale_log2;
         if (bias != nullptr) x += biased(i, j);
         if (slope_log2 != Acc(0)) x -= alibi(i, j);
         return masked && !mask->visible(i, j, h) ? Acc(-INFINITY) : x;
@@ -105,15 +104,18 @@ struct HeadMods<T, Acc, true> {
     __device__ __forceinline__ void scores_log2(Acc (&s)[MT][NT][4], Acc (&dtanh)[MT2][NT2][4], int r0, int c0,
                                                 Acc scale_log2, bool masked) const {
         constexpr bool KEEP_DTANH = MT2 == MT && NT2 == NT;
-        for_each_score<KEY_ROWS>(s, r0, c0, [&](Acc& x, int, int, int, int, int) { x *= scale_log2; });
-        if (softcap > Acc(0))
+        if (softcap > Acc(0)) {
+            const Acc to_tanh = tanh_arg(scale_log2), cap = cap_log2();
             for_each_score<KEY_ROWS>(s, r0, c0, [&](Acc& x, int, int, int mt, int nt, int e) {
                 Acc dt;
-                x = capped(x, dt);
+                x = cap * capped_tanh(x, to_tanh, dt);
                 if constexpr (KEEP_DTANH) dtanh[mt][nt][e] = dt;
             });
-        else if constexpr (KEEP_DTANH)
-            for_each_score<KEY_ROWS>(s, r0, c0, [&](Acc&, int, int, int mt, int nt, int e) { dtanh[mt][nt][e] = Acc(1); });
+        } else {
+            for_each_score<KEY_ROWS>(s, r0, c0, [&](Acc& x, int, int, int, int, int) { x *= scale_log2; });
+            if constexpr (KEEP_DTANH)
+                for_each_score<KEY_ROWS>(s, r0, c0, [&](Acc&, int, int, int mt, int nt, int e) { dtanh[mt][nt][e] = Acc(1); });
+        }
         if (WITH_BIAS && bias != nullptr) add_bias<KEY_ROWS>(s, r0, c0, Acc(LOG2E_D));
         if (slope_log2 != Acc(0)) {
             // Where the thread's fragments have registers to spare (QuerySlots::CACHED, the
@@ -156,9 +158,9 @@ struct HeadMods<T, Acc, true> {
                                               Acc scale_log2, bool masked, AddBias&& add_bias) const {
         Acc fs = scale_log2;
         if (softcap > Acc(0)) {
-            const Acc to_tanh = scale_log2 * softcap_in;
+            const Acc to_tanh = tanh_arg(scale_log2);
             for_each_score<false>(s, r0, c0, [&](Acc& x, int, int, int, int, int) { x = tanh_acc<T>(x * to_tanh); });
-            fs = softcap * Acc(LOG2E_D);
+            fs = cap_log2();
         } else if (slope_log2 != Acc(0) && scale_log2 < Acc(0x1p-60)) {
             for_each_score<false>(s, r0, c0, [&](Acc& x, int, int, int, int, int) { x *= scale_log2; });
             fs = Acc(1);
@@ -215,12 +217,17 @@ struct HeadMods<T, Acc, true> {
         }
     }
 
-    // softcap * tanh(scale s / softcap) of a log2-unit score x = scale s log2 e, in log2
-    // units (the division by log2 e and the multiplication by it cancel around the tanh).
-    __device__ __forceinline__ Acc capped(Acc x, Acc& dtanh) const {
-        const Acc th = tanh_acc<T>(x * softcap_in);
+    // Softcap of a raw product s, in log2 units: softcap log2 e tanh(scale s / softcap) =
+    // cap_log2() th for th = capped_tanh(s, tanh_arg(scale_log2)) (the scale's log2 e and
+    // softcap_in's ln 2 cancel inside). The scale thus rides in the tanh's one product and
+    // the cap in the one after it, which a pass can fold into its exp2's FMA (the forward's
+    // fold scale; the backward's P). `dtanh` receives softcap's derivative factor 1 - th^2.
+    __device__ __forceinline__ Acc tanh_arg(Acc scale_log2) const { return scale_log2 * softcap_in; }
+    __device__ __forceinline__ Acc cap_log2() const { return softcap * Acc(LOG2E_D); }
+    __device__ __forceinline__ Acc capped_tanh(Acc s, Acc to_tanh, Acc& dtanh) const {
+        const Acc th = tanh_acc<T>(s * to_tanh);
         dtanh = Acc(1) - th * th;
-        return softcap * Acc(LOG2E_D) * th;
+        return th;
     }
     // Rows and keys past the sequence (a tile's padding) read no bias: it has none there.
     __device__ __forceinline__ Acc biased(int i, int j) const {
