@@ -2,7 +2,7 @@
 
     python bench/profile_case.py --dtype bfloat16 --head-dim 128 --seqlen 16384 [--causal] [--backward]
                                  [--softcap 30] [--dropout 0.1] [--window 256] [--alibi] [--bias]
-                                 [--seqlens-k 0.75] [--block-density 0.125]
+                                 [--seqlens-k 0.75] [--block-density 0.125] [--precision tf32]
 
 With ``--backward`` the forward runs once and the backward ``--repeat`` times; profile
 its key-block kernel with ``ncu -k regex:flash_bwd_dkdv``, the forward's with
@@ -38,6 +38,7 @@ p.add_argument("--alibi", action="store_true", help="an option (geometric slopes
 p.add_argument("--bias", action="store_true", help="an option (an (N, N) bias), to profile its kernels")
 p.add_argument("--seqlens-k", type=float, default=None, help="an option: that fraction of the keys")
 p.add_argument("--block-density", type=float, default=None, help="an option: a random block mask (128 blocks)")
+p.add_argument("--precision", default="highest", help='fp32: "tf32" for one TF32 product (the Hopper forward)')
 a = p.parse_args()
 H, B = 2048 // a.head_dim, 16384 // a.seqlen
 options = {k: v for k, v in (("softcap", a.softcap), ("dropout_p", a.dropout),
@@ -57,6 +58,8 @@ q, k, v, do = (cp.random.standard_normal((B, H, a.seqlen, a.head_dim), dtype=cp.
                for _ in range(4))
 D = _kernels.padded_head_dim(a.head_dim, a.head_dim)
 mode = (_kernels.MODE_EXT | (_kernels.MODE_BIAS if a.bias else 0)) if options else _kernels.MODE_DENSE
+if a.precision == "tf32":
+    mode |= _kernels.MODE_TF32
 if a.backward:
     plan = _cuda.device_backward_plan(q.dtype.name, D, a.deterministic, mode, 0)
     variant = _cuda._choose(plan.kv[0][1], 0)
@@ -74,5 +77,5 @@ for _ in range(a.repeat):
     if a.backward:
         cupyflash.attention_backward(do, ctx)
     else:
-        cupyflash.attention(q, k, v, causal=a.causal, **options)
+        cupyflash.attention(q, k, v, causal=a.causal, precision=a.precision, **options)
 cp.cuda.Device().synchronize()

@@ -29,6 +29,12 @@ __device__ __forceinline__ u32 smem_addr(const void* p) {
     return static_cast<u32>(__cvta_generic_to_shared(p));
 }
 
+// One 16-byte shared-memory store. (A float4 store through a pointer may reach the code as
+// four 4-byte stores where the compiler cannot prove the address 16-byte aligned.)
+__device__ __forceinline__ void store_shared_16(float* p, float4 v) {
+    asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" :: "r"(smem_addr(p)), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w));
+}
+
 // 16-byte asynchronous copy; bytes past `src_bytes` are zero-filled (0 reads nothing).
 __device__ __forceinline__ void cp_async_16(void* dst, const void* src, int src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"

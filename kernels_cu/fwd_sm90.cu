@@ -226,7 +226,11 @@ __device__ __forceinline__ void split_stages(float* sK, float* sV, float* sLandi
                                              ReleaseBar&& release_bar) {
     constexpr int BLOCK_N = C::BLOCK_N, D = C::D, STAGES = C::STAGES;
     constexpr int SPLIT_THREADS = C::SPLIT_WARPS * 32;
-    const int tid = threadIdx.x - C::CONSUMER_THREADS - 32;
+    // Indices are unsigned: with signed ones Swizzle128's divisions took ~10 integer
+    // instructions an element, and the split warps, busy 86% of the time, kept the
+    // consumers waiting for K (a third of their stall samples; ncu, precision="tf32", d =
+    // 128, H200, session 24).
+    const unsigned tid = threadIdx.x - C::CONSUMER_THREADS - 32;
     typedef Swizzle128<float, BLOCK_N> VLayout;   // V as TMA lays it out: rows are keys
     typedef Swizzle128<float, D> VtLayout;        // V^T: rows are head-dim columns
     for (int t = 0;; ++t) {
@@ -237,15 +241,15 @@ __device__ __forceinline__ void split_stages(float* sK, float* sV, float* sLandi
         // K's 16-byte chunks, panel by panel: rows 0 .. BLOCK_N - 1 of a K_ROWS-row panel;
         // their low parts BLOCK_N rows below, or (precision="tf32") K rounded in place.
         float* k_tile = sK + s * C::K_TILE_ELEMS;
-        constexpr int CHUNKS = BLOCK_N * 8;   // per panel: 8 chunks of 4 floats a row
+        constexpr unsigned CHUNKS = BLOCK_N * 8;   // per panel: 8 chunks of 4 floats a row
         #pragma unroll 4
-        for (int c = tid; c < (D / 32) * CHUNKS; c += SPLIT_THREADS) {
+        for (unsigned c = tid; c < (D / 32) * CHUNKS; c += SPLIT_THREADS) {
             float* chunk = k_tile + (c / CHUNKS) * (C::K_ROWS * 32) + (c % CHUNKS) * 4;
             const float4 x = *reinterpret_cast<const float4*>(chunk);
             if constexpr (C::SPLIT)
-                *reinterpret_cast<float4*>(chunk + BLOCK_N * 32) = tf32_low(x);
+                store_shared_16(chunk + BLOCK_N * 32, tf32_low(x));
             else
-                *reinterpret_cast<float4*>(chunk) = tf32_round(x);
+                store_shared_16(chunk, tf32_round(x));
         }
         fence_async_smem();
         release_bar(&bars.k_split[s]);
@@ -258,20 +262,20 @@ __device__ __forceinline__ void split_stages(float* sK, float* sV, float* sLandi
         // neighbouring columns of a key row (128 bytes) and writes 16-byte chunks of 8
         // neighbouring V^T rows at distinct swizzle positions, so neither side conflicts.
         #pragma unroll 2
-        for (int u = tid; u < (BLOCK_N / 8) * D; u += SPLIT_THREADS) {
-            const int d = u % D, key0 = (u / D) * 8;
+        for (unsigned u = tid; u < (BLOCK_N / 8) * D; u += SPLIT_THREADS) {
+            const unsigned d = u % D, key0 = (u / D) * 8;
             float x[8];
             #pragma unroll
-            for (int i = 0; i < 8; ++i) x[i] = VLayout::at(v_tile, key0 + i, d & ~3)[d & 3];
+            for (unsigned i = 0; i < 8; ++i) x[i] = VLayout::at(v_tile, key0 + i, d & ~3u)[d & 3];
             const float4 even = make_float4(x[0], x[2], x[4], x[6]), odd = make_float4(x[1], x[3], x[5], x[7]);
             if constexpr (C::SPLIT) {
-                *reinterpret_cast<float4*>(VtLayout::at(vt, d, key0)) = even;
-                *reinterpret_cast<float4*>(VtLayout::at(vt, d, key0 + 4)) = odd;
-                *reinterpret_cast<float4*>(VtLayout::at(vt_low, d, key0)) = tf32_low(even);
-                *reinterpret_cast<float4*>(VtLayout::at(vt_low, d, key0 + 4)) = tf32_low(odd);
+                store_shared_16(VtLayout::at(vt, d, key0), even);
+                store_shared_16(VtLayout::at(vt, d, key0 + 4), odd);
+                store_shared_16(VtLayout::at(vt_low, d, key0), tf32_low(even));
+                store_shared_16(VtLayout::at(vt_low, d, key0 + 4), tf32_low(odd));
             } else {
-                *reinterpret_cast<float4*>(VtLayout::at(vt, d, key0)) = tf32_round(even);
-                *reinterpret_cast<float4*>(VtLayout::at(vt, d, key0 + 4)) = tf32_round(odd);
+                store_shared_16(VtLayout::at(vt, d, key0), tf32_round(even));
+                store_shared_16(VtLayout::at(vt, d, key0 + 4), tf32_round(odd));
             }
         }
         fence_async_smem();

@@ -34,9 +34,11 @@ struct Swizzle128 {
     static constexpr int PANEL_COLS = 128 / sizeof(T);
     static constexpr int PANEL_ELEMS = ROWS * PANEL_COLS;
     static_assert(ROWS % 8 == 0, "whole swizzle atoms of 8 rows");
-    // Element (r, col), col a multiple of the 16-byte chunk.
-    __device__ static __forceinline__ T* at(T* tile, int r, int col) {
-        const int chunk = (col % PANEL_COLS) / Chunk<T>::elems;
+    // Element (r, col), col a multiple of the 16-byte chunk. Unsigned indices (I) spare
+    // the divisions' sign fix-ups where the compiler cannot prove them nonnegative.
+    template <typename I = int>
+    __device__ static __forceinline__ T* at(T* tile, I r, I col) {
+        const I chunk = (col % PANEL_COLS) / Chunk<T>::elems;
         return tile + (col / PANEL_COLS) * PANEL_ELEMS + r * PANEL_COLS + (chunk ^ (r % 8)) * Chunk<T>::elems;
     }
 };
