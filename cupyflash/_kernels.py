@@ -85,9 +85,10 @@ FWD_SM90_BIAS_TILES = {
 }
 _FWD_SM90_TABLES = {MODE_DENSE: FWD_SM90_TILES, MODE_EXT: FWD_SM90_EXT_TILES, MODE_EXT | MODE_BIAS: FWD_SM90_BIAS_TILES}
 # fp32 in the same kernel on TF32 wgmma (3xTF32, fwd_sm90.cu), every mode (the bias read
-# from global memory, no bias stage): a stage holds K and its low parts, V as loaded, V^T and
-# its low parts, 5 BLOCK_N x d fp32 tiles, so d = 128 takes 32-key tiles to fit two stages
-# beside the 128-row Q tile (224 KB of tiles).
+# from global memory, no bias stage): a stage holds K and its low parts, V^T and its low
+# parts, 4 BLOCK_N x d fp32 tiles, beside one landing buffer of V, so d = 128 takes 32-key
+# tiles to fit two stages beside the 128-row Q tile (208 KB of tiles; a third consumer
+# warpgroup's Q would need 240).
 FWD_SM90_F32_TILES = {
     64: ((64, 3, 2),),
     128: ((32, 2, 2),),
@@ -102,10 +103,10 @@ _FWD_SM90_F32_TABLES = {MODE_DENSE: FWD_SM90_F32_TILES, MODE_EXT: FWD_SM90_F32_E
                         MODE_EXT | MODE_BIAS: FWD_SM90_F32_EXT_TILES}
 # precision="tf32": one product, a stage holds K and V^T (2 BLOCK_N x d fp32 tiles) beside
 # one landing buffer of V. Under a causal band (or a window) the 128-row tiles serve
-# (forward_variants_for). H200, N = 1k / 4k (bench/NOTES.md, session 24): d = 128 (32, 3, 3)
-# 133 / 158 TFLOP/s, causal 95 / 135; (64, 2, 2) 140 / 152, causal 117 / 143; (32, 2, 3),
-# the tile before one landing buffer, 127 / 134; d = 64 (64, 3, 3) 133 / 158, causal 98 /
-# 141; (128, 2, 2) 138 / 151, causal 108 / 140.
+# (forward_variants_for). H200, N = 1k / 4k (bench/NOTES.md, session 24, b529fa2): d = 128
+# (32, 3, 3) 152 / 186 TFLOP/s; (64, 2, 2) causal 128 / 163; (32, 2, 4) 144 / 156, causal
+# 118 / 144; (32, 2, 3), the tile before one landing buffer freed the shared memory, 145 /
+# 156; d = 64 (64, 3, 3) 163 / 195; (128, 2, 2) 162 / 185, causal 132 / 172.
 FWD_SM90_TF32_TILES = {
     64: ((64, 3, 3), (128, 2, 2)),
     128: ((32, 3, 3), (64, 2, 2)),
