@@ -169,8 +169,9 @@ struct Sm90FwdTile {
     // V^T's low parts (precision="tf32": V^T), which the split warps write from V's landing
     // buffer. One landing buffer serves every stage (the next V lands once the split warps
     // have read the last): the shared memory it frees bought precision="tf32" at d = 128
-    // three consumer warpgroups or 64-key tiles (it fitted 32 keys and two: 1.14-1.25x),
-    // and with a landing buffer a stage instead 3xTF32 measured 0.95-0.99x (H200).
+    // three consumer warpgroups or 64-key tiles (it fitted 32 keys and two: 1.14-1.25x).
+    // A landing buffer a stage measured 0.95-0.99x for 3xTF32, two 0.94-1.02x (H200,
+    // session 24: the split warps' throughput bounds the stream, not V's copies).
     static constexpr int K_ROWS = SPLIT ? 2 * BLOCK_N : BLOCK_N;
     static constexpr int K_TILE_ELEMS = K_ROWS * D, V_TILE_ELEMS = (SPLIT ? 2 : 1) * KV_ELEMS;
     static constexpr int LANDINGS = TF32 ? 1 : 0;
