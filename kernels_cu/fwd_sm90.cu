@@ -171,7 +171,7 @@ struct Sm90FwdTile {
     // have read the last): the shared memory it frees bought precision="tf32" at d = 128
     // three consumer warpgroups or 64-key tiles (it fitted 32 keys and two: 1.14-1.25x).
     // A landing buffer a stage measured 0.95-0.99x for 3xTF32, two 0.94-1.02x (H200,
-    // session 24: the split warps' throughput bounds the stream, not V's copies).
+    // session 24: V's copies are not what the consumers wait for; bench/NOTES.md).
     static constexpr int K_ROWS = SPLIT ? 2 * BLOCK_N : BLOCK_N;
     static constexpr int K_TILE_ELEMS = K_ROWS * D, V_TILE_ELEMS = (SPLIT ? 2 : 1) * KV_ELEMS;
     static constexpr int LANDINGS = TF32 ? 1 : 0;
