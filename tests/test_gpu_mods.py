@@ -714,8 +714,13 @@ def _fp32_hopper_params():
 
 
 @pytest.mark.parametrize("d,nq,nk,layout,causal,build,precision", [
-    pytest.param(*p.values, precision, id=f"{p.id}-{precision}") for i, p in enumerate(_fp32_hopper_params())
-    for precision in ("highest", "tf32")[:1 + (i % 3 == 0)]])
+    *(pytest.param(*p.values, precision, id=f"{p.id}-{precision}") for i, p in enumerate(_fp32_hopper_params())
+      for precision in ("highest", "tf32")[:1 + (i % 3 == 0)]),
+    # precision="tf32"'s dense tiles over many key tiles (the landing buffer of V reused
+    # round after round): three consumer warpgroups, two under a causal band.
+    *(pytest.param(d, 1000, 1000, LAYOUTS[d // 128], causal, lambda *a: {}, "tf32",
+                   id=f"dense-tiles-{'causal-' if causal else ''}d{d}-1000x1000-tf32")
+      for d in (64, 128) for causal in (False, True))])
 def test_hopper_fp32_forward_on_tf32_wgmma(rng, monkeypatch, d, nq, nk, layout, causal, build, precision):
     """fp32 on Hopper's TF32 warpgroup MMA (fwd_sm90.cu with the split warps) against the
     float64 reference, dense and with every option (the bias read from global memory);
