@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call for fp32/fp64 kernel work (#16): both versions' kernels of DTYPES
 # precompiled, the GPU tests of those dtypes (every test whose id names one, and the exp2
-# test kernel), the dense forward and backward A/B against another version
-# (bench/ab_versions.py; OLD defaults to .ab_old: git archive <commit> cupyflash kernels_cu |
+# test kernel), the dense forward (fp32: and precision="tf32") and backward A/B against
+# another version (bench/ab_versions.py; OLD defaults to .ab_old: git archive <commit> cupyflash kernels_cu |
 # tar -x -C .ab_old, carried to the device), then the grid's fp32/fp64 rows beside torch's
 # peers (GRID= leaves them out). First, if given, nvcc builds and runs PROBE (a .cu file).
 # Usage: DTYPES="float32 float64" COMMIT=<sha> bash bench/wide_session.sh (HEAD_DIMS="96 128" for the
@@ -22,8 +22,10 @@ k="exp2"; for dt in $DTYPES; do k="$k or $dt"; [ $dt = float64 ] && k="$k or fp6
 timeout ${TESTS_S:-200} python3 -m pytest -m gpu tests -q -p no:cacheprovider -k "${TESTS_K:-$k}" \
     > "$OUT/pytest-wide.log" 2>&1; echo "gpu tests ($k) rc=$?"; tail -n 4 "$OUT/pytest-wide.log"
 for dt in $DTYPES; do
-    for pass_ in fwd bwd; do
-        timeout 120 python3 bench/ab_versions.py "$OLD" --dtype $dt --seqlens 1024 4096 --head-dims ${HEAD_DIMS:-64 128} $([ $pass_ = bwd ] && echo --backward) \
+    # fp32's forward also with precision="tf32" (one TF32 product)
+    for pass_ in fwd $([ $dt = float32 ] && echo fwd-tf32) bwd; do
+        timeout 120 python3 bench/ab_versions.py "$OLD" --dtype $dt --seqlens 1024 4096 --head-dims ${HEAD_DIMS:-64 128} \
+            $([ $pass_ = bwd ] && echo --backward) $([ $pass_ = fwd-tf32 ] && echo --precision tf32) \
             > "$OUT/ab-$dt-$pass_.log" 2>&1; echo "ab $dt $pass_ rc=$?"; cat "$OUT/ab-$dt-$pass_.log"
     done
 done
