@@ -101,9 +101,7 @@ def main(argv):
                 (q, k, v, do), (tq, tk, tv, tdo) = bench.make_inputs(a.dtype, (B, H, N, d), N + d)
                 flop = bench.flops(B, H, N, d, causal, pass_)
                 tf = lambda run: flop / bench.time_ms(run) / 1e9   # noqa: E731
-                options = _option_kwargs(a.option, q)
-                if a.precision != "highest":
-                    options["precision"] = a.precision
+                options = {**_option_kwargs(a.option, q), "precision": a.precision}
                 runs = {"new": _runs(cupyflash, q, k, v, do, causal, a.backward, options),
                         "old": _runs(old, q, k, v, do, causal, a.backward, options)}
                 readings = [(name, tf(runs[name])) for name in ("new", "old", "new", "old")]

@@ -57,7 +57,7 @@ def tune(dtype, d, candidates):
     print(f"tuning {dtype} d={d}")
     # The Hopper candidates compiled at once, in parallel (precompile builds every Hopper
     # tile of a table), rather than one by one at their first calls.
-    hopper = tuple(tile for family, tile in (c for c in candidates if c[0] == "sm90"))
+    hopper = tuple(c[1] for c in candidates if c[0] == "sm90")
     if hopper:
         SM90_TABLES.get(dtype, _kernels.FWD_SM90_TILES)[d] = hopper
         cupyflash.precompile(dtypes=[array_dtype], head_dims=[d], workers=os.cpu_count())
