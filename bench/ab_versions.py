@@ -50,8 +50,8 @@ def _option_kwargs(option, q):
         return dict(alibi_slopes=cp.asarray((2.0 ** (-8.0 * (np.arange(H) + 1) / H)).astype(np.float32)))
     if option == "bias":
         return dict(bias=cp.random.default_rng(N).standard_normal((N, N), dtype=cp.float32).astype(q.dtype))
-    if option == "window2048":
-        return dict(window=(2048, 0))
+    if option in ("window2048", "window256"):
+        return dict(window=(int(option[len("window"):]), 0))
     if option == "dropout":
         return dict(dropout_p=bench.MOD_DROPOUT, seed=0)
     if option == "deterministic":
@@ -66,7 +66,7 @@ def _option_kwargs(option, q):
     return {}
 
 
-OPTIONS = ("dense", "softcap", "alibi", "bias", "window2048", "dropout", "deterministic", "block1", "block8",
+OPTIONS = ("dense", "softcap", "alibi", "bias", "window2048", "window256", "dropout", "deterministic", "block1", "block8",
            "seqlens_k")
 
 

@@ -18,10 +18,10 @@ import math
 import numpy as np
 
 from . import _arrays, _mods, _nvrtc, _params, _philox, _tma
-from ._kernels import (BWD_ROW_PAD, BWD_SM90, BWD_SM90_SUB_M, CPP_TYPE, FWD_SM90, GRAD_DK, GRAD_DQ, GRAD_DQ_ORDERED,
-                       HEAD_DIMS, MIN_COMPUTE_CAPABILITY, MODE_BIAS, MODE_DENSE, MODE_TF32, MODES, BackwardPlan,
-                       Variant, backward_plan, bwd_sm90_persistent, forward_variants, forward_variants_for,
-                       kernel_mode, padded_head_dim, sm90_rows_box)
+from ._kernels import (BACKWARD_MODES, BWD_ROW_PAD, BWD_SM90, BWD_SM90_SUB_M, CPP_TYPE, FWD_SM90, GRAD_DK, GRAD_DQ,
+                       GRAD_DQ_ORDERED, HEAD_DIMS, MIN_COMPUTE_CAPABILITY, MODE_BIAS, MODE_DENSE, MODE_TF32, MODES,
+                       BackwardPlan, Variant, backward_mode, backward_plan, bwd_sm90_persistent, forward_variants,
+                       forward_variants_for, padded_head_dim, sm90_rows_box)
 from ._validate import check_flag
 
 MAX_GRID_YZ = 65535   # grid y (heads) and z (batch) extents
@@ -151,7 +151,9 @@ def precompile(*, dtypes=None, head_dims=None, device=None, workers=None, option
         if not isinstance(d, (int, np.integer)) or not 1 <= d <= HEAD_DIMS[-1]:
             raise ValueError(f"head_dims: each must be an integer in [1, {HEAD_DIMS[-1]}], got {d!r}")
     dims = sorted({padded_head_dim(int(d), int(d)) for d in (head_dims or HEAD_DIMS)})
-    modes = MODES if check_flag(options, "options") else (MODE_DENSE,)
+    options = check_flag(options, "options")
+    modes = MODES if options else (MODE_DENSE,)
+    backward_modes = BACKWARD_MODES if options else (MODE_DENSE,)
     arch, _ = _device_info(device_id)
     wanted = {}
     for name in names:
@@ -164,6 +166,7 @@ def precompile(*, dtypes=None, head_dims=None, device=None, workers=None, option
                 chosen.append(_choose(variants, device_id))
                 # and the Hopper tiles a block mask may select (forward_variants_for)
                 chosen += [v for v in variants[1:] if v.family is FWD_SM90 and v.builds_for(arch)]
+            for mode in backward_modes:
                 for deterministic in (False, True):
                     plan = device_backward_plan(name, D, deterministic, mode, device_id)
                     chosen += [plan.prep, *([plan.convert] if plan.convert else [])]
@@ -464,7 +467,7 @@ def _plan_backward(do, q, k, v, o, dq, dk, dv, *, scale, causal, deterministic, 
     B, Hq, Nq, d = q.shape
     Hk, dim_v = k.shape[1], v.shape[3]
     device_id = q.device.id
-    plan = device_backward_plan(q.dtype.name, padded_head_dim(d, dim_v), bool(deterministic), kernel_mode(mods),
+    plan = device_backward_plan(q.dtype.name, padded_head_dim(d, dim_v), bool(deterministic), backward_mode(mods),
                                 device_id)
     # Under varlen a query tile of the last sequence reads up to a tile past the rows.
     nq_pad = -(-(Nq + (BWD_ROW_PAD if mods.varlen else 0)) // BWD_ROW_PAD) * BWD_ROW_PAD

@@ -25,6 +25,17 @@ MODES = (MODE_DENSE, MODE_EXT, MODE_EXT | MODE_BIAS)
 # fwd_sm90.cu, one TF32 product instead of three; the other families ignore it.
 MODE_TF32 = 4
 TF32_MODES = tuple(mode | MODE_TF32 for mode in MODES)
+# mods.cuh MODE_BAND: a window as the only option, on bwd_sm90.cu's dense path (persistent
+# CTAs, the lean passes) with the band's extents; the other families and the forward run
+# such calls in MODE_EXT.
+MODE_BAND = 8
+BACKWARD_MODES = (*MODES, MODE_BAND)
+
+
+def lean_mode(mode: int) -> bool:
+    """mods.cuh lean_mode: whether a kernel of this mode runs the dense path (no option
+    but at most a window's band, MODE_BAND; MODE_TF32 is no option either)."""
+    return mode & (MODE_EXT | MODE_BIAS) == 0
 
 # Tensor-core forward tiles per head dim, (BLOCK_M, BLOCK_N, WARPS), in order of
 # preference; the first that fits the device's shared memory is used. The later entries
@@ -341,7 +352,10 @@ def all_variants() -> list[Variant]:
     for name in CPP_TYPE:
         for D in HEAD_DIMS:
             for mode in MODES:
-                for v in (*forward_variants(name, D, mode), *backward_variants(name, D, mode)):
+                for v in forward_variants(name, D, mode):
+                    unique.setdefault((v.source, v.name_expression), v)
+            for mode in BACKWARD_MODES:
+                for v in backward_variants(name, D, mode):
                     unique.setdefault((v.source, v.name_expression), v)
             for mode in TF32_MODES if name == "float32" else ():
                 for v in forward_variants(name, D, mode):
@@ -358,8 +372,17 @@ def kernel_mode(mods) -> int:
     return MODE_EXT | (MODE_BIAS if mods.bias is not None else 0) | tf32
 
 
+def backward_mode(mods) -> int:
+    """kernel_mode for the backward: MODE_BAND where a window is the only option (the
+    backward has no precision="tf32")."""
+    if mods.band_only:
+        return MODE_BAND
+    return kernel_mode(mods) & ~MODE_TF32
+
+
 def _one_ext_mode(mode: int) -> int:
-    """The mode of a family that keeps no policy apart: MODE_EXT serves every option."""
+    """The mode of a family that keeps no policy apart: MODE_EXT serves every option
+    (the window of MODE_BAND too)."""
     return MODE_EXT if mode else MODE_DENSE
 
 
@@ -421,10 +444,11 @@ BWD_SM90_KV_TILES = {
 
 def bwd_sm90_persistent(variant: "Variant") -> bool:
     """Whether a key-block kernel runs persistent CTAs (bwd_sm90.cu Sm90BwdKVTile::PERSISTENT:
-    the dense ones), one per SM taking (key block, kv head, batch entry) units from a zeroed
-    counter (AttnParams::work_counter); the others run one CTA per unit, on a grid of
+    the lean ones, dense and MODE_BAND), one per SM taking (key block, kv head, batch
+    entry) units from a zeroed counter (AttnParams::work_counter); the others run one
+    CTA per unit, on a grid of
     (key blocks, kv heads, batch entries)."""
-    return variant.family is BWD_SM90 and variant.mode == MODE_DENSE
+    return variant.family is BWD_SM90 and lean_mode(variant.mode)
 
 
 # bwd_sm90.cu's query sub-tile (SUB_M): the rows of its score tiles, and of a bias stage
@@ -608,8 +632,9 @@ def backward_plan(dtype_name: str, D: int, deterministic: bool, mode: int = MODE
     ``cuda_cores`` asks for the CUDA-core kernels instead of the tensor cores' (the
     fallback of `device_backward_plan`)."""
     # bwd_sm90.cu keeps the bias apart (MODE_EXT | MODE_BIAS: a bias stage), as
-    # fwd_sm90.cu; the other families compile every option into MODE_EXT. The backward
-    # computes fp32 at fp32 accuracy whatever the precision (MODE_TF32).
+    # fwd_sm90.cu, and runs a window alone on its dense path (MODE_BAND); the other
+    # families compile every option into MODE_EXT. The backward computes fp32 at fp32
+    # accuracy whatever the precision (MODE_TF32).
     mode &= ~MODE_TF32
     hopper_mode, mode = mode, _one_ext_mode(mode)
     ctype = CPP_TYPE[dtype_name]

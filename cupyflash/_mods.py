@@ -60,6 +60,7 @@ Compact arrays (never broadcast in memory; a size-1 axis broadcasts):
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 
@@ -133,6 +134,12 @@ class Modifiers:
                 or self.diagonal is not None
                 or any(x is not None for x in (self.block_mask, self.bias,
                                                 self.alibi_slopes, self.seqlens_k)))
+
+    @property
+    def band_only(self) -> bool:
+        """Whether a window is the only option on: its band hides keys and skips tiles
+        and changes nothing else (the GPU backward runs it on its dense path)."""
+        return self.windowed and not dataclasses.replace(self, window=(-1, -1)).active
 
     def call_diagonal(self, nq: int, nk: int) -> int:
         """``off`` of a batch entry of ``nq`` rows and ``nk`` keys in this call's own

@@ -39,8 +39,8 @@ struct KeyBlockPairs {
     int hk, group, m_first, m_count, block_m, k0, k1;
     int rot = 0;
 
-    template <bool EXT>
-    __device__ __forceinline__ KeyBlockPairs(const MaskInfo<EXT>& mask, int hk_, int group_, int k0_,
+    template <bool EXT, bool BAND>
+    __device__ __forceinline__ KeyBlockPairs(const MaskInfo<EXT, BAND>& mask, int hk_, int group_, int k0_,
                                              int block_n, int block_m_)
         : hk(hk_), group(group_), block_m(block_m_), k0(k0_), k1(k0_ + block_n) {
         const int2 tiles = mask.query_tile_range(k0, k1, block_m);
@@ -55,8 +55,8 @@ struct KeyBlockPairs {
     __device__ __forceinline__ int head(int it) const { return hk * group + pair(it) / m_count; }
     __device__ __forceinline__ int q0(int it) const { return (m_first + pair(it) % m_count) * block_m; }
     // The first pair from `it` on that the block mask leaves on.
-    template <bool EXT>
-    __device__ __forceinline__ int next(int it, const MaskInfo<EXT>& mask) const {
+    template <bool EXT, bool BAND>
+    __device__ __forceinline__ int next(int it, const MaskInfo<EXT, BAND>& mask) const {
         if (EXT && mask.blocks != nullptr)
             while (it < count() && mask.block_state(q0(it), q0(it) + block_m, k0, k1, head(it)) == 0) ++it;
         return it;
@@ -65,8 +65,8 @@ struct KeyBlockPairs {
     // pair after another the walk is a chain of dependent mask reads, which a sparse mask
     // makes long (bwd_sm90.cu's walker, which the consumers wait for; the sm80 kernels
     // keep next(): this one spills their d = 64 option kernel on sm_80, build check).
-    template <bool EXT>
-    __device__ __forceinline__ int next_in_warp(int it, const MaskInfo<EXT>& mask) const {
+    template <bool EXT, bool BAND>
+    __device__ __forceinline__ int next_in_warp(int it, const MaskInfo<EXT, BAND>& mask) const {
         if (!EXT || mask.blocks == nullptr) return it;
         const int lane = threadIdx.x % 32;
         for (; it < count(); it += 32) {
@@ -94,16 +94,16 @@ struct DqTurns {
     bool descending;
     int key_block;   // the key block in place x
 
-    template <bool EXT>
-    __device__ __forceinline__ DqTurns(const MaskInfo<EXT>& mask, bool ordered, int x, int blocks)
+    template <bool EXT, bool BAND>
+    __device__ __forceinline__ DqTurns(const MaskInfo<EXT, BAND>& mask, bool ordered, int x, int blocks)
         : descending(ordered && mask.right_extent() != NO_LIMIT), key_block(descending ? blocks - 1 - x : x) {}
 
     // How many key blocks add into rows [q0, q0 + block_m) of head h before this one:
     // those of the band that the rows see (key_tile_range, the band the walkers' own
     // query_tile_range describes) that the block mask leaves on, ahead in the order.
     // Every lane of the warp calls it (they share the block mask's reads).
-    template <bool EXT>
-    __device__ __forceinline__ u32 ahead(const MaskInfo<EXT>& mask, int q0, int block_m, int block_n, int h,
+    template <bool EXT, bool BAND>
+    __device__ __forceinline__ u32 ahead(const MaskInfo<EXT, BAND>& mask, int q0, int block_m, int block_n, int h,
                                          int lane) const {
         const int2 band = mask.key_tile_range(q0, q0 + block_m, block_n);
         const int lo = descending ? key_block + 1 : band.x, hi = descending ? band.y : key_block;
@@ -159,7 +159,7 @@ struct DqTurns {
 template <int MODE, typename M, typename H, typename Acc>
 __device__ __forceinline__ Acc recomputed_p(const M& mods, const H& hm, Acc s, int i, int j, Acc lse2,
                                             Acc scale_log2, bool masked, Acc& dtanh) {
-    if constexpr (MODE == MODE_DENSE) {
+    if constexpr (lean_mode(MODE)) {
         const Acc p = exp2_fast(s * scale_log2 - lse2);
         return masked && !mods.mask.visible(i, j) ? Acc(0) : p;
     } else {
@@ -172,7 +172,7 @@ __device__ __forceinline__ Acc recomputed_p(const M& mods, const H& hm, Acc s, i
 // row's delta; dP~ is dP through the dropout mask (its scale is in the rows).
 template <int MODE, typename H, typename Acc>
 __device__ __forceinline__ Acc score_grad(const H& hm, Acc p, Acc dp, Acc delta) {
-    if constexpr (MODE == MODE_DENSE) {
+    if constexpr (lean_mode(MODE)) {
         return p * (dp - delta);
     } else {
         const Acc kept_dp = !hm.dropout() || p > Acc(0) ? dp : Acc(0);
@@ -201,7 +201,7 @@ __device__ __forceinline__ void dropped_p(float (&kept)[MT][NT][4], const float 
 template <int MODE, bool KEY_ROWS, int MT, int NT, int MT2, int NT2, typename Acc, typename M, typename H, typename L>
 __device__ __forceinline__ void recompute_p(Acc (&s)[MT][NT][4], Acc (&dtanh)[MT2][NT2][4], const M& mods,
                                             const H& hm, int r0, int c0, L&& lse2_at, Acc scale_log2, bool masked) {
-    if constexpr (MODE == MODE_DENSE) {
+    if constexpr (lean_mode(MODE)) {
         for_each_score<KEY_ROWS>(s, r0, c0, [&](Acc& x, int i, int j, int mt, int nt, int e) {
             Acc unused;
             x = recomputed_p<MODE>(mods, hm, x, i, j, lse2_at(mt, nt, e), scale_log2, masked, unused);
@@ -229,7 +229,7 @@ __device__ __forceinline__ void grad_scores(Acc (&s)[MT][NT][4], const Acc (&dp)
                                             i64 dbias_sh, i64 dbias_sq, i64 dbias_sk) {
     for_each_score<KEY_ROWS>(s, r0, c0, [&](Acc& x, int i, int j, int mt, int nt, int e) {
         x = score_grad<MODE>(hm, x, dp[mt][nt][e], delta_at(mt, nt, e));
-        if constexpr (MODE != MODE_DENSE) {
+        if constexpr (!lean_mode(MODE)) {
             if (dbias_b != nullptr && i < mods.mask.nq && j < mods.mask.nk)
                 atomicAdd(dbias_b + hm.h * dbias_sh + i * dbias_sq + j * dbias_sk, x);
         }

@@ -1,12 +1,14 @@
-// Backward attention's key-block kernel on Hopper (sm_90a, fp16/bf16; dense, every option
-// (MODE_EXT), and the bias with them (MODE_EXT | MODE_BIAS)):
+// Backward attention's key-block kernel on Hopper (sm_90a, fp16/bf16; dense, dense with a
+// window's band (MODE_BAND, mods.cuh), every option (MODE_EXT), and the bias with them
+// (MODE_EXT | MODE_BIAS)):
 // warp-specialised, the tiles moved by the tensor memory accelerator, the products on
 // warpgroup MMA, dQ added into its fp32 workspace by bulk reductions.
 //
 // A CTA owns BLOCK_N = 64 CONSUMERS keys of one kv head at a time, a unit, and walks the
 // (query head, query tile) pairs that see them (bwd.cuh KeyBlockPairs); the dense kernels'
 // CTAs are persistent, taking one unit after another (Sm90BwdUnits), so that the next
-// unit's K, V and first tiles load while the last one's dK and dV are written. It has
+// unit's K, V and first tiles load while the last one's dK and dV are written (the lean
+// kernels, dense and MODE_BAND, C::LEAN below, are the dense ones here). It has
 // CONSUMERS + 1 warpgroups:
 //   consumers (warpgroups 0 .. CONSUMERS-1, 64 keys each): per query tile of BLOCK_M rows
 //     S^T  = K Q^T      A: K (K-major, its 64 rows)   B: Q  (K-major)        wgmma ss
@@ -130,6 +132,9 @@ struct Sm90BwdKVTile {
     static constexpr int NSTEPS = BLOCK_N / 16;      // k-steps of dS K
     static constexpr int PANEL = 64;                 // columns per TMA box (128 bytes, the swizzle span)
     static constexpr bool ORDERED_DQ = GRADS & GRAD_DQ_ORDERED;   // deterministic dQ (bwd.cuh DqTurns)
+    // The dense path (MODE_DENSE, or MODE_BAND: a window's band on it, mods.cuh): the
+    // option state in registers, persistent CTAs, the passes without the options' terms.
+    static constexpr bool LEAN = lean_mode(MODE);
     static constexpr bool BIAS = (MODE & MODE_BIAS) != 0;
     // Softcap with a bias: softcap's pass adds the bias from its stage (bwd.cuh
     // KeyRowBias). In the deterministic kernels those reads spill (8 bytes at d = 64, 28
@@ -151,7 +156,7 @@ struct Sm90BwdKVTile {
     // or ordered dQ (232 or 224 registers a consumer thread). (A query pair's lse2 and
     // delta as one 8-byte load and dS^T stored by stmatrix, once also limited to some
     // kernels, fit every kernel since the producer describes the tiles.)
-    static constexpr bool UNIFORM_WG = D <= 64 || MODE == MODE_DENSE || !(BIAS || ORDERED_DQ);
+    static constexpr bool UNIFORM_WG = D <= 64 || LEAN || !(BIAS || ORDERED_DQ);
     // dQ's BLOCK_M x D tile in one 64 x DQ_N piece per warpgroup: DQ_COLS pieces across.
     static constexpr int DQ_N = BLOCK_M * D / (64 * CONSUMERS);
     static constexpr int DQ_COLS = D / DQ_N;
@@ -189,7 +194,7 @@ struct Sm90BwdKVTile {
     // and ordered dQ, whose turn count reads the block mask too (at 40 those kernels
     // spilled 44-92 bytes, build check at b1f3630). The consumers share the rest of the
     // launch's registers (tma.cuh WarpgroupRegs: 232, 224 with 56).
-    static constexpr int PRODUCER_REGS = MODE == MODE_DENSE ? 40 : (ORDERED_DQ ? 56 : 40);
+    static constexpr int PRODUCER_REGS = LEAN ? 40 : (ORDERED_DQ ? 56 : 40);
     static constexpr int CONSUMER_REGS = WarpgroupRegs<THREADS, PRODUCER_REGS>::CONSUMER;
     // Deterministic: two dQ writers (the producer warpgroup's second and fourth warps), taking
     // the tiles in turn, so that one's wait for its reduction to complete (before it passes
@@ -198,7 +203,7 @@ struct Sm90BwdKVTile {
     // Dense only: the option kernels' consumers spilled 12-40 bytes with a second full
     // barrier to choose. Not at d = 64, whose 128-query tiles take longer to compute than
     // a writer's turn: 0.93-1.01x there.
-    static constexpr int DQ_WRITERS = ORDERED_DQ && MODE == MODE_DENSE && D == 128 ? 2 : 1;
+    static constexpr int DQ_WRITERS = ORDERED_DQ && LEAN && D == 128 ? 2 : 1;
     static constexpr int WRITERS_BARRIER = 2;   // named barrier of the two writers
     // The walker: the producer warpgroup's warp that no other role takes (the third, or
     // with the bias, whose loader is the third, the fourth).
@@ -210,13 +215,13 @@ struct Sm90BwdKVTile {
     // The warps that read a unit's number from its slot (Sm90BwdUnits): the consumers', the
     // dQ writers, (MODE_BIAS) the bias loader and the walker.
     static constexpr int UNIT_READERS = CONSUMERS * 4 + DQ_WRITERS + (BIAS ? 1 : 0) + 1;
-    // Persistent CTAs (Sm90BwdUnits) in dense mode. The option kernels have no registers
+    // Persistent CTAs (Sm90BwdUnits) on the dense path. The option kernels have no registers
     // for a loop over units (build check: the consumers spilled 60-220 bytes; with the
     // walker, each role's option state in shared memory, the producer 28-290 bytes at 40-48
     // registers): they run one CTA per unit, the same role code once. Measured with its
     // spills the persistent form read 0.96-1.09x (H100, N = 4k-16k, bench/NOTES.md
     // session 18): at these lengths a unit's fill and drain are ~1% of it.
-    static constexpr bool PERSISTENT = MODE == MODE_DENSE;
+    static constexpr bool PERSISTENT = LEAN;
     static_assert((GRADS & (GRAD_DV | GRAD_DK)) == (GRAD_DV | GRAD_DK), "dV and dK in one pass");
     // dQ in both modes (ordered in the deterministic one): the host never asks for less.
     static_assert((GRADS & GRAD_DQ) != 0, "bwd_sm90.cu adds dQ");
@@ -324,7 +329,8 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
     // blocks), whose turns all come; that CTA then takes the next unit, until the head is
     // taken. (grid_m, the query tiles of a head, times the group is a block's pair count:
     // the rotation's arithmetic stays within an int. The flag is evaluated where used, from
-    // the parameters: held across the roles' split, it was spilled.)
+    // the parameters: held across the roles' split, it was spilled. Not with a band,
+    // MODE_BAND, whose blocks see different query tiles: their lists differ.)
     auto rotated_turns = [&] {
         return C::ORDERED_DQ && MODE == MODE_DENSE && !p.causal && 4 * p.grid_n <= int(gridDim.x) &&
                (i64)p.grid_m * group * (p.grid_n + 1) <= 0x7fffffff;
@@ -362,7 +368,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
     // copy in shared memory (the option kernels' consumers have no registers to spare for
     // it; set up after the split, ptxas spilled 4-40 bytes of their tile loop).
     if constexpr (!C::PERSISTENT) {
-        static_assert(MODE != MODE_DENSE, "dense kernels are persistent: one copy of the state in registers");
+        static_assert(!C::LEAN, "dense kernels are persistent: one copy of the state in registers");
         const ModsT made = ModsT::make(p, blockIdx.z, hq);
         if (threadIdx.x == 0) cta_mods = made;
     }
@@ -400,7 +406,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
         if constexpr (!C::PERSISTENT) {
             work(cta_unit);
         } else {
-            static_assert(MODE == MODE_DENSE, "each role's option state per unit: in registers, dense mode only");
+            static_assert(C::LEAN, "each role's option state per unit: in registers, dense path only");
             for (int k = 0;; ++k) {
                 const int u = take(k);
                 if (u < 0) break;
@@ -649,7 +655,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
             const T* sQb = sQ + s_ * C::QO_ELEMS;
             const T* sdOb = sdO + s_ * C::QO_ELEMS;
             // The tile's rows from where the loader's aligned box put them (dense: q_base 0).
-            const float* sLseb = sRows + s_ * 2 * C::ROWS_LD + (MODE == MODE_DENSE ? 0 : int(mods.q_base) & 3);
+            const float* sLseb = sRows + s_ * 2 * C::ROWS_LD + (C::LEAN ? 0 : int(mods.q_base) & 3);
             const float* sDeltab = sLseb + C::ROWS_LD;
             mbar_wait(&bars.full[s_], (step / STAGES) & 1);
             Sm90BwdTileInfo& tile = bars.tile[s_];   // the stage's until the next tile releases it
@@ -715,7 +721,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                 // keys g and g + 8: the compiler reuses the load); with the options word by word
                 // (under varlen the rows may start at an odd word).
                 auto pair_at = [&](const float* rows, int nt, int e) {
-                    if constexpr (MODE == MODE_DENSE) {
+                    if constexpr (C::LEAN) {
                         const float2 pair = *reinterpret_cast<const float2*>(rows + r0 + nt * 8 + 2 * t);
                         return e % 2 ? pair.y : pair.x;
                     } else {
@@ -729,7 +735,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                     return pair_at(sDeltab, nt, e);
                 };
                 u32 p_frag[C::QSTEPS][4], ds_frag[C::QSTEPS][4];
-                if constexpr (MODE == MODE_DENSE) {
+                if constexpr (C::LEAN) {
                     float unused_dtanh[1][1][4];
                     wgmma_wait<1>();
                     reg_fence(s[0]);

@@ -12,8 +12,9 @@
 // then filters single tiles, and a tile is masked element by element only when it is not
 // wholly visible.
 //
-// EXT = false is the dense fast path (causal and the sequence end only); its extra fields
-// are never read, so the compiler drops them.
+// EXT = false is the dense fast path (causal and the sequence end only; with BAND a
+// window's extents too, mods.cuh MODE_BAND); the fields it does not read the compiler
+// drops.
 #pragma once
 #include "elem.cuh"
 
@@ -62,13 +63,14 @@ struct QuerySlots {
 template <bool FITS_32> struct ColumnBits { typedef u64 type; };
 template <> struct ColumnBits<true> { typedef u32 type; };
 
-template <bool EXT>
+template <bool EXT, bool BAND = EXT>
 struct MaskInfo {
+    static_assert(BAND || !EXT, "the options include the window");
     int nq, nk;
     int causal;
+    int left, right;                    // BAND: window extents, -1 unbounded
     // EXT only:
     int key_stop;                       // keys >= key_stop are hidden (key padding)
-    int left, right;                    // window extents, -1 unbounded
     const unsigned char* blocks;        // this batch entry's block mask, or null
     i64 blocks_head, blocks_row;        // its head and row strides (0 for a broadcast head)
     int block_q, block_k;
@@ -79,11 +81,11 @@ struct MaskInfo {
     __device__ __forceinline__ int stop() const { return EXT ? key_stop : nk; }
     // Right extent of the band relative to the diagonal i + off (causal: 0).
     __device__ __forceinline__ int right_extent() const {
-        return causal ? 0 : (EXT && right >= 0 ? right : NO_LIMIT);
+        return causal ? 0 : (BAND && right >= 0 ? right : NO_LIMIT);
     }
     // First key row `i` may see, and one past the last (before clipping to [0, stop)).
     __device__ __forceinline__ int key_lo(int i) const {
-        return EXT && left >= 0 ? i + off() - left : 0;
+        return BAND && left >= 0 ? i + off() - left : 0;
     }
     __device__ __forceinline__ int key_hi(int i) const {
         const int r = right_extent();
@@ -96,7 +98,8 @@ struct MaskInfo {
                blocks[h * blocks_head + (i / block_q) * blocks_row + j / block_k] != 0;
     }
     __device__ __forceinline__ bool visible(int i, int j, int h = 0) const {
-        if constexpr (!EXT) return j < nk && (!causal || j <= i + off());   // the diagonal tiles' test
+        if constexpr (!BAND) return j < nk && (!causal || j <= i + off());   // the diagonal tiles' test
+        if constexpr (!EXT) return j >= key_lo(i) && j < key_hi(i);   // rows past nq: P = 0 from their rows
         return i < nq && j >= key_lo(i) && j < key_hi(i) && block_visible(i, j, h);
     }
 
@@ -132,7 +135,7 @@ struct MaskInfo {
         if (last_key < k0) return make_int2(0, 0);
         const int r = right_extent();
         const int lo = r == NO_LIMIT ? 0 : max(0, k0 - off() - r);
-        const int hi = EXT && left >= 0 ? min(nq, last_key - off() + left + 1) : nq;
+        const int hi = BAND && left >= 0 ? min(nq, last_key - off() + left + 1) : nq;
         const int first = lo / block_m;
         return make_int2(first, hi <= lo ? first : (hi + block_m - 1) / block_m);
     }
@@ -151,14 +154,15 @@ struct MaskInfo {
     // A tile needs the elementwise mask unless every existing (row, key) in it is
     // visible: it crosses the band's edges, runs past the keys (or, EXT, the rows:
     // the backward's padded row workspaces belong to the next sequence under varlen),
-    // or holds a partial block-mask pattern. All other tiles skip the predicate.
+    // or holds a partial block-mask pattern. All other tiles skip the predicate. (The
+    // dense path's rows past nq read +inf rows: their P is 0 without the mask.)
     __device__ __forceinline__ bool tile_needs_mask(int q0, int q1, int k0, int k1, int h = 0) const {
         return band_needs_mask(q0, q1, k0, k1) || (EXT && block_state(q0, q1, k0, k1, h) != 1);
     }
     // The same test without the block mask (for a walker that has its block_state).
     __device__ __forceinline__ bool band_needs_mask(int q0, int q1, int k0, int k1) const {
         if (k1 > stop() || k1 > key_hi(q0)) return true;
-        return EXT && (q1 > nq || k0 < key_lo(min(q1, nq) - 1));
+        return (EXT && q1 > nq) || (BAND && k0 < key_lo(min(q1, nq) - 1));
     }
 
     // The band of keys a row sees, clipped to the sequence (none past the rows: under

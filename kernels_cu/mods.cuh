@@ -8,7 +8,12 @@
 //   MODE_EXT      every option, each switched on at run time by its argument; in a
 //                 family that keeps the bias apart (fwd_sm90.cu), every option but the
 //                 bias, whose reads take registers its widest tiles do not have;
-//   MODE_EXT | MODE_BIAS   that family's kernel with the bias too (other tiles).
+//   MODE_EXT | MODE_BIAS   that family's kernel with the bias too (other tiles);
+//   MODE_BAND     the dense path with a window's band (its left and right extents) as
+//                 the only option, in bwd_sm90.cu: a window hides keys and skips tiles
+//                 and nothing else, so the dense pipeline serves it (persistent CTAs,
+//                 the lean passes); its key blocks' short walks made the option kernel
+//                 0.66-0.74x dense per visible pair (window 2048, H200, session 25).
 // MODE_TF32 is not an option but the precision="tf32" policy of fp32 inputs in
 // fwd_sm90.cu (one TF32 product per matrix product instead of three); it combines with
 // the others and is no part of what Mods compiles.
@@ -18,7 +23,11 @@
 #include "params.cuh"
 #include "philox.cuh"
 
-enum { MODE_DENSE = 0, MODE_EXT = 1, MODE_BIAS = 2, MODE_TF32 = 4 };
+enum { MODE_DENSE = 0, MODE_EXT = 1, MODE_BIAS = 2, MODE_TF32 = 4, MODE_BAND = 8 };
+
+// Whether a mode's kernel runs the dense path: no score term, dropout or per-sequence
+// state, at most a band (MODE_DENSE, MODE_BAND; MODE_TF32 is no option either).
+constexpr bool lean_mode(int mode) { return (mode & (MODE_EXT | MODE_BIAS)) == 0; }
 
 // Declares `mods`, this CTA's Mods, from the contract's AttnParams `p` (params.cuh).
 // The dense path keeps it in registers; the others in shared memory, written once: there
@@ -29,11 +38,11 @@ enum { MODE_DENSE = 0, MODE_EXT = 1, MODE_BIAS = 2, MODE_TF32 = 4 };
 #define MODS_SETUP(T, Acc, MODE, p, b, heads)                                              \
     __shared__ Mods<T, Acc, MODE> mods_shared_;                                           \
     const Mods<T, Acc, MODE> mods_local_ = Mods<T, Acc, MODE>::make(p, b, heads);         \
-    if constexpr (MODE != MODE_DENSE) {                                                   \
+    if constexpr (!lean_mode(MODE)) {                                                     \
         if (threadIdx.x == 0) mods_shared_ = mods_local_;                                 \
         __syncthreads();                                                                  \
     }                                                                                     \
-    const Mods<T, Acc, MODE>& mods = MODE != MODE_DENSE ? mods_shared_ : mods_local_
+    const Mods<T, Acc, MODE>& mods = lean_mode(MODE) ? mods_local_ : mods_shared_
 
 // tanh at the accuracy of the accumulation: the SFU's for 16-bit inputs (its ~2^-11
 // relative error is below their rounding), the libdevice one for fp32 and fp64.
@@ -241,13 +250,14 @@ struct HeadMods<T, Acc, true> {
 
 template <typename T, typename Acc, int MODE>
 struct Mods {
-    static constexpr bool EXT = MODE != MODE_DENSE;
+    static constexpr bool EXT = !lean_mode(MODE);
+    static constexpr bool BAND = EXT || (MODE & MODE_BAND) != 0;   // the window's extents
     // Where this batch entry's rows live in the (B, H, N, d) arrays: batch index `tb`
     // and first row; under varlen the arrays are (1, H, total, d) and a sequence starts
     // at cu_seqlens.
     int tb;
     i64 q_base, k_base;
-    MaskInfo<EXT> mask;
+    MaskInfo<EXT, BAND> mask;
     // Score modifiers, this batch entry's slices; the query head h is an argument (the
     // backward's key-block CTAs walk every query head of a GQA group).
     const T* bias;
@@ -281,6 +291,10 @@ struct Mods {
         mask.nq = p.nq;
         mask.nk = p.nk;
         mask.causal = p.causal;
+        if constexpr (BAND) {
+            mask.left = p.mods.win_left;
+            mask.right = p.mods.win_right;
+        }
         if constexpr (EXT) {
             const ModsParams& o = p.mods;
             mask.diagonal = o.diag + o.row0 - o.key0;   // the problem's diagonal, in this call's keys
@@ -293,8 +307,6 @@ struct Mods {
                 mask.diagonal = mask.nk - mask.nq;   // each sequence at its own corner
             }
             mask.key_stop = o.seqlens_k != nullptr ? min(o.seqlens_k[b], mask.nk) : mask.nk;
-            mask.left = o.win_left;
-            mask.right = o.win_right;
             mask.blocks = o.bmask != nullptr ? o.bmask + b * o.bmask_sb : nullptr;
             mask.blocks_head = o.bmask_sh;
             mask.blocks_row = o.bmask_sq;

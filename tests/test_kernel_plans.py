@@ -134,6 +134,35 @@ def test_hopper_backward_only_where_it_builds(monkeypatch, arch, source, determi
     assert plan.dq is None or _cuda._choose(plan.dq, 0).source == "bwd_sm80.cu"
 
 
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_a_window_alone_runs_the_hopper_backward_dense_path(monkeypatch, arch, deterministic):
+    # A window that is the only option hides keys and skips tiles, nothing more: the
+    # backward's mode is MODE_BAND, which bwd_sm90.cu runs on its dense path (persistent
+    # CTAs); beside any other option, or placed in a larger problem, the window takes the
+    # option kernels (MODE_EXT), and so does every other family and the forward.
+    monkeypatch.setattr(_cuda, "_device_info", lambda device_id: (arch, HOPPER_SMEM))
+    window = _mods.Modifiers(window=(256, 0))
+    assert window.band_only and _kernels.backward_mode(window) == _kernels.MODE_BAND
+    assert _kernels.kernel_mode(window) == _kernels.MODE_EXT
+    for other in (_mods.Modifiers(window=(256, 0), softcap=30.0), _mods.Modifiers(window=(256, 0), diagonal=0),
+                  _mods.Modifiers(window=(-1, -1), softcap=30.0)):
+        assert not other.band_only and _kernels.backward_mode(other) == _kernels.MODE_EXT
+    assert _kernels.backward_mode(_mods.Modifiers(tf32=True)) == _kernels.MODE_DENSE
+    for D in (64, 128):
+        (_, candidates), = _kernels.backward_plan("bfloat16", D, deterministic, _kernels.MODE_BAND).kv
+        chosen = _cuda._choose(candidates, 0)
+        if arch == "sm_90a":
+            assert chosen.family is _kernels.BWD_SM90 and chosen.mode == _kernels.MODE_BAND
+            assert _kernels.bwd_sm90_persistent(chosen)
+            assert f", {_kernels.MODE_BAND}, {chosen.smem_bytes}>" in chosen.name_expression
+        else:
+            assert chosen.source == "bwd_sm80.cu" and chosen.mode == _kernels.MODE_EXT
+    for dtype in ("float32", "float64"):
+        assert _kernels.backward_plan(dtype, 64, deterministic, _kernels.MODE_BAND) == _kernels.backward_plan(
+            dtype, 64, deterministic, _kernels.MODE_EXT)
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_hopper_backward_bias_calls_it_cannot_serve_take_the_next_kernel(monkeypatch, deterministic):
     # bwd_sm90.cu's MODE_BIAS kernel reads the bias through a tensor map of whole (Nq, Nk)
