@@ -25,9 +25,9 @@ MODES = (MODE_DENSE, MODE_EXT, MODE_EXT | MODE_BIAS)
 # fwd_sm90.cu, one TF32 product instead of three; the other families ignore it.
 MODE_TF32 = 4
 TF32_MODES = tuple(mode | MODE_TF32 for mode in MODES)
-# mods.cuh MODE_BAND: a window as the only option, on bwd_sm90.cu's dense path (persistent
-# CTAs, the lean passes) with the band's extents; the other families and the forward run
-# such calls in MODE_EXT.
+# mods.cuh MODE_BAND: options that only bound the keys a row sees (window, seqlens_k,
+# varlen, a placed call: Modifiers.band_only) on bwd_sm90.cu's dense path (persistent
+# CTAs, the lean passes); the other families and the forward run such calls in MODE_EXT.
 MODE_BAND = 8
 BACKWARD_MODES = (*MODES, MODE_BAND)
 
@@ -373,8 +373,8 @@ def kernel_mode(mods) -> int:
 
 
 def backward_mode(mods) -> int:
-    """kernel_mode for the backward: MODE_BAND where a window is the only option (the
-    backward has no precision="tf32")."""
+    """kernel_mode for the backward: MODE_BAND where the options only bound the keys a
+    row sees (Modifiers.band_only; the backward has no precision="tf32")."""
     if mods.band_only:
         return MODE_BAND
     return kernel_mode(mods) & ~MODE_TF32

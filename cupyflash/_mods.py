@@ -60,7 +60,6 @@ Compact arrays (never broadcast in memory; a size-1 axis broadcasts):
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 
@@ -137,9 +136,12 @@ class Modifiers:
 
     @property
     def band_only(self) -> bool:
-        """Whether a window is the only option on: its band hides keys and skips tiles
-        and changes nothing else (the GPU backward runs it on its dense path)."""
-        return self.windowed and not dataclasses.replace(self, window=(-1, -1)).active
+        """Whether every option on only bounds the keys each row sees: a window, key
+        padding (seqlens_k), varlen sequences, a place in a larger problem. They hide
+        keys and skip tiles and change nothing else (the GPU backward runs them on its
+        dense path)."""
+        return self.active and self.softcap == 0 and self.dropout_p == 0 and all(
+            x is None for x in (self.block_mask, self.bias, self.alibi_slopes))
 
     def call_diagonal(self, nq: int, nk: int) -> int:
         """``off`` of a batch entry of ``nq`` rows and ``nk`` keys in this call's own

@@ -1,6 +1,6 @@
-// Backward attention's key-block kernel on Hopper (sm_90a, fp16/bf16; dense, dense with a
-// window's band (MODE_BAND, mods.cuh), every option (MODE_EXT), and the bias with them
-// (MODE_EXT | MODE_BIAS)):
+// Backward attention's key-block kernel on Hopper (sm_90a, fp16/bf16; dense, dense with the
+// options that only bound the keys a row sees (MODE_BAND, mods.cuh: a window, varlen,
+// key padding), every option (MODE_EXT), and the bias with them (MODE_EXT | MODE_BIAS)):
 // warp-specialised, the tiles moved by the tensor memory accelerator, the products on
 // warpgroup MMA, dQ added into its fp32 workspace by bulk reductions.
 //
@@ -132,7 +132,7 @@ struct Sm90BwdKVTile {
     static constexpr int NSTEPS = BLOCK_N / 16;      // k-steps of dS K
     static constexpr int PANEL = 64;                 // columns per TMA box (128 bytes, the swizzle span)
     static constexpr bool ORDERED_DQ = GRADS & GRAD_DQ_ORDERED;   // deterministic dQ (bwd.cuh DqTurns)
-    // The dense path (MODE_DENSE, or MODE_BAND: a window's band on it, mods.cuh): the
+    // The dense path (MODE_DENSE, or MODE_BAND: the mask's band on it, mods.cuh): the
     // option state in registers, persistent CTAs, the passes without the options' terms.
     static constexpr bool LEAN = lean_mode(MODE);
     static constexpr bool BIAS = (MODE & MODE_BIAS) != 0;
@@ -411,7 +411,8 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                 const int u = take(k);
                 if (u < 0) break;
                 const Sm90BwdUnit unit = Sm90BwdUnits(p).decode(u);
-                const UnitState w = unit_state_of(ModsT::make(p, unit.b, hq), unit);
+                const ModsT mods = ModsT::make(p, unit.b, hq);   // outlives w, which refers to it
+                const UnitState w = unit_state_of(mods, unit);
                 if (w.has_keys()) work(w);
             }
         }
@@ -654,8 +655,9 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
             const int s_ = step % STAGES;
             const T* sQb = sQ + s_ * C::QO_ELEMS;
             const T* sdOb = sdO + s_ * C::QO_ELEMS;
-            // The tile's rows from where the loader's aligned box put them (dense: q_base 0).
-            const float* sLseb = sRows + s_ * 2 * C::ROWS_LD + (C::LEAN ? 0 : int(mods.q_base) & 3);
+            // The tile's rows from where the loader's aligned box put them (q_base 0 but
+            // under varlen).
+            const float* sLseb = sRows + s_ * 2 * C::ROWS_LD + (ModsT::BAND ? int(mods.q_base) & 3 : 0);
             const float* sDeltab = sLseb + C::ROWS_LD;
             mbar_wait(&bars.full[s_], (step / STAGES) & 1);
             Sm90BwdTileInfo& tile = bars.tile[s_];   // the stage's until the next tile releases it
@@ -718,10 +720,10 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
 
                 const bool needs_mask = tile.has(Sm90BwdTileInfo::MASKED << sub);
                 // A query pair's rows as one 8-byte load (the passes read each pair twice, for
-                // keys g and g + 8: the compiler reuses the load); with the options word by word
+                // keys g and g + 8: the compiler reuses the load); with a band word by word
                 // (under varlen the rows may start at an odd word).
                 auto pair_at = [&](const float* rows, int nt, int e) {
-                    if constexpr (C::LEAN) {
+                    if constexpr (!ModsT::BAND) {
                         const float2 pair = *reinterpret_cast<const float2*>(rows + r0 + nt * 8 + 2 * t);
                         return e % 2 ? pair.y : pair.x;
                     } else {

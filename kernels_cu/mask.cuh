@@ -12,9 +12,10 @@
 // then filters single tiles, and a tile is masked element by element only when it is not
 // wholly visible.
 //
-// EXT = false is the dense fast path (causal and the sequence end only; with BAND a
-// window's extents too, mods.cuh MODE_BAND); the fields it does not read the compiler
-// drops.
+// EXT = false is the dense fast path: causal and the sequence end only, or with BAND
+// (mods.cuh MODE_BAND) the whole band: a window's extents, key padding, a varlen
+// sequence's or a placed call's bounds; EXT adds the block mask. The fields a kernel
+// does not read the compiler drops.
 #pragma once
 #include "elem.cuh"
 
@@ -65,20 +66,21 @@ template <> struct ColumnBits<true> { typedef u32 type; };
 
 template <bool EXT, bool BAND = EXT>
 struct MaskInfo {
-    static_assert(BAND || !EXT, "the options include the window");
+    static_assert(BAND || !EXT, "the options include the band");
     int nq, nk;
     int causal;
-    int left, right;                    // BAND: window extents, -1 unbounded
-    // EXT only:
+    // BAND:
+    int left, right;                    // window extents, -1 unbounded
     int key_stop;                       // keys >= key_stop are hidden (key padding)
+    int diagonal;                       // off(), worked out once (Mods::set_bounds)
+    // EXT:
     const unsigned char* blocks;        // this batch entry's block mask, or null
     i64 blocks_head, blocks_row;        // its head and row strides (0 for a broadcast head)
     int block_q, block_k;
-    int diagonal;                       // off(), worked out once (Mods::set_bounds)
 
     // The dense path is always its own problem (the host gives it no coordinates).
-    __device__ __forceinline__ int off() const { return EXT ? diagonal : nk - nq; }
-    __device__ __forceinline__ int stop() const { return EXT ? key_stop : nk; }
+    __device__ __forceinline__ int off() const { return BAND ? diagonal : nk - nq; }
+    __device__ __forceinline__ int stop() const { return BAND ? key_stop : nk; }
     // Right extent of the band relative to the diagonal i + off (causal: 0).
     __device__ __forceinline__ int right_extent() const {
         return causal ? 0 : (BAND && right >= 0 ? right : NO_LIMIT);
@@ -99,7 +101,6 @@ struct MaskInfo {
     }
     __device__ __forceinline__ bool visible(int i, int j, int h = 0) const {
         if constexpr (!BAND) return j < nk && (!causal || j <= i + off());   // the diagonal tiles' test
-        if constexpr (!EXT) return j >= key_lo(i) && j < key_hi(i);   // rows past nq: P = 0 from their rows
         return i < nq && j >= key_lo(i) && j < key_hi(i) && block_visible(i, j, h);
     }
 
@@ -152,7 +153,7 @@ struct MaskInfo {
     }
 
     // A tile needs the elementwise mask unless every existing (row, key) in it is
-    // visible: it crosses the band's edges, runs past the keys (or, EXT, the rows:
+    // visible: it crosses the band's edges, runs past the keys (or, BAND, the rows:
     // the backward's padded row workspaces belong to the next sequence under varlen),
     // or holds a partial block-mask pattern. All other tiles skip the predicate. (The
     // dense path's rows past nq read +inf rows: their P is 0 without the mask.)
@@ -162,7 +163,7 @@ struct MaskInfo {
     // The same test without the block mask (for a walker that has its block_state).
     __device__ __forceinline__ bool band_needs_mask(int q0, int q1, int k0, int k1) const {
         if (k1 > stop() || k1 > key_hi(q0)) return true;
-        return (EXT && q1 > nq) || (BAND && k0 < key_lo(min(q1, nq) - 1));
+        return BAND && (q1 > nq || k0 < key_lo(min(q1, nq) - 1));
     }
 
     // The band of keys a row sees, clipped to the sequence (none past the rows: under

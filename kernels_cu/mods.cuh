@@ -9,11 +9,12 @@
 //                 family that keeps the bias apart (fwd_sm90.cu), every option but the
 //                 bias, whose reads take registers its widest tiles do not have;
 //   MODE_EXT | MODE_BIAS   that family's kernel with the bias too (other tiles);
-//   MODE_BAND     the dense path with a window's band (its left and right extents) as
-//                 the only option, in bwd_sm90.cu: a window hides keys and skips tiles
-//                 and nothing else, so the dense pipeline serves it (persistent CTAs,
-//                 the lean passes); its key blocks' short walks made the option kernel
-//                 0.66-0.74x dense per visible pair (window 2048, H200, session 25).
+//   MODE_BAND     the dense path with the options that only bound the keys a row sees
+//                 (a window, key padding, varlen sequences, a place in a larger
+//                 problem; mask.cuh's band), in bwd_sm90.cu: they hide keys and skip
+//                 tiles and nothing else, so the dense pipeline serves them (persistent
+//                 CTAs, the lean passes); the option kernel's one CTA per key block
+//                 read 0.66-0.74x dense per visible pair at window 2048 (H200, session 25).
 // MODE_TF32 is not an option but the precision="tf32" policy of fp32 inputs in
 // fwd_sm90.cu (one TF32 product per matrix product instead of three); it combines with
 // the others and is no part of what Mods compiles.
@@ -25,8 +26,8 @@
 
 enum { MODE_DENSE = 0, MODE_EXT = 1, MODE_BIAS = 2, MODE_TF32 = 4, MODE_BAND = 8 };
 
-// Whether a mode's kernel runs the dense path: no score term, dropout or per-sequence
-// state, at most a band (MODE_DENSE, MODE_BAND; MODE_TF32 is no option either).
+// Whether a mode's kernel runs the dense path: no score term, dropout or block mask, at
+// most a band (MODE_DENSE, MODE_BAND; MODE_TF32 is no option either).
 constexpr bool lean_mode(int mode) { return (mode & (MODE_EXT | MODE_BIAS)) == 0; }
 
 // Declares `mods`, this CTA's Mods, from the contract's AttnParams `p` (params.cuh).
@@ -251,7 +252,7 @@ struct HeadMods<T, Acc, true> {
 template <typename T, typename Acc, int MODE>
 struct Mods {
     static constexpr bool EXT = !lean_mode(MODE);
-    static constexpr bool BAND = EXT || (MODE & MODE_BAND) != 0;   // the window's extents
+    static constexpr bool BAND = EXT || (MODE & MODE_BAND) != 0;   // the mask's band (mask.cuh)
     // Where this batch entry's rows live in the (B, H, N, d) arrays: batch index `tb`
     // and first row; under varlen the arrays are (1, H, total, d) and a sequence starts
     // at cu_seqlens.
@@ -291,12 +292,8 @@ struct Mods {
         mask.nq = p.nq;
         mask.nk = p.nk;
         mask.causal = p.causal;
+        [[maybe_unused]] const ModsParams& o = p.mods;
         if constexpr (BAND) {
-            mask.left = p.mods.win_left;
-            mask.right = p.mods.win_right;
-        }
-        if constexpr (EXT) {
-            const ModsParams& o = p.mods;
             mask.diagonal = o.diag + o.row0 - o.key0;   // the problem's diagonal, in this call's keys
             if (o.cu_q != nullptr) {
                 tb = 0;
@@ -307,6 +304,10 @@ struct Mods {
                 mask.diagonal = mask.nk - mask.nq;   // each sequence at its own corner
             }
             mask.key_stop = o.seqlens_k != nullptr ? min(o.seqlens_k[b], mask.nk) : mask.nk;
+            mask.left = o.win_left;
+            mask.right = o.win_right;
+        }
+        if constexpr (EXT) {
             mask.blocks = o.bmask != nullptr ? o.bmask + b * o.bmask_sb : nullptr;
             mask.blocks_head = o.bmask_sh;
             mask.blocks_row = o.bmask_sq;

@@ -136,18 +136,25 @@ def test_hopper_backward_only_where_it_builds(monkeypatch, arch, source, determi
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_a_window_alone_runs_the_hopper_backward_dense_path(monkeypatch, arch, deterministic):
-    # A window that is the only option hides keys and skips tiles, nothing more: the
-    # backward's mode is MODE_BAND, which bwd_sm90.cu runs on its dense path (persistent
-    # CTAs); beside any other option, or placed in a larger problem, the window takes the
-    # option kernels (MODE_EXT), and so does every other family and the forward.
+def test_band_options_run_the_hopper_backward_dense_path(monkeypatch, arch, deterministic):
+    # Options that only bound the keys a row sees (a window, seqlens_k, varlen, a place
+    # in a larger problem) hide keys and skip tiles, nothing more: the backward's mode is
+    # MODE_BAND, which bwd_sm90.cu runs on its dense path (persistent CTAs); with any
+    # other option they take the option kernels (MODE_EXT), and so do every other family
+    # and the forward.
     monkeypatch.setattr(_cuda, "_device_info", lambda device_id: (arch, HOPPER_SMEM))
-    window = _mods.Modifiers(window=(256, 0))
-    assert window.band_only and _kernels.backward_mode(window) == _kernels.MODE_BAND
-    assert _kernels.kernel_mode(window) == _kernels.MODE_EXT
-    for other in (_mods.Modifiers(window=(256, 0), softcap=30.0), _mods.Modifiers(window=(256, 0), diagonal=0),
-                  _mods.Modifiers(window=(-1, -1), softcap=30.0)):
-        assert not other.band_only and _kernels.backward_mode(other) == _kernels.MODE_EXT
+    index = np.zeros(3, np.int32)
+    for band in (_mods.Modifiers(window=(256, 0)), _mods.Modifiers(seqlens_k=index),
+                 _mods.Modifiers(cu_seqlens_q=index, cu_seqlens_k=index, window=(-1, 8)),
+                 _mods.Modifiers(diagonal=0, row0=32)):
+        assert band.band_only and _kernels.backward_mode(band) == _kernels.MODE_BAND
+        assert _kernels.kernel_mode(band) == _kernels.MODE_EXT
+    for other in (_mods.Modifiers(window=(256, 0), softcap=30.0), _mods.Modifiers(seqlens_k=index, dropout_p=0.1),
+                  _mods.Modifiers(block_mask=index), _mods.Modifiers(alibi_slopes=index),
+                  _mods.Modifiers(bias=index)):
+        assert not other.band_only and _kernels.backward_mode(other) == _kernels.MODE_EXT | (
+            _kernels.MODE_BIAS if other.bias is not None else 0)
+    assert not _mods.Modifiers(tf32=True).band_only
     assert _kernels.backward_mode(_mods.Modifiers(tf32=True)) == _kernels.MODE_DENSE
     for D in (64, 128):
         (_, candidates), = _kernels.backward_plan("bfloat16", D, deterministic, _kernels.MODE_BAND).kv
