@@ -31,10 +31,13 @@ def _options(kind, nq, nk, rng):
     """The options' kernels: every option at once ("all"); every option but the bias ("no
     bias": on Hopper the bias is a policy of its own, MODE_EXT and MODE_EXT | MODE_BIAS);
     the score terms alone, without a mask or dropout ("terms"); a bias with a window and
-    dropout but no softcap ("bias": the Hopper backward starts S^T from it)."""
+    dropout but no softcap ("bias": the Hopper backward starts S^T from it); a window and
+    key padding alone ("band": the Hopper backward's dense path, MODE_BAND)."""
     slopes = cp.asarray(rng.random(4).astype(np.float32))
     if kind == "terms":
         return dict(alibi_slopes=slopes, softcap=5.0)
+    if kind == "band":
+        return dict(window=(40, 7), seqlens_k=np.array([max(1, nk - 9)], np.int32))
     if kind == "bias":
         return dict(bias=cp.asarray(rng.standard_normal((4, nq, nk)).astype(np.float32)), window=(40, 7),
                     dropout_p=0.2, seed=5)
@@ -56,7 +59,8 @@ def main():
             for causal, options, deterministic in ((False, None, False), (True, None, False),
                                                    (True, None, True), (True, "all", False),
                                                    (False, "no bias", False), (False, "terms", False),
-                                                   (True, "bias", True)):
+                                                   (True, "bias", True), (True, "band", False),
+                                                   (False, "band", True)):
                 q = cp.asarray(rng.standard_normal((1, 4, nq, d)).astype(dtype))
                 k, v = (cp.asarray(rng.standard_normal((1, 2, nk, d)).astype(dtype)) for _ in range(2))
                 extra = _options(options, nq, nk, rng) if options else {}
@@ -71,14 +75,15 @@ def main():
                 for x in (o, *grads):
                     bad += bool(cp.isnan(x.astype(np.float32)).any())
         # varlen: sequences of 5, 0 and 37 queries over 9, 3 and 40 keys (d = 64: the
-        # Hopper kernel reads them by TMA at the sequences' row offsets; d = 72: fwd_sm80).
+        # Hopper kernel reads them by TMA at the sequences' row offsets; d = 72: fwd_sm80),
+        # with dropout (the option kernels) and without (the Hopper backward's MODE_BAND).
         cu_q, cu_k = cp.asarray([0, 5, 5, 42], np.int32), cp.asarray([0, 9, 12, 52], np.int32)
-        for d in (72, 64):
+        for d, dropout_p in ((72, 0.1), (64, 0.1), (64, 0.0)):
             q = cp.asarray(rng.standard_normal((42, 4, d)).astype(dtype))
             k, v = (cp.asarray(rng.standard_normal((52, 2, d)).astype(dtype)) for _ in range(2))
-            print(f"case {np.dtype(dtype).name} varlen d={d}", flush=True)
+            print(f"case {np.dtype(dtype).name} varlen d={d} dropout_p={dropout_p}", flush=True)
             o, vjp = cupyflash.varlen_attention_vjp(q, k, v, cu_q, cu_k, 37, 40, causal=True,
-                                                    dropout_p=0.1, seed=3, backend="cuda")
+                                                    dropout_p=dropout_p, seed=3, backend="cuda")
             for x in (o, *vjp(cp.asarray(rng.standard_normal(o.shape).astype(dtype)))):
                 bad += bool(cp.isnan(x.astype(np.float32)).any())
         # fp32 with precision="tf32": the Hopper forward's one-product kernels (d = 64, 128).
