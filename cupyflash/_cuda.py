@@ -20,8 +20,8 @@ import numpy as np
 from . import _arrays, _mods, _nvrtc, _params, _philox, _tma
 from ._kernels import (BACKWARD_MODES, BWD_ROW_PAD, BWD_SM90, BWD_SM90_SUB_M, CPP_TYPE, FWD_SM90, GRAD_DK, GRAD_DQ,
                        GRAD_DQ_ORDERED, HEAD_DIMS, MIN_COMPUTE_CAPABILITY, MODE_BIAS, MODE_DENSE, MODE_TF32, MODES,
-                       BackwardPlan, Variant, backward_mode, backward_plan, bwd_sm90_ctas_per_sm, bwd_sm90_persistent,
-                       forward_variants, forward_variants_for, padded_head_dim, sm90_rows_box)
+                       BackwardPlan, Variant, backward_mode, backward_plan, bwd_sm90_persistent, forward_variants,
+                       forward_variants_for, padded_head_dim, sm90_rows_box)
 from ._validate import check_flag
 
 MAX_GRID_YZ = 65535   # grid y (heads) and z (batch) extents
@@ -487,9 +487,8 @@ def _plan_backward(do, q, k, v, o, dq, dk, dv, *, scale, causal, deterministic, 
         key_blocks = math.ceil(keys / variant.block_m)
         if variant.family is BWD_SM90:   # its units: (key block, kv head, batch entry)
             params.set(grid_n=key_blocks, grid_heads=Hq, grid_batch=batch)
-        if bwd_sm90_persistent(variant):   # as many CTAs as the SMs hold, taking units from a counter
-            resident = bwd_sm90_ctas_per_sm(variant) * _sm_count(device_id)
-            kv.append((variant, (min(key_blocks * Hk * batch, resident),), specs))
+        if bwd_sm90_persistent(variant):   # one CTA per SM, taking units from a counter
+            kv.append((variant, (min(key_blocks * Hk * batch, _sm_count(device_id)),), specs))
         else:
             kv.append((variant, (key_blocks, Hk, batch), specs))
     adds_dq = next((v for v, _, _ in kv if v.grads & GRAD_DQ), None)

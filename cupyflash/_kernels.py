@@ -437,15 +437,9 @@ BWD_SM80_EXT_Q_TILES = {**BWD_SM80_Q_TILES, 64: ((64, 64, 4),),
 # the calls it cannot serve, a bias gradient or a bias without whole rows, take the sm80
 # kernels: _cuda._plan_backward).
 BWD_SM90_KV_TILES = {
-    64: ((128, 2), (64, 1)),
+    64: ((128, 2),),
     128: ((64, 2),),
 }
-
-
-def bwd_sm90_ctas_per_sm(variant: "Variant") -> int:
-    """The CTAs an SM holds of a key-block kernel (Sm90BwdKVTile::CTAS_PER_SM): two with one
-    consumer warpgroup, else one."""
-    return 2 if variant.tile[1] == 1 else 1
 
 
 def bwd_sm90_persistent(variant: "Variant") -> bool:

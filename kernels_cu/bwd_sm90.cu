@@ -195,11 +195,7 @@ struct Sm90BwdKVTile {
     // spilled 44-92 bytes, build check at b1f3630). The consumers share the rest of the
     // launch's registers (tma.cuh WarpgroupRegs: 232, 224 with 56).
     static constexpr int PRODUCER_REGS = LEAN ? 40 : (ORDERED_DQ ? 56 : 40);
-    // One consumer warpgroup (64 keys): two CTAs an SM, so that one's fixed cost per unit
-    // (K and V loaded, the pipeline filled, dK and dV written) runs beside the other's
-    // products, for short key ranges (narrow bands); its consumers keep 216 registers.
-    static constexpr int CTAS_PER_SM = CONSUMERS == 1 ? 2 : 1;
-    static constexpr int CONSUMER_REGS = WarpgroupRegs<THREADS, PRODUCER_REGS, CTAS_PER_SM>::CONSUMER;
+    static constexpr int CONSUMER_REGS = WarpgroupRegs<THREADS, PRODUCER_REGS>::CONSUMER;
     // Deterministic: two dQ writers (the producer warpgroup's second and fourth warps), taking
     // the tiles in turn, so that one's wait for its reduction to complete (before it passes
     // the turn on) overlaps the other's reduction: with one, the consumers waited for the
@@ -291,8 +287,7 @@ struct Sm90BwdUnitState {
 // SMs, at most one per unit, and a zeroed work counter) or on a grid of (key blocks,
 // kv heads, batch entries), one CTA per unit.
 template <typename T, int D, int BLOCK_M, int CONSUMERS, int GRADS, int MODE, int SMEM_BYTES>
-__global__ void __launch_bounds__(Sm90BwdKVTile<T, D, BLOCK_M, CONSUMERS, GRADS, MODE>::THREADS,
-                                  Sm90BwdKVTile<T, D, BLOCK_M, CONSUMERS, GRADS, MODE>::CTAS_PER_SM)
+__global__ void __launch_bounds__(Sm90BwdKVTile<T, D, BLOCK_M, CONSUMERS, GRADS, MODE>::THREADS, 1)
 flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
 {
     typedef Sm90BwdKVTile<T, D, BLOCK_M, CONSUMERS, GRADS, MODE> C;

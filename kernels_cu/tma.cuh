@@ -99,9 +99,8 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const TmaMap& map, u64* b
 }
 
 // Register budgets of warp-specialised kernels (sm_90a): the producer warpgroup gives
-// registers back, the consumers take them. Both need the kernel's launch bound with the
-// CTAs an SM holds (__launch_bounds__(threads, ctas)), and every warp of a warpgroup
-// executes them.
+// registers back, the consumers take them. Both need the kernel's launch bound with one
+// CTA per SM (__launch_bounds__(threads, 1)), and every warp of a warpgroup executes them.
 template <int REGS> __device__ __forceinline__ void warpgroup_release_regs() {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(REGS));
 }
@@ -109,13 +108,12 @@ template <int REGS> __device__ __forceinline__ void warpgroup_claim_regs() {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(REGS));
 }
 // What the consumers may claim (a multiple of 8, at most 240) once one producer warpgroup
-// keeps PRODUCER_REGS: the registers the CTA was launched with (its share of the 64K file
-// among CTAS an SM), not the whole file. setmaxnreg only moves registers between the
-// CTA's warps; a claim beyond what the others released waits forever (at 384 threads the
-// launch holds 168 a thread, 64512).
-template <int THREADS, int PRODUCER_REGS, int CTAS = 1>
+// keeps PRODUCER_REGS: the registers the CTA was launched with, not the whole 64K file.
+// setmaxnreg only moves registers between the CTA's warps; a claim beyond what the
+// others released waits forever (at 384 threads the launch holds 168 a thread, 64512).
+template <int THREADS, int PRODUCER_REGS>
 struct WarpgroupRegs {
-    static constexpr int LAUNCH = 65536 / CTAS / THREADS / 8 * 8;
+    static constexpr int LAUNCH = 65536 / THREADS / 8 * 8;
     static constexpr int FREE = (LAUNCH * THREADS - 128 * PRODUCER_REGS) / (THREADS - 128) / 8 * 8;
     static constexpr int CONSUMER = FREE < 240 ? FREE : 240;
     static_assert(PRODUCER_REGS <= LAUNCH && CONSUMER >= LAUNCH, "a producer that gives registers back");
