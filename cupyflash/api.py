@@ -112,10 +112,11 @@ precision : {"highest", "tf32"}, default "highest"
     float32 inputs only (ValueError for other dtypes). "highest" computes at float32
     accuracy: on Hopper GPUs each matrix product runs on the tensor cores as three TF32
     products (3xTF32), elsewhere as the other kernels do. "tf32" lets the Hopper forward
-    pass take one TF32 product instead (operands rounded to 11 significant bits):
-    faster, with relative errors of a few 1e-4 (``tests/TOLERANCES.md``). The backward
-    pass, other GPUs and the NumPy backend compute at float32 accuracy either way (the
-    gradients start from the forward's o and LSE, so they carry its error)."""
+    pass take one TF32 product instead (operands rounded to 11 significant bits, k
+    truncated to them): faster, with relative errors of a few 1e-4
+    (``tests/TOLERANCES.md``). The backward pass, other GPUs and the NumPy backend
+    compute at float32 accuracy either way (the gradients start from the forward's o and
+    LSE, so they carry its error)."""
 
 _INPUTS_DOC = """\
 q : array, shape (..., Hq, Nq, d) or (B, Nq, Hq, d)

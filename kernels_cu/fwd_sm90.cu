@@ -49,10 +49,15 @@
 // tensor cores and added to O in the FPU, where rounding is to nearest (the same reason
 // as mma_wide.cuh's slices). The consumers issue S, then P V, of each key tile in turn:
 // the registers do not hold both tiles' products at once beside these sums.
-// precision="tf32" (MODE_TF32) keeps one product each, S = Q K^T and O += P V on TF32
-// operands rounded to nearest (the split warps round K in place and V^T as they write
-// it, the consumers round their rows of Q in place and P in registers), O accumulated on
-// the tensor cores in the 16-bit inputs' pipeline.
+// precision="tf32" (MODE_TF32) keeps one product each, S = Q K^T and O += P V, O
+// accumulated on the tensor cores in the 16-bit inputs' pipeline. Q, P and V^T are
+// rounded to TF32 to nearest (the consumers round their rows of Q in place and P in
+// registers, the split warps V^T as they write it); K is read as it landed, truncated
+// to TF32 by the tensor cores. Rounding K in place kept the consumers waiting for the
+// split warps (a third of their stall samples, ncu, session 24); without it the
+// forward ran 1.28-1.53x (H200, session 25), and truncation costs ~1.5x the error of
+// rounding (6.5e-4 against 4.1e-4 relative, float64 simulation at d = 128), within
+// the documented tolerance (tests/TOLERANCES.md).
 // Varlen reads (1, H, total, d) tensors at the sequence's row offset: rows past a
 // sequence's end belong to the next one (or are zero-filled past the tensor) and are
 // masked or never stored. Tensors TMA cannot describe (rows not 16-byte aligned) run in
@@ -218,8 +223,8 @@ struct Sm90FwdTile {
 // landing buffer the stage's V^T and its low parts (rows: head-dim columns; columns:
 // keys, each 8-key group's keys in the order 0 2 4 6 1 3 5 7, so that the C fragment of
 // S, keys 2t and 2t + 1 of a thread's rows, is P V's A fragment as it is: a0 a1 a2 a3 =
-// c0 c2 c1 c3, k-slots t and t + 4). With one product (precision="tf32") they round K in
-// place and V^T to TF32 instead. Each write is fenced for the wgmmas (async proxy) before
+// c0 c2 c1 c3, k-slots t and t + 4). With one product (precision="tf32") they write V^T
+// rounded to TF32 only (K is read as it landed). Each write is fenced for the wgmmas (async proxy) before
 // the warp's arrival, and the landing buffer goes back to the producer beside V^T's
 // arrival. They stop at a schedule word END.
 template <typename C, typename Bars, typename ReadWord, typename ReleaseBar>
@@ -240,20 +245,18 @@ __device__ __forceinline__ void split_stages(float* sK, float* sV, float* sLandi
         mbar_wait(&bars.k_full[s], parity);
         if (read_word(&bars.tile[s]) == Bars::END) return;
         // K's 16-byte chunks, panel by panel: rows 0 .. BLOCK_N - 1 of a K_ROWS-row panel;
-        // their low parts BLOCK_N rows below, or (precision="tf32") K rounded in place.
-        float* k_tile = sK + s * C::K_TILE_ELEMS;
-        constexpr unsigned CHUNKS = BLOCK_N * 8;   // per panel: 8 chunks of 4 floats a row
-        #pragma unroll 4
-        for (unsigned c = tid; c < (D / 32) * CHUNKS; c += SPLIT_THREADS) {
-            float* chunk = k_tile + (c / CHUNKS) * (C::K_ROWS * 32) + (c % CHUNKS) * 4;
-            const float4 x = *reinterpret_cast<const float4*>(chunk);
-            if constexpr (C::SPLIT)
-                store_shared_16(chunk + BLOCK_N * 32, tf32_low(x));
-            else
-                store_shared_16(chunk, tf32_round(x));
+        // their low parts BLOCK_N rows below. (precision="tf32" reads K as it landed.)
+        if constexpr (C::SPLIT) {
+            float* k_tile = sK + s * C::K_TILE_ELEMS;
+            constexpr unsigned CHUNKS = BLOCK_N * 8;   // per panel: 8 chunks of 4 floats a row
+            #pragma unroll 4
+            for (unsigned c = tid; c < (D / 32) * CHUNKS; c += SPLIT_THREADS) {
+                float* chunk = k_tile + (c / CHUNKS) * (C::K_ROWS * 32) + (c % CHUNKS) * 4;
+                store_shared_16(chunk + BLOCK_N * 32, tf32_low(*reinterpret_cast<const float4*>(chunk)));
+            }
+            fence_async_smem();
+            release_bar(&bars.k_split[s]);
         }
-        fence_async_smem();
-        release_bar(&bars.k_split[s]);
 
         mbar_wait(&bars.v_full[C::landing(t)], C::landing_parity(t));
         float* v_tile = C::landed_v(sV, sLanding, t);
@@ -501,8 +504,8 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
     int t = 0;
     auto wait_full = [&](u64* full, int t) { mbar_wait(&full[t % STAGES], (t / STAGES) & 1); };
     // Where the consumers learn that a stage's K or V is ready: fp32 once the split warps
-    // have written its low parts (or rounded it).
-    u64* const k_ready = C::TF32 ? bars.k_split : bars.k_full;
+    // have written its low parts (V^T: or rounded it); precision="tf32" takes K as it lands.
+    u64* const k_ready = C::SPLIT ? bars.k_split : bars.k_full;
     u64* const v_ready = C::TF32 ? bars.v_split : bars.v_full;
     auto release = [&](u64* empty, int t) { release_bar(&empty[t % STAGES]); };
     const float scale_log2 = float(p.scale_log2);
