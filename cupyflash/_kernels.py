@@ -114,13 +114,14 @@ _FWD_SM90_F32_TABLES = {MODE_DENSE: FWD_SM90_F32_TILES, MODE_EXT: FWD_SM90_F32_E
                         MODE_EXT | MODE_BIAS: FWD_SM90_F32_EXT_TILES}
 # precision="tf32": one product, a stage holds K and V^T (2 BLOCK_N x d fp32 tiles) beside
 # one landing buffer of V. Under a causal band (or a window) the 128-row tiles serve
-# (forward_variants_for). H200, N = 1k / 4k (bench/NOTES.md, session 24, b529fa2): d = 128
-# (32, 3, 3) 152 / 186 TFLOP/s; (64, 2, 2) causal 128 / 163; (32, 2, 4) 144 / 156, causal
-# 118 / 144; (32, 2, 3), the tile before one landing buffer freed the shared memory, 145 /
-# 156; d = 64 (64, 3, 3) 163 / 195; (128, 2, 2) 162 / 185, causal 132 / 172.
+# (forward_variants_for). H200, N = 1k / 4k, since K is read as it landed (bench/NOTES.md,
+# session 25, ee7a574, `bench/results/h200-2026-11-28-ee7a574-tune-tf32-sm90.log`): d = 128
+# (64, 2, 2) 241 / 267 TFLOP/s, causal 175 / 242; (32, 3, 3), the first tile before, 204 /
+# 245; (32, 2, 4) 190 / 221; d = 64 (64, 3, 4) 217 / 264; (64, 3, 3) 202 / 264; (128, 2,
+# 2) 226 / 247, causal 152 / 225.
 FWD_SM90_TF32_TILES = {
-    64: ((64, 3, 3), (128, 2, 2)),
-    128: ((32, 3, 3), (64, 2, 2)),
+    64: ((64, 3, 4), (128, 2, 2)),
+    128: ((64, 2, 2),),
 }
 FWD_SM90_TF32_EXT_TILES = {
     64: ((64, 2, 3),),

@@ -227,14 +227,14 @@ def test_hopper_option_tile_at_d64(monkeypatch, block_size, causal, window, rows
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 def test_tf32_dense_tile_follows_the_causal_band(monkeypatch, D, causal):
-    # precision="tf32" without options: three consumer warpgroups (192 rows) where no
-    # causal band masks the tiles' diagonal, two (128 rows) under one (the tile table's
-    # measurements).
+    # precision="tf32" without options at d = 64: three consumer warpgroups (192 rows)
+    # where no causal band masks the tiles' diagonal, two (128 rows) under one; at d = 128
+    # two, 64-key tiles, either way (the tile table's measurements).
     monkeypatch.setattr(_cuda, "_device_info", lambda device_id: ("sm_90a", HOPPER_SMEM))
     mods = _mods.Modifiers(tf32=True)
     chosen = _cuda._choose(_kernels.forward_variants_for("float32", D, mods, causal=causal), 0)
     assert chosen.family is _kernels.FWD_SM90 and chosen.mode == _kernels.MODE_DENSE | _kernels.MODE_TF32
-    assert chosen.block_m == (128 if causal else 192)
+    assert chosen.block_m == (128 if causal or D == 128 else 192)
 
 
 @pytest.mark.parametrize("tf32", [False, True])
