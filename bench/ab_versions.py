@@ -66,8 +66,8 @@ def _option_kwargs(option, q):
     return {}
 
 
-OPTIONS = ("dense", "softcap", "alibi", "bias", "window2048", "window256", "dropout", "deterministic", "block1", "block8",
-           "seqlens_k")
+OPTIONS = ("dense", "softcap", "alibi", "bias", "window2048", "window256", "dropout", "deterministic", "block1",
+           "block8", "seqlens_k")
 
 
 def _runs(module, q, k, v, do, causal, backward, options):

@@ -34,7 +34,7 @@ BACKWARD_MODES = (*MODES, MODE_BAND)
 
 def lean_mode(mode: int) -> bool:
     """mods.cuh lean_mode: whether a kernel of this mode runs the dense path (no option
-    but at most a window's band, MODE_BAND; MODE_TF32 is no option either)."""
+    but at most the mask's band, MODE_BAND; MODE_TF32 is no option either)."""
     return mode & (MODE_EXT | MODE_BIAS) == 0
 
 # Tensor-core forward tiles per head dim, (BLOCK_M, BLOCK_N, WARPS), in order of
@@ -383,7 +383,7 @@ def backward_mode(mods) -> int:
 
 def _one_ext_mode(mode: int) -> int:
     """The mode of a family that keeps no policy apart: MODE_EXT serves every option
-    (the window of MODE_BAND too)."""
+    (MODE_BAND's too)."""
     return MODE_EXT if mode else MODE_DENSE
 
 
@@ -447,8 +447,7 @@ def bwd_sm90_persistent(variant: "Variant") -> bool:
     """Whether a key-block kernel runs persistent CTAs (bwd_sm90.cu Sm90BwdKVTile::PERSISTENT:
     the lean ones, dense and MODE_BAND), one per SM taking (key block, kv head, batch
     entry) units from a zeroed counter (AttnParams::work_counter); the others run one
-    CTA per unit, on a grid of
-    (key blocks, kv heads, batch entries)."""
+    CTA per unit, on a grid of (key blocks, kv heads, batch entries)."""
     return variant.family is BWD_SM90 and lean_mode(variant.mode)
 
 
@@ -633,7 +632,7 @@ def backward_plan(dtype_name: str, D: int, deterministic: bool, mode: int = MODE
     ``cuda_cores`` asks for the CUDA-core kernels instead of the tensor cores' (the
     fallback of `device_backward_plan`)."""
     # bwd_sm90.cu keeps the bias apart (MODE_EXT | MODE_BIAS: a bias stage), as
-    # fwd_sm90.cu, and runs a window alone on its dense path (MODE_BAND); the other
+    # fwd_sm90.cu, and runs the band options on its dense path (MODE_BAND); the other
     # families compile every option into MODE_EXT. The backward computes fp32 at fp32
     # accuracy whatever the precision (MODE_TF32).
     mode &= ~MODE_TF32

@@ -224,9 +224,9 @@ struct Sm90FwdTile {
 // keys, each 8-key group's keys in the order 0 2 4 6 1 3 5 7, so that the C fragment of
 // S, keys 2t and 2t + 1 of a thread's rows, is P V's A fragment as it is: a0 a1 a2 a3 =
 // c0 c2 c1 c3, k-slots t and t + 4). With one product (precision="tf32") they write V^T
-// rounded to TF32 only (K is read as it landed). Each write is fenced for the wgmmas (async proxy) before
-// the warp's arrival, and the landing buffer goes back to the producer beside V^T's
-// arrival. They stop at a schedule word END.
+// rounded to TF32 only (K is read as it landed). Each write is fenced for the wgmmas
+// (async proxy) before the warp's arrival, and the landing buffer goes back to the
+// producer beside V^T's arrival. They stop at a schedule word END.
 template <typename C, typename Bars, typename ReadWord, typename ReleaseBar>
 __device__ __forceinline__ void split_stages(float* sK, float* sV, float* sLanding, Bars& bars, ReadWord&& read_word,
                                              ReleaseBar&& release_bar) {
