@@ -129,10 +129,7 @@ class Modifiers:
     def active(self) -> bool:
         # A call placed in a larger problem runs the general kernels: the dense ones
         # align the causal diagonal at the call's own corner.
-        return (self.windowed or self.softcap > 0 or self.dropout_p > 0 or self.varlen
-                or self.diagonal is not None
-                or any(x is not None for x in (self.block_mask, self.bias,
-                                                self.alibi_slopes, self.seqlens_k)))
+        return self._bounds_keys or self._beyond_bounds
 
     @property
     def band_only(self) -> bool:
@@ -140,8 +137,18 @@ class Modifiers:
         padding (seqlens_k), varlen sequences, a place in a larger problem. They hide
         keys and skip tiles and change nothing else (the GPU backward runs them on its
         dense path)."""
-        return self.active and self.softcap == 0 and self.dropout_p == 0 and all(
-            x is None for x in (self.block_mask, self.bias, self.alibi_slopes))
+        return self._bounds_keys and not self._beyond_bounds
+
+    @property
+    def _bounds_keys(self) -> bool:
+        """An option on that bounds the keys each row sees (mask.cuh's band)."""
+        return self.windowed or self.varlen or self.diagonal is not None or self.seqlens_k is not None
+
+    @property
+    def _beyond_bounds(self) -> bool:
+        """An option on that does more: a block mask, a score term or dropout."""
+        return (self.softcap > 0 or self.dropout_p > 0
+                or any(x is not None for x in (self.block_mask, self.bias, self.alibi_slopes)))
 
     def call_diagonal(self, nq: int, nk: int) -> int:
         """``off`` of a batch entry of ``nq`` rows and ``nk`` keys in this call's own
