@@ -67,11 +67,30 @@ def _option_kwargs(option, q):
 
 
 OPTIONS = ("dense", "softcap", "alibi", "bias", "window2048", "window256", "dropout", "deterministic", "block1",
-           "block8", "seqlens_k")
+           "block8", "seqlens_k", "varlen")
 
 
-def _runs(module, q, k, v, do, causal, backward, options):
+def _varlen_runs(module, q, k, v, do, causal, backward, options):
+    """The --mods row's varlen call: the batch's B N tokens as bench.VARLEN_SEQS packed
+    sequences of random lengths (the same for every version: seeded by the shape)."""
+    import numpy as np
+
+    B, H, N, d = q.shape
+    lengths = bench.varlen_lengths(np.random.default_rng(N * d), bench.VARLEN_SEQS, B * N)
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    q, k, v, do = (x.transpose(0, 2, 1, 3).reshape(B * N, H, d) for x in (q, k, v, do))
+    longest = int(lengths.max())
+    args = (q, k, v, cu, cu, longest, longest)
+    if not backward:
+        return lambda: module.varlen_attention(*args, causal=causal, **options)
+    _, ctx = module.varlen_attention_forward(*args, causal=causal, **options)
+    return lambda: module.attention_backward(do, ctx)
+
+
+def _runs(module, q, k, v, do, causal, backward, options, option="dense"):
     """The call to time: the forward, or the backward of one forward pass."""
+    if option == "varlen":
+        return _varlen_runs(module, q, k, v, do, causal, backward, options)
     if not backward:
         return lambda: module.attention(q, k, v, causal=causal, **options)
     _, ctx = module.attention_forward(q, k, v, causal=causal, **options)
@@ -102,8 +121,8 @@ def main(argv):
                 flop = bench.flops(B, H, N, d, causal, pass_)
                 tf = lambda run: flop / bench.time_ms(run) / 1e9   # noqa: E731
                 options = {**_option_kwargs(a.option, q), "precision": a.precision}
-                runs = {"new": _runs(cupyflash, q, k, v, do, causal, a.backward, options),
-                        "old": _runs(old, q, k, v, do, causal, a.backward, options)}
+                runs = {"new": _runs(cupyflash, q, k, v, do, causal, a.backward, options, a.option),
+                        "old": _runs(old, q, k, v, do, causal, a.backward, options, a.option)}
                 readings = [(name, tf(runs[name])) for name in ("new", "old", "new", "old")]
                 peers = [tf(bench._torch_runs(torch, getattr(SDPBackend, backend), tq, tk, tv, tdo,
                                               is_causal=causal)[pass_]())

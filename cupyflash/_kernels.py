@@ -516,7 +516,8 @@ BWD_SIMT_BLOCK = {"float32": 64, "float64": 32}
 BWD_ROW_PAD = 128
 # Bits of the GRADS template argument (bwd.cuh).
 GRAD_DV, GRAD_DK, GRAD_DQ, GRAD_DQ_ORDERED = 1, 2, 4, 8
-PREP_WARPS = 8         # bwd_prep.cu: rows per CTA of the pre-pass
+PREP_ROWS = 128        # bwd_prep.cu: rows per CTA of the pre-pass (PREP_THREADS threads)
+PREP_THREADS = 256
 CONVERT_ELEMS = 1024   # bwd_prep.cu: elements per CTA of the dq conversion
 
 
@@ -642,7 +643,7 @@ def backward_plan(dtype_name: str, D: int, deterministic: bool, mode: int = MODE
     # The Hopper kernel adds dQ in both modes: deterministically, the key blocks take
     # turns on each dQ tile (bwd.cuh DqTurns).
     sm90_dq_bits = GRAD_DQ | (GRAD_DQ_ORDERED if deterministic else 0)
-    prep = Variant(BWD_PREP, f"flash_bwd_prep<{ctype}>", PREP_WARPS * 32, PREP_WARPS, 0)
+    prep = Variant(BWD_PREP, f"flash_bwd_prep<{ctype}>", PREP_THREADS, PREP_ROWS, 0)
     convert = Variant(BWD_PREP, f"flash_bwd_dq_convert<{ctype}>", 256, CONVERT_ELEMS, 0)
     if dtype_name in HALF_DTYPES:
         tiles = (BWD_SM80_EXT_KV_TILES if mode else BWD_SM80_KV_TILES)[D]

@@ -6,45 +6,58 @@
 #include "bwd.cuh"
 #include "tensor.cuh"
 
-#define PREP_WARPS 8
+#define PREP_ROWS 128      // rows a CTA (cupyflash/_kernels.py PREP_ROWS; BWD_ROW_PAD a multiple of it)
+#define PREP_THREADS 256
+static_assert(BWD_ROW_PAD % PREP_ROWS == 0, "a CTA's rows lie within one (batch, head)'s padded rows");
 
-// One warp per query row; grid (nq_pad / PREP_WARPS, Hq, B).
+// Each row's o . dO by a group of `lanes` lanes of a warp; grid (nq_pad / PREP_ROWS, Hq, B).
+// 16-bit rows of 8-element groups (2 to 32 of them): one 16-byte load of each row a lane,
+// lanes the groups' count rounded up to a power of two, so that at d = 64 a warp's loads
+// cover four rows. (One warp a row of 8-byte loads and CTAs of 8 rows took 108 us for
+// B N = 16k, H = 32, d = 64 on an H200, four times its memory time.) Otherwise 32 lanes a
+// row, element by element.
 template <typename T>
-__global__ void __launch_bounds__(PREP_WARPS * 32)
+__global__ void __launch_bounds__(PREP_THREADS)
 flash_bwd_prep(const __grid_constant__ AttnParams p)
 {
     typedef typename Accum<T>::type Acc;
     const int nq = p.nq, dim_v = p.dim_v, nq_pad = p.nq_pad;
     Acc* const lse2 = static_cast<Acc*>(p.lse2);
     Acc* const delta = static_cast<Acc*>(p.delta);
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int row = blockIdx.x * PREP_WARPS + warp;
     const int h = blockIdx.y, b = blockIdx.z;
-    const i64 at = row_workspace_offset(b, h, gridDim.y, nq_pad) + row;
-    if (row >= nq) {   // the padding rows (bwd.cuh); whole warps leave together
-        if (lane == 0) { lse2[at] = Acc(INFINITY); delta[at] = Acc(0); }
-        return;
-    }
+    const int groups = dim_v / 8;
+    const bool by_eight = sizeof(T) == 2 && p.vec && dim_v % 8 == 0 && groups >= 2 && groups <= 32;
+    int lanes = 32;
+    while (by_eight && lanes / 2 >= groups) lanes /= 2;
+    const int sub = threadIdx.x % lanes;   // the lane's place in its row's group
     const Strided<const T> O = tensor<const T>(p.o), dO = tensor<const T>(p.dout);
-    const T* o_row = O.at(b, h, row);
-    const T* do_row = dO.at(b, h, row);
-    Acc sum = 0;
-    // 16-bit rows of 4-element groups: four elements (8 bytes) of each row per lane and
-    // load (the scalar loop issued four times the loads for the same bytes).
-    const bool by_four = sizeof(T) == 2 && p.vec && dim_v % 4 == 0;
-    if constexpr (sizeof(T) == 2) {
-        for (int c = 4 * lane; by_four && c < dim_v; c += 4 * 32) {
-            T o4[4], do4[4];
-            *reinterpret_cast<uint2*>(o4) = *reinterpret_cast<const uint2*>(o_row + c);
-            *reinterpret_cast<uint2*>(do4) = *reinterpret_cast<const uint2*>(do_row + c);
-            #pragma unroll
-            for (int i = 0; i < 4; ++i) sum += to_acc(o4[i]) * to_acc(do4[i]);
+    // Every lane of a warp takes the same number of turns (PREP_ROWS is a multiple of
+    // PREP_THREADS / lanes), so that the shuffles below see whole warps.
+    for (int r = threadIdx.x / lanes; r < PREP_ROWS; r += PREP_THREADS / lanes) {
+        const int row = blockIdx.x * PREP_ROWS + r;
+        Acc sum = 0;
+        if (row < nq) {
+            const T* o_row = O.at(b, h, row);
+            const T* do_row = dO.at(b, h, row);
+            if constexpr (sizeof(T) == 2) {
+                if (by_eight && sub < groups) {
+                    T o8[8], do8[8];
+                    *reinterpret_cast<uint4*>(o8) = *reinterpret_cast<const uint4*>(o_row + 8 * sub);
+                    *reinterpret_cast<uint4*>(do8) = *reinterpret_cast<const uint4*>(do_row + 8 * sub);
+                    #pragma unroll
+                    for (int i = 0; i < 8; ++i) sum += to_acc(o8[i]) * to_acc(do8[i]);
+                }
+            }
+            for (int c = sub; !by_eight && c < dim_v; c += 32) sum += to_acc(o_row[c]) * to_acc(do_row[c]);
         }
-    }
-    for (int c = lane; !by_four && c < dim_v; c += 32) sum += to_acc(o_row[c]) * to_acc(do_row[c]);
-    #pragma unroll
-    for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-    if (lane == 0) {
+        for (int off = lanes / 2; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+        if (sub != 0) continue;
+        const i64 at = row_workspace_offset(b, h, gridDim.y, nq_pad) + row;
+        if (row >= nq) {   // the padding rows (bwd.cuh)
+            lse2[at] = Acc(INFINITY);
+            delta[at] = Acc(0);
+            continue;
+        }
         const Acc l = static_cast<const Acc*>(p.lse)[((i64)b * gridDim.y + h) * nq + row];   // (B, Hq, nq)
         // Under dropout the rows carry its scale s (bwd.cuh): lse2 - log2 s, delta / s.
         const bool dropout = p.mods.drop_threshold != 0;

@@ -1,0 +1,68 @@
+"""Where a backward call's GPU time goes: every kernel and memset of back-to-back calls,
+as CUPTI records them (torch.profiler sees CuPy's launches too), and the GPU's idle gaps.
+
+    python bench/backward_timeline.py [--seqlen 2048] [--head-dim 64] [--causal] [--window 256] [--calls 20]
+
+Prints per activity (kernel or memset name, shortened) its mean microseconds per call,
+share of the span and the GPU's idle time before it, then the span per call and the idle time between activities per call
+(the host's share: Python work the GPU waited for). Timing only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import cupyflash  # noqa: E402
+from cupyflash import bench  # noqa: E402
+
+
+def main(argv):
+    import cupy as cp
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--seqlen", type=int, default=2048)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--window", type=int, default=None, help="a causal window (left extent, right 0)")
+    p.add_argument("--calls", type=int, default=20)
+    a = p.parse_args(argv)
+    d, N = a.head_dim, a.seqlen
+    H, B = bench.HIDDEN // d, bench.TOKENS // N
+    (q, k, v, do), _ = bench.make_inputs(a.dtype, (B, H, N, d), N + d)
+    options = dict(causal=a.causal or a.window is not None)
+    if a.window is not None:
+        options["window"] = (a.window, 0)
+    _, ctx = cupyflash.attention_forward(q, k, v, **options)
+    for _ in range(3):
+        cupyflash.attention_backward(do, ctx)
+    cp.cuda.Device().synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(a.calls):
+            cupyflash.attention_backward(do, ctx)
+        cp.cuda.Device().synchronize()
+    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                    key=lambda e: e.time_range.start)
+    total, gap_before = defaultdict(float), defaultdict(float)
+    for before, e in zip([None] + events[:-1], events):
+        name = e.name.split("<")[0][:60]
+        total[name] += e.time_range.elapsed_us()
+        if before is not None:
+            gap_before[name] += e.time_range.start - before.time_range.end
+    span = events[-1].time_range.end - events[0].time_range.start
+    busy = sum(total.values())
+    print(f"B={B} H={H} N={N} d={d} {options}: {a.calls} calls, {len(events) / a.calls:.1f} activities a call")
+    for name, us in sorted(total.items(), key=lambda kv: -kv[1]):
+        print(f"  {us / a.calls:9.1f} us  {us / span:6.1%}  {name}  (idle before it {gap_before[name] / a.calls:.1f} us)")
+    print(f"  span {span / a.calls:.1f} us a call, idle {(span - busy) / a.calls:.1f} us a call")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
