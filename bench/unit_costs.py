@@ -1,9 +1,12 @@
 """What a unit of the Hopper backward costs beside its tiles (#15: the band rows).
 
 The persistent key-block kernel (kernels_cu/bwd_sm90.cu) runs units of one key block, each
-walking the query tiles that see it. Its time on S SMs is about (a U + b T) / S for U
-units and T tiles: a is a unit's fixed cost (claim, K and V, the last dQ, the epilogue), b
-a tile's. Two series fit a and b by least squares:
+walking the query tiles that see it. A call's time on S SMs is about (a U + b T) / S for U
+units and T tiles: b is a tile's cost, a a unit's fixed cost (claim, K and V, the last dQ,
+the epilogue) plus, since B N is the same in every point, the call's passes over whole
+tensors (the pre-pass, the dQ workspace's zeroing and conversion) shared out over its
+units: bench/backward_timeline.py tells those apart (on an H200 at 9ad9163 they were
+nearly all of a). Two series fit a and b by least squares:
 
 - dense, non-causal, B N fixed (the grid's 16k tokens): U stays 128 H while T = U N / BLOCK_M
   grows with N; no tile is masked;
