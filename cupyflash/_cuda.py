@@ -545,16 +545,16 @@ def attention_backward(do, q, k, v, o, lse, dq, dk, dv, *, scale, causal, determ
     rows = cupy.empty((2, B, Hq, plan.nq_pad), acc)   # one array: bwd_sm90.cu reads both through one map
     lse2, delta = rows[0], rows[1]
     dq_accum = dq_turns = work_counter = None
-    if plan.dq_ld:   # the turn counters and the unit counter after the workspace: one allocation, one memset
-        words = B * Hq * Nq * plan.dq_ld * np.dtype(acc).itemsize // 4
-        zeroed = cupy.zeros(words + plan.dq_turns + plan.work_counter, cupy.uint32)
-        dq_accum = zeroed[:words].view(acc).reshape(B, Hq, Nq, plan.dq_ld)
-        dq_turns = zeroed[words:words + plan.dq_turns] if plan.dq_turns else None
-        work_counter = zeroed[words + plan.dq_turns:] if plan.work_counter else None
+    if plan.dq_ld:   # zeroed by the pre-pass (bwd_prep.cu)
+        dq_accum = cupy.empty((B, Hq, Nq, plan.dq_ld), acc)
+        if plan.dq_turns or plan.work_counter:   # the turn counters and the unit counter: one memset
+            counters = cupy.zeros(plan.dq_turns + plan.work_counter, cupy.uint32)
+            dq_turns = counters[:plan.dq_turns] if plan.dq_turns else None
+            work_counter = counters[plan.dq_turns:] if plan.work_counter else None
     params = plan.params.copy()
     params.tensor("q", q).tensor("k", k).tensor("v", v).tensor("o", o).tensor("dout", do)
     params.tensor("dq", dq).tensor("dk", dk).tensor("dv", dv).set(
-        lse=lse.data.ptr, lse2=lse2.data.ptr, delta=delta.data.ptr)
+        lse=lse.data.ptr, lse2=lse2.data.ptr, delta=delta.data.ptr, dq_accum=_params.address(dq_accum))
     if mods.active:
         _mods_addresses(params, mods)
     device_id = q.device.id
