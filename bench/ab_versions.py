@@ -75,11 +75,8 @@ def _varlen_runs(module, q, k, v, do, causal, backward, options):
     sequences of random lengths (the same for every version: seeded by the shape)."""
     import numpy as np
 
-    B, H, N, d = q.shape
-    lengths = bench.varlen_lengths(np.random.default_rng(N * d), bench.VARLEN_SEQS, B * N)
-    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    q, k, v, do = (x.transpose(0, 2, 1, 3).reshape(B * N, H, d) for x in (q, k, v, do))
-    longest = int(lengths.max())
+    N, d = q.shape[2:]
+    (q, k, v, do), cu, longest, _ = bench.varlen_packed((q, k, v, do), np.random.default_rng(N * d))
     args = (q, k, v, cu, cu, longest, longest)
     if not backward:
         return lambda: module.varlen_attention(*args, causal=causal, **options)

@@ -299,6 +299,18 @@ def varlen_lengths(rng, count, total, minimum=VARLEN_MIN):
     return lengths
 
 
+def varlen_packed(tensors, rng):
+    """(B, H, N, d) tensors' B N tokens as the ``varlen`` row's VARLEN_SEQS packed sequences
+    of random lengths: the (B N, H, d) views, cu_seqlens, the longest length and the lengths.
+    The index arrays stay on the host, as the API's docs advise: from the device the API
+    reads them back before the launch, a synchronisation per call."""
+    B, H, N, d = tensors[0].shape
+    lengths = varlen_lengths(rng, VARLEN_SEQS, B * N)
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    packed = [x.transpose(0, 2, 1, 3).reshape(B * N, H, d) for x in tensors]
+    return packed, cu, int(lengths.max()), lengths
+
+
 def visible_pairs(nq, nk, *, causal=False, window=(-1, -1)):
     """How many (query, key) pairs a (nq, nk) attention with ``causal`` and ``window``
     sees (bottom-right aligned, as cupyflash masks them)."""
@@ -419,12 +431,7 @@ def bench_mods_case(dtype, d, N, passes, peers, rows):
         cupyflash_variant(f"window left={left} right=0", True,
                           B * H * visible_pairs(N, N, causal=True, window=window), window=window)
 
-    lengths = varlen_lengths(rng, VARLEN_SEQS, B * N)
-    # Index arrays stay on the host, as the API's docs advise: from the device the API reads
-    # them back before the launch, a synchronisation per call.
-    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    packed = [x.reshape(B, H, N, d).transpose(0, 2, 1, 3).reshape(B * N, H, d) for x in (q, k, v, do)]
-    longest = int(lengths.max())
+    packed, cu, longest, lengths = varlen_packed((q, k, v, do), rng)
 
     def varlen_runs():
         import cupyflash
