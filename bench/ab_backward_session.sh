@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One device call: an option's backward A/B against another version (bench/ab_versions.py;
 # OLD defaults to .ab_old: git archive <commit> cupyflash kernels_cu | tar -x -C .ab_old,
-# carried to the device), both versions' kernels precompiled first, the A/B at N = $SEQLENS (4096 16384), then the --mods rows of
-# the backward at N = 16k (MODS= leaves them out). Usage: OPTIONS="dropout softcap" COMMIT=<sha> bash bench/ab_backward_session.sh
+# carried to the device), both versions' kernels precompiled first, the A/B at N = $SEQLENS
+# (default 4096 16384), then the --mods rows of the backward at N = 16k (MODS= leaves them
+# out). Usage: OPTIONS="dropout softcap" COMMIT=<sha> bash bench/ab_backward_session.sh
+# (options: bench/ab_versions.py OPTIONS, "dense" for the dense call beside torch's peers)
 set -u -o pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 OLD=${OLD:-.ab_old}

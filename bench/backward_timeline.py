@@ -4,8 +4,9 @@ as CUPTI records them (torch.profiler sees CuPy's launches too), and the GPU's i
     python bench/backward_timeline.py [--seqlen 2048] [--head-dim 64] [--causal] [--window 256] [--calls 20]
 
 Prints per activity (kernel or memset name, shortened) its mean microseconds per call,
-share of the span and the GPU's idle time before it, then the span per call and the idle time between activities per call
-(the host's share: Python work the GPU waited for). Timing only.
+share of the span and the GPU's idle time before it, then the span and the idle time per
+call. The profiler itself delays some launches: read the idle time beside an A/B by CUDA
+events (bench/ab_versions.py), not alone (bench/NOTES.md, session 26). Timing only.
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ def main(argv):
     busy = sum(total.values())
     print(f"B={B} H={H} N={N} d={d} {options}: {a.calls} calls, {len(events) / a.calls:.1f} activities a call")
     for name, us in sorted(total.items(), key=lambda kv: -kv[1]):
-        print(f"  {us / a.calls:9.1f} us  {us / span:6.1%}  {name}  (idle before it {gap_before[name] / a.calls:.1f} us)")
+        idle = gap_before[name] / a.calls
+        print(f"  {us / a.calls:9.1f} us  {us / span:6.1%}  {name}  (idle before it {idle:.1f} us)")
     print(f"  span {span / a.calls:.1f} us a call, idle {(span - busy) / a.calls:.1f} us a call")
 
 

@@ -42,7 +42,8 @@ flash_bwd_prep(const __grid_constant__ AttnParams p)
         char* const base = static_cast<char*>(p.dq_accum) + (((i64)b * gridDim.y + h) * nq + row0) * row_bytes;
         const i64 bytes = rows > 0 ? rows * row_bytes : 0;
         if (row_bytes % 16 == 0) {
-            for (i64 i = threadIdx.x; i < bytes / 16; i += PREP_THREADS) reinterpret_cast<uint4*>(base)[i] = uint4{0, 0, 0, 0};
+            for (i64 i = threadIdx.x; i < bytes / 16; i += PREP_THREADS)
+                reinterpret_cast<uint4*>(base)[i] = uint4{0, 0, 0, 0};
         } else {
             for (i64 i = threadIdx.x; i < bytes / 4; i += PREP_THREADS) reinterpret_cast<u32*>(base)[i] = 0u;
         }

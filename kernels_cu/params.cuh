@@ -62,7 +62,8 @@ struct AttnParams {
     void* lse;                          // (B, Hq, Nq) log-sum-exp, accumulation dtype
     void* lse2;                         // the backward's padded row workspaces (bwd.cuh)
     void* delta;
-    void* dq_accum;                     // dQ accumulator (B, Hq, nq, dq_ld) of the key-block kernels that add dQ (zeroed by the pre-pass), or null
+    void* dq_accum;                     // dQ accumulator (B, Hq, nq, dq_ld) of the key-block kernels that add dQ,
+                                        // zeroed by the pre-pass (bwd_prep.cu); or null
     u32* dq_order;                      // deterministic dQ on Hopper: a turn counter per (batch, query head,
                                         // query tile), zeroed (bwd.cuh DqTurns), or null
     void* dbias;                        // dbias accumulator (compact bias shape), or null
