@@ -31,7 +31,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import cupyflash  # noqa: E402
-from cupyflash import _kernels, bench  # noqa: E402
+from cupyflash import _cuda, _kernels, bench  # noqa: E402
 
 DENSE_SEQLENS = (256, 512, 1024, 2048, 4096, 16384)
 WINDOWS = (128, 256, 512, 1024, 2048, 4096)
@@ -52,10 +52,11 @@ def tiles_seen(N, block_n, block_m, window=None):
     return units, tiles
 
 
-def fit(points):
-    """Least squares of ms * SMs = a U + b T over ``points`` [(U, T, ms)]: (a, b) in us."""
+def fit(points, sms):
+    """Least squares of ms * sms = a U + b T over ``points`` [(U, T, ms)]: (a, b) in us and
+    the residuals (us of SM time)."""
     A = np.array([[u, t] for u, t, _ in points], dtype=float)
-    y = np.array([ms for _, _, ms in points]) * 1e3 * SMS
+    y = np.array([ms for _, _, ms in points]) * 1e3 * sms
     (a, b), *_ = np.linalg.lstsq(A, y, rcond=None)
     return a, b, y - A @ np.array([a, b])
 
@@ -66,14 +67,11 @@ def backward_ms(q, k, v, do, **options):
 
 
 def main(argv):
-    global SMS
-    import cupy as cp
-
     p = argparse.ArgumentParser()
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     p.add_argument("--dtype", default="bfloat16")
     a = p.parse_args(argv)
-    SMS = cp.cuda.runtime.getDeviceProperties(0)["multiProcessorCount"]
+    sms = _cuda._sm_count(0)
     for d in a.head_dims:
         block_m, consumers = _kernels.BWD_SM90_KV_TILES[d][0]
         block_n = 64 * consumers
@@ -90,16 +88,14 @@ def main(argv):
             series["window"].append((f"w={w}", u * H, t * H, backward_ms(q, k, v, do, causal=True, window=(w, 0))))
         b_dense = None
         for name, points in series.items():
-            a_us, b_us, residual = fit([(u, t, ms) for _, u, t, ms in points])
+            a_us, b_us, residual = fit([(u, t, ms) for _, u, t, ms in points], sms)
             b_dense = b_dense or b_us
             print(f"d={d} {name}: unit {a_us:.2f} us, tile {b_us:.3f} us ({b_us / b_dense:.2f}x dense's tile), "
-                  f"{SMS} SMs, tile {block_m} queries x {block_n} keys")
+                  f"{sms} SMs, tile {block_m} queries x {block_n} keys")
             for (label, u, t, ms), r in zip(points, residual):
                 print(f"    {label:8} units {u:6d} tiles {t:7d} ({t / u:6.1f} a unit) {ms:8.3f} ms  "
-                      f"residual {r / 1e3 / SMS:+.3f} ms")
+                      f"residual {r / 1e3 / sms:+.3f} ms")
 
-
-SMS = 0
 
 if __name__ == "__main__":
     main(sys.argv[1:])
