@@ -20,8 +20,8 @@ import numpy as np
 from . import _arrays, _mods, _nvrtc, _params, _philox, _tma
 from ._kernels import (BACKWARD_MODES, BWD_ROW_PAD, BWD_SM90, BWD_SM90_SUB_M, CPP_TYPE, FWD_SM90, GRAD_DK, GRAD_DQ,
                        GRAD_DQ_ORDERED, HEAD_DIMS, MIN_COMPUTE_CAPABILITY, MODE_BIAS, MODE_DENSE, MODE_TF32, MODES,
-                       BackwardPlan, Variant, backward_mode, backward_plan, bwd_sm90_persistent, forward_variants,
-                       forward_variants_for, padded_head_dim, sm90_rows_box)
+                       BackwardPlan, Variant, backward_mode, backward_plan, bwd_sm90_persistent, bwd_sm90_splits_units,
+                       forward_variants, forward_variants_for, padded_head_dim, sm90_rows_box, sm90_unit_split)
 from ._validate import check_flag
 
 MAX_GRID_YZ = 65535   # grid y (heads) and z (batch) extents
@@ -457,6 +457,8 @@ class _BackwardLaunchPlan:
     dq_ld: int             # 0: no dQ workspace (the dQ kernel computes dq)
     dq_turns: int          # turn counters of a key-block kernel that adds dQ in order (bwd.cuh DqTurns)
     work_counter: bool     # the Hopper key-block kernel's unit counter (bwd_sm90.cu Sm90BwdUnits)
+    split_units: int       # its units taken in pieces: a piece counter (after the unit counter) and
+    split_floats: int      # the fp32 dK and dV sums (floats) of each, zeroed
     params: _params.Params
 
 
@@ -476,6 +478,7 @@ def _plan_backward(do, q, k, v, o, dq, dk, dv, *, scale, causal, deterministic, 
     params.set(nq_pad=nq_pad, vec=int(_arrays.rows_16b_aligned(q, k, v, o, do, dq, dk, dv)),
                **dict(zip(("dbias_sb", "dbias_sh", "dbias_sq", "dbias_sk"), _params.element_strides(dbias, 4))))
     kv = []
+    split = (0, 0)
     for _, candidates in plan.kv:
         variant, specs = _choose(candidates, device_id), None
         if variant.family.tensor_maps:
@@ -485,10 +488,17 @@ def _plan_backward(do, q, k, v, o, dq, dk, dv, *, scale, causal, deterministic, 
             elif variant.mode & MODE_BIAS:
                 params.mods(bias_tma=1)
         key_blocks = math.ceil(keys / variant.block_m)
+        units = key_blocks * Hk * batch
         if variant.family is BWD_SM90:   # its units: (key block, kv head, batch entry)
-            params.set(grid_n=key_blocks, grid_heads=Hq, grid_batch=batch)
+            params.set(grid_n=key_blocks, grid_heads=Hq, grid_batch=batch, whole_units=units, unit_pieces=1)
         if bwd_sm90_persistent(variant):   # one CTA per SM, taking units from a counter
-            kv.append((variant, (min(key_blocks * Hk * batch, _sm_count(device_id)),), specs))
+            ctas = min(units, _sm_count(device_id))
+            if bwd_sm90_splits_units(variant) and not causal:   # every unit as long: the last round's in pieces
+                whole, pieces = sm90_unit_split(units, ctas, (Hq // Hk) * math.ceil(rows / variant.tile[0]))
+                params.set(whole_units=whole, unit_pieces=pieces)
+                if pieces > 1:
+                    split = (units - whole, 2 * variant.block_m * padded_head_dim(d, dim_v))
+            kv.append((variant, (ctas,), specs))
         else:
             kv.append((variant, (key_blocks, Hk, batch), specs))
     adds_dq = next((v for v, _, _ in kv if v.grads & GRAD_DQ), None)
@@ -508,7 +518,7 @@ def _plan_backward(do, q, k, v, o, dq, dk, dv, *, scale, causal, deterministic, 
         finish = (plan.convert, (math.ceil(Nq * d / plan.convert.block_m), Hq, B))
     prep = (plan.prep, (nq_pad // plan.prep.block_m, Hq, B))
     work_counter = any(bwd_sm90_persistent(variant) for variant, _, _ in kv)
-    return _BackwardLaunchPlan(prep, tuple(kv), finish, nq_pad, dq_ld, dq_turns, work_counter, params)
+    return _BackwardLaunchPlan(prep, tuple(kv), finish, nq_pad, dq_ld, dq_turns, work_counter, *split, params)
 
 
 def attention_backward(do, q, k, v, o, lse, dq, dk, dv, *, scale, causal, deterministic,
@@ -527,7 +537,9 @@ def attention_backward(do, q, k, v, o, lse, dq, dk, dv, *, scale, causal, determ
     floats (doubles for fp64); where the key-block kernel adds dq (``deterministic=False``,
     and on Hopper both modes) also the dq accumulator, B * Hq * Nq * d floats (doubles;
     rows padded to D + 8 for bwd_sm90.cu, which adds whole tiles), and for its ordered
-    additions one 4-byte turn counter per query tile. ``deterministic=True`` computes dq
+    additions one 4-byte turn counter per query tile; on Hopper without a causal band, the
+    fp32 dK and dV sums of the units it splits (fewer than the SMs: 2 * 128 * D * 4
+    bytes each, D the padded head dim) and a counter each. ``deterministic=True`` computes dq
     bitwise reproducibly (dbias too when the bias broadcasts over no axis).
     """
     import cupy
@@ -544,13 +556,15 @@ def attention_backward(do, q, k, v, o, lse, dq, dk, dv, *, scale, causal, determ
     acc = _arrays.accumulation_dtype(q.dtype).type
     rows = cupy.empty((2, B, Hq, plan.nq_pad), acc)   # one array: bwd_sm90.cu reads both through one map
     lse2, delta = rows[0], rows[1]
-    dq_accum = dq_turns = work_counter = None
+    dq_accum = dq_turns = work_counter = kv_partial = None
     if plan.dq_ld:   # zeroed by the pre-pass (bwd_prep.cu)
         dq_accum = cupy.empty((B, Hq, Nq, plan.dq_ld), acc)
-        if plan.dq_turns or plan.work_counter:   # the turn counters and the unit counter: one memset
-            counters = cupy.zeros(plan.dq_turns + plan.work_counter, cupy.uint32)
+        if plan.dq_turns or plan.work_counter:   # the turn counters, the unit and piece counters: one memset
+            counters = cupy.zeros(plan.dq_turns + plan.work_counter + plan.split_units, cupy.uint32)
             dq_turns = counters[:plan.dq_turns] if plan.dq_turns else None
             work_counter = counters[plan.dq_turns:] if plan.work_counter else None
+        if plan.split_units:
+            kv_partial = cupy.zeros(plan.split_units * plan.split_floats, cupy.float32)
     params = plan.params.copy()
     params.tensor("q", q).tensor("k", k).tensor("v", v).tensor("o", o).tensor("dout", do)
     params.tensor("dq", dq).tensor("dk", dk).tensor("dv", dv).set(
@@ -567,7 +581,8 @@ def attention_backward(do, q, k, v, o, lse, dq, dk, dv, *, scale, causal, determ
         params.set(dq_accum=_params.address(dq_accum if variant.grads & GRAD_DQ else None),
                    dq_order=_params.address(dq_turns if variant.grads & GRAD_DQ else None),
                    dbias=_params.address(dbias if variant.grads & GRAD_DK else None),
-                   work_counter=_params.address(work_counter if bwd_sm90_persistent(variant) else None))
+                   work_counter=_params.address(work_counter if bwd_sm90_persistent(variant) else None),
+                   kv_partial=_params.address(kv_partial))
         if specs is not None:
             params.set(**_tensor_maps(specs, (q, do, k, v, mods.bias),
                                       ("q_map", "dout_map", "k_map", "v_map", "bias_map")))

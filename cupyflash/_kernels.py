@@ -443,6 +443,25 @@ BWD_SM90_KV_TILES = {
 }
 
 
+def bwd_sm90_splits_units(variant: "Variant") -> bool:
+    """Whether a key-block kernel can take the last round's units in pieces (bwd_sm90.cu
+    Sm90BwdKVTile::SPLITS: the dense kernels of the default mode; `sm90_unit_split`)."""
+    return variant.family is BWD_SM90 and variant.mode == MODE_DENSE and not variant.grads & GRAD_DQ_ORDERED
+
+
+def sm90_unit_split(units: int, ctas: int, pairs: int) -> tuple[int, int]:
+    """(whole units, pieces a split unit) of bwd_sm90.cu's persistent backward (Sm90BwdUnits),
+    for `units` units of `pairs` (query head, query tile) pairs each on `ctas` CTAs: the
+    units of the last round, where fewer are left than CTAs, in as many pieces of equal
+    runs of pairs as the idle CTAs allow, each piece nonempty (the kernel walks pairs
+    [piece * per, ...) with per = ceil(pairs / pieces)); (units, 1) where nothing splits."""
+    left = units % ctas
+    if units <= ctas or left == 0 or pairs < 2 or ctas // left < 2:
+        return units, 1
+    per = -(-pairs // min(ctas // left, pairs))
+    return units - left, -(-pairs // per)
+
+
 def bwd_sm90_persistent(variant: "Variant") -> bool:
     """Whether a key-block kernel runs persistent CTAs (bwd_sm90.cu Sm90BwdKVTile::PERSISTENT:
     the lean ones, dense and MODE_BAND), one per SM taking (key block, kv head, batch
@@ -567,11 +586,11 @@ def _sm90_dkdv(dtype_name: str, D: int, tile, grads: int, mode: int) -> Variant:
     # with rows of D + 8; a tile's lse2 and delta rows a stage; 1024 bytes to align the
     # tiles; Sm90BwdBarriers (11 + 2 STAGES mbarriers of 8 bytes, two unit words, a
     # 16-byte Sm90BwdTileInfo a stage; the walk's ring: two mbarriers and a tile info a
-    # slot, Sm90BwdKVTile::WALK_SLOTS).
+    # slot, Sm90BwdKVTile::WALK_SLOTS; the consumers' split unit and a pad word).
     bias = BWD_SM90_SUB_M * block_n if mode & MODE_BIAS else 0
     smem = ((2 * block_n * D + 2 * stages * block_m * D + 2 * block_n * block_m + bias) * 2
             + (block_m * (D + 8) + 2 * stages * _sm90_rows_ld(block_m)) * 4 + 1024 + 8 * (12 + 2 * stages) + 16 * stages
-            + (2 * 8 + 16) * BWD_SM90_WALK_SLOTS)
+            + (2 * 8 + 16) * BWD_SM90_WALK_SLOTS + 8)
     expr = f"flash_bwd_dkdv_sm90<{CPP_TYPE[dtype_name]}, {D}, {block_m}, {consumers}, {grads}, {mode}, {smem}>"
     # + the producer warpgroup; the dQ workspace's rows padded as the staged tile's (DQ_LD)
     return Variant(BWD_SM90, expr, (consumers + 1) * 128, block_n, smem, mode=mode, tile=tuple(tile),

@@ -111,6 +111,7 @@ struct Sm90BwdBarriers {
     Sm90BwdTileInfo tile[STAGES];       // each stage's query tile
     u64 walk_full[WALK_SLOTS], walk_empty[WALK_SLOTS];   // the walk's ring (Sm90BwdKVTile::WALKER)
     Sm90BwdTileInfo walk[WALK_SLOTS];
+    int consumers_split, unused;        // the consumers' unit: its index among the split units, or -1
 };
 
 template <typename T, int D, int BLOCK_M, int CONSUMERS, int GRADS, int MODE>
@@ -222,6 +223,12 @@ struct Sm90BwdKVTile {
     // spills the persistent form read 0.96-1.09x (H100, N = 4k-16k, bench/NOTES.md
     // session 18): at these lengths a unit's fill and drain are ~1% of it.
     static constexpr bool PERSISTENT = LEAN;
+    // Units in pieces (Sm90BwdUnits): the dense kernels of the default mode (the host splits
+    // only calls without a causal band, whose units are all as long; the deterministic
+    // mode's turns follow whole units).
+    static constexpr bool SPLITS = MODE == MODE_DENSE && !ORDERED_DQ;
+    static_assert(!SPLITS || 2 * DS_ELEMS * sizeof(T) + DQ_FLOATS * sizeof(float) >= BLOCK_N * D * sizeof(float),
+                  "a piece's fp32 gradient staged over dS^T and the dQ tile");
     static_assert((GRADS & (GRAD_DV | GRAD_DK)) == (GRAD_DV | GRAD_DK), "dV and dK in one pass");
     // dQ in both modes (ordered in the deterministic one): the host never asks for less.
     static_assert((GRADS & GRAD_DQ) != 0, "bwd_sm90.cu adds dQ");
@@ -239,18 +246,32 @@ struct Sm90BwdKVTile {
 // publishes it to the other roles. The deterministic dQ's turns (bwd.cuh DqTurns) follow
 // the units' order: a unit waits only for units taken before it, by CTAs that are running
 // and take their units in increasing order, so the waits cannot deadlock.
+// The units past AttnParams::whole_units (the last round's, where fewer units than CTAs
+// are left: without a causal band every unit is as long, and those few CTAs ran alone
+// for a whole unit, ~3% of a call) come in unit_pieces pieces each, every piece a run of
+// the unit's walk: a piece adds its dK and dV into the fp32 workspace kv_partial, and the
+// last piece to do so stores them (Sm90BwdKVTile::SPLITS).
 struct Sm90BwdUnit {
-    int x;   // the key block's place in its head's order (DqTurns)
+    int x;       // the key block's place in its head's order (DqTurns)
     int hk, b;
+    int piece;   // the piece of a split unit, or -1: the whole unit
 };
 struct Sm90BwdUnits {
-    int blocks, kv_heads, count;
+    int blocks, kv_heads, whole, pieces, count;
 
     __device__ __forceinline__ explicit Sm90BwdUnits(const AttnParams& p)
-        : blocks(p.grid_n), kv_heads(p.grid_heads / p.group), count(p.grid_n * (p.grid_heads / p.group) * p.grid_batch) {}
+        : blocks(p.grid_n), kv_heads(p.grid_heads / p.group), whole(p.whole_units), pieces(p.unit_pieces),
+          count(whole + (p.grid_n * (p.grid_heads / p.group) * p.grid_batch - whole) * pieces) {}
+    template <bool SPLITS>
     __device__ __forceinline__ Sm90BwdUnit decode(int u) const {
+        const int piece = !SPLITS || u < whole ? -1 : (u - whole) % pieces;
+        if (piece >= 0) u = whole + (u - whole) / pieces;
         const int rest = u / blocks;
-        return {u - rest * blocks, rest % kv_heads, rest / kv_heads};
+        return {u - rest * blocks, rest % kv_heads, rest / kv_heads, piece};
+    }
+    // A split unit's index among the split ones (its dK/dV workspace and piece counter).
+    __device__ __forceinline__ int split_index(const Sm90BwdUnit& unit) const {
+        return (unit.b * kv_heads + unit.hk) * blocks + unit.x - whole;
     }
 };
 
@@ -259,23 +280,30 @@ template <int N> struct Sm90BwdWriter { static constexpr int INDEX = N; };
 
 // What every role derives from a unit and its option state: its key block and the pairs
 // that see it (bwd.cuh KeyBlockPairs), which every role walks in the same order.
-template <typename ModsT>
+template <typename ModsT, bool SPLITS>
 struct Sm90BwdUnitState {
     const ModsT& mods;
     Sm90BwdUnit unit;
     DqTurns turns;          // the key block, numbered against the dQ order
     int k0;                 // its first key
     KeyBlockPairs pairs;
+    int walked;             // the pairs this unit walks: pairs.count(), or a piece's
 
     __device__ __forceinline__ Sm90BwdUnitState(const ModsT& mods_, Sm90BwdUnit unit_, bool ordered_dq, int blocks,
-                                                int group, int block_n, int block_m, bool rotated_turns)
+                                                int group, int block_n, int block_m, bool rotated_turns, int pieces)
         : mods(mods_), unit(unit_), turns(mods_.mask, ordered_dq, unit_.x, blocks), k0(turns.key_block * block_n),
-          pairs(mods_.mask, unit_.hk, group, k0, block_n, block_m) {
+          pairs(mods_.mask, unit_.hk, group, k0, block_n, block_m), walked(pairs.count()) {
         if (rotated_turns) pairs.rotate_start(unit_.x, blocks);
+        // A piece walks pairs [rot, rot + walked) of the list (the host keeps each nonempty).
+        if (SPLITS && unit_.piece >= 0) {
+            const int per = (walked + pieces - 1) / pieces;
+            pairs.rot = unit_.piece * per;
+            walked = min(per, walked - pairs.rot);
+        }
     }
     // Whether the block has keys (under varlen the grid covers the longest sequence).
     __device__ __forceinline__ bool has_keys() const { return k0 < mods.mask.nk; }
-    __device__ __forceinline__ int count() const { return pairs.count(); }
+    __device__ __forceinline__ int count() const { return SPLITS ? walked : pairs.count(); }
     // Every lane of the warp calls these (KeyBlockPairs::next_in_warp).
     __device__ __forceinline__ int first() const { return pairs.next_in_warp(0, mods.mask); }
     __device__ __forceinline__ int after(int it) const { return pairs.next_in_warp(it + 1, mods.mask); }
@@ -311,7 +339,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int hq = p.grid_heads;
-    typedef Sm90BwdUnitState<ModsT> UnitState;
+    typedef Sm90BwdUnitState<ModsT, C::SPLITS> UnitState;
     // Deterministic dQ without a right edge (the blocks' turns ascending, each walk from
     // the first tile) makes block x begin x reductions late: at N <= 4k that cost ~1.2x the
     // time (bench/deterministic_cost.py). There the blocks of a head start their walks
@@ -336,7 +364,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                (i64)p.grid_m * group * (p.grid_n + 1) <= 0x7fffffff;
     };
     auto unit_state_of = [&](const ModsT& mods, Sm90BwdUnit unit) {
-        return UnitState(mods, unit, C::ORDERED_DQ, p.grid_n, group, BLOCK_N, BLOCK_M, rotated_turns());
+        return UnitState(mods, unit, C::ORDERED_DQ, p.grid_n, group, BLOCK_N, BLOCK_M, rotated_turns(), p.unit_pieces);
     };
 
     if (threadIdx.x == 0) {
@@ -374,7 +402,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
     }
     mbar_init_fence();
     __syncthreads();
-    const UnitState cta_unit = unit_state_of(cta_mods, {int(blockIdx.x), int(blockIdx.y), int(blockIdx.z)});
+    const UnitState cta_unit = unit_state_of(cta_mods, {int(blockIdx.x), int(blockIdx.y), int(blockIdx.z), -1});
     if (!C::PERSISTENT && !cta_unit.has_keys()) return;
 
     // Unit k of this CTA (every role takes the same ones, in order), -1 after the last:
@@ -410,7 +438,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
             for (int k = 0;; ++k) {
                 const int u = take(k);
                 if (u < 0) break;
-                const Sm90BwdUnit unit = Sm90BwdUnits(p).decode(u);
+                const Sm90BwdUnit unit = Sm90BwdUnits(p).template decode<C::SPLITS>(u);
                 const ModsT mods = ModsT::make(p, unit.b, hq);   // outlives w, which refers to it
                 const UnitState w = unit_state_of(mods, unit);
                 if (w.has_keys()) work(w);
@@ -611,6 +639,10 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
         // The walker walks the pairs and the loader passes each tile's record on in its
         // stage (Sm90BwdTileInfo); the consumers only ask whether the unit has a tile.
         const bool has_tiles = w.first() < w.count();
+        if constexpr (C::SPLITS) {   // in shared memory until the epilogue (held in registers, d = 128 spilled)
+            if (threadIdx.x == 0) bars.consumers_split = w.unit.piece >= 0 ? Sm90BwdUnits(p).split_index(w.unit) : -1;
+            consumer_sync();
+        }
         const int unit_step0 = step;
         if (has_tiles) mbar_wait(&bars.kv_full, kv_n & 1);
 
@@ -651,6 +683,21 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
             release(&bars.dq_full[dq_step % C::DQ_WRITERS]);
         };
 
+        // A split unit's piece: a gradient's fp32 accumulators added into `sums` (BLOCK_N rows
+        // of D floats) by one bulk reduction, staged where dS^T and the dQ tile lie (both
+        // free once the unit's last dQ tile has been read).
+        [[maybe_unused]] auto add_piece = [&](float* sums, const float (&acc)[1][DT][4]) {
+            float* staged = reinterpret_cast<float*>(sdS);
+            warp_store_c_f32(staged, D, warp_row0, acc);
+            fence_async_smem();
+            consumer_sync();
+            if (threadIdx.x == 0) {
+                bulk_reduce_add(sums, staged, u32(BLOCK_N * D) * sizeof(float));
+                bulk_commit();
+                bulk_wait_read<0>();
+            }
+            consumer_sync();
+        };
         for (bool more = has_tiles; more; ++step) {
             const int s_ = step % STAGES;
             const T* sQb = sQ + s_ * C::QO_ELEMS;
@@ -859,13 +906,44 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
         // dQ writer's barriers); this barrier says so to racecheck, which follows named
         // barriers but not mbarriers (400 hazards reported without it). Once a unit.
         consumer_sync();
-        warp_store_c<T, D>(sOut, warp_row0, acc_dv, 1.f);
-        consumer_sync();
-        const int k_rows = min(BLOCK_N, mask.nk - k0);
-        store_tile<T, BLOCK_N, D, C::CONSUMER_THREADS>(dV.at(mods.tb, w.unit.hk, mods.k_base + k0), dV.row, sOut, k_rows, dim_v, vec);
-        consumer_sync();
-        warp_store_c<T, D>(sOut, warp_row0, acc_dk, scale);
-        consumer_sync();
-        store_tile<T, BLOCK_N, D, C::CONSUMER_THREADS>(dK.at(mods.tb, w.unit.hk, mods.k_base + k0), dK.row, sOut, k_rows, d, vec);
+        // dV, then dK, each staged by `stage_dv` / `stage_dk` and stored whole.
+        auto store_grads = [&](auto&& stage_dv, auto&& stage_dk) {
+            const int k_rows = min(BLOCK_N, mask.nk - k0);
+            stage_dv();
+            consumer_sync();
+            store_tile<T, BLOCK_N, D, C::CONSUMER_THREADS>(dV.at(mods.tb, w.unit.hk, mods.k_base + k0), dV.row, sOut, k_rows,
+                                                           dim_v, vec);
+            consumer_sync();
+            stage_dk();
+            consumer_sync();
+            store_tile<T, BLOCK_N, D, C::CONSUMER_THREADS>(dK.at(mods.tb, w.unit.hk, mods.k_base + k0), dK.row, sOut, k_rows,
+                                                           d, vec);
+        };
+        // A piece of a split unit (Sm90BwdUnits): its dK and dV, in fp32, added into the
+        // unit's sums (kv_partial: dK then dV, rows of D floats) by bulk reductions; the
+        // piece whose reductions complete the unit's count (its counter after work_counter's
+        // own) stores the sums. (A path of its own: with the accumulators' staging chosen
+        // at run time, the d = 128 consumers spilled 8-32 bytes, build check.)
+        if constexpr (C::SPLITS) {
+            const int split = bars.consumers_split;
+            if (split >= 0) {
+                float* sums = static_cast<float*>(p.kv_partial) + (i64)split * 2 * BLOCK_N * D;
+                add_piece(sums, acc_dk);
+                add_piece(sums + BLOCK_N * D, acc_dv);
+                bool last = false;
+                if (threadIdx.x == 0) {
+                    bulk_wait<0>();
+                    u32* pieces_done = reinterpret_cast<u32*>(p.work_counter) + 1 + split;
+                    last = count_completed(pieces_done) + 1 == u32(p.unit_pieces);
+                }
+                if (!named_barrier_or(C::CONSUMER_BARRIER, C::CONSUMER_THREADS, last)) return;
+                fence_proxy_async_global();   // the other pieces' reductions, for the loads below
+                store_grads([&] { stage_sums<T, BLOCK_N, D, C::CONSUMER_THREADS>(sOut, sums + BLOCK_N * D, 1.f); },
+                            [&] { stage_sums<T, BLOCK_N, D, C::CONSUMER_THREADS>(sOut, sums, scale); });
+                return;
+            }
+        }
+        store_grads([&] { warp_store_c<T, D>(sOut, warp_row0, acc_dv, 1.f); },
+                    [&] { warp_store_c<T, D>(sOut, warp_row0, acc_dk, scale); });
     });
 }

@@ -54,6 +54,13 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
 __device__ __forceinline__ void named_barrier(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
 }
+// The same, returning whether `pred` held in any of the threads.
+__device__ __forceinline__ bool named_barrier_or(int id, int threads, bool pred) {
+    u32 any;
+    asm volatile("{\n.reg .pred p, q;\nsetp.ne.u32 p, %1, 0;\nbar.red.or.pred q, %2, %3, p;\nselp.u32 %0, 1, 0, q;\n}\n"
+                 : "=r"(any) : "r"(u32(pred)), "r"(id), "r"(threads) : "memory");
+    return any != 0;
+}
 
 // Load a ROWS x COLS tile starting at `src` (row stride `ld` elements) into `dst`, laid
 // out as L (rows a multiple of 16 bytes apart: other fragment reads than ldmatrix want
@@ -108,6 +115,21 @@ __device__ __forceinline__ void load_tile_as(T* dst, const T* src, i64 ld, int r
 template <typename T, int ROWS, int COLS, int NTHREADS, int LDS = SmemTile<T, COLS>::stride>
 __device__ __forceinline__ void load_tile(T* dst, const T* src, i64 ld, int rows, int cols, bool vec) {
     load_tile_as<T, ROWS, COLS, NTHREADS, RowMajor<LDS>>(dst, src, ld, rows, cols, vec);
+}
+
+// A ROWS x COLS fp32 tile in global memory (rows COLS floats apart; read through L2, which
+// other CTAs' reductions wrote), times `mul`, into a padded shared tile of T.
+template <typename T, int ROWS, int COLS, int NTHREADS>
+__device__ __forceinline__ void stage_sums(T* dst, const float* src, float mul) {
+    constexpr int CHUNKS_PER_ROW = COLS / 4, LDS = SmemTile<T, COLS>::stride;
+    static_assert(COLS % 4 == 0, "rows of 16-byte chunks");
+    #pragma unroll 4
+    for (int c = threadIdx.x; c < ROWS * CHUNKS_PER_ROW; c += NTHREADS) {
+        const int r = c / CHUNKS_PER_ROW, col = (c % CHUNKS_PER_ROW) * 4;
+        const float4 v = __ldcg(reinterpret_cast<const float4*>(src + r * COLS + col));
+        *reinterpret_cast<uint2*>(dst + r * LDS + col) =
+            make_uint2(pack2<T>(v.x * mul, v.y * mul), pack2<T>(v.z * mul, v.w * mul));
+    }
 }
 
 // Store the first `rows` x `cols` of a shared-memory tile to global memory.

@@ -68,7 +68,9 @@ struct AttnParams {
                                         // query tile), zeroed (bwd.cuh DqTurns), or null
     void* dbias;                        // dbias accumulator (compact bias shape), or null
     i64 dbias_sb, dbias_sh, dbias_sq, dbias_sk;
-    int* work_counter;                  // the Hopper kernels' work scheduler (below), or null
+    int* work_counter;                  // the Hopper kernels' work scheduler (below), or null; the
+                                        // Hopper backward's split units' piece counters follow it
+    void* kv_partial;                   // the Hopper backward's split units' fp32 dK and dV sums, zeroed, or null
     double scale;                       // softmax scale
     double scale_log2;                  // scale * log2(e), > 0 (the host clamps it)
     int group;                          // query heads per kv head
@@ -88,6 +90,8 @@ struct AttnParams {
     // entry) of grid_n x grid_heads / group x grid_batch, taken from work_counter
     // (bwd_sm90.cu Sm90BwdUnits).
     int grid_n;
+    // Its units from whole_units on come in unit_pieces pieces each (1: none split).
+    int whole_units, unit_pieces;
     ModsParams mods;
 };
 

@@ -174,3 +174,13 @@ __device__ __forceinline__ void pass_turn(u32* turn) {
     fence_proxy_async_global();
     asm volatile("red.release.gpu.global.add.u32 [%0], 1;\n" :: "l"(turn) : "memory");
 }
+// Without turns: counts this thread's completed reductions (after bulk_wait<0>) into
+// `*done` and returns how many had been counted before, so that the one that completes a
+// sum may read it back (acquire: each other reduction was counted after it completed,
+// with release).
+__device__ __forceinline__ u32 count_completed(u32* done) {
+    fence_proxy_async_global();
+    u32 before;
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;\n" : "=r"(before) : "l"(done) : "memory");
+    return before;
+}

@@ -77,6 +77,21 @@ __device__ __forceinline__ void warp_mm_AB(float (&c)[MT][NT][4], const float (&
     }
 }
 
+// A warp's C fragments as they are (fp32) into its rows row0 + [0, 16 MT) of a shared tile
+// with rows `ld` floats apart.
+template <int MT, int NT>
+__device__ __forceinline__ void warp_store_c_f32(float* tile, int ld, int row0, const float (&c)[MT][NT][4]) {
+    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+        #pragma unroll
+        for (int hh = 0; hh < 2; ++hh)
+            #pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+                *reinterpret_cast<float2*>(tile + (row0 + mt * 16 + g + hh * 8) * ld + nt * 8 + 2 * t) =
+                    make_float2(c[mt][nt][2 * hh], c[mt][nt][2 * hh + 1]);
+}
+
 // Round a warp's C fragments (times `mul`) into its rows row0 + [0, 16 MT) of a padded
 // shared tile, for a CTA-wide coalesced store_tile afterwards.
 template <typename T, int COLS, int MT, int NT>

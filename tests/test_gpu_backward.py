@@ -257,6 +257,31 @@ def test_hopper_backward_reads_through_tensor_maps(rng, d):
     assert _cuda._sm90_backward_map_specs(variant, *views, _mods.NONE, None) is not None
 
 
+@pytest.mark.parametrize("dtype,d,group", [("bfloat16", 64, 1), ("float16", 128, 2)])
+def test_hopper_backward_splits_the_last_rounds_units(rng, dtype, d, group):
+    """A non-causal call of a few more (key block, kv head) units than SMs: the
+    last round's units run in pieces on the idle SMs (bwd_sm90.cu Sm90BwdUnits), whose dK
+    and dV sums the last piece of each stores; against the float64 reference, into
+    NaN-poisoned gradients, with a partial last key block and query tile."""
+    import cupy as cp
+    from cupyflash import _arrays, _cuda, _mods
+    device = cp.cuda.Device().id
+    if _cuda._device_info(device)[0] != "sm_90a":
+        pytest.skip("not a Hopper GPU")
+    nq, nk = 300, 200   # 3 (d = 64) or 5 query tiles, 2 key blocks of 128
+    sms = _cuda._sm_count(device)
+    host, (q, k, v, do) = make_inputs(rng, dtype, d, nq, nk, group, "bhsd", with_do=True, batch=1,
+                                      kv_heads=sms // 2 + 1, max_pairs=10**6)
+    o = cupyflash.attention(q, k, v, backend="cuda")
+    views = [_arrays.bhsd_view(x, "bhsd") for x in (do, q, k, v, o)]
+    grads = [cp.full(x.shape, np.nan, dtype=x.dtype) for x in (q, k, v)]
+    plan = _cuda._plan_backward(*views, *grads, scale=d ** -0.5, causal=False, deterministic=False, mods=_mods.NONE,
+                                dbias=None)
+    assert plan.split_units > 0, "the call was meant to split units"
+    grads = _poisoned_backward(q, k, v, do, causal=False, layout="bhsd", deterministic=False)
+    _check(grads, _reference_grads(host, "bhsd", causal=False), dtype, "bhsd")
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_backward_calls_of_one_signature_share_a_plan(rng, dtype):
     """Backward calls whose arrays have one layout reuse one launch plan

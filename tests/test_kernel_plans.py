@@ -255,3 +255,35 @@ def test_fp32_forward_on_hopper_and_its_precision(monkeypatch, tf32, options, D)
         "float32", D, False, mode & ~_kernels.MODE_TF32)
     monkeypatch.setattr(_cuda, "_device_info", lambda device_id: ("sm_80", 163 * 1024))
     assert _cuda._choose(_kernels.forward_variants_for("float32", D, mods, causal=True), 0).source == "fwd_wide.cu"
+
+
+@pytest.mark.parametrize("ctas", [1, 2, 7, 114, 132])
+def test_hopper_backward_splits_only_a_short_last_round_into_nonempty_pieces(ctas):
+    # bwd_sm90.cu walks piece i of a split unit from pair i * per, per = ceil(pairs / pieces):
+    # every piece must start inside the unit's pairs, and only the last round splits.
+    for units in range(1, 3 * ctas + 2):
+        for pairs in (1, 2, 3, 16, 33, 100):
+            whole, pieces = _kernels.sm90_unit_split(units, ctas, pairs)
+            left = units - whole
+            if pieces == 1:
+                assert whole == units
+                continue
+            assert units > ctas and left == units % ctas and whole % ctas == 0
+            assert 2 <= pieces <= pairs and left * pieces <= ctas
+            per = -(-pairs // pieces)
+            assert (pieces - 1) * per < pairs
+
+
+def test_which_hopper_backward_kernels_split_units():
+    # bwd_sm90.cu's SPLITS against the host's bwd_sm90_splits_units, which sets the pieces
+    # only for those kernels: every instantiation, one static_assert each.
+    source = (_nvrtc.KERNEL_DIR / "bwd_sm90.cu").read_text()
+    variants = [v for v in _kernels.all_variants() if v.family is _kernels.BWD_SM90]
+    assert any(_kernels.bwd_sm90_splits_units(v) for v in variants)
+    assert not all(_kernels.bwd_sm90_splits_units(v) for v in variants)
+    for v in variants:
+        args = v.name_expression[v.name_expression.index("<") + 1:v.name_expression.rindex(">")].split(", ")
+        tile = f"Sm90BwdKVTile<{', '.join(args[:6])}>"
+        source += (f"static_assert({tile}::SPLITS == {str(_kernels.bwd_sm90_splits_units(v)).lower()}, "
+                   f'"{v.name_expression}");\n')
+    _nvrtc.check_source(source, "splits.cu", "sm_90a")
