@@ -452,14 +452,22 @@ def bwd_sm90_splits_units(variant: "Variant") -> bool:
 def sm90_unit_split(units: int, ctas: int, pairs: int) -> tuple[int, int]:
     """(whole units, pieces a split unit) of bwd_sm90.cu's persistent backward (Sm90BwdUnits),
     for `units` units of `pairs` (query head, query tile) pairs each on `ctas` CTAs: the
-    units of the last round, where fewer are left than CTAs, in as many pieces of equal
-    runs of pairs as the idle CTAs allow, each piece nonempty (the kernel walks pairs
-    [piece * per, ...) with per = ceil(pairs / pieces)); (units, 1) where nothing splits."""
+    units of the last round, where fewer are left than CTAs, in the number of pieces
+    (equal runs of pairs, each nonempty: the kernel walks pairs [piece * per, ...) with
+    per = ceil(pairs / pieces)) that makes that round shortest, counting the rounds of
+    pieces it takes and a pair's time of fixed cost a piece; (units, 1) where nothing
+    splits."""
     left = units % ctas
-    if units <= ctas or left == 0 or pairs < 2 or ctas // left < 2:
+    if units <= ctas or left == 0 or pairs < 2:
         return units, 1
-    per = -(-pairs // min(ctas // left, pairs))
-    return units - left, -(-pairs // per)
+
+    def last_round(pieces):   # in pairs' time
+        return -(-left * pieces // ctas) * (-(-pairs // pieces) + (pieces > 1))
+
+    pieces = min(range(1, pairs + 1), key=lambda n: (last_round(n), n))
+    if pieces == 1:
+        return units, 1
+    return units - left, -(-pairs // -(-pairs // pieces))   # as many pieces as runs of per pairs
 
 
 def bwd_sm90_persistent(variant: "Variant") -> bool:

@@ -138,6 +138,10 @@ class Params:
             self._buf[name] = value
         return self
 
+    def get(self, name: str):
+        """A scalar field's value."""
+        return self._buf[name].item()
+
     def tensor(self, name: str, x) -> "Params":
         """A (B, H, N, d) CuPy view into TensorParams ``name`` (its address and the
         element strides of its first three axes)."""

@@ -257,27 +257,32 @@ def test_hopper_backward_reads_through_tensor_maps(rng, d):
     assert _cuda._sm90_backward_map_specs(variant, *views, _mods.NONE, None) is not None
 
 
-@pytest.mark.parametrize("dtype,d,group", [("bfloat16", 64, 1), ("float16", 128, 2)])
-def test_hopper_backward_splits_the_last_rounds_units(rng, dtype, d, group):
-    """A non-causal call of a few more (key block, kv head) units than SMs: the
-    last round's units run in pieces on the idle SMs (bwd_sm90.cu Sm90BwdUnits), whose dK
-    and dV sums the last piece of each stores; against the float64 reference, into
-    NaN-poisoned gradients, with a partial last key block and query tile."""
+@pytest.mark.parametrize("dtype,d,group,nq,left", [("bfloat16", 64, 1, 300, "few"), ("float16", 128, 2, 300, "few"),
+                                                    ("bfloat16", 128, 1, 2048, "half")])
+def test_hopper_backward_splits_the_last_rounds_units(rng, dtype, d, group, nq, left):
+    """A non-causal call of more (key block, kv head) units than SMs: the last round's
+    units run in pieces on the idle SMs (bwd_sm90.cu Sm90BwdUnits), whose dK and dV sums
+    the last piece of each stores; a few units left (a pair a piece, one round), or half
+    the SMs' worth (pieces in rounds of their own). Against the float64 reference, into
+    NaN-poisoned gradients, with a partial last key block and (nq = 300) query tile."""
     import cupy as cp
     from cupyflash import _arrays, _cuda, _mods
     device = cp.cuda.Device().id
     if _cuda._device_info(device)[0] != "sm_90a":
         pytest.skip("not a Hopper GPU")
-    nq, nk = 300, 200   # 3 (d = 64) or 5 query tiles, 2 key blocks of 128
+    nk = 200   # 2 key blocks of 128
     sms = _cuda._sm_count(device)
+    kv_heads = sms // 2 + 1 if left == "few" else (sms + sms // 2 + 2) // 2
     host, (q, k, v, do) = make_inputs(rng, dtype, d, nq, nk, group, "bhsd", with_do=True, batch=1,
-                                      kv_heads=sms // 2 + 1, max_pairs=10**6)
+                                      kv_heads=kv_heads, max_pairs=10**6)
     o = cupyflash.attention(q, k, v, backend="cuda")
     views = [_arrays.bhsd_view(x, "bhsd") for x in (do, q, k, v, o)]
     grads = [cp.full(x.shape, np.nan, dtype=x.dtype) for x in (q, k, v)]
     plan = _cuda._plan_backward(*views, *grads, scale=d ** -0.5, causal=False, deterministic=False, mods=_mods.NONE,
                                 dbias=None)
-    assert plan.split_units > 0, "the call was meant to split units"
+    pieces = plan.params.get("unit_pieces")
+    assert plan.split_units > 0 and pieces > 1, "the call was meant to split units"
+    assert (plan.split_units * pieces > sms) == (left == "half")
     grads = _poisoned_backward(q, k, v, do, causal=False, layout="bhsd", deterministic=False)
     _check(grads, _reference_grads(host, "bhsd", causal=False), dtype, "bhsd")
 

@@ -258,20 +258,30 @@ def test_fp32_forward_on_hopper_and_its_precision(monkeypatch, tf32, options, D)
 
 
 @pytest.mark.parametrize("ctas", [1, 2, 7, 114, 132])
-def test_hopper_backward_splits_only_a_short_last_round_into_nonempty_pieces(ctas):
+def test_hopper_backward_splits_only_the_last_round_into_nonempty_pieces(ctas):
     # bwd_sm90.cu walks piece i of a split unit from pair i * per, per = ceil(pairs / pieces):
-    # every piece must start inside the unit's pairs, and only the last round splits.
+    # every piece must start inside the unit's pairs; only the last round splits, and only
+    # where its pieces (in as many rounds as they take) finish before a whole unit would.
     for units in range(1, 3 * ctas + 2):
-        for pairs in (1, 2, 3, 16, 33, 100):
+        for pairs in (1, 2, 3, 16, 32, 33, 100):
             whole, pieces = _kernels.sm90_unit_split(units, ctas, pairs)
             left = units - whole
             if pieces == 1:
                 assert whole == units
                 continue
             assert units > ctas and left == units % ctas and whole % ctas == 0
-            assert 2 <= pieces <= pairs and left * pieces <= ctas
+            assert 2 <= pieces <= pairs
             per = -(-pairs // pieces)
             assert (pieces - 1) * per < pairs
+            assert -(-left * pieces // ctas) * (per + 1) < pairs
+
+
+def test_hopper_backward_split_of_the_grid_shapes():
+    # 4096 units of 16 pairs (d = 64, N = 2k) leave 4 on 132 SMs: a pair a piece; 2048 of
+    # 32 (d = 128) leave 68: three pieces, in two rounds of 204 pieces.
+    assert _kernels.sm90_unit_split(4096, 132, 16) == (4092, 16)
+    assert _kernels.sm90_unit_split(2048, 132, 32) == (1980, 3)
+    assert _kernels.sm90_unit_split(264, 132, 32) == (264, 1)
 
 
 def test_which_hopper_backward_kernels_split_units():
