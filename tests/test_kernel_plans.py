@@ -278,7 +278,7 @@ def test_hopper_backward_splits_only_the_last_round_into_nonempty_pieces(ctas):
 
 def test_hopper_backward_split_of_the_grid_shapes():
     # 4096 units of 16 pairs (d = 64, N = 2k) leave 4 on 132 SMs: a pair a piece; 2048 of
-    # 32 (d = 128) leave 68: three pieces, in two rounds of 204 pieces.
+    # 32 (d = 128) leave 68: three pieces each, 204 pieces in two rounds.
     assert _kernels.sm90_unit_split(4096, 132, 16) == (4092, 16)
     assert _kernels.sm90_unit_split(2048, 132, 32) == (1980, 3)
     assert _kernels.sm90_unit_split(264, 132, 32) == (264, 1)
