@@ -77,10 +77,10 @@ __device__ __forceinline__ void warp_mm_AB(float (&c)[MT][NT][4], const float (&
     }
 }
 
-// A warp's C fragments as they are (fp32) into its rows row0 + [0, 16 MT) of a shared tile
-// with rows `ld` floats apart.
-template <int MT, int NT>
-__device__ __forceinline__ void warp_store_c_f32(float* tile, int ld, int row0, const float (&c)[MT][NT][4]) {
+// Each pair of a warp's C fragments, (row, col) = (row0 + 16 mt + g (+ 8), 8 nt + 2 t) and
+// the next column, to put(row, col, x, y).
+template <int MT, int NT, typename Put>
+__device__ __forceinline__ void for_each_c_pair(int row0, const float (&c)[MT][NT][4], Put&& put) {
     const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -88,21 +88,23 @@ __device__ __forceinline__ void warp_store_c_f32(float* tile, int ld, int row0, 
         for (int hh = 0; hh < 2; ++hh)
             #pragma unroll
             for (int nt = 0; nt < NT; ++nt)
-                *reinterpret_cast<float2*>(tile + (row0 + mt * 16 + g + hh * 8) * ld + nt * 8 + 2 * t) =
-                    make_float2(c[mt][nt][2 * hh], c[mt][nt][2 * hh + 1]);
+                put(row0 + mt * 16 + g + hh * 8, nt * 8 + 2 * t, c[mt][nt][2 * hh], c[mt][nt][2 * hh + 1]);
+}
+
+// A warp's C fragments as they are (fp32) into its rows row0 + [0, 16 MT) of a shared tile
+// with rows `ld` floats apart.
+template <int MT, int NT>
+__device__ __forceinline__ void warp_store_c_f32(float* tile, int ld, int row0, const float (&c)[MT][NT][4]) {
+    for_each_c_pair(row0, c, [&](int row, int col, float x, float y) {
+        *reinterpret_cast<float2*>(tile + row * ld + col) = make_float2(x, y);
+    });
 }
 
 // Round a warp's C fragments (times `mul`) into its rows row0 + [0, 16 MT) of a padded
 // shared tile, for a CTA-wide coalesced store_tile afterwards.
 template <typename T, int COLS, int MT, int NT>
 __device__ __forceinline__ void warp_store_c(T* tile, int row0, const float (&c)[MT][NT][4], float mul) {
-    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-        #pragma unroll
-        for (int hh = 0; hh < 2; ++hh)
-            #pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-                *reinterpret_cast<u32*>(tile + (row0 + mt * 16 + g + hh * 8) * SmemTile<T, COLS>::stride + nt * 8 + 2 * t) =
-                    pack2<T>(c[mt][nt][2 * hh] * mul, c[mt][nt][2 * hh + 1] * mul);
+    for_each_c_pair(row0, c, [&](int row, int col, float x, float y) {
+        *reinterpret_cast<u32*>(tile + row * SmemTile<T, COLS>::stride + col) = pack2<T>(x * mul, y * mul);
+    });
 }
