@@ -28,19 +28,11 @@ def main(argv):
     from torch.profiler import ProfilerActivity, profile
 
     p = argparse.ArgumentParser()
-    p.add_argument("--seqlen", type=int, default=2048)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--causal", action="store_true")
-    p.add_argument("--window", type=int, default=None, help="a causal window (left extent, right 0)")
+    bench.add_backward_case_arguments(p, seqlen=2048)
     p.add_argument("--calls", type=int, default=20)
     a = p.parse_args(argv)
-    d, N = a.head_dim, a.seqlen
-    H, B = bench.HIDDEN // d, bench.TOKENS // N
-    (q, k, v, do), _ = bench.make_inputs(a.dtype, (B, H, N, d), N + d)
-    options = dict(causal=a.causal or a.window is not None)
-    if a.window is not None:
-        options["window"] = (a.window, 0)
+    (q, k, v, do), options = bench.backward_case(a)
+    B, H, N, d = q.shape
     _, ctx = cupyflash.attention_forward(q, k, v, **options)
     for _ in range(3):
         cupyflash.attention_backward(do, ctx)

@@ -1,6 +1,6 @@
 """Host (Python) time of a backward call, with the launch-plan cache and without it.
 
-    python bench/host_overhead_backward.py [--seqlen 1024] [--head-dim 64] [--causal]
+    python bench/host_overhead_backward.py [--seqlen 1024] [--head-dim 64] [--causal] [--window 256]
 
 `cupyx.profiler.benchmark` of the vector-Jacobian product of one forward (cupyflash's
 `attention_vjp`): CPU and GPU milliseconds per call, first with `_cuda._BACKWARD_PLANS`
@@ -20,20 +20,14 @@ import cupyflash  # noqa: E402
 from cupyflash import _cuda, bench  # noqa: E402
 
 p = argparse.ArgumentParser()
-p.add_argument("--seqlen", type=int, default=1024)
-p.add_argument("--head-dim", type=int, default=64)
-p.add_argument("--dtype", default="bfloat16")
-p.add_argument("--causal", action="store_true")
-p.add_argument("--window", type=int, default=None, help="a causal window of this many keys (an option call)")
+bench.add_backward_case_arguments(p, seqlen=1024)
 a = p.parse_args()
-H, B = bench.HIDDEN // a.head_dim, bench.TOKENS // a.seqlen
-(q, k, v, do), _ = bench.make_inputs(a.dtype, (B, H, a.seqlen, a.head_dim), a.seqlen)
-options = {"window": (a.window, 0)} if a.window else {}
-_, vjp = cupyflash.attention_vjp(q, k, v, causal=a.causal or bool(a.window), **options)
+(q, k, v, do), options = bench.backward_case(a)
+_, vjp = cupyflash.attention_vjp(q, k, v, **options)
 for label in ("plan cache", "no cache"):
     if label == "no cache":
         _cuda._cached_plan = lambda plans, signature, make: make()
     result = benchmark(vjp, (do,), n_repeat=200, n_warmup=10)
     cpu, gpu = result.cpu_times.mean() * 1e3, result.gpu_times.mean() * 1e3
-    print(f"{label:10} N={a.seqlen} d={a.head_dim} causal={a.causal} {options}: "
+    print(f"{label:10} N={a.seqlen} d={a.head_dim} {options}: "
           f"host {cpu * 1e3:7.1f} us/call, GPU {gpu * 1e3:7.1f} us/call")

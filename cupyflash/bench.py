@@ -299,6 +299,28 @@ def varlen_lengths(rng, count, total, minimum=VARLEN_MIN):
     return lengths
 
 
+def add_backward_case_arguments(parser, seqlen):
+    """The options of a tool that times one backward call of the grid's shape (B N =
+    TOKENS, H d = HIDDEN): --seqlen, --head-dim, --dtype, --causal, --window."""
+    parser.add_argument("--seqlen", type=int, default=seqlen)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--window", type=int, default=None,
+                        help="a causal window of this many keys (left extent, right 0)")
+
+
+def backward_case(args):
+    """(q, k, v, do) and the attention options of the call `add_backward_case_arguments`'
+    ``args`` describe (a window implies causal)."""
+    d, N = args.head_dim, args.seqlen
+    (q, k, v, do), _ = make_inputs(args.dtype, (TOKENS // N, HIDDEN // d, N, d), N + d)
+    options = dict(causal=args.causal or args.window is not None)
+    if args.window is not None:
+        options["window"] = (args.window, 0)
+    return (q, k, v, do), options
+
+
 def varlen_packed(tensors, rng):
     """(B, H, N, d) tensors' B N tokens as the ``varlen`` row's VARLEN_SEQS packed sequences
     of random lengths: the (B N, H, d) views, cu_seqlens, the longest length and the lengths.
