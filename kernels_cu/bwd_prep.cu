@@ -115,9 +115,8 @@ flash_bwd_dq_convert(const __grid_constant__ AttnParams p)
             if (e >= plane) return;
             const i64 row = e / d;
             const int col = int(e - row * d);
-            const float4 a = *reinterpret_cast<const float4*>(src + row * p.dq_ld + col);
             *reinterpret_cast<uint2*>(DQ.at(b, h, row) + col) =
-                make_uint2(pack2<T>(a.x * scale, a.y * scale), pack2<T>(a.z * scale, a.w * scale));
+                pack4<T>(*reinterpret_cast<const float4*>(src + row * p.dq_ld + col), scale);
             return;
         }
     }

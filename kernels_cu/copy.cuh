@@ -126,9 +126,8 @@ __device__ __forceinline__ void stage_sums(T* dst, const float* src, float mul) 
     #pragma unroll 4
     for (int c = threadIdx.x; c < ROWS * CHUNKS_PER_ROW; c += NTHREADS) {
         const int r = c / CHUNKS_PER_ROW, col = (c % CHUNKS_PER_ROW) * 4;
-        const float4 v = __ldcg(reinterpret_cast<const float4*>(src + r * COLS + col));
         *reinterpret_cast<uint2*>(dst + r * LDS + col) =
-            make_uint2(pack2<T>(v.x * mul, v.y * mul), pack2<T>(v.z * mul, v.w * mul));
+            pack4<T>(__ldcg(reinterpret_cast<const float4*>(src + r * COLS + col)), mul);
     }
 }
 

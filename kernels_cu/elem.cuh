@@ -61,6 +61,12 @@ template <> __device__ __forceinline__ u32 pack2<bfloat16_t>(float lo, float hi)
     return r;
 }
 
+// Four floats times `mul`, rounded into 8 bytes (pack2's layout): a 16-bit row's chunk
+// of four elements from an fp32 accumulator.
+template <typename T> __device__ __forceinline__ uint2 pack4(float4 a, float mul) {
+    return make_uint2(pack2<T>(a.x * mul, a.y * mul), pack2<T>(a.z * mul, a.w * mul));
+}
+
 // Base-2 exponential on the SFU: the online softmax works in log2 units with log2(e)
 // folded into the scale, so one FFMA and one MUFU.EX2 give each probability. fp64: a
 // table and a short polynomial (exp2_f64.cuh), for x below 1024.
