@@ -497,7 +497,7 @@ def _plan_backward(do, q, k, v, o, dq, dk, dv, *, scale, causal, deterministic, 
                 whole, pieces = sm90_unit_split(units, ctas, (Hq // Hk) * math.ceil(rows / variant.tile[0]))
                 params.set(whole_units=whole, unit_pieces=pieces)
                 if pieces > 1:
-                    split = (units - whole, 2 * variant.block_m * padded_head_dim(d, dim_v))
+                    split = (units - whole, 2 * variant.block_m * variant.head_dim)
             kv.append((variant, (ctas,), specs))
         else:
             kv.append((variant, (key_blocks, Hk, batch), specs))

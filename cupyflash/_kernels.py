@@ -55,8 +55,9 @@ FWD_SM80_TILES = {
 # Hopper forward tiles (fwd_sm90.cu: warp-specialised, TMA and wgmma; sm_90a only, dense
 # mode, inputs a tensor map can describe) per head dim, (BLOCK_N, CONSUMERS, STAGES): keys
 # per tile, consumer warpgroups of 64 query rows each (BLOCK_M = 64 CONSUMERS), K/V stages
-# in shared memory. One CTA per SM. Head dims that are not a multiple of 64, other GPUs,
-# calls with options and rows that are not 16-byte aligned use the sm80 tables.
+# in shared memory. One CTA per SM. Calls padded to d = 32 or 96 run the 64 or 128
+# kernels (sm90_head_dim); other GPUs and rows that are not 16-byte aligned use the sm80
+# tables.
 # H100, bf16, TFLOP/s at N = 2k/4k/16k non-causal, then causal (bench/results/
 # h100-2026-11-23-tune-sm90-tma.log, one run): d = 64 (128, 3, 2) 406/442/491, 301/371/437
 # against (128, 2, 2) 318/352/389, 282/327/378 and (128, 3, 3), (128, 2, 4), (64, 3, 4),
@@ -240,6 +241,9 @@ class Variant:
     mode: int = MODE_DENSE
     tile: tuple = ()         # the tile-table entry it was made from
     dq_ld: int = 0           # a key-block kernel's row stride of the dQ workspace; 0: the head dim
+    # The head dim D it is instantiated for (a Hopper kernel may serve calls padded to a
+    # smaller one: sm90_head_dim); 0 for the element-wise passes, which serve every one.
+    head_dim: int = 0
     grads: int = 0           # a key-block kernel's GRADS bits (bwd.cuh)
 
     @property
@@ -267,6 +271,22 @@ def padded_head_dim(d: int, dv: int) -> int:
     raise ValueError(f"head dim {need} exceeds the largest supported ({HEAD_DIMS[-1]})")
 
 
+def sm90_head_dim(D: int, table: dict) -> int | None:
+    """The head dim of the Hopper instantiation in ``table`` (a tile table by head dim)
+    that serves calls padded to D: D's own, else the next larger one; None where the
+    table has none.
+
+    So d <= 32 runs in the 64 kernels and 64 < d <= 96 in the 128 ones, as any d below
+    its instantiation's does: TMA zero-fills the columns past d, and the products over
+    them are wasted (a third more at d = 96, twice at 32), yet wgmma on the padded tiles
+    beats mma.sync on the exact ones. H200, bf16, one process against the sm80 kernels
+    (bench/results/h200-2026-11-29-pad-hopper-ab.log, N = 2k / 8k): backward d = 96
+    2.4-3.0x (0.33-0.40x cuDNN before, 0.97-1.06x after), d = 32 1.06-1.22x;
+    deterministic 2.6-2.7x and 1.4x; forward d = 96 1.8-2.0x, d = 32 1.09-1.42x; fp32
+    (3xTF32) forward d = 96 1.39-1.47x, d = 32 1.09-1.18x but 0.91x causal at N = 1k."""
+    return min((E for E in table if E >= D), default=None)
+
+
 # Each kernel takes the host's figure of its dynamic shared memory as its last template
 # argument and static_asserts it against its own layout: the build check (NVRTC, no GPU)
 # catches a formula below that drifted from the C++.
@@ -276,7 +296,7 @@ def _sm80_forward(dtype_name: str, D: int, tile, mode: int) -> Variant:
     block_m, block_n, warps = tile
     smem = (block_m + 4 * block_n) * (D + 8) * 2   # fwd_sm80.cu FwdTile: Q, K and V twice
     expr = f"flash_fwd_sm80<{CPP_TYPE[dtype_name]}, {D}, {block_m}, {block_n}, {warps}, {mode}, {smem}>"
-    return Variant(FWD_SM80, expr, warps * 32, block_m, smem, mode=mode)
+    return Variant(FWD_SM80, expr, warps * 32, block_m, smem, mode=mode, head_dim=D)
 
 
 def _sm90_forward(dtype_name: str, D: int, tile, mode: int) -> Variant:
@@ -295,7 +315,7 @@ def _sm90_forward(dtype_name: str, D: int, tile, mode: int) -> Variant:
     smem = (((block_m + (kv_tiles * stages + landings) * block_n) * D + bias) * item + 1024
             + 8 * (2 + 9 * stages) + -(-4 * (stages + 1) // 8) * 8)
     expr = f"flash_fwd_sm90<{CPP_TYPE[dtype_name]}, {D}, {block_n}, {consumers}, {stages}, {mode}, {smem}>"
-    return Variant(FWD_SM90, expr, (consumers + 1) * 128, block_m, smem, mode=mode, tile=tuple(tile))
+    return Variant(FWD_SM90, expr, (consumers + 1) * 128, block_m, smem, mode=mode, tile=tuple(tile), head_dim=D)
 
 
 def _wide_forward(dtype_name: str, D: int, tile, mode: int) -> Variant:
@@ -305,7 +325,7 @@ def _wide_forward(dtype_name: str, D: int, tile, mode: int) -> Variant:
     smem = ((block_m + 2 * block_n) * (D + 8) + 2 * block_n * (dv_tile + 16 // item)) * item
     expr = (f"flash_fwd_wide<{CPP_TYPE[dtype_name]}, {D}, {dv_tile}, {block_m}, {block_n}, "
             f"{sub_n}, {warps}, {mode}, {smem}>")
-    return Variant(FWD_WIDE, expr, warps * 32, block_m, smem, D // dv_tile, mode)
+    return Variant(FWD_WIDE, expr, warps * 32, block_m, smem, D // dv_tile, mode, head_dim=D)
 
 
 def forward_variants(dtype_name: str, D: int, mode: int = MODE_DENSE) -> list[Variant]:
@@ -313,14 +333,18 @@ def forward_variants(dtype_name: str, D: int, mode: int = MODE_DENSE) -> list[Va
     if dtype_name != "float32":
         mode &= ~MODE_TF32   # a policy of fp32 products only
     if dtype_name in HALF_DTYPES:
-        hopper = [_sm90_forward(dtype_name, D, tile, mode) for tile in _FWD_SM90_TABLES[mode].get(D, ())]
+        table = _FWD_SM90_TABLES[mode]
+        E = sm90_head_dim(D, table)
+        hopper = [_sm90_forward(dtype_name, E, tile, mode) for tile in table.get(E, ())]
         mode = _one_ext_mode(mode)   # the other families: one kernel for every option
         tiles = (FWD_SM80_EXT_TILES if mode else FWD_SM80_TILES)[D]
         return hopper + [_sm80_forward(dtype_name, D, tile, mode) for tile in tiles]
     hopper = []
     if dtype_name == "float32":
         tables = _FWD_SM90_TF32_TABLES if mode & MODE_TF32 else _FWD_SM90_F32_TABLES
-        hopper = [_sm90_forward(dtype_name, D, tile, mode) for tile in tables.get(mode & ~MODE_TF32, {}).get(D, ())]
+        table = tables.get(mode & ~MODE_TF32, {})
+        E = sm90_head_dim(D, table)
+        hopper = [_sm90_forward(dtype_name, E, tile, mode) for tile in table.get(E, ())]
     mode = _one_ext_mode(mode & ~MODE_TF32)
     tiles = (FWD_WIDE_EXT_TILES if mode else FWD_WIDE_TILES)[dtype_name][D]
     return hopper + [_wide_forward(dtype_name, D, tile, mode) for tile in tiles]
@@ -571,7 +595,7 @@ def _sm80_dkdv(dtype_name: str, D: int, tile, grads: int, mode: int) -> Variant:
     elems = block_n * ld * (1 + dk) + 4 * block_m * ld + dq * block_n * (block_m + 8)
     smem = elems * 2 + (4 if dk else 2) * block_m * 4
     expr = f"flash_bwd_dkdv_sm80<{CPP_TYPE[dtype_name]}, {D}, {block_m}, {block_n}, {warps}, {grads}, {mode}, {smem}>"
-    return Variant(BWD_SM80, expr, warps * 32, block_n, smem, mode=mode, grads=grads)
+    return Variant(BWD_SM80, expr, warps * 32, block_n, smem, mode=mode, grads=grads, head_dim=D)
 
 
 def sm90_rows_box(block_m: int) -> int:
@@ -602,14 +626,14 @@ def _sm90_dkdv(dtype_name: str, D: int, tile, grads: int, mode: int) -> Variant:
     expr = f"flash_bwd_dkdv_sm90<{CPP_TYPE[dtype_name]}, {D}, {block_m}, {consumers}, {grads}, {mode}, {smem}>"
     # + the producer warpgroup; the dQ workspace's rows padded as the staged tile's (DQ_LD)
     return Variant(BWD_SM90, expr, (consumers + 1) * 128, block_n, smem, mode=mode, tile=tuple(tile),
-                   dq_ld=D + 8, grads=grads)
+                   dq_ld=D + 8, grads=grads, head_dim=D)
 
 
 def _sm80_dq(dtype_name: str, D: int, tile, mode: int) -> Variant:
     block_m, block_n, warps = tile
     smem = (2 * block_m + 4 * block_n) * (D + 8) * 2   # bwd_sm80.cu BwdQTile: Q, dO, K and V twice
     expr = f"flash_bwd_dq_sm80<{CPP_TYPE[dtype_name]}, {D}, {block_m}, {block_n}, {warps}, {mode}, {smem}>"
-    return Variant(BWD_SM80, expr, warps * 32, block_m, smem, mode=mode)
+    return Variant(BWD_SM80, expr, warps * 32, block_m, smem, mode=mode, head_dim=D)
 
 
 def _both_ways_elems(dtype_name: str, rows: int, cols: int) -> int:
@@ -635,7 +659,7 @@ def _wide_dkdv(dtype_name: str, D: int, tile, grads: int, mode: int) -> Variant:
     # fp64 dQ staged for bulk reductions at d = 128: the workspace's rows padded as the
     # staged tile's (WideBwdKVTile::STAGED_DQ, DQ_LD).
     dq_ld = D + 2 if dtype_name == "float64" and dq and halves == 2 and D >= 128 else 0
-    return Variant(BWD_WIDE, expr, warps * 32, block_n, smem, mode=mode, grads=grads, dq_ld=dq_ld)
+    return Variant(BWD_WIDE, expr, warps * 32, block_n, smem, mode=mode, grads=grads, dq_ld=dq_ld, head_dim=D)
 
 
 def _wide_dq(dtype_name: str, D: int, tile, mode: int) -> Variant:
@@ -644,14 +668,14 @@ def _wide_dq(dtype_name: str, D: int, tile, mode: int) -> Variant:
     elems = 2 * _both_ways_elems(dtype_name, block_m, D) + 4 * _both_ways_elems(dtype_name, block_n, D)
     smem = elems * np.dtype(dtype_name).itemsize
     expr = f"flash_bwd_dq_wide<{CPP_TYPE[dtype_name]}, {D}, {block_m}, {block_n}, {warps}, {slice_}, {mode}, {smem}>"
-    return Variant(BWD_WIDE, expr, warps * 32, block_m, smem, mode=mode)
+    return Variant(BWD_WIDE, expr, warps * 32, block_m, smem, mode=mode, head_dim=D)
 
 
 def _simt_backward(dtype_name: str, D: int, kernel: str, grads: int | None, mode: int) -> Variant:
     block = BWD_SIMT_BLOCK[dtype_name]
     smem = (4 * block * 33 + 2 * block * (block + 1)) * np.dtype(dtype_name).itemsize   # BwdSimtTile
     targs = f"{CPP_TYPE[dtype_name]}, {D}, {block}" + ("" if grads is None else f", {grads}") + f", {mode}, {smem}"
-    return Variant(BWD_SIMT, f"{kernel}<{targs}>", 256, block, smem, mode=mode, grads=grads or 0)
+    return Variant(BWD_SIMT, f"{kernel}<{targs}>", 256, block, smem, mode=mode, grads=grads or 0, head_dim=D)
 
 
 def backward_plan(dtype_name: str, D: int, deterministic: bool, mode: int = MODE_DENSE,
@@ -676,8 +700,9 @@ def backward_plan(dtype_name: str, D: int, deterministic: bool, mode: int = MODE
         tiles = (BWD_SM80_EXT_KV_TILES if mode else BWD_SM80_KV_TILES)[D]
         passes = ((GRAD_DV, GRAD_DK | dq_bit) if D >= BWD_SPLIT_MIN_HEAD_DIM
                   else (GRAD_DV | GRAD_DK | dq_bit,))
-        hopper = () if len(passes) > 1 else BWD_SM90_KV_TILES.get(D, ())
-        kv = tuple((grads, [*(_sm90_dkdv(dtype_name, D, t, grads | sm90_dq_bits, hopper_mode) for t in hopper),
+        E = None if len(passes) > 1 else sm90_head_dim(D, BWD_SM90_KV_TILES)
+        kv = tuple((grads, [*(_sm90_dkdv(dtype_name, E, t, grads | sm90_dq_bits, hopper_mode)
+                              for t in BWD_SM90_KV_TILES.get(E, ())),
                             *(_sm80_dkdv(dtype_name, D, t, grads, mode) for t in tiles)])
                    for grads in passes)
         q_tiles = (BWD_SM80_EXT_Q_TILES if mode else BWD_SM80_Q_TILES)[D]

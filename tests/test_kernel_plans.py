@@ -134,6 +134,35 @@ def test_hopper_backward_only_where_it_builds(monkeypatch, arch, source, determi
     assert plan.dq is None or _cuda._choose(plan.dq, 0).source == "bwd_sm80.cu"
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+def test_hopper_kernels_serve_the_padded_head_dims(monkeypatch, dtype, arch):
+    # Calls padded to d = 32 and 96 run the Hopper kernels of 64 and 128 (TMA zero-fills
+    # their padding columns; _kernels.sm90_head_dim), the forward in every mode and the
+    # 16-bit backward in both determinism modes, with the exact kernels behind them for
+    # rows TMA cannot describe; d = 192 and 256 keep the sm80 backward's two passes, and
+    # other GPUs the exact instantiations.
+    monkeypatch.setattr(_cuda, "_device_info", lambda device_id: (arch, HOPPER_SMEM))
+    G = _kernels
+    for D, E in ((32, 64), (96, 128)):
+        for mode in (G.MODE_DENSE, G.MODE_EXT, G.MODE_EXT | G.MODE_BIAS):
+            variants = G.forward_variants(dtype, D, mode)
+            chosen = _cuda._choose(variants, 0)
+            assert chosen.head_dim == (E if arch == "sm_90a" else D), chosen.name_expression
+            assert variants[-1].family is not G.FWD_SM90 and variants[-1].head_dim == D
+            if dtype == "float32":
+                continue
+            for deterministic in (False, True):
+                (_, candidates), = G.backward_plan(dtype, D, deterministic, mode).kv
+                chosen = _cuda._choose(candidates, 0)
+                assert (chosen.family is G.BWD_SM90) == (arch == "sm_90a"), chosen.name_expression
+                assert chosen.head_dim == (E if arch == "sm_90a" else D) and chosen.dq_ld in (0, E + 8)
+                assert candidates[-1].family is G.BWD_SM80 and candidates[-1].head_dim == D
+    for D in (192, 256):
+        if dtype != "float32":
+            assert all(v.family is G.BWD_SM80 for _, c in G.backward_plan(dtype, D, False).kv for v in c)
+
+
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_band_options_run_the_hopper_backward_dense_path(monkeypatch, arch, deterministic):
