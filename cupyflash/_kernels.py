@@ -514,8 +514,9 @@ BWD_SPLIT_MIN_HEAD_DIM = 192
 # then ~160 KB (A100); where none fits a ~100 KB GPU, device_backward_plan takes the
 # CUDA-core kernels. dK/dV kernel, (BLOCK_M, BLOCK_N, WARPS, SLICE, HALVES): query tile,
 # key block, warps, queries whose S^T and dP^T are live at once, and the warps that share
-# each 16-key m-tile (1, or 2 where a warp's dK and dV would not fit its registers: each
-# holds half of their columns; S^T and dP^T are computed once and traded). These kernels
+# each 16-key m-tile (1, or 2 or 4 where a warp's dK and dV would not fit its registers:
+# each holds a share of their columns; S^T and dP^T are computed once, with 4 each in two
+# halves of d, and traded). These kernels
 # run at ptxas' 255 registers from d = 96 (fp32) or 64 (fp64), and SLICE (8 or 16) is the
 # one with the fewest spill bytes under NVRTC 12.9 (build check), except where 16 measured
 # faster (fp64 d = 64: 1.08x over 8, whose option kernel spills 12 bytes; d = 96/128, where
@@ -538,6 +539,10 @@ BWD_WIDE_KV_TILES = {
         64: ((16, 128, 8, 16, 1), (16, 64, 4, 8, 1), (16, 32, 2, 8, 1)),
         96: ((16, 64, 8, 16, 2), (16, 32, 4, 16, 2)),
         128: ((16, 64, 8, 16, 2), (16, 32, 4, 16, 2)),
+        # Four warps a 16-key m-tile, a quarter of dK's and dV's columns each; rows of
+        # 1.5-2 KB leave room for 32 keys (d = 192) or 16 (d = 256) beside two query tiles.
+        192: ((16, 32, 8, 16, 4),),
+        256: ((16, 16, 4, 16, 4),),
     },
 }
 # Deterministic dQ kernel, (BLOCK_M, BLOCK_N, WARPS, SLICE): query block (16 rows per
@@ -558,10 +563,10 @@ BWD_WIDE_Q_TILES = {
         128: ((64, 16, 4, 8), (32, 16, 2, 8)),
     },
 }
-# fp64 from d = 192, where even one of dK, dV (or dQ) per 16-key m-tile exceeds the
-# registers, runs on the CUDA cores (bwd_simt.cu), and so do fp32/fp64 where the tensor-core
-# tiles do not fit the device (device_backward_plan): rows (= keys) per tile. fp64 takes 32
-# so that dK and dV (2 * 2 * D / 16 doubles per thread) stay in registers up to d = 256.
+# The CUDA-core kernels (bwd_simt.cu) serve fp32/fp64 where the tensor-core tiles do not
+# fit the device (device_backward_plan), and fp64's deterministic dQ from d = 192 (16
+# query rows of dQ a warp exceed the registers there): rows (= keys) per tile. fp64 takes
+# 32 so that dK and dV (2 * 2 * D / 16 doubles per thread) stay in registers up to d = 256.
 BWD_SIMT_BLOCK = {"float32": 64, "float64": 32}
 # bwd.cuh: the row workspaces are padded to a multiple of this many rows.
 BWD_ROW_PAD = 128
@@ -648,9 +653,9 @@ def _wide_dkdv(dtype_name: str, D: int, tile, grads: int, mode: int) -> Variant:
     # bwd_wide.cu WideBwdKVTile: K, V (with dK), Q and dO twice, dS (with dQ), the halves'
     # trading slots (a slice's S^T or dP^T per warp; in dS's buffer with one slice a tile);
     # lse2 (and delta) twice.
-    trade = warps * (block_n // (warps // halves)) * slice_ if halves == 2 else 0
+    trade = warps * (block_n // (warps // halves)) * slice_ if halves > 1 else 0
     ds = dq * _both_ways_elems(dtype_name, block_m, block_n)
-    ds_trade = max(ds, trade) if halves == 2 and slice_ == block_m else ds + trade
+    ds_trade = max(ds, trade) if halves > 1 and slice_ == block_m else ds + trade
     elems = (_both_ways_elems(dtype_name, block_n, D) * (1 + dk) + 4 * _both_ways_elems(dtype_name, block_m, D)
              + ds_trade + (4 if dk else 2) * block_m)
     smem = elems * np.dtype(dtype_name).itemsize
@@ -658,8 +663,9 @@ def _wide_dkdv(dtype_name: str, D: int, tile, grads: int, mode: int) -> Variant:
             f"{grads}, {halves}, {mode}, {smem}>")
     # fp64 dQ staged for bulk reductions at d = 128: the workspace's rows padded as the
     # staged tile's (WideBwdKVTile::STAGED_DQ, DQ_LD).
-    dq_ld = D + 2 if dtype_name == "float64" and dq and halves == 2 and D >= 128 else 0
-    return Variant(BWD_WIDE, expr, warps * 32, block_n, smem, mode=mode, grads=grads, dq_ld=dq_ld, head_dim=D)
+    dq_ld = D + 2 if dtype_name == "float64" and dq and halves > 1 and D >= 128 else 0
+    return Variant(BWD_WIDE, expr, warps * 32, block_n, smem, mode=mode, tile=tuple(tile), grads=grads, dq_ld=dq_ld,
+                   head_dim=D)
 
 
 def _wide_dq(dtype_name: str, D: int, tile, mode: int) -> Variant:
@@ -710,7 +716,10 @@ def backward_plan(dtype_name: str, D: int, deterministic: bool, mode: int = MODE
     elif D in BWD_WIDE_KV_TILES[dtype_name] and not cuda_cores:
         grads = GRAD_DV | GRAD_DK | dq_bit
         kv = ((grads, [_wide_dkdv(dtype_name, D, t, grads, mode) for t in BWD_WIDE_KV_TILES[dtype_name][D]]),)
-        dq = [_wide_dq(dtype_name, D, t, mode) for t in BWD_WIDE_Q_TILES[dtype_name][D]] if deterministic else None
+        dq = None
+        if deterministic:
+            dq = ([_wide_dq(dtype_name, D, t, mode) for t in BWD_WIDE_Q_TILES[dtype_name].get(D, ())]
+                  or [_simt_backward(dtype_name, D, "flash_bwd_dq_simt", None, mode)])
     else:
         grads = GRAD_DV | GRAD_DK | dq_bit
         kv = ((grads, [_simt_backward(dtype_name, D, "flash_bwd_dkdv_simt", grads, mode)]),)

@@ -9,13 +9,14 @@
 //   cp.async. S^T = K Q^T and dP^T = V dO^T are key-major, so their C fragments are the
 //   A operands of dV += P^T dO and dK += dS^T Q as they stand (mma_wide.cuh: the k index
 //   of a step is a label). dK and dV stay in registers. Where those of a warp's keys do
-//   not fit (fp64 from d = 96, fp32 from d = 192: HALVES = 2), two warps share each
-//   16-key m-tile (warps 2i and 2i + 1: current GPUs schedule warp w on scheduler w % 4,
-//   so a scheduler's two warps belong to different pairs and do not wait at each other's
-//   trade; 1.015-1.03x over pairs w, w + 4), half h holding columns [h D/2, (h + 1) D/2)
-//   of both; per query slice
-//   half 0 computes S^T and half 1 dP^T, over all of d, and they trade them through
-//   shared memory (trade_halves), so no product is computed twice. With GRAD_DQ the
+//   not fit (fp64 from d = 96, fp32 from d = 192: HALVES = 2; fp64 from d = 192: 4),
+//   HALVES warps share each 16-key m-tile (warps HALVES i .. HALVES i + HALVES - 1:
+//   current GPUs schedule warp w on scheduler w % 4, so a scheduler's two warps belong
+//   to different groups and do not wait at each other's trade; 1.015-1.03x over pairs
+//   w, w + 4), share h holding columns [h D/HALVES, (h + 1) D/HALVES) of both; per query
+//   slice share 0 computes S^T and share 1 dP^T (with four shares, 0 and 1 over the
+//   first half of d, 2 and 3 the same products over the second), and they trade them
+//   through shared memory (trade_products), so no product is computed twice. With GRAD_DQ the
 //   warps also write dS, query-major, to shared memory and add dQ = dS K over the whole
 //   key block into the workspace, each (query m-tile, 16 columns) job a complete sum:
 //   with atomics, or (fp64 at d = 128 on sm_90) staged for one bulk reduction a tile.
@@ -48,8 +49,8 @@
 template <typename T, int D> constexpr int wide_bwd_chains() { return sizeof(T) == 4 && D == 128 ? 4 : 1; }
 
 // SLICE: queries of S^T and dP^T live at once beside the accumulators (8 or 16, per the
-// tile table: spills and measurements). HALVES: 1, or 2 where dK and dV of a warp's keys
-// do not fit its registers whole (see the top of this file). The plans launch GRADS =
+// tile table: spills and measurements). HALVES: 1, or the 2 or 4 warps that share a
+// key m-tile where its dK and dV do not fit one warp's registers (see the top of this file). The plans launch GRADS =
 // dV | dK (| dQ); a GRADS without dK remains possible (no V tile, no dS).
 template <typename T, int D, int BLOCK_M, int BLOCK_N, int WARPS, int SLICE, int GRADS, int HALVES>
 struct WideBwdKVTile {
@@ -69,11 +70,11 @@ struct WideBwdKVTile {
     static constexpr int V_ELEMS = DK ? Rows::size(BLOCK_N) : 0;   // dP needs V; dV alone does not
     static constexpr int QDO_ELEMS = 4 * Rows::size(BLOCK_M);      // Q and dO, two buffers each
     static constexpr int DS_ELEMS = DQ ? DSRows::size(BLOCK_M) : 0;
-    static constexpr int TRADE_ELEMS = HALVES == 2 ? WARPS * MT * SNT * 4 * 32 : 0;   // a slice's S^T or dP^T a warp
+    static constexpr int TRADE_ELEMS = HALVES > 1 ? WARPS * MT * SNT * 4 * 32 : 0;   // a slice's S^T or dP^T (part) a warp
     // With one slice a query tile, the trading slots share dS's buffer: each tile's trade
     // ends with a CTA barrier before dS is written (and the tile's first barrier orders
     // the dQ pass's reads of dS before the next trade).
-    static constexpr bool TRADE_IN_DS = HALVES == 2 && SLICE == BLOCK_M;
+    static constexpr bool TRADE_IN_DS = HALVES > 1 && SLICE == BLOCK_M;
     static constexpr int DS_TRADE_ELEMS = TRADE_IN_DS ? (DS_ELEMS > TRADE_ELEMS ? DS_ELEMS : TRADE_ELEMS)
                                                       : DS_ELEMS + TRADE_ELEMS;
     static constexpr int ROW_ELEMS = (DK ? 4 : 2) * BLOCK_M;  // lse2 (and delta), two buffers each
@@ -88,45 +89,57 @@ struct WideBwdKVTile {
     // DQ_LD = D + 2 elements apart, as the workspace's (the host pads them: _kernels.py
     // Variant.dq_ld), so that a tile is one range and the quarter-warps' 32-byte row writes
     // fall on distinct banks.
-    static constexpr bool STAGED_DQ = DQ && sizeof(T) == 8 && HALVES == 2 && D >= 128;
+    static constexpr bool STAGED_DQ = DQ && sizeof(T) == 8 && HALVES > 1 && D >= 128;
     static constexpr int DQ_LD = STAGED_DQ ? D + 2 : D;
     static constexpr int SMEM_BYTES = (K_ELEMS + V_ELEMS + QDO_ELEMS + DS_TRADE_ELEMS + ROW_ELEMS) * sizeof(T);
     static_assert(BLOCK_N % (16 * KEY_WARPS) == 0 && BLOCK_M % SLICE == 0 && COLS % 16 == 0, "tile shape");
     static_assert(GRADS != 0 && (!DQ || DK), "dQ comes with dK (both need dS)");
-    static_assert(HALVES == 1 || (HALVES == 2 && DV && DK && WARPS % 2 == 0), "the halves trade S^T for dP^T");
-    static_assert(HALVES == 1 || WARPS / 2 < 16, "a pair's named barrier id, 1 + warp / 2, is at most 15");
+    static_assert(HALVES == 1 || ((HALVES == 2 || HALVES == 4) && DV && DK && WARPS % HALVES == 0),
+                  "the shares trade S^T for dP^T");
+    static_assert(HALVES == 1 || WARPS / HALVES < 16, "a group's named barrier id, 1 + warp / HALVES, is at most 15");
+    static_assert(HALVES < 4 || KSTEPS % 2 == 0, "four shares split d in two");
     static_assert(BWD_ROW_PAD % BLOCK_M == 0, "query tiles read the padded row workspaces whole");
     static_assert(!STAGED_DQ || BLOCK_M * DQ_LD <= Rows::size(BLOCK_M), "dQ staged in a Q buffer");
 };
 
-// The two halves of a key pair trade their products of a slice: half 0 computed S^T into
-// s, half 1 dP^T into dp, and each gets the other's through its warp's slot of `trade`
-// (lane-major, conflict-free). Both leave with the same s and dp, bit for bit.
+// The HALVES warps that share a key m-tile trade their products of a slice: share 0
+// computed S^T into s, share 1 dP^T into dp (with four shares, 0 and 1 over the first
+// half of d and 2 and 3 the same products over the second), and each gets what it lacks
+// through the group's slots of `trade` (a warp's slot lane-major: conflict-free). Every
+// share leaves with the same s and dp, bit for bit (with four, each product is the sum
+// of its two parts, added in the same order by every share).
 // CTA_DONE: end with a barrier of the whole CTA (the slots share a buffer that is
-// written next) instead of the pair's.
-template <bool CTA_DONE, typename T, int MT, int NT>
-__device__ __forceinline__ void trade_halves(T (&s)[MT][NT][4], T (&dp)[MT][NT][4], T* trade, int warp,
-                                             int half) {
+// written next) instead of the group's.
+template <bool CTA_DONE, int HALVES, typename T, int MT, int NT>
+__device__ __forceinline__ void trade_products(T (&s)[MT][NT][4], T (&dp)[MT][NT][4], T* trade, int warp,
+                                               int share) {
     constexpr int PER_WARP = MT * NT * 4 * 32;
-    const int lane = threadIdx.x % 32, partner = warp ^ 1;
-    const int barrier = 1 + warp / 2;   // named barrier of the pair (0 is __syncthreads')
-    T* mine = trade + warp * PER_WARP;
-    const T* theirs = trade + partner * PER_WARP;
+    const int lane = threadIdx.x % 32;
+    const int barrier = 1 + warp / HALVES;   // named barrier of the group (0 is __syncthreads')
+    T* mine = trade + warp * PER_WARP + lane;
+    const T* group = trade + (warp - share) * PER_WARP + lane;   // share j's slot at j PER_WARP
     // Fully unrolled, each branch naming its own array: a select between s and dp would
     // index registers at run time (local memory).
     #pragma unroll
     for (int i = 0; i < MT * NT * 4; ++i) {
-        if (half == 0) mine[i * 32 + lane] = s[i / (NT * 4)][i / 4 % NT][i % 4];
-        else mine[i * 32 + lane] = dp[i / (NT * 4)][i / 4 % NT][i % 4];
+        if (share % 2 == 0) mine[i * 32] = s[i / (NT * 4)][i / 4 % NT][i % 4];
+        else mine[i * 32] = dp[i / (NT * 4)][i / 4 % NT][i % 4];
     }
-    named_barrier(barrier, 64);
+    named_barrier(barrier, 32 * HALVES);
     #pragma unroll
     for (int i = 0; i < MT * NT * 4; ++i) {
-        if (half == 0) dp[i / (NT * 4)][i / 4 % NT][i % 4] = theirs[i * 32 + lane];
-        else s[i / (NT * 4)][i / 4 % NT][i % 4] = theirs[i * 32 + lane];
+        T& si = s[i / (NT * 4)][i / 4 % NT][i % 4];
+        T& di = dp[i / (NT * 4)][i / 4 % NT][i % 4];
+        if constexpr (HALVES == 2) {   // the partner's product
+            if (share == 0) di = group[PER_WARP + i * 32];
+            else si = group[i * 32];
+        } else {   // each product's two parts, in share order
+            si = group[i * 32] + group[2 * PER_WARP + i * 32];
+            di = group[PER_WARP + i * 32] + group[3 * PER_WARP + i * 32];
+        }
     }
     if constexpr (CTA_DONE) __syncthreads();
-    else named_barrier(barrier, 64);   // the partner has read this slot before the next slice refills it
+    else named_barrier(barrier, 32 * HALVES);   // the group has read these slots before the next slice refills them
 }
 
 // Minimum one CTA per SM: without it ptxas aims at more resident CTAs than shared memory
@@ -163,9 +176,9 @@ flash_bwd_dkdv_wide(const __grid_constant__ AttnParams p)
     if (k_rows <= 0) return;   // varlen: the grid covers the longest sequence
     const KeyBlockPairs pairs(mask, hk, group, k0, BLOCK_N, BLOCK_M);
     const int n_iter = pairs.count();
-    // The halves compute the same dS: one of them adds the bias gradient and writes dS.
-    const int half = HALVES == 1 ? 0 : warp % 2;
-    T* dbias_b = MODE != MODE_DENSE && dbias != nullptr && half == 0 ? dbias + b * dbias_sb : nullptr;
+    // The shares compute the same dS: one of them adds the bias gradient and writes dS.
+    const int share = warp % HALVES;
+    T* dbias_b = MODE != MODE_DENSE && dbias != nullptr && share == 0 ? dbias + b * dbias_sb : nullptr;
 
     const Strided<const T> Q = tensor<const T>(p.q), K = tensor<const T>(p.k), V = tensor<const T>(p.v);
     const Strided<const T> dO = tensor<const T>(p.dout);
@@ -192,7 +205,7 @@ flash_bwd_dkdv_wide(const __grid_constant__ AttnParams p)
     cp_async_commit();
 
     const int warp_row0 = warp / HALVES * MT * 16;
-    const int col0 = half * C::COLS;   // this warp's columns of dK and dV
+    const int col0 = share * C::COLS;   // this warp's columns of dK and dV
     T acc_dv[C::DV ? MT : 1][C::DV ? DT : 1][4];
     T acc_dk[C::DK ? MT : 1][C::DK ? DT : 1][4];
     zero_frags(acc_dv);
@@ -221,17 +234,21 @@ flash_bwd_dkdv_wide(const __grid_constant__ AttnParams p)
         for (int q_s = 0; q_s < BLOCK_M; q_s += SLICE) {
             const T* sQs = sQb + Rows::block(q_s, 0);
             const T* sdOs = sdOb + Rows::block(q_s, 0);
-            // S^T = K Q^T (and dP^T = V dO^T: with two halves each computes one and they
-            // trade), then P^T = exp2(S^T scale log2 e - lse2[query]), 0 where hidden.
+            // S^T = K Q^T (and dP^T = V dO^T: with shares each computes one, or a part of
+            // one, and they trade), then P^T = exp2(S^T scale log2 e - lse2[query]), 0 where
+            // hidden.
             T s[MT][SNT][4];
             T dp[C::DK ? MT : 1][C::DK ? SNT : 1][4];
             T dtanh[MODE == MODE_EXT ? MT : 1][MODE == MODE_EXT ? SNT : 1][4];
             zero_frags(s);
-            if constexpr (HALVES == 2) {
+            if constexpr (HALVES > 1) {
+                // The share's part of d: all of it, or with four shares one half.
+                constexpr int PART_KSTEPS = HALVES == 4 ? C::KSTEPS / 2 : C::KSTEPS;
+                const int part0 = Rows::block(0, share / 2 * PART_KSTEPS * 8);
                 zero_frags(dp);
-                if (half == 0) wide_mm_ABt<Rows, C::KSTEPS, C::CHAINS>(s, sK, warp_row0, sQs);
-                else wide_mm_ABt<Rows, C::KSTEPS, C::CHAINS>(dp, sV, warp_row0, sdOs);
-                trade_halves<C::TRADE_IN_DS>(s, dp, sTrade, warp, half);
+                if (share % 2 == 0) wide_mm_ABt<Rows, PART_KSTEPS, C::CHAINS>(s, sK + part0, warp_row0, sQs + part0);
+                else wide_mm_ABt<Rows, PART_KSTEPS, C::CHAINS>(dp, sV + part0, warp_row0, sdOs + part0);
+                trade_products<C::TRADE_IN_DS, HALVES>(s, dp, sTrade, warp, share);
             } else {
                 wide_mm_ABt<Rows, C::KSTEPS, C::CHAINS>(s, sK, warp_row0, sQs);
             }
@@ -262,7 +279,7 @@ flash_bwd_dkdv_wide(const __grid_constant__ AttnParams p)
 
             if constexpr (C::DQ) {
                 // dS into shared memory, query-major (its key pairs adjacent for load_a).
-                if (half == 0)
+                if (share == 0)
                     for_each_score<true>(s, k0 + warp_row0, q0 + q_s, [&](T& x, int i, int j, int, int, int) {
                         sdS[DSRows::at(i - q0, j - k0)] = x;
                     });

@@ -766,6 +766,45 @@ def test_hopper_fp32_forward_on_tf32_wgmma(rng, monkeypatch, d, nq, nk, layout, 
 # whose rows TMA can read, Nk % 8 == 0; no dbias asked for): sizes with partial query
 # tiles, sub-tiles and key blocks, biases broadcast over batch and heads or not, and the
 # options beside it (softcap adds the bias in its pass instead of S^T's accumulator).
+# fp64 from d = 192 on DMMA: bwd_wide.cu's key-block kernel with four warps a 16-key
+# m-tile (HALVES = 4: each a quarter of dK's and dV's columns, S^T and dP^T in halves of
+# d traded between them), dense and with options; d = 160 runs padded to 192, d = 200 to
+# 256. (id, d, nq, nk, GQA group, causal, builder as OPTION_CASES')
+FP64_SHARED_KEY_CASES = (
+    ("dense", 192, 200, 333, 1, False, lambda r, b, h, nq, nk, t: {}),
+    ("causal-gqa", 256, 129, 300, 4, True, lambda r, b, h, nq, nk, t: {}),
+    ("softcap+alibi+window-d160", 160, 250, 250, 2, False,
+     lambda r, b, h, nq, nk, t: dict(softcap=2.0, alibi_slopes=_slopes((h,)), window=(64, 16))),
+    ("dropout+bias-d200", 200, 100, 150, 1, False,
+     lambda r, b, h, nq, nk, t: dict(dropout_p=0.2, seed=7, bias=_bias(r, (b, h, nq, nk), t))),
+    ("block_mask+causal", 192, 300, 300, 2, True,
+     lambda r, b, h, nq, nk, t: dict(block_mask=_block_mask(r, (b, 1), nq, nk, 16), block_size=16)),
+)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "det"])
+@pytest.mark.parametrize("name,d,nq,nk,group,causal,build", FP64_SHARED_KEY_CASES,
+                         ids=[c[0] for c in FP64_SHARED_KEY_CASES])
+def test_fp64_backward_on_dmma_from_d192(rng, monkeypatch, name, d, nq, nk, group, causal, build, deterministic):
+    """The fp64 backward from d = 192 against the float64 reference (to 1e-12), through
+    the DMMA key-block kernel whose warps share each key m-tile four ways (the
+    deterministic dQ on the CUDA cores), with the bias gradient too."""
+    from cupyflash import _cuda, _kernels
+    launched = []
+    if not DRY_RUN:
+        launch = _cuda._launch
+        monkeypatch.setattr(_cuda, "_launch", lambda variant, *a: (launched.append(variant), launch(variant, *a)))
+    host = _qkv(rng, "float64", d, nq, nk, group, "bhsd", batch=2)
+    opts = build(rng, 2, 2 * group, nq, nk, "float64")
+    opts.update(causal=causal, layout="bhsd", deterministic=deterministic)
+    got, ref = _run_both(cupyflash.attention_forward, host, opts)
+    _check(got, ref, "float64")
+    if not DRY_RUN:
+        key_block = [v for v in launched if v.grads & _kernels.GRAD_DK]
+        assert key_block and all(v.family is _kernels.BWD_WIDE and v.tile[-1] == 4 for v in key_block), \
+            [v.name_expression for v in launched]
+
+
 HOPPER_BIAS_CASES = (
     ("2d", (1, 16), 64, False, lambda r, b, h, nq, nk, t: dict(bias=_bias(r, (nq, nk), t))),
     ("2d-causal", (129, 1000), 128, True, lambda r, b, h, nq, nk, t: dict(bias=_bias(r, (nq, nk), t))),

@@ -41,13 +41,15 @@ def test_first_tiles_fit_hopper_and_last_fit_100kb(dtype, D):
 def test_wide_backward_is_one_launch_at_every_head_dim(dtype, deterministic):
     # dK and dV come from one key-block launch; where a warp's dK and dV do not fit its
     # registers (fp64 from d = 96, fp32 from 192), two warps hold half of their columns
-    # each (bwd_wide.cu HALVES) instead of a second launch recomputing P.
+    # each, four a quarter from fp64's d = 192 (bwd_wide.cu HALVES), instead of a second
+    # launch recomputing P.
     G = _kernels
     for D, tiles in G.BWD_WIDE_KV_TILES[dtype].items():
         (grads, candidates), = G.backward_plan(dtype, D, deterministic).kv
         assert grads & (G.GRAD_DK | G.GRAD_DV) == G.GRAD_DK | G.GRAD_DV
         halves = {tile[-1] for tile in tiles}
-        assert halves == ({2} if D >= {"float32": 192, "float64": 96}[dtype] else {1}), (D, tiles)
+        shares = 4 if dtype == "float64" and D >= 192 else 2 if D >= {"float32": 192, "float64": 96}[dtype] else 1
+        assert halves == {shares}, (D, tiles)
         assert all(f", {grads}, {tiles[i][-1]}, " in v.name_expression for i, v in enumerate(candidates))
 
 
@@ -227,15 +229,16 @@ def test_hopper_backward_bias_calls_it_cannot_serve_take_the_next_kernel(monkeyp
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_wide_backward_runs_on_the_tensor_cores_where_it_fits(dtype):
-    # fp32 at every head dim and fp64 up to d = 128 take bwd_wide.cu (3xTF32 / DMMA); fp64
-    # from d = 192, where one gradient per 16-key m-tile exceeds the registers, the CUDA cores.
+    # Every head dim's key-block kernel is bwd_wide.cu's (3xTF32 / DMMA), and so is the
+    # deterministic dQ kernel but fp64's from d = 192, whose 16 query rows of dQ a warp
+    # exceed the registers: that one runs on the CUDA cores.
     for D in _kernels.HEAD_DIMS:
-        wide = dtype == "float32" or D <= 128
         for deterministic in (False, True):
             for mode in (_kernels.MODE_DENSE, _kernels.MODE_EXT):
                 plan = _kernels.backward_plan(dtype, D, deterministic, mode)
-                sources = {v.source for _, c in plan.kv for v in c} | {v.source for v in plan.dq or ()}
-                assert sources == {"bwd_wide.cu" if wide else "bwd_simt.cu"}, (D, deterministic, mode)
+                assert {v.source for _, c in plan.kv for v in c} == {"bwd_wide.cu"}, (D, deterministic, mode)
+                wide_dq = dtype == "float32" or D <= 128
+                assert {v.source for v in plan.dq or ()} <= {"bwd_wide.cu" if wide_dq else "bwd_simt.cu"}
 
 
 @pytest.mark.parametrize("block_size, causal, window, rows", [
