@@ -16,10 +16,11 @@
 //   w, w + 4), share h holding columns [h D/HALVES, (h + 1) D/HALVES) of both; per query
 //   slice share 0 computes S^T and share 1 dP^T (with four shares, 0 and 1 over the
 //   first half of d, 2 and 3 the same products over the second), and they trade them
-//   through shared memory (trade_products), so no product is computed twice. With GRAD_DQ the
-//   warps also write dS, query-major, to shared memory and add dQ = dS K over the whole
-//   key block into the workspace, each (query m-tile, 16 columns) job a complete sum:
-//   with atomics, or (fp64 at d = 128 on sm_90) staged for one bulk reduction a tile.
+//   through shared memory (trade_products), so no product is computed twice. With
+//   GRAD_DQ the warps also write dS, query-major, to shared memory and add dQ = dS K over
+//   the whole key block into the workspace, each (query m-tile, 16 columns) job a
+//   complete sum: with atomics, or (fp64 from d = 128 on sm_90) staged for one bulk
+//   reduction a tile.
 //
 // flash_bwd_dq_wide (the deterministic mode): a CTA owns BLOCK_M query rows of one head
 //   and streams the key tiles its rows see, recomputing S, P, dP and dS per tile with dQ
@@ -49,9 +50,10 @@
 template <typename T, int D> constexpr int wide_bwd_chains() { return sizeof(T) == 4 && D == 128 ? 4 : 1; }
 
 // SLICE: queries of S^T and dP^T live at once beside the accumulators (8 or 16, per the
-// tile table: spills and measurements). HALVES: 1, or the 2 or 4 warps that share a
-// key m-tile where its dK and dV do not fit one warp's registers (see the top of this file). The plans launch GRADS =
-// dV | dK (| dQ); a GRADS without dK remains possible (no V tile, no dS).
+// tile table: spills and measurements). HALVES: 1, or the 2 or 4 warps that share a key
+// m-tile where its dK and dV do not fit one warp's registers (see the top of this file).
+// The plans launch GRADS = dV | dK (| dQ); a GRADS without dK remains possible (no V
+// tile, no dS).
 template <typename T, int D, int BLOCK_M, int BLOCK_N, int WARPS, int SLICE, int GRADS, int HALVES>
 struct WideBwdKVTile {
     static constexpr int THREADS = WARPS * 32;
@@ -70,7 +72,7 @@ struct WideBwdKVTile {
     static constexpr int V_ELEMS = DK ? Rows::size(BLOCK_N) : 0;   // dP needs V; dV alone does not
     static constexpr int QDO_ELEMS = 4 * Rows::size(BLOCK_M);      // Q and dO, two buffers each
     static constexpr int DS_ELEMS = DQ ? DSRows::size(BLOCK_M) : 0;
-    static constexpr int TRADE_ELEMS = HALVES > 1 ? WARPS * MT * SNT * 4 * 32 : 0;   // a slice's S^T or dP^T (part) a warp
+    static constexpr int TRADE_ELEMS = HALVES > 1 ? WARPS * MT * SNT * 4 * 32 : 0;   // a slice's product a warp
     // With one slice a query tile, the trading slots share dS's buffer: each tile's trade
     // ends with a CTA barrier before dS is written (and the tile's first barrier orders
     // the dQ pass's reads of dS before the next trade).
@@ -78,7 +80,7 @@ struct WideBwdKVTile {
     static constexpr int DS_TRADE_ELEMS = TRADE_IN_DS ? (DS_ELEMS > TRADE_ELEMS ? DS_ELEMS : TRADE_ELEMS)
                                                       : DS_ELEMS + TRADE_ELEMS;
     static constexpr int ROW_ELEMS = (DK ? 4 : 2) * BLOCK_M;  // lse2 (and delta), two buffers each
-    // fp64 dQ on sm_90 at d = 128 (BULK_DQ in the kernel): the warps stage a query tile's
+    // fp64 dQ on sm_90 from d = 128 (BULK_DQ in the kernel): the warps stage a query tile's
     // dQ in the tile's Q buffer, dead once dK's product has read it (dQ = dS K reads dS and
     // K), and one thread adds it into the workspace with one bulk reduction. Per element,
     // 2048 atomic adds a 16-query tile, the dQ phase took a third of the kernel's time for
