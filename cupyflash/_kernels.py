@@ -514,9 +514,9 @@ BWD_SPLIT_MIN_HEAD_DIM = 192
 # then ~160 KB (A100); where none fits a ~100 KB GPU, device_backward_plan takes the
 # CUDA-core kernels. dK/dV kernel, (BLOCK_M, BLOCK_N, WARPS, SLICE, HALVES): query tile,
 # key block, warps, queries whose S^T and dP^T are live at once, and the warps that share
-# each 16-key m-tile (1, or 2 or 4 where a warp's dK and dV would not fit its registers:
-# each holds a share of their columns; S^T and dP^T are computed once, with 4 each in two
-# halves of d, and traded). These kernels
+# each 16-key m-tile (1, or 2, 4 or 8 where a warp's dK and dV would not fit its
+# registers: each holds a share of their columns; S^T and dP^T are computed once, with
+# more than 2 shares each in parts of d, and traded). These kernels
 # run at ptxas' 255 registers from d = 96 (fp32) or 64 (fp64), and SLICE (8 or 16) is the
 # one with the fewest spill bytes under NVRTC 12.9 (build check), except where 16 measured
 # faster (fp64 d = 64: 1.08x over 8, whose option kernel spills 12 bytes; d = 96/128, where
@@ -539,10 +539,11 @@ BWD_WIDE_KV_TILES = {
         64: ((16, 128, 8, 16, 1), (16, 64, 4, 8, 1), (16, 32, 2, 8, 1)),
         96: ((16, 64, 8, 16, 2), (16, 32, 4, 16, 2)),
         128: ((16, 64, 8, 16, 2), (16, 32, 4, 16, 2)),
-        # Four warps a 16-key m-tile, a quarter of dK's and dV's columns each; rows of
-        # 1.5-2 KB leave room for 32 keys (d = 192) or 16 (d = 256) beside two query tiles.
+        # Rows of 1.5-2 KB leave room for 32 keys (d = 192) or 16 (d = 256) beside two
+        # query tiles: four warps a 16-key m-tile at d = 192, eight at 256 (1.10-1.11x four,
+        # whose CTA has one warp a scheduler: H200, bench/results/h200-2026-11-29-ab-f64-bwd-eight-shares.log).
         192: ((16, 32, 8, 16, 4),),
-        256: ((16, 16, 4, 16, 4),),
+        256: ((16, 16, 8, 16, 8), (16, 16, 4, 16, 4)),
     },
 }
 # Deterministic dQ kernel, (BLOCK_M, BLOCK_N, WARPS, SLICE): query block (16 rows per

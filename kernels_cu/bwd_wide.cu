@@ -9,13 +9,13 @@
 //   cp.async. S^T = K Q^T and dP^T = V dO^T are key-major, so their C fragments are the
 //   A operands of dV += P^T dO and dK += dS^T Q as they stand (mma_wide.cuh: the k index
 //   of a step is a label). dK and dV stay in registers. Where those of a warp's keys do
-//   not fit (fp64 from d = 96, fp32 from d = 192: HALVES = 2; fp64 from d = 192: 4),
+//   not fit (fp64 from d = 96, fp32 from d = 192: HALVES = 2; fp64 at 192: 4, 256: 8),
 //   HALVES warps share each 16-key m-tile (warps HALVES i .. HALVES i + HALVES - 1:
 //   current GPUs schedule warp w on scheduler w % 4, so a scheduler's two warps belong
 //   to different groups and do not wait at each other's trade; 1.015-1.03x over pairs
 //   w, w + 4), share h holding columns [h D/HALVES, (h + 1) D/HALVES) of both; per query
-//   slice share 0 computes S^T and share 1 dP^T (with four shares, 0 and 1 over the
-//   first half of d, 2 and 3 the same products over the second), and they trade them
+//   slice share 0 computes S^T and share 1 dP^T (with 2 P shares, shares 2 j and 2 j + 1
+//   the same products over part j of P parts of d), and they trade them
 //   through shared memory (trade_products), so no product is computed twice. With
 //   GRAD_DQ the warps also write dS, query-major, to shared memory and add dQ = dS K over
 //   the whole key block into the workspace, each (query m-tile, 16 columns) job a
@@ -50,7 +50,7 @@
 template <typename T, int D> constexpr int wide_bwd_chains() { return sizeof(T) == 4 && D == 128 ? 4 : 1; }
 
 // SLICE: queries of S^T and dP^T live at once beside the accumulators (8 or 16, per the
-// tile table: spills and measurements). HALVES: 1, or the 2 or 4 warps that share a key
+// tile table: spills and measurements). HALVES: 1, or the 2, 4 or 8 warps that share a key
 // m-tile where its dK and dV do not fit one warp's registers (see the top of this file).
 // The plans launch GRADS = dV | dK (| dQ); a GRADS without dK remains possible (no V
 // tile, no dS).
@@ -96,20 +96,22 @@ struct WideBwdKVTile {
     static constexpr int SMEM_BYTES = (K_ELEMS + V_ELEMS + QDO_ELEMS + DS_TRADE_ELEMS + ROW_ELEMS) * sizeof(T);
     static_assert(BLOCK_N % (16 * KEY_WARPS) == 0 && BLOCK_M % SLICE == 0 && COLS % 16 == 0, "tile shape");
     static_assert(GRADS != 0 && (!DQ || DK), "dQ comes with dK (both need dS)");
-    static_assert(HALVES == 1 || ((HALVES == 2 || HALVES == 4) && DV && DK && WARPS % HALVES == 0),
+    static_assert(HALVES == 1 || ((HALVES == 2 || HALVES == 4 || HALVES == 8) && DV && DK && WARPS % HALVES == 0),
                   "the shares trade S^T for dP^T");
     static_assert(HALVES == 1 || WARPS / HALVES < 16, "a group's named barrier id, 1 + warp / HALVES, is at most 15");
-    static_assert(HALVES < 4 || KSTEPS % 2 == 0, "four shares split d in two");
+    // With 2 PARTS shares, each product is computed in PARTS parts of d (shares 2j, 2j + 1).
+    static constexpr int PARTS = HALVES > 1 ? HALVES / 2 : 1;
+    static_assert(KSTEPS % PARTS == 0, "the shares split d in equal parts");
     static_assert(BWD_ROW_PAD % BLOCK_M == 0, "query tiles read the padded row workspaces whole");
     static_assert(!STAGED_DQ || BLOCK_M * DQ_LD <= Rows::size(BLOCK_M), "dQ staged in a Q buffer");
 };
 
 // The HALVES warps that share a key m-tile trade their products of a slice: share 0
-// computed S^T into s, share 1 dP^T into dp (with four shares, 0 and 1 over the first
-// half of d and 2 and 3 the same products over the second), and each gets what it lacks
-// through the group's slots of `trade` (a warp's slot lane-major: conflict-free). Every
-// share leaves with the same s and dp, bit for bit (with four, each product is the sum
-// of its two parts, added in the same order by every share).
+// computed S^T into s, share 1 dP^T into dp (with more shares, shares 2 j and 2 j + 1 the
+// same products over part j of d), and each gets what it lacks through the group's slots
+// of `trade` (a warp's slot lane-major: conflict-free). Every share leaves with the same
+// s and dp, bit for bit (with more than two, each product is the sum of its parts, added
+// in the same order by every share).
 // CTA_DONE: end with a barrier of the whole CTA (the slots share a buffer that is
 // written next) instead of the group's.
 template <bool CTA_DONE, int HALVES, typename T, int MT, int NT>
@@ -135,9 +137,14 @@ __device__ __forceinline__ void trade_products(T (&s)[MT][NT][4], T (&dp)[MT][NT
         if constexpr (HALVES == 2) {   // the partner's product
             if (share == 0) di = group[PER_WARP + i * 32];
             else si = group[i * 32];
-        } else {   // each product's two parts, in share order
-            si = group[i * 32] + group[2 * PER_WARP + i * 32];
-            di = group[PER_WARP + i * 32] + group[3 * PER_WARP + i * 32];
+        } else {   // each product's parts, in share order
+            si = group[i * 32];
+            di = group[PER_WARP + i * 32];
+            #pragma unroll
+            for (int part = 1; part < HALVES / 2; ++part) {
+                si += group[2 * part * PER_WARP + i * 32];
+                di += group[(2 * part + 1) * PER_WARP + i * 32];
+            }
         }
     }
     if constexpr (CTA_DONE) __syncthreads();
@@ -244,8 +251,8 @@ flash_bwd_dkdv_wide(const __grid_constant__ AttnParams p)
             T dtanh[MODE == MODE_EXT ? MT : 1][MODE == MODE_EXT ? SNT : 1][4];
             zero_frags(s);
             if constexpr (HALVES > 1) {
-                // The share's part of d: all of it, or with four shares one half.
-                constexpr int PART_KSTEPS = HALVES == 4 ? C::KSTEPS / 2 : C::KSTEPS;
+                // The share's part of d: all of it with two shares.
+                constexpr int PART_KSTEPS = C::KSTEPS / C::PARTS;
                 const int part0 = Rows::block(0, share / 2 * PART_KSTEPS * 8);
                 zero_frags(dp);
                 if (share % 2 == 0) wide_mm_ABt<Rows, PART_KSTEPS, C::CHAINS>(s, sK + part0, warp_row0, sQs + part0);

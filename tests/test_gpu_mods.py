@@ -766,10 +766,10 @@ def test_hopper_fp32_forward_on_tf32_wgmma(rng, monkeypatch, d, nq, nk, layout, 
 # whose rows TMA can read, Nk % 8 == 0; no dbias asked for): sizes with partial query
 # tiles, sub-tiles and key blocks, biases broadcast over batch and heads or not, and the
 # options beside it (softcap adds the bias in its pass instead of S^T's accumulator).
-# fp64 from d = 192 on DMMA: bwd_wide.cu's key-block kernel with four warps a 16-key
-# m-tile (HALVES = 4: each a quarter of dK's and dV's columns, S^T and dP^T in halves of
-# d traded between them), dense and with options; d = 160 runs padded to 192, d = 200 to
-# 256. (id, d, nq, nk, GQA group, causal, builder as OPTION_CASES')
+# fp64 from d = 192 on DMMA: bwd_wide.cu's key-block kernel with four (d = 192) or eight
+# (256) warps a 16-key m-tile (HALVES: each a share of dK's and dV's columns, S^T and dP^T
+# in parts of d traded between them), dense and with options; d = 160 runs padded to 192,
+# d = 200 to 256. (id, d, nq, nk, GQA group, causal, builder as OPTION_CASES')
 FP64_SHARED_KEY_CASES = (
     ("dense", 192, 200, 333, 1, False, lambda r, b, h, nq, nk, t: {}),
     ("causal-gqa", 256, 129, 300, 4, True, lambda r, b, h, nq, nk, t: {}),
@@ -787,8 +787,8 @@ FP64_SHARED_KEY_CASES = (
                          ids=[c[0] for c in FP64_SHARED_KEY_CASES])
 def test_fp64_backward_on_dmma_from_d192(rng, monkeypatch, name, d, nq, nk, group, causal, build, deterministic):
     """The fp64 backward from d = 192 against the float64 reference (to 1e-12), through
-    the DMMA key-block kernel whose warps share each key m-tile four ways (the
-    deterministic dQ on the CUDA cores), with the bias gradient too."""
+    the DMMA key-block kernel whose warps share each key m-tile (its tile table's first
+    tile; the deterministic dQ on the CUDA cores), with the bias gradient too."""
     from cupyflash import _cuda, _kernels
     launched = []
     if not DRY_RUN:
@@ -801,7 +801,8 @@ def test_fp64_backward_on_dmma_from_d192(rng, monkeypatch, name, d, nq, nk, grou
     _check(got, ref, "float64")
     if not DRY_RUN:
         key_block = [v for v in launched if v.grads & _kernels.GRAD_DK]
-        assert key_block and all(v.family is _kernels.BWD_WIDE and v.tile[-1] == 4 for v in key_block), \
+        first = _kernels.BWD_WIDE_KV_TILES["float64"][_kernels.padded_head_dim(d, d)][0]
+        assert key_block and all(v.family is _kernels.BWD_WIDE and v.tile == first for v in key_block), \
             [v.name_expression for v in launched]
 
 
