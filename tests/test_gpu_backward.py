@@ -258,13 +258,14 @@ def test_hopper_backward_reads_through_tensor_maps(rng, d):
 
 
 @pytest.mark.parametrize("dtype,d,group,nq,left", [("bfloat16", 64, 1, 300, "few"), ("float16", 128, 2, 300, "few"),
-                                                    ("bfloat16", 128, 1, 2048, "half")])
+                                                    ("bfloat16", 128, 1, 2048, "half"), ("bfloat16", 96, 2, 300, "few")])
 def test_hopper_backward_splits_the_last_rounds_units(rng, dtype, d, group, nq, left):
     """A non-causal call of more (key block, kv head) units than SMs: the last round's
     units run in pieces on the idle SMs (bwd_sm90.cu Sm90BwdUnits), whose dK and dV sums
     the last piece of each stores; a few units left (a pair a piece, one round), or half
-    the SMs' worth (pieces in rounds of their own). Against the float64 reference, into
-    NaN-poisoned gradients, with a partial last key block and (nq = 300) query tile."""
+    the SMs' worth (pieces in rounds of their own); d = 96 in the d = 128 kernel, whose
+    sums are sized by its own head dim. Against the float64 reference, into NaN-poisoned
+    gradients, with a partial last key block and (nq = 300) query tile."""
     import cupy as cp
     from cupyflash import _arrays, _cuda, _mods
     device = cp.cuda.Device().id
