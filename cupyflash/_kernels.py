@@ -422,9 +422,13 @@ def _one_ext_mode(mode: int) -> int:
 # Tensor-core backward tiles per head dim, in order of preference; each kernel takes the
 # first that fits the device's shared memory. The first entries serve H100/H200 (227 KB
 # per block), then A100 (163 KB), the last ~100 KB GPUs (sm_86/sm_89).
-# dK/dV kernel, (BLOCK_M, BLOCK_N, WARPS): query tile, key block, warps (16 keys or more
-# each; two m-tiles of 16 keys per warp halve the fragment loads per MMA where the
-# accumulators allow). H200, bf16, N = 8192, deterministic/atomic TFLOP/s (2.5x forward
+# dK/dV kernel, (BLOCK_M, BLOCK_N, WARPS[, HALVES]): query tile, key block, warps (16
+# keys or more each; two m-tiles of 16 keys per warp halve the fragment loads per MMA
+# where the accumulators allow), and from d = 192, where a warp's dK and dV do not fit its
+# registers, the 2 warps that share each 16-key m-tile (half of their columns each,
+# S^T and dP^T computed once and traded: one launch, where two launches, dV and then dK,
+# computed P twice; 221 KB at (64, 64, 8, 2), d = 256; the A100 and 100 KB fallbacks
+# after it). H200, bf16, N = 8192, deterministic/atomic TFLOP/s (2.5x forward
 # FLOPs): d = 64 (64, 128, 4) 219/219, (64, 128, 8) 178/168; d = 128 (64, 128, 8) 185/188,
 # (64, 64, 4) 198/150; d = 256 (32, 128, 8) 122/141, (64, 64, 4) 97/89.
 BWD_SM80_KV_TILES = {
@@ -434,8 +438,8 @@ BWD_SM80_KV_TILES = {
     128: ((64, 128, 8), (32, 64, 4)),
     # The 2-warp fallbacks take 16 queries: with 32 they spill since the kernels read one
     # parameter struct (build check).
-    192: ((32, 128, 8), (32, 64, 4), (16, 32, 2)),
-    256: ((32, 128, 8), (32, 64, 4), (16, 32, 2)),
+    192: ((64, 64, 8, 2), (32, 64, 8, 2), (16, 32, 4, 2)),
+    256: ((64, 64, 8, 2), (32, 64, 8, 2), (16, 32, 4, 2)),
 }
 # Deterministic dQ kernel, (BLOCK_M, BLOCK_N, WARPS): query block, key tile, warps (16 rows
 # or more each). Same run, whole backward: d = 64 (128, 64, 4) 188, (64, 64, 4) 180;
@@ -506,9 +510,6 @@ def bwd_sm90_persistent(variant: "Variant") -> bool:
 # (its tensor map's box).
 BWD_SM90_SUB_M = 64
 BWD_SM90_WALK_SLOTS = 4   # bwd_sm90.cu Sm90BwdKVTile::WALK_SLOTS
-# From d = 192, dK and dV beside each other exceed the registers (build check): the
-# dK/dV kernel runs twice, once for dV and once for dK (+ dQ), recomputing P.
-BWD_SPLIT_MIN_HEAD_DIM = 192
 # fp32 (3xTF32) and fp64 (DMMA) tensor-core backward (bwd_wide.cu), per dtype and head dim,
 # in order of preference as above: the first entries fill H100/H200's 227 KB per block,
 # then ~160 KB (A100); where none fits a ~100 KB GPU, device_backward_plan takes the
@@ -594,14 +595,19 @@ class BackwardPlan:
 
 
 def _sm80_dkdv(dtype_name: str, D: int, tile, grads: int, mode: int) -> Variant:
-    block_m, block_n, warps = tile
+    block_m, block_n, warps = tile[:3]
+    halves = tile[3] if len(tile) > 3 else 1
     ld = D + 8
     dk, dq = bool(grads & GRAD_DK), bool(grads & GRAD_DQ)
-    # bwd_sm80.cu BwdKVTile: K, V (with dK), Q and dO twice, dS^T (with dQ); lse2 (and delta) twice.
+    # bwd_sm80.cu BwdKVTile: K, V (with dK), Q and dO twice, dS^T (with dQ); lse2 (and
+    # delta) twice; the shares' trading slots (a 16-query slice's S^T or dP^T a warp).
+    slice_ = 16 if block_m < 32 or D > 128 or block_n // (warps // halves) > 16 else 32   # BwdKVTile::SLICE
+    trade = warps * (block_n // (warps // halves)) * slice_ if halves > 1 else 0
     elems = block_n * ld * (1 + dk) + 4 * block_m * ld + dq * block_n * (block_m + 8)
-    smem = elems * 2 + (4 if dk else 2) * block_m * 4
-    expr = f"flash_bwd_dkdv_sm80<{CPP_TYPE[dtype_name]}, {D}, {block_m}, {block_n}, {warps}, {grads}, {mode}, {smem}>"
-    return Variant(BWD_SM80, expr, warps * 32, block_n, smem, mode=mode, grads=grads, head_dim=D)
+    smem = elems * 2 + ((4 if dk else 2) * block_m + trade) * 4
+    expr = (f"flash_bwd_dkdv_sm80<{CPP_TYPE[dtype_name]}, {D}, {block_m}, {block_n}, {warps}, {grads}, {halves}, "
+            f"{mode}, {smem}>")
+    return Variant(BWD_SM80, expr, warps * 32, block_n, smem, mode=mode, tile=tuple(tile), grads=grads, head_dim=D)
 
 
 def sm90_rows_box(block_m: int) -> int:
@@ -704,14 +710,12 @@ def backward_plan(dtype_name: str, D: int, deterministic: bool, mode: int = MODE
     prep = Variant(BWD_PREP, f"flash_bwd_prep<{ctype}>", PREP_THREADS, PREP_ROWS, 0)
     convert = Variant(BWD_PREP, f"flash_bwd_dq_convert<{ctype}>", 256, CONVERT_ELEMS, 0)
     if dtype_name in HALF_DTYPES:
+        grads = GRAD_DV | GRAD_DK | dq_bit
+        E = sm90_head_dim(D, BWD_SM90_KV_TILES)
         tiles = (BWD_SM80_EXT_KV_TILES if mode else BWD_SM80_KV_TILES)[D]
-        passes = ((GRAD_DV, GRAD_DK | dq_bit) if D >= BWD_SPLIT_MIN_HEAD_DIM
-                  else (GRAD_DV | GRAD_DK | dq_bit,))
-        E = None if len(passes) > 1 else sm90_head_dim(D, BWD_SM90_KV_TILES)
-        kv = tuple((grads, [*(_sm90_dkdv(dtype_name, E, t, grads | sm90_dq_bits, hopper_mode)
-                              for t in BWD_SM90_KV_TILES.get(E, ())),
-                            *(_sm80_dkdv(dtype_name, D, t, grads, mode) for t in tiles)])
-                   for grads in passes)
+        kv = ((grads, [*(_sm90_dkdv(dtype_name, E, t, grads | sm90_dq_bits, hopper_mode)
+                         for t in BWD_SM90_KV_TILES.get(E, ())),
+                       *(_sm80_dkdv(dtype_name, D, t, grads, mode) for t in tiles)]),)
         q_tiles = (BWD_SM80_EXT_Q_TILES if mode else BWD_SM80_Q_TILES)[D]
         dq = [_sm80_dq(dtype_name, D, t, mode) for t in q_tiles] if deterministic else None
     elif D in BWD_WIDE_KV_TILES[dtype_name] and not cuda_cores:

@@ -16,6 +16,7 @@
 // tail checks, and a padded row's P and dS are 0.
 #pragma once
 #include "elem.cuh"
+#include "copy.cuh"
 #include "mma.cuh"
 #include "mods.cuh"
 
@@ -343,4 +344,50 @@ __device__ __forceinline__ void capped_p_and_grad(Acc (&s)[1][NT][4], Acc (&dp)[
             x = p;
         }
     });
+}
+
+// Shares of a key m-tile (bwd_wide.cu, bwd_sm80.cu: the HALVES warps that each hold a
+// share of its dK and dV columns) trade their products of a slice: share 0
+// computed S^T into s, share 1 dP^T into dp (with more shares, shares 2 j and 2 j + 1 the
+// same products over part j of d), and each gets what it lacks through the group's slots
+// of `trade` (a warp's slot lane-major: conflict-free). Every share leaves with the same
+// s and dp, bit for bit (with more than two, each product is the sum of its parts, added
+// in the same order by every share).
+// CTA_DONE: end with a barrier of the whole CTA (the slots share a buffer that is
+// written next) instead of the group's.
+template <bool CTA_DONE, int HALVES, typename T, int MT, int NT>
+__device__ __forceinline__ void trade_products(T (&s)[MT][NT][4], T (&dp)[MT][NT][4], T* trade, int warp,
+                                               int share) {
+    constexpr int PER_WARP = MT * NT * 4 * 32;
+    const int lane = threadIdx.x % 32;
+    const int barrier = 1 + warp / HALVES;   // named barrier of the group (0 is __syncthreads')
+    T* mine = trade + warp * PER_WARP + lane;
+    const T* group = trade + (warp - share) * PER_WARP + lane;   // share j's slot at j PER_WARP
+    // Fully unrolled, each branch naming its own array: a select between s and dp would
+    // index registers at run time (local memory).
+    #pragma unroll
+    for (int i = 0; i < MT * NT * 4; ++i) {
+        if (share % 2 == 0) mine[i * 32] = s[i / (NT * 4)][i / 4 % NT][i % 4];
+        else mine[i * 32] = dp[i / (NT * 4)][i / 4 % NT][i % 4];
+    }
+    named_barrier(barrier, 32 * HALVES);
+    #pragma unroll
+    for (int i = 0; i < MT * NT * 4; ++i) {
+        T& si = s[i / (NT * 4)][i / 4 % NT][i % 4];
+        T& di = dp[i / (NT * 4)][i / 4 % NT][i % 4];
+        if constexpr (HALVES == 2) {   // the partner's product
+            if (share == 0) di = group[PER_WARP + i * 32];
+            else si = group[i * 32];
+        } else {   // each product's parts, in share order
+            si = group[i * 32];
+            di = group[PER_WARP + i * 32];
+            #pragma unroll
+            for (int part = 1; part < HALVES / 2; ++part) {
+                si += group[2 * part * PER_WARP + i * 32];
+                di += group[(2 * part + 1) * PER_WARP + i * 32];
+            }
+        }
+    }
+    if constexpr (CTA_DONE) __syncthreads();
+    else named_barrier(barrier, 32 * HALVES);   // the group has read these slots before the next slice refills them
 }

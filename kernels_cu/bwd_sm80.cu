@@ -14,8 +14,10 @@
 //   With GRAD_DQ it also adds dQ = dS K into an fp32 workspace with atomics (the
 //   non-deterministic mode): the warps write dS^T to shared memory, key-major as computed,
 //   and read it back transposed (ldmatrix.trans) split over query rows instead.
-//   GRADS selects dV, dK (+dQ): large head dims run a dV launch and a dK launch, so each
-//   keeps one accumulator in registers.
+//   GRADS selects dV, dK (+dQ). Where a warp's dK and dV do not fit its registers (d >=
+//   192), HALVES = 2 warps share each 16-key m-tile, each holding half of their columns:
+//   per query slice one computes S^T and the other dP^T, over all of d, and they trade
+//   them through shared memory (bwd.cuh trade_products), as bwd_wide.cu's shares do.
 //
 // flash_bwd_dq_sm80 (the deterministic mode): a CTA owns BLOCK_M query rows of one head
 //   and streams the key tiles that its rows see, like the forward; it recomputes S, P, dP
@@ -36,16 +38,18 @@
 #include "tensor.cuh"
 #include "bwd.cuh"
 
-template <typename T, int D, int BLOCK_M, int BLOCK_N, int WARPS, int GRADS>
+template <typename T, int D, int BLOCK_M, int BLOCK_N, int WARPS, int GRADS, int HALVES>
 struct BwdKVTile {
     static constexpr int THREADS = WARPS * 32;
-    static constexpr int ROWS_PER_WARP = BLOCK_N / WARPS;   // keys per warp
+    static constexpr int KEY_WARPS = WARPS / HALVES;        // warps with distinct keys (warp / HALVES)
+    static constexpr int ROWS_PER_WARP = BLOCK_N / KEY_WARPS;   // keys per warp
     static constexpr int MT = ROWS_PER_WARP / 16;           // key m-tiles per warp
     // Queries per slice of a query tile (see the main loop). Slices of 32 beside the dK
     // and dV accumulators spill (build check) past d = 128 or with two key m-tiles per warp.
     static constexpr int SLICE = (BLOCK_M < 32 || D > 128 || MT > 1) ? 16 : 32;
     static constexpr int SNT = SLICE / 8;                   // query n-tiles of a slice of S^T, dP^T
-    static constexpr int DT = D / 8;                        // n-tiles of dK, dV
+    static constexpr int COLS = D / HALVES;                 // columns of dK, dV per warp
+    static constexpr int DT = COLS / 8;                     // their n-tiles
     static constexpr int KSTEPS = D / 16;
     static constexpr int QSTEPS = BLOCK_M / 16;             // query m-tiles of dQ
     static constexpr int LD = SmemTile<T, D>::stride;
@@ -58,19 +62,24 @@ struct BwdKVTile {
     static constexpr int QDO_ELEMS = 4 * BLOCK_M * LD;      // Q and dO, two buffers each
     static constexpr int DS_ELEMS = DQ ? BLOCK_N * LDS : 0;
     static constexpr int ROW_FLOATS = (DK ? 4 : 2) * BLOCK_M;   // lse2 (and delta), two buffers each
-    static constexpr int SMEM_BYTES = (K_ELEMS + V_ELEMS + QDO_ELEMS + DS_ELEMS) * sizeof(T) + ROW_FLOATS * sizeof(float);
+    static constexpr int TRADE_FLOATS = HALVES > 1 ? WARPS * MT * SNT * 4 * 32 : 0;   // a slice's product a warp
+    static constexpr int SMEM_BYTES = (K_ELEMS + V_ELEMS + QDO_ELEMS + DS_ELEMS) * sizeof(T) +
+                                      (ROW_FLOATS + TRADE_FLOATS) * sizeof(float);
     static_assert(ROWS_PER_WARP % 16 == 0 && BLOCK_M % SLICE == 0 && D % DQ_COLS == 0, "tile shape");
     static_assert(GRADS != 0 && (!DQ || DK), "dQ comes with dK (both need dS)");
+    static_assert(HALVES == 1 || (HALVES == 2 && DV && DK && WARPS % 2 == 0), "the shares trade S^T for dP^T");
+    static_assert(HALVES == 1 || WARPS / 2 < 16, "a pair's named barrier id, 1 + warp / 2, is at most 15");
+    static_assert(COLS % 16 == 0, "B fragments in pairs of n-tiles");
     static_assert(BWD_ROW_PAD % BLOCK_M == 0, "query tiles read the padded row workspaces whole");
 };
 
 // Minimum one CTA per SM: without it ptxas aims at more resident CTAs than shared memory
 // allows and spills (as in fwd_wide.cu).
-template <typename T, int D, int BLOCK_M, int BLOCK_N, int WARPS, int GRADS, int MODE, int SMEM_BYTES>
+template <typename T, int D, int BLOCK_M, int BLOCK_N, int WARPS, int GRADS, int HALVES, int MODE, int SMEM_BYTES>
 __global__ void __launch_bounds__(WARPS * 32, 1)
 flash_bwd_dkdv_sm80(const __grid_constant__ AttnParams p)
 {
-    typedef BwdKVTile<T, D, BLOCK_M, BLOCK_N, WARPS, GRADS> C;
+    typedef BwdKVTile<T, D, BLOCK_M, BLOCK_N, WARPS, GRADS, HALVES> C;
     static_assert(SMEM_BYTES == C::SMEM_BYTES, "the host's shared-memory size (cupyflash/_kernels.py)");
     BWD_SCALARS(p, float);
     constexpr int MT = C::MT, SNT = C::SNT, DT = C::DT;
@@ -82,6 +91,7 @@ flash_bwd_dkdv_sm80(const __grid_constant__ AttnParams p)
     T* sdS = sdO + 2 * BLOCK_M * C::LD;
     float* sLse = reinterpret_cast<float*>(sdS + C::DS_ELEMS);   // two buffers
     float* sDelta = sLse + 2 * BLOCK_M;                           // two buffers (DK only)
+    float* sTrade = sLse + C::ROW_FLOATS;                         // the shares' slots
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
@@ -94,7 +104,9 @@ flash_bwd_dkdv_sm80(const __grid_constant__ AttnParams p)
     if (k_rows <= 0) return;   // varlen: the grid covers the longest sequence
     const KeyBlockPairs pairs(mask, hk, group, k0, BLOCK_N, BLOCK_M);
     const int n_iter = pairs.count();
-    float* dbias_b = MODE != MODE_DENSE && dbias != nullptr ? dbias + b * dbias_sb : nullptr;
+    // The shares compute the same dS: one of them adds the bias gradient and writes dS.
+    const int share = warp % HALVES;
+    float* dbias_b = MODE != MODE_DENSE && dbias != nullptr && share == 0 ? dbias + b * dbias_sb : nullptr;
 
     const Strided<const T> Q = tensor<const T>(p.q), K = tensor<const T>(p.k), V = tensor<const T>(p.v);
     const Strided<const T> dO = tensor<const T>(p.dout);
@@ -120,7 +132,8 @@ flash_bwd_dkdv_sm80(const __grid_constant__ AttnParams p)
     if (it < n_iter) load_query_tile(it, 0);
     cp_async_commit();
 
-    const int warp_row0 = warp * C::ROWS_PER_WARP;
+    const int warp_row0 = warp / HALVES * C::ROWS_PER_WARP;
+    const int col0 = share * C::COLS;   // this warp's columns of dK and dV
     float acc_dv[C::DV ? MT : 1][C::DV ? DT : 1][4];
     float acc_dk[C::DK ? MT : 1][C::DK ? DT : 1][4];
     zero_frags(acc_dv);
@@ -146,10 +159,19 @@ flash_bwd_dkdv_sm80(const __grid_constant__ AttnParams p)
             const T* sQs = sQb + q_s * C::LD;
             const T* sdOs = sdOb + q_s * C::LD;
             // S^T = K Q^T, then P^T = exp2(S^T scale log2 e - lse2[query]), 0 where hidden.
+            // (With shares: S^T and dP^T, one each, traded.)
             float s[MT][SNT][4];
+            float dp[MT][SNT][4];
             float dtanh[MODE == MODE_EXT ? MT : 1][MODE == MODE_EXT ? SNT : 1][4];
             zero_frags(s);
-            warp_mm_ABt<T, D, MT, SNT, C::KSTEPS>(s, sK, warp_row0, sQs);
+            zero_frags(dp);
+            if constexpr (HALVES == 2) {
+                if (share == 0) warp_mm_ABt<T, D, MT, SNT, C::KSTEPS>(s, sK, warp_row0, sQs);
+                else warp_mm_ABt<T, D, MT, SNT, C::KSTEPS>(dp, sV, warp_row0, sdOs);
+                trade_products<false, HALVES>(s, dp, sTrade, warp, share);
+            } else {
+                warp_mm_ABt<T, D, MT, SNT, C::KSTEPS>(s, sK, warp_row0, sQs);
+            }
             recompute_p<MODE, true>(s, dtanh, mods, mods.at_head(h), k0 + warp_row0, q0 + q_s,
                                     [&](int, int nt, int e) { return sLseb[q_s + nt * 8 + 2 * t + (e % 2)]; },
                                     scale_log2, needs_mask);
@@ -158,33 +180,27 @@ flash_bwd_dkdv_sm80(const __grid_constant__ AttnParams p)
                 if (MODE != MODE_DENSE && mods.dropout()) {
                     float kept[MT][SNT][4];
                     dropped_p(kept, s);
-                    warp_mm_AB<T, D, MT, SNT, DT>(acc_dv, kept, sdOs);
+                    warp_mm_AB<T, D, MT, SNT, DT>(acc_dv, kept, sdOs + col0);
                 } else {
-                    warp_mm_AB<T, D, MT, SNT, DT>(acc_dv, s, sdOs);
+                    warp_mm_AB<T, D, MT, SNT, DT>(acc_dv, s, sdOs + col0);
                 }
             }
 
             if constexpr (C::DK) {
                 // dP^T = V dO^T; dS^T = P^T o (dP^T - delta[query]), in place of P^T.
-                float dp[MT][SNT][4];
-                zero_frags(dp);
-                warp_mm_ABt<T, D, MT, SNT, C::KSTEPS>(dp, sV, warp_row0, sdOs);
+                if constexpr (HALVES == 1) warp_mm_ABt<T, D, MT, SNT, C::KSTEPS>(dp, sV, warp_row0, sdOs);
                 grad_scores<MODE, true>(s, dp, dtanh, mods, mods.at_head(h), k0 + warp_row0, q0 + q_s,
                                         [&](int, int nt, int e) { return sDeltab[q_s + nt * 8 + 2 * t + (e % 2)]; },
                                         dbias_b, dbias_sh, dbias_sq, dbias_sk);
-                warp_mm_AB<T, D, MT, SNT, DT>(acc_dk, s, sQs);
+                warp_mm_AB<T, D, MT, SNT, DT>(acc_dk, s, sQs + col0);
             }
 
             if constexpr (C::DQ) {
-                // dS^T into shared memory, each warp its own key rows...
-                #pragma unroll
-                for (int mt = 0; mt < MT; ++mt)
-                    #pragma unroll
-                    for (int nt = 0; nt < SNT; ++nt)
-                        #pragma unroll
-                        for (int hh = 0; hh < 2; ++hh)
-                            *reinterpret_cast<u32*>(sdS + (warp_row0 + mt * 16 + g + hh * 8) * C::LDS + q_s + nt * 8 + 2 * t) =
-                                pack2<T>(s[mt][nt][2 * hh], s[mt][nt][2 * hh + 1]);
+                // dS^T into shared memory, each warp its own key rows (one share of them)...
+                if (share == 0)
+                    for_each_c_pair(warp_row0, s, [&](int row, int col, float x, float y) {
+                        *reinterpret_cast<u32*>(sdS + row * C::LDS + q_s + col) = pack2<T>(x, y);
+                    });
             }
         }
 
@@ -233,14 +249,14 @@ flash_bwd_dkdv_sm80(const __grid_constant__ AttnParams p)
     __syncthreads();
     if constexpr (C::DV) {
         const Strided<T> dV = tensor<T>(p.dv);
-        warp_store_c<T, D>(sK, warp_row0, acc_dv, 1.f);
+        warp_store_c<T, D>(sK + col0, warp_row0, acc_dv, 1.f);
         __syncthreads();
         store_tile<T, BLOCK_N, D, C::THREADS>(dV.at(mods.tb, hk, mods.k_base + k0), dV.row, sK, k_rows, dim_v, vec);
     }
     if constexpr (C::DK) {
         const Strided<T> dK = tensor<T>(p.dk);
         if constexpr (C::DV) __syncthreads();
-        warp_store_c<T, D>(sK, warp_row0, acc_dk, scale);
+        warp_store_c<T, D>(sK + col0, warp_row0, acc_dk, scale);
         __syncthreads();
         store_tile<T, BLOCK_N, D, C::THREADS>(dK.at(mods.tb, hk, mods.k_base + k0), dK.row, sK, k_rows, d, vec);
     }

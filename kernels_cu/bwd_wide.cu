@@ -106,51 +106,6 @@ struct WideBwdKVTile {
     static_assert(!STAGED_DQ || BLOCK_M * DQ_LD <= Rows::size(BLOCK_M), "dQ staged in a Q buffer");
 };
 
-// The HALVES warps that share a key m-tile trade their products of a slice: share 0
-// computed S^T into s, share 1 dP^T into dp (with more shares, shares 2 j and 2 j + 1 the
-// same products over part j of d), and each gets what it lacks through the group's slots
-// of `trade` (a warp's slot lane-major: conflict-free). Every share leaves with the same
-// s and dp, bit for bit (with more than two, each product is the sum of its parts, added
-// in the same order by every share).
-// CTA_DONE: end with a barrier of the whole CTA (the slots share a buffer that is
-// written next) instead of the group's.
-template <bool CTA_DONE, int HALVES, typename T, int MT, int NT>
-__device__ __forceinline__ void trade_products(T (&s)[MT][NT][4], T (&dp)[MT][NT][4], T* trade, int warp,
-                                               int share) {
-    constexpr int PER_WARP = MT * NT * 4 * 32;
-    const int lane = threadIdx.x % 32;
-    const int barrier = 1 + warp / HALVES;   // named barrier of the group (0 is __syncthreads')
-    T* mine = trade + warp * PER_WARP + lane;
-    const T* group = trade + (warp - share) * PER_WARP + lane;   // share j's slot at j PER_WARP
-    // Fully unrolled, each branch naming its own array: a select between s and dp would
-    // index registers at run time (local memory).
-    #pragma unroll
-    for (int i = 0; i < MT * NT * 4; ++i) {
-        if (share % 2 == 0) mine[i * 32] = s[i / (NT * 4)][i / 4 % NT][i % 4];
-        else mine[i * 32] = dp[i / (NT * 4)][i / 4 % NT][i % 4];
-    }
-    named_barrier(barrier, 32 * HALVES);
-    #pragma unroll
-    for (int i = 0; i < MT * NT * 4; ++i) {
-        T& si = s[i / (NT * 4)][i / 4 % NT][i % 4];
-        T& di = dp[i / (NT * 4)][i / 4 % NT][i % 4];
-        if constexpr (HALVES == 2) {   // the partner's product
-            if (share == 0) di = group[PER_WARP + i * 32];
-            else si = group[i * 32];
-        } else {   // each product's parts, in share order
-            si = group[i * 32];
-            di = group[PER_WARP + i * 32];
-            #pragma unroll
-            for (int part = 1; part < HALVES / 2; ++part) {
-                si += group[2 * part * PER_WARP + i * 32];
-                di += group[(2 * part + 1) * PER_WARP + i * 32];
-            }
-        }
-    }
-    if constexpr (CTA_DONE) __syncthreads();
-    else named_barrier(barrier, 32 * HALVES);   // the group has read these slots before the next slice refills them
-}
-
 // Minimum one CTA per SM: without it ptxas aims at more resident CTAs than shared memory
 // allows and spills (as in fwd_wide.cu).
 template <typename T, int D, int BLOCK_M, int BLOCK_N, int WARPS, int SLICE, int GRADS, int HALVES, int MODE,

@@ -121,8 +121,8 @@ def test_hopper_forward_only_where_it_builds(monkeypatch, arch, source):
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_hopper_backward_only_where_it_builds(monkeypatch, arch, source, deterministic):
     # The key-block launch takes bwd_sm90.cu on Hopper at d = 64 and 128, with the options
-    # and the bias too (its dQ kernel stays bwd_sm80.cu's); the split passes of large head
-    # dims never take it.
+    # and the bias too (its dQ kernel stays bwd_sm80.cu's); d = 192 and 256 never take it
+    # (one bwd_sm80.cu launch, its warps sharing each key tile's columns).
     monkeypatch.setattr(_cuda, "_device_info", lambda device_id: (arch, HOPPER_SMEM))
 
     def kv_sources(dtype, D, mode=_kernels.MODE_DENSE):
@@ -133,7 +133,7 @@ def test_hopper_backward_only_where_it_builds(monkeypatch, arch, source, determi
         assert kv_sources("bfloat16", D) == [source]
         assert kv_sources("bfloat16", D, _kernels.MODE_EXT) == [source]
         assert kv_sources("bfloat16", D, _kernels.MODE_EXT | _kernels.MODE_BIAS) == [source]
-    assert kv_sources("float16", 256) == ["bwd_sm80.cu", "bwd_sm80.cu"]
+    assert kv_sources("float16", 256) == ["bwd_sm80.cu"]
     plan = _kernels.backward_plan("float16", 128, deterministic)
     assert plan.dq is None or _cuda._choose(plan.dq, 0).source == "bwd_sm80.cu"
 
@@ -144,7 +144,8 @@ def test_hopper_kernels_serve_the_padded_head_dims(monkeypatch, dtype, arch):
     # Calls padded to d = 32 and 96 run the Hopper kernels of 64 and 128 (TMA zero-fills
     # their padding columns; _kernels.sm90_head_dim), the forward in every mode and the
     # 16-bit backward in both determinism modes, with the exact kernels behind them for
-    # rows TMA cannot describe; d = 192 and 256 keep the sm80 backward's two passes, and
+    # rows TMA cannot describe; d = 192 and 256 keep the sm80 backward (one launch, its
+    # warps sharing each key tile's columns), and
     # other GPUs the exact instantiations.
     monkeypatch.setattr(_cuda, "_device_info", lambda device_id: (arch, HOPPER_SMEM))
     G = _kernels
