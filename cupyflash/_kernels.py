@@ -441,6 +441,11 @@ BWD_SM80_KV_TILES = {
     192: ((64, 64, 8, 2), (32, 64, 8, 2), (16, 32, 4, 2)),
     256: ((64, 64, 8, 2), (32, 64, 8, 2), (16, 32, 4, 2)),
 }
+# From this head dim the 16-bit sm80 path computes dQ in its own kernel in both modes (the
+# shares' 64-key CTAs would add it with twice the atomics a pair). H200, bf16, N = 2k-8k,
+# against the dQ atomics of the shares kernel: 1.07-1.19x; against the two-pass kernels
+# before the shares 1.02-1.08x (bench/NOTES.md session 29).
+BWD_SM80_DQ_KERNEL_MIN_HEAD_DIM = 192
 # Deterministic dQ kernel, (BLOCK_M, BLOCK_N, WARPS): query block, key tile, warps (16 rows
 # or more each). Same run, whole backward: d = 64 (128, 64, 4) 188, (64, 64, 4) 180;
 # d = 256 (128, 32, 8) 106, (64, 64, 4) 98.
@@ -710,14 +715,18 @@ def backward_plan(dtype_name: str, D: int, deterministic: bool, mode: int = MODE
     prep = Variant(BWD_PREP, f"flash_bwd_prep<{ctype}>", PREP_THREADS, PREP_ROWS, 0)
     convert = Variant(BWD_PREP, f"flash_bwd_dq_convert<{ctype}>", 256, CONVERT_ELEMS, 0)
     if dtype_name in HALF_DTYPES:
-        grads = GRAD_DV | GRAD_DK | dq_bit
+        # From d = 192 the sm80 key-block kernel's shares hold 64 keys a CTA, so adding dQ
+        # there takes twice the atomics a pair of the 128-key kernels below 192: the dQ
+        # kernel after it (the deterministic mode's) is faster in both modes.
+        dq_kernel = deterministic or D >= BWD_SM80_DQ_KERNEL_MIN_HEAD_DIM
+        grads = GRAD_DV | GRAD_DK | (0 if dq_kernel else GRAD_DQ)
         E = sm90_head_dim(D, BWD_SM90_KV_TILES)
         tiles = (BWD_SM80_EXT_KV_TILES if mode else BWD_SM80_KV_TILES)[D]
         kv = ((grads, [*(_sm90_dkdv(dtype_name, E, t, grads | sm90_dq_bits, hopper_mode)
                          for t in BWD_SM90_KV_TILES.get(E, ())),
                        *(_sm80_dkdv(dtype_name, D, t, grads, mode) for t in tiles)]),)
         q_tiles = (BWD_SM80_EXT_Q_TILES if mode else BWD_SM80_Q_TILES)[D]
-        dq = [_sm80_dq(dtype_name, D, t, mode) for t in q_tiles] if deterministic else None
+        dq = [_sm80_dq(dtype_name, D, t, mode) for t in q_tiles] if dq_kernel else None
     elif D in BWD_WIDE_KV_TILES[dtype_name] and not cuda_cores:
         grads = GRAD_DV | GRAD_DK | dq_bit
         kv = ((grads, [_wide_dkdv(dtype_name, D, t, grads, mode) for t in BWD_WIDE_KV_TILES[dtype_name][D]]),)

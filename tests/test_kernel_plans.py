@@ -59,7 +59,9 @@ def test_wide_backward_is_one_launch_at_every_head_dim(dtype, deterministic):
 def test_deterministic_plans_add_dq_only_in_order(dtype):
     """A deterministic plan's key-block candidates either add dQ in turns (the Hopper
     kernel, GRAD_DQ_ORDERED) or leave dQ to the query-block kernel; a non-deterministic
-    plan's add it (atomically) in the launch that computes dK."""
+    plan's add it (atomically) in the launch that computes dK, but from
+    BWD_SM80_DQ_KERNEL_MIN_HEAD_DIM the 16-bit plans leave it to the query-block kernel
+    in both modes (where the Hopper kernel is not taken)."""
     G = _kernels
     for D in G.HEAD_DIMS:
         det = G.backward_plan(dtype, D, True)
@@ -70,9 +72,13 @@ def test_deterministic_plans_add_dq_only_in_order(dtype):
                 ordered = v.family is G.BWD_SM90
                 assert bool(v.grads & G.GRAD_DQ) == ordered and bool(v.grads & G.GRAD_DQ_ORDERED) == ordered
         atomic = G.backward_plan(dtype, D, False)
-        assert atomic.dq is None and atomic.convert is not None
-        assert atomic.kv[-1][0] & G.GRAD_DQ
         assert not any(v.grads & G.GRAD_DQ_ORDERED for _, c in atomic.kv for v in c)
+        if dtype in G.HALF_DTYPES and D >= G.BWD_SM80_DQ_KERNEL_MIN_HEAD_DIM:
+            assert atomic.dq is not None and not atomic.kv[-1][0] & G.GRAD_DQ
+            assert all(bool(v.grads & G.GRAD_DQ) == (v.family is G.BWD_SM90) for _, c in atomic.kv for v in c)
+        else:
+            assert atomic.dq is None and atomic.convert is not None
+            assert atomic.kv[-1][0] & G.GRAD_DQ
         for plan in (det, atomic):
             for grads, candidates in plan.kv:
                 assert all(v.grads & grads == grads for v in candidates)
