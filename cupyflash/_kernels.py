@@ -442,9 +442,9 @@ BWD_SM80_KV_TILES = {
     256: ((64, 64, 8, 2), (32, 64, 8, 2), (16, 32, 4, 2)),
 }
 # From this head dim the 16-bit sm80 path computes dQ in its own kernel in both modes (the
-# shares' 64-key CTAs would add it with twice the atomics a pair). H200, bf16, N = 2k-8k,
-# against the dQ atomics of the shares kernel: 1.07-1.19x; against the two-pass kernels
-# before the shares 1.02-1.08x (bench/NOTES.md session 29).
+# shares' 64-key CTAs would add it with twice the atomics a pair). H200, bf16, N = 2k / 8k,
+# against the two launches (dV, then dK + dQ) that the shares replaced: 1.03-1.10x; the
+# shares adding dQ themselves read 0.86-0.98x (bench/NOTES.md session 29).
 BWD_SM80_DQ_KERNEL_MIN_HEAD_DIM = 192
 # Deterministic dQ kernel, (BLOCK_M, BLOCK_N, WARPS): query block, key tile, warps (16 rows
 # or more each). Same run, whole backward: d = 64 (128, 64, 4) 188, (64, 64, 4) 180;
