@@ -469,17 +469,25 @@ BWD_SM80_EXT_Q_TILES = {**BWD_SM80_Q_TILES, 64: ((64, 64, 4),),
 # head dims and GPUs use those. The options (MODE_EXT) take the same tiles, and so does
 # the bias (MODE_EXT | MODE_BIAS: one stage of a 64-query sub-tile's bias beside them;
 # the calls it cannot serve, a bias gradient or a bias without whole rows, take the sm80
-# kernels: _cuda._plan_backward).
+# kernels: _cuda._plan_backward). From d = 192 the two warpgroups own the same 64 keys
+# in two roles (Sm90BwdKVTile::ROLES), on the dense path only (dense and MODE_BAND; the
+# options take the sm80 kernels).
 BWD_SM90_KV_TILES = {
     64: ((128, 2),),
     128: ((64, 2),),
+    192: ((64, 2),),
+    256: ((64, 2),),
 }
+# From this head dim bwd_sm90.cu's warpgroups take the roles (Sm90BwdKVTile::ROLES).
+BWD_SM90_ROLES_MIN_HEAD_DIM = 192
 
 
 def bwd_sm90_splits_units(variant: "Variant") -> bool:
     """Whether a key-block kernel can take the last round's units in pieces (bwd_sm90.cu
-    Sm90BwdKVTile::SPLITS: the dense kernels of the default mode; `sm90_unit_split`)."""
-    return variant.family is BWD_SM90 and variant.mode == MODE_DENSE and not variant.grads & GRAD_DQ_ORDERED
+    Sm90BwdKVTile::SPLITS: the dense kernels of the default mode below the roles' head
+    dims; `sm90_unit_split`)."""
+    return (variant.family is BWD_SM90 and variant.mode == MODE_DENSE and not variant.grads & GRAD_DQ_ORDERED
+            and variant.head_dim < BWD_SM90_ROLES_MIN_HEAD_DIM)
 
 
 def sm90_unit_split(units: int, ctas: int, pairs: int) -> tuple[int, int]:
@@ -627,19 +635,22 @@ def _sm90_rows_ld(block_m: int) -> int:
 
 def _sm90_dkdv(dtype_name: str, D: int, tile, grads: int, mode: int) -> Variant:
     block_m, consumers = tile
-    block_n = 64 * consumers
+    roles = D >= BWD_SM90_ROLES_MIN_HEAD_DIM   # Sm90BwdKVTile::ROLES: both warpgroups on the same 64 keys
+    block_n = 64 if roles else 64 * consumers
     assert grads & GRAD_DQ, "bwd_sm90.cu adds dQ in both modes"
-    stages = 2
-    # bwd_sm90.cu Sm90BwdKVTile: K, V, Q and dO per stage, dS^T twice, the bias of a
-    # sub-tile of BWD_SM90_SUB_M queries (MODE_BIAS), swizzled; the staged fp32 dQ tile
-    # with rows of D + 8; a tile's lse2 and delta rows a stage; 1024 bytes to align the
-    # tiles; Sm90BwdBarriers (11 + 2 STAGES mbarriers of 8 bytes, two unit words, a
-    # 16-byte Sm90BwdTileInfo a stage; the walk's ring: two mbarriers and a tile info a
-    # slot, Sm90BwdKVTile::WALK_SLOTS; the consumers' split unit and a pad word).
+    assert not roles or lean_mode(mode), "the roles serve the dense path only"
+    stages = 1 if roles and D > 192 else 2
+    ds_buffers, trade = (1, block_n * BWD_SM90_SUB_M) if roles else (2, 0)
+    # bwd_sm90.cu Sm90BwdKVTile: K, V, Q and dO per stage, dS^T (DS_BUFFERS), the bias of
+    # a sub-tile of BWD_SM90_SUB_M queries (MODE_BIAS), swizzled; the staged fp32 dQ tile
+    # with rows of D + 8; the roles' fp32 P^T; a tile's lse2 and delta rows a stage; 1024
+    # bytes to align the tiles; Sm90BwdBarriers (11 + 2 STAGES mbarriers of 8 bytes, two
+    # unit words, a 16-byte Sm90BwdTileInfo a stage; the walk's ring: two mbarriers and a
+    # tile info a slot, Sm90BwdKVTile::WALK_SLOTS; the consumers' split unit and a pad word).
     bias = BWD_SM90_SUB_M * block_n if mode & MODE_BIAS else 0
-    smem = ((2 * block_n * D + 2 * stages * block_m * D + 2 * block_n * block_m + bias) * 2
-            + (block_m * (D + 8) + 2 * stages * _sm90_rows_ld(block_m)) * 4 + 1024 + 8 * (12 + 2 * stages) + 16 * stages
-            + (2 * 8 + 16) * BWD_SM90_WALK_SLOTS + 8)
+    smem = ((2 * block_n * D + 2 * stages * block_m * D + ds_buffers * block_n * block_m + bias) * 2
+            + (block_m * (D + 8) + trade + 2 * stages * _sm90_rows_ld(block_m)) * 4 + 1024 + 8 * (12 + 2 * stages)
+            + 16 * stages + (2 * 8 + 16) * BWD_SM90_WALK_SLOTS + 8)
     expr = f"flash_bwd_dkdv_sm90<{CPP_TYPE[dtype_name]}, {D}, {block_m}, {consumers}, {grads}, {mode}, {smem}>"
     # + the producer warpgroup; the dQ workspace's rows padded as the staged tile's (DQ_LD)
     return Variant(BWD_SM90, expr, (consumers + 1) * 128, block_n, smem, mode=mode, tile=tuple(tile),
@@ -722,8 +733,9 @@ def backward_plan(dtype_name: str, D: int, deterministic: bool, mode: int = MODE
         grads = GRAD_DV | GRAD_DK | (0 if dq_kernel else GRAD_DQ)
         E = sm90_head_dim(D, BWD_SM90_KV_TILES)
         tiles = (BWD_SM80_EXT_KV_TILES if mode else BWD_SM80_KV_TILES)[D]
+        hopper = E is not None and (E < BWD_SM90_ROLES_MIN_HEAD_DIM or lean_mode(hopper_mode))
         kv = ((grads, [*(_sm90_dkdv(dtype_name, E, t, grads | sm90_dq_bits, hopper_mode)
-                         for t in BWD_SM90_KV_TILES.get(E, ())),
+                         for t in (BWD_SM90_KV_TILES[E] if hopper else ())),
                        *(_sm80_dkdv(dtype_name, D, t, grads, mode) for t in tiles)]),)
         q_tiles = (BWD_SM80_EXT_Q_TILES if mode else BWD_SM80_Q_TILES)[D]
         dq = [_sm80_dq(dtype_name, D, t, mode) for t in q_tiles] if dq_kernel else None

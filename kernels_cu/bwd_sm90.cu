@@ -116,12 +116,25 @@ struct Sm90BwdBarriers {
 
 template <typename T, int D, int BLOCK_M, int CONSUMERS, int GRADS, int MODE>
 struct Sm90BwdKVTile {
-    static constexpr int STAGES = 2;
+    // From d = 192 a warpgroup's dK and dV of 64 keys (2 D registers a thread) exceed the
+    // registers: there the two consumer warpgroups own the same 64 keys in two roles
+    // (Sm90BwdRole), the dV role computing S^T, P^T and dV += P^T dO, the dK role dP^T,
+    // dS^T and dK += dS^T Q, P^T traded through shared memory in fp32 (one product each
+    // where each warpgroup computed both, as bwd_wide.cu's shares do by columns); each
+    // adds its columns of dQ. The dense path only (LEAN): the options run in bwd_sm80.cu.
+    static constexpr bool ROLES = D > 128;
+    // Q and dO stages: at d = 256 one (the tiles, the trade and the dQ tile take the rest:
+    // FlashAttention-3 keeps one there too), its next tile loading while the consumers'
+    // dQ products run.
+    static constexpr int STAGES = ROLES && D > 192 ? 1 : 2;
     // Named barrier of the consumers alone (0 is __syncthreads').
     static constexpr int CONSUMER_BARRIER = 1;
     static constexpr int CONSUMER_THREADS = CONSUMERS * 128;
     static constexpr int THREADS = CONSUMER_THREADS + 128;   // + the producer warpgroup
-    static constexpr int BLOCK_N = CONSUMERS * 64;
+    static constexpr int BLOCK_N = ROLES ? 64 : CONSUMERS * 64;
+    // The roles' trade: the dV role has written a tile's P^T (named barrier of both roles,
+    // the dV role arriving, the dK role waiting).
+    static constexpr int TRADE_BARRIER = 3;
     // The query tile is computed in sub-tiles of SUB_M queries (S^T, dP^T, P^T, dS^T of a
     // whole 128-query tile would not fit the registers beside dK and dV at d = 64).
     static constexpr int SUB_M = 64;
@@ -158,7 +171,8 @@ struct Sm90BwdKVTile {
     // delta as one 8-byte load and dS^T stored by stmatrix, once also limited to some
     // kernels, fit every kernel since the producer describes the tiles.)
     static constexpr bool UNIFORM_WG = D <= 64 || LEAN || !(BIAS || ORDERED_DQ);
-    // dQ's BLOCK_M x D tile in one 64 x DQ_N piece per warpgroup: DQ_COLS pieces across.
+    // dQ's BLOCK_M x D tile in one 64 x DQ_N piece per warpgroup: DQ_COLS pieces across
+    // (with the roles, Sm90BwdRole's columns).
     static constexpr int DQ_N = BLOCK_M * D / (64 * CONSUMERS);
     static constexpr int DQ_COLS = D / DQ_N;
     // The staged dQ tile's rows, in floats: 8 past D, so that a warp's two-float writes
@@ -172,6 +186,11 @@ struct Sm90BwdKVTile {
     // rows, one buffer a stage; the barriers.
     static constexpr int KV_ELEMS = BLOCK_N * D, QO_ELEMS = BLOCK_M * D;
     static constexpr int DS_ELEMS = BLOCK_N * BLOCK_M;
+    // dS^T buffers: two, so that the next tile's dS^T goes to the other while the dQ
+    // products, issued ahead of its S^T, read this one; with the roles, whose dQ products
+    // complete before the next tile's S^T (their registers), one.
+    static constexpr int DS_BUFFERS = ROLES ? 1 : 2;
+    static constexpr int TRADE_FLOATS = ROLES ? BLOCK_N * SUB_M : 0;   // a sub-tile's P^T (the roles)
     static constexpr int BIAS_ELEMS = BIAS ? SUB_M * BLOCK_N : 0;
     static constexpr u32 BIAS_BYTES = BIAS_ELEMS * sizeof(T);
     static constexpr int DQ_FLOATS = BLOCK_M * DQ_LD;
@@ -183,8 +202,8 @@ struct Sm90BwdKVTile {
     static constexpr int ROWS_BOX = BLOCK_M + 4, ROWS_LD = (ROWS_BOX + 31) / 32 * 32;
     static constexpr u32 ROWS_BYTES = 2 * ROWS_BOX * sizeof(float);   // lse2 and delta of a stage
     static constexpr int ALIGN = 1024;
-    static constexpr int TILE_BYTES = (2 * KV_ELEMS + 2 * STAGES * QO_ELEMS + 2 * DS_ELEMS + BIAS_ELEMS) * sizeof(T) +
-                                      (DQ_FLOATS + STAGES * 2 * ROWS_LD) * sizeof(float);
+    static constexpr int TILE_BYTES = (2 * KV_ELEMS + 2 * STAGES * QO_ELEMS + DS_BUFFERS * DS_ELEMS + BIAS_ELEMS) * sizeof(T) +
+                                      (DQ_FLOATS + TRADE_FLOATS + STAGES * 2 * ROWS_LD) * sizeof(float);
     // The walk's ring (Sm90BwdTileInfo): the loader runs up to STAGES tiles ahead of the
     // consumers and a dQ writer a tile behind them, so four slots let the walker run ahead
     // of every reader.
@@ -226,17 +245,19 @@ struct Sm90BwdKVTile {
     // Units in pieces (Sm90BwdUnits): the dense kernels of the default mode (the host splits
     // only calls without a causal band, whose units are all as long; the deterministic
     // mode's turns follow whole units).
-    static constexpr bool SPLITS = MODE == MODE_DENSE && !ORDERED_DQ;
+    static constexpr bool SPLITS = MODE == MODE_DENSE && !ORDERED_DQ && !ROLES;
     static_assert(!SPLITS || 2 * DS_ELEMS * sizeof(T) + DQ_FLOATS * sizeof(float) >= BLOCK_N * D * sizeof(float),
                   "a piece's fp32 gradient staged over dS^T and the dQ tile");
     static_assert((GRADS & (GRAD_DV | GRAD_DK)) == (GRAD_DV | GRAD_DK), "dV and dK in one pass");
     // dQ in both modes (ordered in the deterministic one): the host never asks for less.
     static_assert((GRADS & GRAD_DQ) != 0, "bwd_sm90.cu adds dQ");
-    static_assert(D % PANEL == 0 && D <= 128 && BLOCK_M % 64 == 0 && BLOCK_M <= 128, "tile shape");
-    static_assert(DQ_N % 64 == 0 && D % DQ_N == 0 && (BLOCK_M / 64) * DQ_COLS == CONSUMERS, "dQ pieces");
+    static_assert(D % PANEL == 0 && D <= 256 && BLOCK_M % 64 == 0 && BLOCK_M <= 128, "tile shape");
+    static_assert(ROLES || (DQ_N % 64 == 0 && D % DQ_N == 0 && (BLOCK_M / 64) * DQ_COLS == CONSUMERS), "dQ pieces");
+    static_assert(!ROLES || (LEAN && CONSUMERS == 2 && BLOCK_M == SUB_M), "the roles: two warpgroups, the dense path, one sub-tile");
     static_assert(BWD_ROW_PAD % BLOCK_M == 0, "query tiles read the padded row workspaces whole");
     static_assert(2 * BLOCK_M <= CONSUMER_THREADS, "a consumer thread fetches one word of a tile's rows");
-    static_assert(DQ_FLOATS * sizeof(float) >= BLOCK_N * SmemTile<T, D>::stride * sizeof(T), "epilogue staging in the dQ tile");
+    static_assert(DQ_FLOATS * sizeof(float) >= (ROLES ? 2 : 1) * BLOCK_N * SmemTile<T, D>::stride * sizeof(T),
+                  "epilogue staging in the dQ tile (with the roles, dV and dK at once)");
 };
 
 // The kernel's work: a unit is (key block, kv head, batch entry), numbered with the key
@@ -277,6 +298,22 @@ struct Sm90BwdUnits {
 
 // A dQ writer's index, as a type (Sm90BwdKVTile::DQ_WRITERS).
 template <int N> struct Sm90BwdWriter { static constexpr int INDEX = N; };
+
+// A consumer warpgroup's role, as a type (Sm90BwdKVTile::ROLES): BOTH below d = 192 (each
+// warpgroup its own 64 keys, every product); from d = 192 DV or DK, over the same 64 keys.
+template <int D, int ROLE>
+struct Sm90BwdRole {
+    enum { BOTH = -1, DV = 0, DK = 1 };
+    static constexpr bool SHARED_KEYS = ROLE != BOTH;
+    static constexpr bool S = ROLE != DK;    // computes S^T, P^T and dV += P^T dO
+    static constexpr bool DP = ROLE != DV;   // computes dP^T, dS^T and dK += dS^T Q
+    // Its columns of dQ: the dV role's the first 128, the dK role's the rest (d = 192:
+    // 64, where its share of the score passes is larger: it reads P^T from the trade and
+    // stores dS^T). Each a whole number of 64-column panels, as the B operand's
+    // descriptor wants (wgmma.cuh mnmajor_desc).
+    static constexpr int DQ_COL0 = ROLE == DK ? 128 : 0;
+    static constexpr int DQ_N = ROLE == DV ? 128 : D - 128;
+};
 
 // What every role derives from a unit and its option state: its key block and the pairs
 // that see it (bwd.cuh KeyBlockPairs), which every role walks in the same order.
@@ -328,10 +365,11 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
     T* sV = sK + C::KV_ELEMS;
     T* sQ = sV + C::KV_ELEMS;                 // STAGES buffers
     T* sdO = sQ + STAGES * C::QO_ELEMS;       // STAGES buffers
-    T* sdS = sdO + STAGES * C::QO_ELEMS;      // two buffers (with dQ)
-    T* sBias = sdS + 2 * C::DS_ELEMS;         // one stage (MODE_BIAS)
+    T* sdS = sdO + STAGES * C::QO_ELEMS;      // C::DS_BUFFERS buffers
+    T* sBias = sdS + C::DS_BUFFERS * C::DS_ELEMS;   // one stage (MODE_BIAS)
     float* sdQ = reinterpret_cast<float*>(sBias + C::BIAS_ELEMS);   // also the epilogue's staging tile
-    float* sRows = sdQ + C::DQ_FLOATS;        // a stage's lse2 then delta rows (C::ROWS_LD each), STAGES buffers
+    float* sTrade = sdQ + C::DQ_FLOATS;       // the roles' P^T (C::ROLES)
+    float* sRows = sTrade + C::TRADE_FLOATS;  // a stage's lse2 then delta rows (C::ROWS_LD each), STAGES buffers
     auto& bars = *reinterpret_cast<Sm90BwdBarriers<STAGES, C::WALK_SLOTS>*>(reinterpret_cast<unsigned char*>(sK) + C::TILE_BYTES);
     // The option kernels' state of the CTA's unit (mods.cuh Mods; in registers it would
     // spill the consumers). The persistent dense kernels keep each role's in registers.
@@ -619,331 +657,406 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
     warpgroup_claim_regs<C::CONSUMER_REGS>();
     const int g = lane / 4, t = lane % 4;
     const int wg = C::UNIFORM_WG ? warp_uniform(warp / 4) : warp / 4;   // the descriptors' operand rows
-    const int warp_row0 = warp * 16;        // this warp's keys in the block
     auto release = [&](u64* bar) {
         __syncwarp();
         if (lane == 0) mbar_arrive(bar);
     };
     auto consumer_sync = [] { named_barrier(C::CONSUMER_BARRIER, C::CONSUMER_THREADS); };
-    // This warpgroup's piece of the dQ tile (C::DQ_N columns of 64 query rows).
-    const int dq_row0 = (wg / C::DQ_COLS) * 64, dq_col0 = (wg % C::DQ_COLS) * C::DQ_N;
+    // A warpgroup's work in its role (Sm90BwdRole); each role's accumulators are its own.
+    auto consume = [&](auto role) {
+        typedef decltype(role) R;
+        // This warp's keys in the block (S^T's and dP^T's A operands start at its
+        // warpgroup's, written out where used: as a variable the d = 128 option kernel
+        // spilled 40 bytes, build check).
+        const int warp_row0 = (R::SHARED_KEYS ? warp % 4 : warp) * 16;
+        // This warpgroup's piece of the dQ tile (DQ_N columns of 64 query rows).
+        constexpr int DQ_N = R::SHARED_KEYS ? R::DQ_N : C::DQ_N;
+        const int dq_row0 = R::SHARED_KEYS ? 0 : (wg / C::DQ_COLS) * 64;
+        const int dq_col0 = R::SHARED_KEYS ? R::DQ_COL0 : (wg % C::DQ_COLS) * C::DQ_N;
+        // The dV role's P^T for the dK role: each thread's fragments, a float4 an n-tile, where
+        // the thread of the same warp and lane in the other role reads them.
+        [[maybe_unused]] auto traded = [&](int nt) { return reinterpret_cast<float4*>(sTrade) + (nt * 4 + warp % 4) * 32 + lane; };
 
-    int step = 0;   // query tiles, over every unit: stage step % STAGES, dQ tile step
-    int kv_n = 0;   // K/V blocks waited for
-    each_unit(read_unit, [&](const UnitState& w) {
-        const ModsT& mods = w.mods;
-        const auto& mask = mods.mask;
-        const int k0 = w.k0;
-        // Whether this unit's call caps its scores (the kernels without softcap compile it out).
-        auto capped = [&] { return C::SOFTCAP && mods.softcap > 0.f; };
-        // The walker walks the pairs and the loader passes each tile's record on in its
-        // stage (Sm90BwdTileInfo); the consumers only ask whether the unit has a tile.
-        const bool has_tiles = w.first() < w.count();
-        if constexpr (C::SPLITS) {   // in shared memory until the epilogue (held in registers, d = 128 spilled)
-            if (threadIdx.x == 0) bars.consumers_split = w.unit.piece >= 0 ? Sm90BwdUnits(p).split_index(w.unit) : -1;
-            consumer_sync();
-        }
-        const int unit_step0 = step;
-        if (has_tiles) mbar_wait(&bars.kv_full, kv_n & 1);
-
-        float acc_dv[1][DT][4], acc_dk[1][DT][4];
-        zero_frags(acc_dv);
-        zero_frags(acc_dk);
-
-        // A tile's dQ = dS K goes to the tensor cores at the start of the next tile, ahead of
-        // its S^T, and is staged while S^T runs (dP^T is issued after: with it in flight too,
-        // d = 128 spilled, build check). So the tile's tail (waiting for dQ, staging it, the
-        // loop's turn) no longer leaves the tensor cores idle (ncu: the largest stall of the
-        // consumers). Each iteration waits for every product it issues, so that ptxas can
-        // follow the accumulators (with dQ in flight across iterations it serialised the
-        // wgmmas); the unit's first iteration's dQ product reads a dS^T buffer of no tile of
-        // this unit and is not staged. The last tile's dV and dK are done by then too, so
-        // that its Q and dO stage is released there.
-        float dq[1][C::DQ_N / 8][4];
-        auto issue_dq = [&](const T* dS_tile) {
-            Wgmma<T, C::DQ_N>::template ss_mn<false>(dq[0], mnmajor_desc<T, BLOCK_N>(dS_tile, 0, dq_row0), mnmajor_desc<T, BLOCK_N>(sK, 0, dq_col0));
-            #pragma unroll
-            for (int ks = 1; ks < C::NSTEPS; ++ks)
-                Wgmma<T, C::DQ_N>::template ss_mn<true>(dq[0], mnmajor_desc<T, BLOCK_N>(dS_tile, ks, dq_row0), mnmajor_desc<T, BLOCK_N>(sK, ks, dq_col0));
-            wgmma_commit();
-        };
-        // The piece of tile `step` into the staging tile once the copy engine has read the
-        // last one; the producer's second warp adds it into the workspace.
-        auto stage_dq = [&](int dq_step) {
-            reg_fence(dq[0]);
-            mbar_wait(&bars.dq_empty, (dq_step & 1) ^ 1);
-            #pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-                float* row = sdQ + (dq_row0 + (warp % 4) * 16 + g + hh * 8) * C::DQ_LD;
-                #pragma unroll
-                for (int nt = 0; nt < C::DQ_N / 8; ++nt)
-                    *reinterpret_cast<float2*>(row + dq_col0 + nt * 8 + 2 * t) = make_float2(dq[0][nt][2 * hh], dq[0][nt][2 * hh + 1]);
+        int step = 0;   // query tiles, over every unit: stage step % STAGES, dQ tile step
+        int kv_n = 0;   // K/V blocks waited for
+        each_unit(read_unit, [&](const UnitState& w) {
+            const ModsT& mods = w.mods;
+            const auto& mask = mods.mask;
+            const int k0 = w.k0;
+            // Whether this unit's call caps its scores (the kernels without softcap compile it out).
+            auto capped = [&] { return C::SOFTCAP && mods.softcap > 0.f; };
+            // The walker walks the pairs and the loader passes each tile's record on in its
+            // stage (Sm90BwdTileInfo); the consumers only ask whether the unit has a tile.
+            const bool has_tiles = w.first() < w.count();
+            if constexpr (C::SPLITS) {   // in shared memory until the epilogue (held in registers, d = 128 spilled)
+                if (threadIdx.x == 0) bars.consumers_split = w.unit.piece >= 0 ? Sm90BwdUnits(p).split_index(w.unit) : -1;
+                consumer_sync();
             }
-            fence_async_smem();
-            release(&bars.dq_full[dq_step % C::DQ_WRITERS]);
-        };
+            const int unit_step0 = step;
+            if (has_tiles) mbar_wait(&bars.kv_full, kv_n & 1);
 
-        // A split unit's piece: a gradient's fp32 accumulators added into `sums` (BLOCK_N rows
-        // of D floats) by one bulk reduction, staged where dS^T and the dQ tile lie (both
-        // free once the unit's last dQ tile has been read).
-        [[maybe_unused]] auto add_piece = [&](float* sums, const float (&acc)[1][DT][4]) {
-            float* staged = reinterpret_cast<float*>(sdS);
-            warp_store_c_f32(staged, D, warp_row0, acc);
-            fence_async_smem();
-            consumer_sync();
-            if (threadIdx.x == 0) {
-                bulk_reduce_add(sums, staged, u32(BLOCK_N * D) * sizeof(float));
-                bulk_commit();
-                bulk_wait_read<0>();
-            }
-            consumer_sync();
-        };
-        for (bool more = has_tiles; more; ++step) {
-            const int s_ = step % STAGES;
-            const T* sQb = sQ + s_ * C::QO_ELEMS;
-            const T* sdOb = sdO + s_ * C::QO_ELEMS;
-            // The tile's rows from where the loader's aligned box put them (q_base 0 but
-            // under varlen).
-            const float* sLseb = sRows + s_ * 2 * C::ROWS_LD + (ModsT::BAND ? int(mods.q_base) & 3 : 0);
-            const float* sDeltab = sLseb + C::ROWS_LD;
-            mbar_wait(&bars.full[s_], (step / STAGES) & 1);
-            Sm90BwdTileInfo& tile = bars.tile[s_];   // the stage's until the next tile releases it
-            const int h = Sm90BwdTileInfo::ld(&tile.h), q0 = Sm90BwdTileInfo::ld(&tile.q0);
+            float acc_dv[1][R::S ? DT : 1][4], acc_dk[1][R::DP ? DT : 1][4];
+            zero_frags(acc_dv);
+            zero_frags(acc_dk);
 
-            // Per sub-tile: S^T and dP^T as two batches (P^T is computed while dP^T
-            // still runs), then dV += P^T dO and dK += dS^T Q as one batch, which runs on
-            // while the next sub-tile's S^T and dP^T are issued. dS^T goes to shared memory
-            // for dQ (its A fragments are the rounded values: fragment word i holds rows
-            // g + 8 (i % 2), columns 16 ks + 8 (i / 2) + 2 t, + 1); that buffer of two tiles
-            // ago is free: every warpgroup passed the barrier below since, after its dQ
-            // products of that tile completed.
-            T* sdSb = sdS + (step % 2) * C::DS_ELEMS;
-            #pragma unroll
-            for (int sub = 0; sub < C::SUBTILES; ++sub) {
-                const int r0 = sub * C::SUB_M;   // the sub-tile's first row in the query tile
-                float s[1][QT][4], dp[1][QT][4];
-                if constexpr (C::BIAS) {
-                    // S^T's accumulator starts at bias^T / scale, so that the P pass's
-                    // S^T scale log2 e has the bias term in log2 units (HeadMods::score_log2)
-                    // at no cost per score. Softcap caps the product alone: then it starts at
-                    // 0 and the pass adds the bias.
-                    mbar_wait(&bars.bias_full, (step * C::SUBTILES + sub) & 1);
-                    if (capped()) {
-                        zero_frags(s);
-                    } else {
-                        KeyRowBias<T, C::SUB_M> bias(sBias, warp_row0);
-                        const float weight = 1.f / scale;
-                        for_each_score<true>(s, 0, 0, [&](float& x, int, int, int, int nt, int e) {
-                            x = bias.at(nt, e) * weight;
-                        });
-                    }
-                }
-                wgmma_fence();
-                if (sub == 0) issue_dq(sdS + ((step + 1) % 2) * C::DS_ELEMS);   // the last tile's
-                Wgmma<T, C::SUB_M>::template ss<C::BIAS>(s[0], kmajor_desc<T, BLOCK_N>(sK, wg * 64, 0), kmajor_desc<T, BLOCK_M>(sQb, r0, 0));
+            // A tile's dQ = dS K goes to the tensor cores at the start of the next tile, ahead of
+            // its S^T, and is staged while S^T runs (dP^T is issued after: with it in flight too,
+            // d = 128 spilled, build check). So the tile's tail (waiting for dQ, staging it, the
+            // loop's turn) no longer leaves the tensor cores idle (ncu: the largest stall of the
+            // consumers). Each iteration waits for every product it issues, so that ptxas can
+            // follow the accumulators (with dQ in flight across iterations it serialised the
+            // wgmmas); the unit's first iteration's dQ product reads a dS^T buffer of no tile of
+            // this unit and is not staged. The last tile's dV and dK are done by then too, so
+            // that its Q and dO stage is released there.
+            float dq[1][DQ_N / 8][4];
+            auto issue_dq = [&](const T* dS_tile) {
+                Wgmma<T, DQ_N>::template ss_mn<false>(dq[0], mnmajor_desc<T, BLOCK_N>(dS_tile, 0, dq_row0), mnmajor_desc<T, BLOCK_N>(sK, 0, dq_col0));
                 #pragma unroll
-                for (int ks = 1; ks < C::KSTEPS; ++ks)
-                    Wgmma<T, C::SUB_M>::template ss<true>(s[0], kmajor_desc<T, BLOCK_N>(sK, wg * 64, ks), kmajor_desc<T, BLOCK_M>(sQb, r0, ks));
+                for (int ks = 1; ks < C::NSTEPS; ++ks)
+                    Wgmma<T, DQ_N>::template ss_mn<true>(dq[0], mnmajor_desc<T, BLOCK_N>(dS_tile, ks, dq_row0), mnmajor_desc<T, BLOCK_N>(sK, ks, dq_col0));
                 wgmma_commit();
-                // The bias stage goes back only once the values read from it have been used:
-                // its ldmatrix loads may still be in flight after their last instruction, and
-                // the next TMA write (the async proxy) is not ordered after them by the
-                // barrier alone (the d = 64 kernels gave wrong gradients when the stage went
-                // back right after the loads). Here S^T's product, issued on the registers
-                // they fed, has taken them; with softcap, below, once the passes are done.
-                if (C::BIAS && !capped()) release(&bars.bias_empty);
-                if (sub == 0) {
-                    wgmma_wait<1>();   // the last tile's dQ, dV and dK (S^T runs on)
+            };
+            // The piece of tile `step` into the staging tile once the copy engine has read the
+            // last one; the producer's second warp adds it into the workspace.
+            auto stage_dq = [&](int dq_step) {
+                reg_fence(dq[0]);
+                mbar_wait(&bars.dq_empty, (dq_step & 1) ^ 1);
+                #pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    float* row = sdQ + (dq_row0 + (warp % 4) * 16 + g + hh * 8) * C::DQ_LD;
+                    #pragma unroll
+                    for (int nt = 0; nt < DQ_N / 8; ++nt)
+                        *reinterpret_cast<float2*>(row + dq_col0 + nt * 8 + 2 * t) = make_float2(dq[0][nt][2 * hh], dq[0][nt][2 * hh + 1]);
+                }
+                fence_async_smem();
+                release(&bars.dq_full[dq_step % C::DQ_WRITERS]);
+            };
+
+            // A split unit's piece: a gradient's fp32 accumulators added into `sums` (BLOCK_N rows
+            // of D floats) by one bulk reduction, staged where dS^T and the dQ tile lie (both
+            // free once the unit's last dQ tile has been read).
+            [[maybe_unused]] auto add_piece = [&](float* sums, const float (&acc)[1][DT][4]) {
+                float* staged = reinterpret_cast<float*>(sdS);
+                warp_store_c_f32(staged, D, warp_row0, acc);
+                fence_async_smem();
+                consumer_sync();
+                if (threadIdx.x == 0) {
+                    bulk_reduce_add(sums, staged, u32(BLOCK_N * D) * sizeof(float));
+                    bulk_commit();
+                    bulk_wait_read<0>();
+                }
+                consumer_sync();
+            };
+            for (bool more = has_tiles; more; ++step) {
+                const int s_ = step % STAGES;
+                const T* sQb = sQ + s_ * C::QO_ELEMS;
+                const T* sdOb = sdO + s_ * C::QO_ELEMS;
+                // The tile's rows from where the loader's aligned box put them (q_base 0 but
+                // under varlen).
+                const float* sLseb = sRows + s_ * 2 * C::ROWS_LD + (ModsT::BAND ? int(mods.q_base) & 3 : 0);
+                const float* sDeltab = sLseb + C::ROWS_LD;
+                if constexpr (R::SHARED_KEYS) {
+                    // The last tile's dQ first, complete and staged before this tile's S^T or
+                    // dP^T take the registers (with one stage, while this tile's Q and dO load).
                     if (step > unit_step0) {
-                        release(&bars.empty[(step - 1) % STAGES]);
+                        wgmma_fence();
+                        issue_dq(sdS + ((step - 1) % C::DS_BUFFERS) * C::DS_ELEMS);
+                        wgmma_wait<0>();
                         stage_dq(step - 1);
                     }
                 }
-                Wgmma<T, C::SUB_M>::template ss<false>(dp[0], kmajor_desc<T, BLOCK_N>(sV, wg * 64, 0), kmajor_desc<T, BLOCK_M>(sdOb, r0, 0));
-                #pragma unroll
-                for (int ks = 1; ks < C::KSTEPS; ++ks)
-                    Wgmma<T, C::SUB_M>::template ss<true>(dp[0], kmajor_desc<T, BLOCK_N>(sV, wg * 64, ks), kmajor_desc<T, BLOCK_M>(sdOb, r0, ks));
-                wgmma_commit();
+                mbar_wait(&bars.full[s_], (step / STAGES) & 1);
+                Sm90BwdTileInfo& tile = bars.tile[s_];   // the stage's until the next tile releases it
+                const int h = Sm90BwdTileInfo::ld(&tile.h), q0 = Sm90BwdTileInfo::ld(&tile.q0);
 
-                const bool needs_mask = tile.has(Sm90BwdTileInfo::MASKED << sub);
-                // A query pair's rows as one 8-byte load (the passes read each pair twice, for
-                // keys g and g + 8: the compiler reuses the load); with a band word by word
-                // (under varlen the rows may start at an odd word).
-                auto pair_at = [&](const float* rows, int nt, int e) {
-                    if constexpr (!ModsT::BAND) {
-                        const float2 pair = *reinterpret_cast<const float2*>(rows + r0 + nt * 8 + 2 * t);
-                        return e % 2 ? pair.y : pair.x;
-                    } else {
-                        return rows[r0 + nt * 8 + 2 * t + e % 2];
+                // Per sub-tile: S^T and dP^T as two batches (P^T is computed while dP^T
+                // still runs), then dV += P^T dO and dK += dS^T Q as one batch, which runs on
+                // while the next sub-tile's S^T and dP^T are issued. dS^T goes to shared memory
+                // for dQ (its A fragments are the rounded values: fragment word i holds rows
+                // g + 8 (i % 2), columns 16 ks + 8 (i / 2) + 2 t, + 1); that buffer of two tiles
+                // ago is free: every warpgroup passed the barrier below since, after its dQ
+                // products of that tile completed.
+                T* sdSb = sdS + (step % C::DS_BUFFERS) * C::DS_ELEMS;
+                #pragma unroll
+                for (int sub = 0; sub < C::SUBTILES; ++sub) {
+                    const int r0 = sub * C::SUB_M;   // the sub-tile's first row in the query tile
+                    float s[1][QT][4], dp[1][QT][4];
+                    if constexpr (C::BIAS) {
+                        // S^T's accumulator starts at bias^T / scale, so that the P pass's
+                        // S^T scale log2 e has the bias term in log2 units (HeadMods::score_log2)
+                        // at no cost per score. Softcap caps the product alone: then it starts at
+                        // 0 and the pass adds the bias.
+                        mbar_wait(&bars.bias_full, (step * C::SUBTILES + sub) & 1);
+                        if (capped()) {
+                            zero_frags(s);
+                        } else {
+                            KeyRowBias<T, C::SUB_M> bias(sBias, warp_row0);
+                            const float weight = 1.f / scale;
+                            for_each_score<true>(s, 0, 0, [&](float& x, int, int, int, int nt, int e) {
+                                x = bias.at(nt, e) * weight;
+                            });
+                        }
                     }
-                };
-                auto lse2_at = [&](int, int nt, int e) {
-                    return pair_at(sLseb, nt, e);
-                };
-                auto delta_at = [&](int, int nt, int e) {
-                    return pair_at(sDeltab, nt, e);
-                };
-                u32 p_frag[C::QSTEPS][4], ds_frag[C::QSTEPS][4];
-                if constexpr (C::LEAN) {
-                    float unused_dtanh[1][1][4];
-                    wgmma_wait<1>();
-                    reg_fence(s[0]);
-                    // A copy of the pass per case: with the flag at run time ptxas worked out
-                    // every score's visibility and selected on it (~150 instructions a tile
-                    // that no mask touches, ncu at 7f8a6b4).
-                    if (needs_mask)
-                        recompute_p<MODE, true>(s, unused_dtanh, mods, mods.at_head(h), k0 + warp_row0, q0 + r0, lse2_at,
-                                                scale_log2, true);
-                    else
-                        recompute_p<MODE, true>(s, unused_dtanh, mods, mods.at_head(h), k0 + warp_row0, q0 + r0, lse2_at,
-                                                scale_log2, false);
-                    #pragma unroll
-                    for (int ks = 0; ks < C::QSTEPS; ++ks) c_to_a_frag<T>(p_frag[ks], s, 0, ks);
-                    wgmma_wait<0>();
-                    reg_fence(dp[0]);
-                    grad_scores<MODE, true>(s, dp, unused_dtanh, mods, mods.at_head(h), k0 + warp_row0, q0 + r0, delta_at,
-                                            nullptr, 0, 0, 0);
-                    #pragma unroll
-                    for (int ks = 0; ks < C::QSTEPS; ++ks) c_to_a_frag<T>(ds_frag[ks], s, 0, ks);
-                } else {
-                    // The options (bwd.cuh): which scores the mask shows and dropout keeps,
-                    // while the products run; then P and dS as in dense mode, or with softcap
-                    // in one pass once both products are in.
-                    const auto hm = mods.at_head(h);
-                    const u32 keep = hm.dropout() ? hm.template keep_bits_key_rows<QT>(k0 + warp_row0, q0 + r0) : ~0u;
-                    const u32 visible = needs_mask ? mask.template visible_bits<true, QT>(k0 + warp_row0, q0 + r0, h)
-                                                   : ~0u;
-                    const bool alibi = hm.slope_log2 != 0.f;
-                    const int kr0 = k0 + warp_row0, qc0 = q0 + r0;
-                    // MODE_BIAS with softcap: the bias from its stage in the one pass (above it
-                    // rode in S^T's accumulator).
-                    auto bias = [&] {
-                        if constexpr (C::SOFTCAP_BIAS) return KeyRowBias<T, C::SUB_M>(sBias, warp_row0);
-                        else return NoBias();
-                    }();
-                    // BITS: whether the passes select by the bits; false where every score is
-                    // shown and kept (bwd.cuh). The choice must be the same for the whole
-                    // warpgroup (its wgmma waits are inside): from the tile and the call.
-    #define CUPYFLASH_OPTION_SCORES(BITS)                                                                       \
-        if (C::SOFTCAP && hm.softcap > 0.f) {   /* capped(), from the head's copy in registers */              \
-            wgmma_wait<0>();                                                                                    \
-            reg_fence(s[0]);                                                                                    \
-            reg_fence(dp[0]);                                                                                   \
-            if (alibi) capped_p_and_grad<true, BITS, true>(s, dp, hm, kr0, qc0, lse2_at, delta_at, bias, visible, keep, \
-                                                           scale_log2);                                         \
-            else capped_p_and_grad<false, BITS, true>(s, dp, hm, kr0, qc0, lse2_at, delta_at, bias, visible,    \
-                                                      keep, scale_log2);                                        \
-            _Pragma("unroll") for (int ks = 0; ks < C::QSTEPS; ++ks) {                                          \
-                c_to_a_frag<T>(p_frag[ks], s, 0, ks);                                                           \
-                c_to_a_frag<T>(ds_frag[ks], dp, 0, ks);                                                         \
-            }                                                                                                   \
-        } else {                                                                                                \
-            wgmma_wait<1>();                                                                                    \
-            reg_fence(s[0]);                                                                                    \
-            if (alibi) p_pass<true, BITS, true>(s, hm, kr0, qc0, lse2_at, visible, scale_log2);                 \
-            else p_pass<false, BITS, true>(s, hm, kr0, qc0, lse2_at, visible, scale_log2);                      \
-            _Pragma("unroll") for (int ks = 0; ks < C::QSTEPS; ++ks)                                            \
-                kept_a_frag<T, BITS>(p_frag[ks], s, ks, keep);                                                  \
-            wgmma_wait<0>();                                                                                    \
-            reg_fence(dp[0]);                                                                                   \
-            grad_pass<BITS, true>(s, dp, kr0, qc0, delta_at, keep);                                             \
-            _Pragma("unroll") for (int ks = 0; ks < C::QSTEPS; ++ks) c_to_a_frag<T>(ds_frag[ks], s, 0, ks);     \
-        }
-                    if (C::SELECT_FREE_TILES && !needs_mask && !hm.dropout()) {
-                        CUPYFLASH_OPTION_SCORES(false)
-                    } else {
-                        CUPYFLASH_OPTION_SCORES(true)
+                    wgmma_fence();
+                    if constexpr (!R::SHARED_KEYS) {
+                        if (sub == 0) issue_dq(sdS + ((step + 1) % 2) * C::DS_ELEMS);   // the last tile's
                     }
-    #undef CUPYFLASH_OPTION_SCORES
+                    if constexpr (R::S) {
+                        Wgmma<T, C::SUB_M>::template ss<C::BIAS>(s[0], kmajor_desc<T, BLOCK_N>(sK, R::SHARED_KEYS ? 0 : wg * 64, 0), kmajor_desc<T, BLOCK_M>(sQb, r0, 0));
+                        #pragma unroll
+                        for (int ks = 1; ks < C::KSTEPS; ++ks)
+                            Wgmma<T, C::SUB_M>::template ss<true>(s[0], kmajor_desc<T, BLOCK_N>(sK, R::SHARED_KEYS ? 0 : wg * 64, ks), kmajor_desc<T, BLOCK_M>(sQb, r0, ks));
+                        wgmma_commit();
+                    }
+                    // The bias stage goes back only once the values read from it have been used:
+                    // its ldmatrix loads may still be in flight after their last instruction, and
+                    // the next TMA write (the async proxy) is not ordered after them by the
+                    // barrier alone (the d = 64 kernels gave wrong gradients when the stage went
+                    // back right after the loads). Here S^T's product, issued on the registers
+                    // they fed, has taken them; with softcap, below, once the passes are done.
+                    if (C::BIAS && !capped()) release(&bars.bias_empty);
+                    if constexpr (!R::SHARED_KEYS) {
+                        if (sub == 0) {
+                            wgmma_wait<1>();   // the last tile's dQ, dV and dK (S^T runs on)
+                            if (step > unit_step0) {
+                                release(&bars.empty[(step - 1) % STAGES]);
+                                stage_dq(step - 1);
+                            }
+                        }
+                    }
+                    if constexpr (R::DP) {
+                        Wgmma<T, C::SUB_M>::template ss<false>(dp[0], kmajor_desc<T, BLOCK_N>(sV, R::SHARED_KEYS ? 0 : wg * 64, 0), kmajor_desc<T, BLOCK_M>(sdOb, r0, 0));
+                        #pragma unroll
+                        for (int ks = 1; ks < C::KSTEPS; ++ks)
+                            Wgmma<T, C::SUB_M>::template ss<true>(dp[0], kmajor_desc<T, BLOCK_N>(sV, R::SHARED_KEYS ? 0 : wg * 64, ks), kmajor_desc<T, BLOCK_M>(sdOb, r0, ks));
+                        wgmma_commit();
+                    }
+
+                    const bool needs_mask = tile.has(Sm90BwdTileInfo::MASKED << sub);
+                    // A query pair's rows as one 8-byte load (the passes read each pair twice, for
+                    // keys g and g + 8: the compiler reuses the load); with a band word by word
+                    // (under varlen the rows may start at an odd word).
+                    auto pair_at = [&](const float* rows, int nt, int e) {
+                        if constexpr (!ModsT::BAND) {
+                            const float2 pair = *reinterpret_cast<const float2*>(rows + r0 + nt * 8 + 2 * t);
+                            return e % 2 ? pair.y : pair.x;
+                        } else {
+                            return rows[r0 + nt * 8 + 2 * t + e % 2];
+                        }
+                    };
+                    auto lse2_at = [&](int, int nt, int e) {
+                        return pair_at(sLseb, nt, e);
+                    };
+                    auto delta_at = [&](int, int nt, int e) {
+                        return pair_at(sDeltab, nt, e);
+                    };
+                    u32 p_frag[C::QSTEPS][4], ds_frag[C::QSTEPS][4];
+                    if constexpr (C::LEAN) {
+                        float unused_dtanh[1][1][4];
+                        if constexpr (R::S) {
+                            wgmma_wait<R::DP ? 1 : 0>();
+                            reg_fence(s[0]);
+                            // A copy of the pass per case: with the flag at run time ptxas worked out
+                            // every score's visibility and selected on it (~150 instructions a tile
+                            // that no mask touches, ncu at 7f8a6b4).
+                            if (needs_mask)
+                                recompute_p<MODE, true>(s, unused_dtanh, mods, mods.at_head(h), k0 + warp_row0, q0 + r0, lse2_at,
+                                                        scale_log2, true);
+                            else
+                                recompute_p<MODE, true>(s, unused_dtanh, mods, mods.at_head(h), k0 + warp_row0, q0 + r0, lse2_at,
+                                                        scale_log2, false);
+                            if constexpr (!R::DP) {   // P^T to the dK role (its last reads were before the last tile's barrier)
+                                #pragma unroll
+                                for (int nt = 0; nt < QT; ++nt) *traded(nt) = make_float4(s[0][nt][0], s[0][nt][1], s[0][nt][2], s[0][nt][3]);
+                                named_barrier_arrive(C::TRADE_BARRIER, C::CONSUMER_THREADS);
+                            }
+                            #pragma unroll
+                            for (int ks = 0; ks < C::QSTEPS; ++ks) c_to_a_frag<T>(p_frag[ks], s, 0, ks);
+                        }
+                        if constexpr (R::DP) {
+                            wgmma_wait<0>();
+                            reg_fence(dp[0]);
+                            if constexpr (!R::S) {   // P^T from the dV role
+                                named_barrier(C::TRADE_BARRIER, C::CONSUMER_THREADS);
+                                #pragma unroll
+                                for (int nt = 0; nt < QT; ++nt) {
+                                    const float4 x = *traded(nt);
+                                    s[0][nt][0] = x.x, s[0][nt][1] = x.y, s[0][nt][2] = x.z, s[0][nt][3] = x.w;
+                                }
+                            }
+                            grad_scores<MODE, true>(s, dp, unused_dtanh, mods, mods.at_head(h), k0 + warp_row0, q0 + r0, delta_at,
+                                                    nullptr, 0, 0, 0);
+                            #pragma unroll
+                            for (int ks = 0; ks < C::QSTEPS; ++ks) c_to_a_frag<T>(ds_frag[ks], s, 0, ks);
+                        }
+                    } else {
+                        // The options (bwd.cuh): which scores the mask shows and dropout keeps,
+                        // while the products run; then P and dS as in dense mode, or with softcap
+                        // in one pass once both products are in.
+                        const auto hm = mods.at_head(h);
+                        const u32 keep = hm.dropout() ? hm.template keep_bits_key_rows<QT>(k0 + warp_row0, q0 + r0) : ~0u;
+                        const u32 visible = needs_mask ? mask.template visible_bits<true, QT>(k0 + warp_row0, q0 + r0, h)
+                                                       : ~0u;
+                        const bool alibi = hm.slope_log2 != 0.f;
+                        const int kr0 = k0 + warp_row0, qc0 = q0 + r0;
+                        // MODE_BIAS with softcap: the bias from its stage in the one pass (above it
+                        // rode in S^T's accumulator).
+                        auto bias = [&] {
+                            if constexpr (C::SOFTCAP_BIAS) return KeyRowBias<T, C::SUB_M>(sBias, warp_row0);
+                            else return NoBias();
+                        }();
+                        // BITS: whether the passes select by the bits; false where every score is
+                        // shown and kept (bwd.cuh). The choice must be the same for the whole
+                        // warpgroup (its wgmma waits are inside): from the tile and the call.
+        #define CUPYFLASH_OPTION_SCORES(BITS)                                                                       \
+            if (C::SOFTCAP && hm.softcap > 0.f) {   /* capped(), from the head's copy in registers */              \
+                wgmma_wait<0>();                                                                                    \
+                reg_fence(s[0]);                                                                                    \
+                reg_fence(dp[0]);                                                                                   \
+                if (alibi) capped_p_and_grad<true, BITS, true>(s, dp, hm, kr0, qc0, lse2_at, delta_at, bias, visible, keep, \
+                                                               scale_log2);                                         \
+                else capped_p_and_grad<false, BITS, true>(s, dp, hm, kr0, qc0, lse2_at, delta_at, bias, visible,    \
+                                                          keep, scale_log2);                                        \
+                _Pragma("unroll") for (int ks = 0; ks < C::QSTEPS; ++ks) {                                          \
+                    c_to_a_frag<T>(p_frag[ks], s, 0, ks);                                                           \
+                    c_to_a_frag<T>(ds_frag[ks], dp, 0, ks);                                                         \
+                }                                                                                                   \
+            } else {                                                                                                \
+                wgmma_wait<1>();                                                                                    \
+                reg_fence(s[0]);                                                                                    \
+                if (alibi) p_pass<true, BITS, true>(s, hm, kr0, qc0, lse2_at, visible, scale_log2);                 \
+                else p_pass<false, BITS, true>(s, hm, kr0, qc0, lse2_at, visible, scale_log2);                      \
+                _Pragma("unroll") for (int ks = 0; ks < C::QSTEPS; ++ks)                                            \
+                    kept_a_frag<T, BITS>(p_frag[ks], s, ks, keep);                                                  \
+                wgmma_wait<0>();                                                                                    \
+                reg_fence(dp[0]);                                                                                   \
+                grad_pass<BITS, true>(s, dp, kr0, qc0, delta_at, keep);                                             \
+                _Pragma("unroll") for (int ks = 0; ks < C::QSTEPS; ++ks) c_to_a_frag<T>(ds_frag[ks], s, 0, ks);     \
+            }
+                        if (C::SELECT_FREE_TILES && !needs_mask && !hm.dropout()) {
+                            CUPYFLASH_OPTION_SCORES(false)
+                        } else {
+                            CUPYFLASH_OPTION_SCORES(true)
+                        }
+        #undef CUPYFLASH_OPTION_SCORES
+                    }
+
+                    wgmma_fence();
+                    if constexpr (R::S) {
+                        #pragma unroll
+                        for (int ks = 0; ks < C::QSTEPS; ++ks)
+                            Wgmma<T, D>::template rs<true>(acc_dv[0], p_frag[ks], mnmajor_desc<T, BLOCK_M>(sdOb, r0 / 16 + ks));
+                    }
+                    if constexpr (R::DP) {
+                        #pragma unroll
+                        for (int ks = 0; ks < C::QSTEPS; ++ks)
+                            Wgmma<T, D>::template rs<true>(acc_dk[0], ds_frag[ks], mnmajor_desc<T, BLOCK_M>(sQb, r0 / 16 + ks));
+                    }
+                    wgmma_commit();
+                    if (C::BIAS && capped()) release(&bars.bias_empty);   // see above
+
+                    // dS^T into shared memory for dQ: each k-step's A fragment with one stmatrix
+                    // (quarter lane / 8 of the fragment at lane % 8's row).
+                    #pragma unroll
+                    for (int ks = 0; ks < (R::DP ? C::QSTEPS : 0); ++ks) {
+                        const int quarter = lane / 8;
+                        stmatrix_x4(Swizzle128<T, BLOCK_N>::at(sdSb, warp_row0 + lane % 8 + (quarter % 2) * 8,
+                                                                r0 + ks * 16 + (quarter / 2) * 8),
+                                    ds_frag[ks]);
+                    }
                 }
 
+                fence_async_smem();   // dS^T's writes, for the dQ products that read it
+                named_barrier(C::CONSUMER_BARRIER, C::CONSUMER_THREADS);
+                wgmma_wait<0>();   // dV and dK (ptxas follows the accumulators within an iteration)
+                reg_fence(acc_dv[0]);
+                reg_fence(acc_dk[0]);
+                more = !tile.has(Sm90BwdTileInfo::LAST);
+                // The roles' dQ products read neither Q nor dO: the stage goes back now (its
+                // record read above), where the others' goes back in the next tile.
+                if constexpr (R::SHARED_KEYS) release(&bars.empty[s_]);
+            }
+
+            if (step > unit_step0) {   // the unit's last tile: its dQ, then K, V and its stage go back
                 wgmma_fence();
-                #pragma unroll
-                for (int ks = 0; ks < C::QSTEPS; ++ks)
-                    Wgmma<T, D>::template rs<true>(acc_dv[0], p_frag[ks], mnmajor_desc<T, BLOCK_M>(sdOb, r0 / 16 + ks));
-                #pragma unroll
-                for (int ks = 0; ks < C::QSTEPS; ++ks)
-                    Wgmma<T, D>::template rs<true>(acc_dk[0], ds_frag[ks], mnmajor_desc<T, BLOCK_M>(sQb, r0 / 16 + ks));
-                wgmma_commit();
-                if (C::BIAS && capped()) release(&bars.bias_empty);   // see above
-
-                // dS^T into shared memory for dQ: each k-step's A fragment with one stmatrix
-                // (quarter lane / 8 of the fragment at lane % 8's row).
-                #pragma unroll
-                for (int ks = 0; ks < C::QSTEPS; ++ks) {
-                    const int quarter = lane / 8;
-                    stmatrix_x4(Swizzle128<T, BLOCK_N>::at(sdSb, warp_row0 + lane % 8 + (quarter % 2) * 8,
-                                                            r0 + ks * 16 + (quarter / 2) * 8),
-                                ds_frag[ks]);
+                issue_dq(sdS + ((step - 1) % C::DS_BUFFERS) * C::DS_ELEMS);
+                wgmma_wait<0>();
+                if constexpr (!R::SHARED_KEYS) release(&bars.empty[(step - 1) % STAGES]);
+                release(&bars.kv_empty);
+                stage_dq(step - 1);
+                ++kv_n;
+            }
+            // Epilogue as in bwd_sm80.cu, each gradient staged with padded rows in the dQ
+            // staging tile once the copy engine has read the unit's last dQ tile from it (K and
+            // V may be loading for the next unit meanwhile). The next unit's first dQ tile is
+            // staged after its first consumer barrier, past these reads.
+            T* sOut = reinterpret_cast<T*>(sdQ);
+            const Strided<T> dV = tensor<T>(p.dv), dK = tensor<T>(p.dk);
+            mbar_wait(&bars.dq_empty, (step & 1) ^ 1);
+            // The wait orders every warp's staging of that tile before these writes (through the
+            // dQ writer's barriers); this barrier says so to racecheck, which follows named
+            // barriers but not mbarriers (400 hazards reported without it). Once a unit.
+            consumer_sync();
+            // dV, then dK, each staged by `stage_dv` / `stage_dk` and stored whole.
+            auto store_grads = [&](auto&& stage_dv, auto&& stage_dk) {
+                const int k_rows = min(BLOCK_N, mask.nk - k0);
+                stage_dv();
+                consumer_sync();
+                store_tile<T, BLOCK_N, D, C::CONSUMER_THREADS>(dV.at(mods.tb, w.unit.hk, mods.k_base + k0), dV.row, sOut, k_rows,
+                                                               dim_v, vec);
+                consumer_sync();
+                stage_dk();
+                consumer_sync();
+                store_tile<T, BLOCK_N, D, C::CONSUMER_THREADS>(dK.at(mods.tb, w.unit.hk, mods.k_base + k0), dK.row, sOut, k_rows,
+                                                               d, vec);
+            };
+            // A piece of a split unit (Sm90BwdUnits): its dK and dV, in fp32, added into the
+            // unit's sums (kv_partial: dK then dV, rows of D floats) by bulk reductions; the
+            // piece whose reductions complete the unit's count (its counter after work_counter's
+            // own) stores the sums. (A path of its own: with the accumulators' staging chosen
+            // at run time, the d = 128 consumers spilled 8-32 bytes, build check.)
+            if constexpr (C::SPLITS) {
+                const int split = bars.consumers_split;
+                if (split >= 0) {
+                    float* sums = static_cast<float*>(p.kv_partial) + (i64)split * 2 * BLOCK_N * D;
+                    add_piece(sums, acc_dk);
+                    add_piece(sums + BLOCK_N * D, acc_dv);
+                    bool last = false;
+                    if (threadIdx.x == 0) {
+                        bulk_wait<0>();
+                        u32* pieces_done = reinterpret_cast<u32*>(p.work_counter) + 1 + split;
+                        last = count_completed(pieces_done) + 1 == u32(p.unit_pieces);
+                    }
+                    if (!named_barrier_or(C::CONSUMER_BARRIER, C::CONSUMER_THREADS, last)) return;
+                    fence_proxy_async_global();   // the other pieces' reductions, for the loads below
+                    store_grads([&] { stage_sums<T, BLOCK_N, D, C::CONSUMER_THREADS>(sOut, sums + BLOCK_N * D, 1.f); },
+                                [&] { stage_sums<T, BLOCK_N, D, C::CONSUMER_THREADS>(sOut, sums, scale); });
+                    return;
                 }
             }
-
-            fence_async_smem();   // dS^T's writes, for the dQ products that read it
-            named_barrier(C::CONSUMER_BARRIER, C::CONSUMER_THREADS);
-            wgmma_wait<0>();   // dV and dK (ptxas follows the accumulators within an iteration)
-            reg_fence(acc_dv[0]);
-            reg_fence(acc_dk[0]);
-            more = !tile.has(Sm90BwdTileInfo::LAST);
-        }
-
-        if (step > unit_step0) {   // the unit's last tile: its dQ, then K, V and its stage go back
-            wgmma_fence();
-            issue_dq(sdS + ((step + 1) % 2) * C::DS_ELEMS);
-            wgmma_wait<0>();
-            release(&bars.empty[(step - 1) % STAGES]);
-            release(&bars.kv_empty);
-            stage_dq(step - 1);
-            ++kv_n;
-        }
-        // Epilogue as in bwd_sm80.cu, each gradient staged with padded rows in the dQ
-        // staging tile once the copy engine has read the unit's last dQ tile from it (K and
-        // V may be loading for the next unit meanwhile). The next unit's first dQ tile is
-        // staged after its first consumer barrier, past these reads.
-        T* sOut = reinterpret_cast<T*>(sdQ);
-        const Strided<T> dV = tensor<T>(p.dv), dK = tensor<T>(p.dk);
-        mbar_wait(&bars.dq_empty, (step & 1) ^ 1);
-        // The wait orders every warp's staging of that tile before these writes (through the
-        // dQ writer's barriers); this barrier says so to racecheck, which follows named
-        // barriers but not mbarriers (400 hazards reported without it). Once a unit.
-        consumer_sync();
-        // dV, then dK, each staged by `stage_dv` / `stage_dk` and stored whole.
-        auto store_grads = [&](auto&& stage_dv, auto&& stage_dk) {
-            const int k_rows = min(BLOCK_N, mask.nk - k0);
-            stage_dv();
-            consumer_sync();
-            store_tile<T, BLOCK_N, D, C::CONSUMER_THREADS>(dV.at(mods.tb, w.unit.hk, mods.k_base + k0), dV.row, sOut, k_rows,
-                                                           dim_v, vec);
-            consumer_sync();
-            stage_dk();
-            consumer_sync();
-            store_tile<T, BLOCK_N, D, C::CONSUMER_THREADS>(dK.at(mods.tb, w.unit.hk, mods.k_base + k0), dK.row, sOut, k_rows,
-                                                           d, vec);
-        };
-        // A piece of a split unit (Sm90BwdUnits): its dK and dV, in fp32, added into the
-        // unit's sums (kv_partial: dK then dV, rows of D floats) by bulk reductions; the
-        // piece whose reductions complete the unit's count (its counter after work_counter's
-        // own) stores the sums. (A path of its own: with the accumulators' staging chosen
-        // at run time, the d = 128 consumers spilled 8-32 bytes, build check.)
-        if constexpr (C::SPLITS) {
-            const int split = bars.consumers_split;
-            if (split >= 0) {
-                float* sums = static_cast<float*>(p.kv_partial) + (i64)split * 2 * BLOCK_N * D;
-                add_piece(sums, acc_dk);
-                add_piece(sums + BLOCK_N * D, acc_dv);
-                bool last = false;
-                if (threadIdx.x == 0) {
-                    bulk_wait<0>();
-                    u32* pieces_done = reinterpret_cast<u32*>(p.work_counter) + 1 + split;
-                    last = count_completed(pieces_done) + 1 == u32(p.unit_pieces);
-                }
-                if (!named_barrier_or(C::CONSUMER_BARRIER, C::CONSUMER_THREADS, last)) return;
-                fence_proxy_async_global();   // the other pieces' reductions, for the loads below
-                store_grads([&] { stage_sums<T, BLOCK_N, D, C::CONSUMER_THREADS>(sOut, sums + BLOCK_N * D, 1.f); },
-                            [&] { stage_sums<T, BLOCK_N, D, C::CONSUMER_THREADS>(sOut, sums, scale); });
-                return;
+            if constexpr (R::SHARED_KEYS) {
+                // Each role stages its gradient in its half of the staging tile and stores it.
+                T* sMine = sOut + (R::S ? 0 : 1) * BLOCK_N * SmemTile<T, D>::stride;
+                const int k_rows = min(BLOCK_N, mask.nk - k0), thread = threadIdx.x % 128;
+                if constexpr (R::S) warp_store_c<T, D>(sMine, warp_row0, acc_dv, 1.f);
+                else warp_store_c<T, D>(sMine, warp_row0, acc_dk, scale);
+                consumer_sync();
+                if constexpr (R::S)
+                    store_tile<T, BLOCK_N, D, 128>(dV.at(mods.tb, w.unit.hk, mods.k_base + k0), dV.row, sMine, k_rows, dim_v, vec,
+                                                   thread);
+                else
+                    store_tile<T, BLOCK_N, D, 128>(dK.at(mods.tb, w.unit.hk, mods.k_base + k0), dK.row, sMine, k_rows, d, vec,
+                                                   thread);
+            } else {
+                store_grads([&] { warp_store_c<T, D>(sOut, warp_row0, acc_dv, 1.f); },
+                            [&] { warp_store_c<T, D>(sOut, warp_row0, acc_dk, scale); });
             }
-        }
-        store_grads([&] { warp_store_c<T, D>(sOut, warp_row0, acc_dv, 1.f); },
-                    [&] { warp_store_c<T, D>(sOut, warp_row0, acc_dk, scale); });
-    });
+        });
+    };
+    if constexpr (C::ROLES) {
+        if (wg == 0) consume(Sm90BwdRole<D, Sm90BwdRole<D, 0>::DV>());
+        else consume(Sm90BwdRole<D, Sm90BwdRole<D, 0>::DK>());
+    } else {
+        consume(Sm90BwdRole<D, Sm90BwdRole<D, 0>::BOTH>());
+    }
 }

@@ -54,6 +54,11 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
 __device__ __forceinline__ void named_barrier(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
 }
+// Arrival at such a barrier without waiting: the producer side of a one-way handoff, whose
+// consumers wait there with named_barrier (`threads` counts both sides).
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
+}
 // The same, returning whether `pred` held in any of the threads.
 __device__ __forceinline__ bool named_barrier_or(int id, int threads, bool pred) {
     u32 any;
@@ -131,15 +136,17 @@ __device__ __forceinline__ void stage_sums(T* dst, const float* src, float mul) 
     }
 }
 
-// Store the first `rows` x `cols` of a shared-memory tile to global memory.
+// Store the first `rows` x `cols` of a shared-memory tile to global memory, by NTHREADS
+// threads: `thread` is this one's index among them (default threadIdx.x).
 template <typename T, int ROWS, int COLS, int NTHREADS>
-__device__ __forceinline__ void store_tile(T* dst, i64 ld, const T* src, int rows, int cols, bool vec) {
+__device__ __forceinline__ void store_tile(T* dst, i64 ld, const T* src, int rows, int cols, bool vec,
+                                           int thread = -1) {
     constexpr int CE = Chunk<T>::elems;
     constexpr int CHUNKS_PER_ROW = COLS / CE;
     constexpr int CHUNKS = ROWS * CHUNKS_PER_ROW;
     constexpr int LDS = SmemTile<T, COLS>::stride;
     #pragma unroll
-    for (int c = threadIdx.x; c < CHUNKS; c += NTHREADS) {
+    for (int c = thread < 0 ? int(threadIdx.x) : thread; c < CHUNKS; c += NTHREADS) {
         const int r = c / CHUNKS_PER_ROW;
         const int col = (c % CHUNKS_PER_ROW) * CE;
         if (r >= rows || col >= cols) continue;

@@ -257,6 +257,33 @@ def test_hopper_backward_reads_through_tensor_maps(rng, d):
     assert _cuda._sm90_backward_map_specs(variant, *views, _mods.NONE, None) is not None
 
 
+@pytest.mark.parametrize("dtype,d,causal,nq,nk,group,layout", [
+    ("bfloat16", 192, False, 333, 1000, 1, "bhsd"),
+    ("float16", 256, True, 1000, 777, 2, "bshd"),
+    ("bfloat16", 160, True, 129, 300, 4, "bhsd"),    # padded into the 192 kernel
+    ("float16", 200, False, 65, 1, 1, "bhsd"),       # padded into 256; one key
+    ("bfloat16", 256, False, 1, 129, 1, "bshd"),     # one query
+])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "det"])
+def test_hopper_backward_roles_from_d192(rng, monkeypatch, dtype, d, causal, nq, nk, group, layout, deterministic):
+    """From d = 192 the Hopper key-block kernel's two warpgroups share each 64-key block
+    in two roles (dV and dK, P^T traded through shared memory, dQ split by columns):
+    dense calls run it, against the float64 reference, into NaN-poisoned gradients."""
+    import cupy as cp
+    from cupyflash import _cuda, _kernels
+    if _cuda._device_info(cp.cuda.Device().id)[0] != "sm_90a":
+        pytest.skip("not a Hopper GPU")
+    launched = []
+    launch = _cuda._launch
+    monkeypatch.setattr(_cuda, "_launch", lambda variant, *a: (launched.append(variant), launch(variant, *a)))
+    host, (q, k, v, do) = _inputs(rng, dtype, d, nq, nk, group, layout)
+    grads = _poisoned_backward(q, k, v, do, causal=causal, layout=layout, deterministic=deterministic)
+    _check(grads, _reference_grads(host, layout, causal=causal), dtype, layout)
+    key_block = [variant for variant in launched if variant.grads & _kernels.GRAD_DK]
+    assert [variant.family for variant in key_block] == [_kernels.BWD_SM90], [v.name_expression for v in launched]
+    assert key_block[0].head_dim >= _kernels.BWD_SM90_ROLES_MIN_HEAD_DIM
+
+
 @pytest.mark.parametrize("dtype,d,group,nq,left", [("bfloat16", 64, 1, 300, "few"), ("float16", 128, 2, 300, "few"),
                                                     ("bfloat16", 128, 1, 2048, "half"), ("bfloat16", 96, 2, 300, "few")])
 def test_hopper_backward_splits_the_last_rounds_units(rng, dtype, d, group, nq, left):

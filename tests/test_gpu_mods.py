@@ -780,14 +780,21 @@ SHARED_KEY_CASES = (
      lambda r, b, h, nq, nk, t: dict(dropout_p=0.2, seed=7, bias=_bias(r, (b, h, nq, nk), t))),
     ("block_mask+causal", 192, 300, 300, 2, True,
      lambda r, b, h, nq, nk, t: dict(block_mask=_block_mask(r, (b, 1), nq, nk, 16), block_size=16)),
+    # The band alone: on Hopper the 16-bit calls run bwd_sm90.cu's roles (MODE_BAND).
+    ("window+seqlens_k", 256, 300, 333, 2, True,
+     lambda r, b, h, nq, nk, t: dict(window=(100, 0), seqlens_k=_seqlens(r, b, nk))),
+    ("window-d192", 192, 257, 200, 1, False, lambda r, b, h, nq, nk, t: dict(window=(70, 30))),
 )
 
 
 def _shares(variant):
-    """The warps that share each 16-key m-tile of a key-block kernel (its tile's HALVES)."""
+    """The warps that share each 16-key m-tile of a key-block kernel (its tile's HALVES;
+    on Hopper from d = 192 the two warpgroups of the roles)."""
     from cupyflash import _kernels
     if variant.family is _kernels.BWD_WIDE:
         return variant.tile[4]
+    if variant.family is _kernels.BWD_SM90:
+        return 2 if variant.head_dim >= _kernels.BWD_SM90_ROLES_MIN_HEAD_DIM else 1
     return variant.tile[3] if variant.family is _kernels.BWD_SM80 and len(variant.tile) > 3 else 1
 
 
