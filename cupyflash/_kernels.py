@@ -471,14 +471,14 @@ BWD_SM80_EXT_Q_TILES = {**BWD_SM80_Q_TILES, 64: ((64, 64, 4),),
 # the calls it cannot serve, a bias gradient or a bias without whole rows, take the sm80
 # kernels: _cuda._plan_backward). From d = 192 the two warpgroups own the same 64 keys
 # in two roles (Sm90BwdKVTile::ROLES), on the dense path only (dense and MODE_BAND; the
-# options take the sm80 kernels): d = 192 3.2-3.5x the sm80 kernels, 1.37-1.45x cuDNN
-# (H200, bf16, N = 2k / 8k). Not d = 256 yet: its one-stage kernel (the same speed-up
-# measured, 1.14-1.29x cuDNN, and its GPU tests pass) shows racecheck hazards between
-# threads' writes of the dQ staging tile that are not understood (bench/NOTES.md session 29).
+# options take the sm80 kernels). H200, bf16, N = 2k / 8k, one process: d = 192
+# 3.2-3.5x the sm80 kernels (1.33-1.44x cuDNN), d = 256 3.0-3.3x (1.17-1.28x cuDNN;
+# bench/NOTES.md session 29).
 BWD_SM90_KV_TILES = {
     64: ((128, 2),),
     128: ((64, 2),),
     192: ((64, 2),),
+    256: ((64, 2),),
 }
 # From this head dim bwd_sm90.cu's warpgroups take the roles (Sm90BwdKVTile::ROLES).
 BWD_SM90_ROLES_MIN_HEAD_DIM = 192

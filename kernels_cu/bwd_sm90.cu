@@ -132,8 +132,10 @@ struct Sm90BwdKVTile {
     static constexpr int CONSUMER_THREADS = CONSUMERS * 128;
     static constexpr int THREADS = CONSUMER_THREADS + 128;   // + the producer warpgroup
     static constexpr int BLOCK_N = ROLES ? 64 : CONSUMERS * 64;
-    // The roles' trade: the dV role has written a tile's P^T (named barrier of both roles,
-    // the dV role arriving, the dK role waiting).
+    // The roles' trade: the dV role has written a tile's P^T (named barrier of both roles).
+    // Both wait there: with the dV role only arriving (bar.arrive), racecheck reported
+    // write-after-write hazards between the dK role's dQ staging and the dV role's
+    // epilogue in the one-stage kernel (d = 256), none with both waiting (H200, 2026-11-29).
     static constexpr int TRADE_BARRIER = 3;
     // The query tile is computed in sub-tiles of SUB_M queries (S^T, dP^T, P^T, dS^T of a
     // whole 128-query tile would not fit the registers beside dK and dV at d = 64).
@@ -868,7 +870,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                             if constexpr (!R::DP) {   // P^T to the dK role (its last reads were before the last tile's barrier)
                                 #pragma unroll
                                 for (int nt = 0; nt < QT; ++nt) *traded(nt) = make_float4(s[0][nt][0], s[0][nt][1], s[0][nt][2], s[0][nt][3]);
-                                named_barrier_arrive(C::TRADE_BARRIER, C::CONSUMER_THREADS);
+                                named_barrier(C::TRADE_BARRIER, C::CONSUMER_THREADS);
                             }
                             #pragma unroll
                             for (int ks = 0; ks < C::QSTEPS; ++ks) c_to_a_frag<T>(p_frag[ks], s, 0, ks);

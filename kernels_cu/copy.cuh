@@ -54,11 +54,6 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
 __device__ __forceinline__ void named_barrier(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
 }
-// Arrival at such a barrier without waiting: the producer side of a one-way handoff, whose
-// consumers wait there with named_barrier (`threads` counts both sides).
-__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
-    asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
-}
 // The same, returning whether `pred` held in any of the threads.
 __device__ __forceinline__ bool named_barrier_or(int id, int threads, bool pred) {
     u32 any;

@@ -263,10 +263,13 @@ def test_hopper_backward_reads_through_tensor_maps(rng, d):
     ("bfloat16", 160, True, 129, 300, 4, "bhsd"),    # padded into the 192 kernel
     ("float16", 136, False, 65, 1, 1, "bhsd"),       # one key
     ("bfloat16", 192, False, 1, 129, 1, "bshd"),     # one query
+    ("float16", 256, True, 1000, 777, 2, "bshd"),
+    ("bfloat16", 200, False, 65, 1, 1, "bhsd"),      # padded into 256; one key
+    ("bfloat16", 256, False, 1, 129, 1, "bshd"),     # one query
 ])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "det"])
 def test_hopper_backward_roles_from_d192(rng, monkeypatch, dtype, d, causal, nq, nk, group, layout, deterministic):
-    """At d = 192 the Hopper key-block kernel's two warpgroups share each 64-key block
+    """From d = 192 the Hopper key-block kernel's two warpgroups share each 64-key block
     in two roles (dV and dK, P^T traded through shared memory, dQ split by columns):
     dense calls run it, against the float64 reference, into NaN-poisoned gradients."""
     import cupy as cp

@@ -127,9 +127,9 @@ def test_hopper_forward_only_where_it_builds(monkeypatch, arch, source):
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_hopper_backward_only_where_it_builds(monkeypatch, arch, source, deterministic):
     # The key-block launch takes bwd_sm90.cu on Hopper at d = 64 and 128, with the options
-    # and the bias too (its dQ kernel stays bwd_sm80.cu's); at d = 192 dense calls take it
-    # (its warpgroups in two roles), the options and d = 256 bwd_sm80.cu (one launch, its
-    # warps sharing each key tile's columns, then the dQ kernel).
+    # and the bias too (its dQ kernel stays bwd_sm80.cu's); at d = 192 and 256 dense calls
+    # take it (its warpgroups in two roles), the options bwd_sm80.cu (one launch, its warps
+    # sharing each key tile's columns, then the dQ kernel).
     monkeypatch.setattr(_cuda, "_device_info", lambda device_id: (arch, HOPPER_SMEM))
 
     def kv_sources(dtype, D, mode=_kernels.MODE_DENSE):
@@ -140,10 +140,10 @@ def test_hopper_backward_only_where_it_builds(monkeypatch, arch, source, determi
         assert kv_sources("bfloat16", D) == [source]
         assert kv_sources("bfloat16", D, _kernels.MODE_EXT) == [source]
         assert kv_sources("bfloat16", D, _kernels.MODE_EXT | _kernels.MODE_BIAS) == [source]
-    assert kv_sources("float16", 192) == [source]
-    assert kv_sources("float16", 192, _kernels.MODE_BAND) == [source]
-    assert kv_sources("float16", 192, _kernels.MODE_EXT) == ["bwd_sm80.cu"]
-    assert kv_sources("float16", 256) == ["bwd_sm80.cu"]
+    for D in (192, 256):
+        assert kv_sources("float16", D) == [source]
+        assert kv_sources("float16", D, _kernels.MODE_BAND) == [source]
+        assert kv_sources("float16", D, _kernels.MODE_EXT) == ["bwd_sm80.cu"]
     plan = _kernels.backward_plan("float16", 128, deterministic)
     assert plan.dq is None or _cuda._choose(plan.dq, 0).source == "bwd_sm80.cu"
 
@@ -154,8 +154,8 @@ def test_hopper_kernels_serve_the_padded_head_dims(monkeypatch, dtype, arch):
     # Calls padded to d = 32 and 96 run the Hopper kernels of 64 and 128 (TMA zero-fills
     # their padding columns; _kernels.sm90_head_dim), the forward in every mode and the
     # 16-bit backward in both determinism modes, with the exact kernels behind them for
-    # rows TMA cannot describe; d = 192 takes the Hopper backward (its warpgroups in two
-    # roles), 256 the sm80 one; other GPUs the exact instantiations.
+    # rows TMA cannot describe; the dense backward at d = 192 and 256 takes Hopper's too
+    # (its warpgroups in two roles); other GPUs the exact instantiations.
     monkeypatch.setattr(_cuda, "_device_info", lambda device_id: (arch, HOPPER_SMEM))
     G = _kernels
     for D, E in ((32, 64), (96, 128)):
@@ -173,10 +173,10 @@ def test_hopper_kernels_serve_the_padded_head_dims(monkeypatch, dtype, arch):
                 assert chosen.head_dim == (E if arch == "sm_90a" else D) and chosen.dq_ld in (0, E + 8)
                 assert candidates[-1].family is G.BWD_SM80 and candidates[-1].head_dim == D
     if dtype != "float32":
-        (_, candidates), = G.backward_plan(dtype, 192, False).kv
-        assert candidates[0].family is G.BWD_SM90 and candidates[0].head_dim == 192
-        assert candidates[-1].family is G.BWD_SM80
-        assert all(v.family is G.BWD_SM80 for _, c in G.backward_plan(dtype, 256, False).kv for v in c)
+        for D in (192, 256):
+            (_, candidates), = G.backward_plan(dtype, D, False).kv
+            assert candidates[0].family is G.BWD_SM90 and candidates[0].head_dim == D
+            assert candidates[-1].family is G.BWD_SM80
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
