@@ -41,6 +41,11 @@
 //     (bias^T / scale, read by ldmatrix.trans: bwd.cuh KeyRowBias) and give the stage
 //     back at once, so the next sub-tile's bias loads while this one's products run;
 //     with softcap, which caps the product alone, the pass adds it after the cap.
+// From d = 192, where one warpgroup's dK and dV do not fit its registers, the two consumer
+// warpgroups own the same 64 keys in two roles (Sm90BwdKVTile::ROLES, Sm90BwdRole): one
+// computes S^T, P^T and dV, the other dP^T, dS^T and dK, P^T passing between them through
+// shared memory; each finishes a tile's dQ product of its columns before the next tile's
+// products, so one dS^T buffer serves, and d = 256 fits one Q/dO stage.
 // So the consumers issue no atomics, no loads from global memory and no walk of the pairs:
 // the mainloop is their products and the softmax's gradient. In the deterministic mode (GRAD_DQ_ORDERED)
 // the key blocks take turns on each dQ tile in a fixed order (bwd.cuh DqTurns): the
@@ -118,10 +123,10 @@ template <typename T, int D, int BLOCK_M, int CONSUMERS, int GRADS, int MODE>
 struct Sm90BwdKVTile {
     // From d = 192 a warpgroup's dK and dV of 64 keys (2 D registers a thread) exceed the
     // registers: there the two consumer warpgroups own the same 64 keys in two roles
-    // (Sm90BwdRole), the dV role computing S^T, P^T and dV += P^T dO, the dK role dP^T,
-    // dS^T and dK += dS^T Q, P^T traded through shared memory in fp32 (one product each
-    // where each warpgroup computed both, as bwd_wide.cu's shares do by columns); each
-    // adds its columns of dQ. The dense path only (LEAN): the options run in bwd_sm80.cu.
+    // (Sm90BwdRole). The dV role computes S^T, P^T and dV += P^T dO; the dK role dP^T,
+    // dS^T (with P^T from the dV role, traded through shared memory in fp32) and dK +=
+    // dS^T Q; each adds its columns of dQ. So every product is still computed once. The
+    // dense path only (LEAN): the options run in bwd_sm80.cu.
     static constexpr bool ROLES = D > 128;
     // Q and dO stages: at d = 256 one (the tiles, the trade and the dQ tile take the rest:
     // FlashAttention-3 keeps one there too), its next tile loading while the consumers'
