@@ -538,9 +538,9 @@ def attention_backward(do, q, k, v, o, lse, dq, dk, dv, *, scale, causal, determ
     and on Hopper both modes) also the dq accumulator, B * Hq * Nq * d floats (doubles;
     rows padded to D + 8 for bwd_sm90.cu, which adds whole tiles; D is the head dim its
     kernel is instantiated for, 128 for d = 96), and for its ordered additions one 4-byte
-    turn counter per query tile; on Hopper without a causal band, the fp32 dK and dV sums
-    of the units it splits (fewer than the SMs: 2 * 128 * D * 4 bytes each) and a counter
-    each. ``deterministic=True`` computes dq
+    turn counter per query tile; on Hopper without a causal band (d <= 128), the fp32 dK
+    and dV sums of the units it splits (fewer than the SMs: 2 * 128 * D * 4 bytes each)
+    and a counter each. ``deterministic=True`` computes dq
     bitwise reproducibly (dbias too when the bias broadcasts over no axis).
     """
     import cupy
