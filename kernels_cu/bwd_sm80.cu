@@ -68,6 +68,10 @@ struct BwdKVTile {
     static_assert(ROWS_PER_WARP % 16 == 0 && BLOCK_M % SLICE == 0 && D % DQ_COLS == 0, "tile shape");
     static_assert(GRADS != 0 && (!DQ || DK), "dQ comes with dK (both need dS)");
     static_assert(HALVES == 1 || (HALVES == 2 && DV && DK && WARPS % 2 == 0), "the shares trade S^T for dP^T");
+    // The shares' CTAs hold half the keys of the others, so they would add dQ with twice
+    // the atomics a pair: the host leaves dQ to the query-block kernel there
+    // (cupyflash/_kernels.py BWD_SM80_DQ_KERNEL_MIN_HEAD_DIM).
+    static_assert(HALVES == 1 || !DQ, "the shares leave dQ to flash_bwd_dq_sm80");
     static_assert(HALVES == 1 || WARPS / 2 < 16, "a pair's named barrier id, 1 + warp / 2, is at most 15");
     static_assert(COLS % 16 == 0, "B fragments in pairs of n-tiles");
     static_assert(BWD_ROW_PAD % BLOCK_M == 0, "query tiles read the padded row workspaces whole");
@@ -196,11 +200,10 @@ flash_bwd_dkdv_sm80(const __grid_constant__ AttnParams p)
             }
 
             if constexpr (C::DQ) {
-                // dS^T into shared memory, each warp its own key rows (one share of them)...
-                if (share == 0)
-                    for_each_c_pair(warp_row0, s, [&](int row, int col, float x, float y) {
-                        *reinterpret_cast<u32*>(sdS + row * C::LDS + q_s + col) = pack2<T>(x, y);
-                    });
+                // dS^T into shared memory, each warp its own key rows...
+                for_each_c_pair(warp_row0, s, [&](int row, int col, float x, float y) {
+                    *reinterpret_cast<u32*>(sdS + row * C::LDS + q_s + col) = pack2<T>(x, y);
+                });
             }
         }
 
