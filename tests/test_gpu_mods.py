@@ -769,7 +769,9 @@ def test_hopper_fp32_forward_on_tf32_wgmma(rng, monkeypatch, d, nq, nk, layout, 
 # From d = 192 the key-block kernels' warps share each 16-key m-tile's dK and dV columns
 # (HALVES: S^T and dP^T computed once, in parts of d, and traded between them): fp64 on
 # DMMA (bwd_wide.cu, four warps at d = 192, eight at 256) and fp16/bf16 on mma.sync
-# (bwd_sm80.cu, two), dense and with options; d = 160 runs padded to 192, d = 200 to 256.
+# (bwd_sm80.cu, two; on Hopper the dense and band-only calls run bwd_sm90.cu's two
+# warpgroups in two roles over the same keys instead), dense and with options; d = 160
+# runs padded to 192, d = 200 to 256.
 # (id, d, nq, nk, GQA group, causal, builder as OPTION_CASES')
 SHARED_KEY_CASES = (
     ("dense", 192, 200, 333, 1, False, lambda r, b, h, nq, nk, t: {}),
