@@ -441,11 +441,12 @@ BWD_SM80_KV_TILES = {
     192: ((64, 64, 8, 2), (32, 64, 8, 2), (16, 32, 4, 2)),
     256: ((64, 64, 8, 2), (32, 64, 8, 2), (16, 32, 4, 2)),
 }
-# From this head dim the 16-bit sm80 path computes dQ in its own kernel in both modes (the
-# shares' 64-key CTAs would add it with twice the atomics a pair). H200, bf16, N = 2k / 8k,
-# against the two launches (dV, then dK + dQ) that the shares replaced: 1.03-1.10x; the
-# shares adding dQ themselves read 0.86-0.98x (bench/NOTES.md session 29).
-BWD_SM80_DQ_KERNEL_MIN_HEAD_DIM = 192
+# Where the tiles share key m-tiles (HALVES above: from d = 192) the 16-bit sm80 path
+# computes dQ in its own kernel in both modes (the shares' 64-key CTAs would add it with
+# twice the atomics a pair; bwd_sm80.cu static_asserts that they never do). H200, bf16,
+# N = 2k / 8k, against the two launches (dV, then dK + dQ) that the shares replaced:
+# 1.03-1.10x; the shares adding dQ themselves read 0.86-0.98x (bench/NOTES.md session 29).
+BWD_SM80_DQ_KERNEL_MIN_HEAD_DIM = min(D for D, tiles in BWD_SM80_KV_TILES.items() if any(t[3:] > (1,) for t in tiles))
 # Deterministic dQ kernel, (BLOCK_M, BLOCK_N, WARPS): query block, key tile, warps (16 rows
 # or more each). Same run, whole backward: d = 64 (128, 64, 4) 188, (64, 64, 4) 180;
 # d = 256 (128, 32, 8) 106, (64, 64, 4) 98.
@@ -728,9 +729,8 @@ def backward_plan(dtype_name: str, D: int, deterministic: bool, mode: int = MODE
     prep = Variant(BWD_PREP, f"flash_bwd_prep<{ctype}>", PREP_THREADS, PREP_ROWS, 0)
     convert = Variant(BWD_PREP, f"flash_bwd_dq_convert<{ctype}>", 256, CONVERT_ELEMS, 0)
     if dtype_name in HALF_DTYPES:
-        # From d = 192 the sm80 key-block kernel's shares hold 64 keys a CTA, so adding dQ
-        # there takes twice the atomics a pair of the 128-key kernels below 192: the dQ
-        # kernel after it (the deterministic mode's) is faster in both modes.
+        # The sm80 key-block kernel's shares leave dQ to the dQ kernel in both modes
+        # (BWD_SM80_DQ_KERNEL_MIN_HEAD_DIM).
         dq_kernel = deterministic or D >= BWD_SM80_DQ_KERNEL_MIN_HEAD_DIM
         grads = GRAD_DV | GRAD_DK | (0 if dq_kernel else GRAD_DQ)
         E = sm90_head_dim(D, BWD_SM90_KV_TILES)
