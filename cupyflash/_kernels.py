@@ -471,8 +471,9 @@ BWD_SM80_EXT_Q_TILES = {**BWD_SM80_Q_TILES, 64: ((64, 64, 4),),
 # the bias (MODE_EXT | MODE_BIAS: one stage of a 64-query sub-tile's bias beside them;
 # the calls it cannot serve, a bias gradient or a bias without whole rows, take the sm80
 # kernels: _cuda._plan_backward). From d = 192 the two warpgroups own the same 64 keys
-# in two roles (Sm90BwdKVTile::ROLES), on the dense path only (dense and MODE_BAND; the
-# options take the sm80 kernels). H200, bf16, N = 2k / 8k, one process: d = 192
+# in two roles (Sm90BwdKVTile::ROLES), dense and with the options but the bias (whose
+# stage does not fit beside the roles' trade: those calls take the sm80 kernels). H200,
+# bf16, N = 2k / 8k, one process, dense: d = 192
 # 3.2-3.5x the sm80 kernels (1.33-1.44x cuDNN), d = 256 3.0-3.3x (1.17-1.28x cuDNN;
 # bench/NOTES.md session 29).
 BWD_SM90_KV_TILES = {
@@ -641,7 +642,7 @@ def _sm90_dkdv(dtype_name: str, D: int, tile, grads: int, mode: int) -> Variant:
     roles = D >= BWD_SM90_ROLES_MIN_HEAD_DIM   # Sm90BwdKVTile::ROLES: both warpgroups on the same 64 keys
     block_n = 64 if roles else 64 * consumers
     assert grads & GRAD_DQ, "bwd_sm90.cu adds dQ in both modes"
-    assert not roles or lean_mode(mode), "the roles serve the dense path only"
+    assert not roles or not mode & MODE_BIAS, "the roles have no bias stage"
     stages = 1 if roles and D > 192 else 2
     ds_buffers, trade = (1, block_n * BWD_SM90_SUB_M) if roles else (2, 0)
     # bwd_sm90.cu Sm90BwdKVTile: K, V, Q and dO per stage, dS^T (DS_BUFFERS), the bias of
@@ -735,7 +736,7 @@ def backward_plan(dtype_name: str, D: int, deterministic: bool, mode: int = MODE
         grads = GRAD_DV | GRAD_DK | (0 if dq_kernel else GRAD_DQ)
         E = sm90_head_dim(D, BWD_SM90_KV_TILES)
         tiles = (BWD_SM80_EXT_KV_TILES if mode else BWD_SM80_KV_TILES)[D]
-        hopper = E is not None and (E < BWD_SM90_ROLES_MIN_HEAD_DIM or lean_mode(hopper_mode))
+        hopper = E is not None and (E < BWD_SM90_ROLES_MIN_HEAD_DIM or not hopper_mode & MODE_BIAS)
         kv = ((grads, [*(_sm90_dkdv(dtype_name, E, t, grads | sm90_dq_bits, hopper_mode)
                          for t in (BWD_SM90_KV_TILES[E] if hopper else ())),
                        *(_sm80_dkdv(dtype_name, D, t, grads, mode) for t in tiles)]),)

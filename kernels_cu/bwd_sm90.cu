@@ -125,8 +125,10 @@ struct Sm90BwdKVTile {
     // registers: there the two consumer warpgroups own the same 64 keys in two roles
     // (Sm90BwdRole). The dV role computes S^T, P^T and dV += P^T dO; the dK role dP^T,
     // dS^T (with P^T from the dV role, traded through shared memory in fp32) and dK +=
-    // dS^T Q; each adds its columns of dQ. So every product is still computed once. The
-    // dense path only (LEAN): the options run in bwd_sm80.cu.
+    // dS^T Q; each adds its columns of dQ. So every product is still computed once. With
+    // the options (not the bias: its stage does not fit beside the trade) the dV role
+    // trades S^T as computed, and each role runs the options' passes on it: the dV role
+    // for the P that multiplies dO, the dK role for dS (softcap's derivative needs S).
     static constexpr bool ROLES = D > 128;
     // Q and dO stages: at d = 256 one (the tiles, the trade and the dQ tile take the rest:
     // FlashAttention-3 keeps one there too), its next tile loading while the consumers'
@@ -169,8 +171,9 @@ struct Sm90BwdKVTile {
     // With the options, tiles that no mask or dropout touches take passes without the
     // selects (bwd.cuh BITS), but in the d = 128 kernels with the bias, where the second
     // copy of the passes spills (deterministic: 48 bytes; since the producer describes
-    // the tiles, 4 bytes in the other too: NVRTC 12.9 build check).
-    static constexpr bool SELECT_FREE_TILES = D <= 64 || !BIAS;
+    // the tiles, 4 bytes in the other too: NVRTC 12.9 build check), nor in the
+    // deterministic option kernels of the roles at d = 256 (8 bytes).
+    static constexpr bool SELECT_FREE_TILES = (D <= 64 || !BIAS) && !(ROLES && ORDERED_DQ && D > 192);
     // The warpgroup index as the compiler can see it is warp-uniform (wgmma.cuh
     // warp_uniform), so that the descriptors stay in uniform registers, where that does not
     // spill (NVRTC 12.9, build check): not in the option kernels at d = 128 with the bias
@@ -260,7 +263,7 @@ struct Sm90BwdKVTile {
     static_assert((GRADS & GRAD_DQ) != 0, "bwd_sm90.cu adds dQ");
     static_assert(D % PANEL == 0 && D <= 256 && BLOCK_M % 64 == 0 && BLOCK_M <= 128, "tile shape");
     static_assert(ROLES || (DQ_N % 64 == 0 && D % DQ_N == 0 && (BLOCK_M / 64) * DQ_COLS == CONSUMERS), "dQ pieces");
-    static_assert(!ROLES || (LEAN && CONSUMERS == 2 && BLOCK_M == SUB_M), "the roles: two warpgroups, the dense path, one sub-tile");
+    static_assert(!ROLES || (!BIAS && CONSUMERS == 2 && BLOCK_M == SUB_M), "the roles: two warpgroups, no bias stage, one sub-tile");
     static_assert(BWD_ROW_PAD % BLOCK_M == 0, "query tiles read the padded row workspaces whole");
     static_assert(2 * BLOCK_M <= CONSUMER_THREADS, "a consumer thread fetches one word of a tile's rows");
     static_assert(DQ_FLOATS * sizeof(float) >= (ROLES ? 2 : 1) * BLOCK_N * SmemTile<T, D>::stride * sizeof(T),
@@ -788,6 +791,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                 for (int sub = 0; sub < C::SUBTILES; ++sub) {
                     const int r0 = sub * C::SUB_M;   // the sub-tile's first row in the query tile
                     float s[1][QT][4], dp[1][QT][4];
+                    if constexpr (!R::DP && !C::LEAN) zero_frags(dp);   // the option passes' dS, unused by the dV role
                     if constexpr (C::BIAS) {
                         // S^T's accumulator starts at bias^T / scale, so that the P pass's
                         // S^T scale log2 e has the bias term in log2 units (HeadMods::score_log2)
@@ -906,6 +910,24 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                                                        : ~0u;
                         const bool alibi = hm.slope_log2 != 0.f;
                         const int kr0 = k0 + warp_row0, qc0 = q0 + r0;
+                        if constexpr (R::SHARED_KEYS) {
+                            // S^T as computed, from the dV role to the dK role, whose dP^T runs on
+                            // (after the bits above, which the dV role works out while S^T runs).
+                            if constexpr (R::S) {
+                                wgmma_wait<0>();
+                                reg_fence(s[0]);
+                                #pragma unroll
+                                for (int nt = 0; nt < QT; ++nt) *traded(nt) = make_float4(s[0][nt][0], s[0][nt][1], s[0][nt][2], s[0][nt][3]);
+                                named_barrier(C::TRADE_BARRIER, C::CONSUMER_THREADS);
+                            } else {
+                                named_barrier(C::TRADE_BARRIER, C::CONSUMER_THREADS);
+                                #pragma unroll
+                                for (int nt = 0; nt < QT; ++nt) {
+                                    const float4 x = *traded(nt);
+                                    s[0][nt][0] = x.x, s[0][nt][1] = x.y, s[0][nt][2] = x.z, s[0][nt][3] = x.w;
+                                }
+                            }
+                        }
                         // MODE_BIAS with softcap: the bias from its stage in the one pass (above it
                         // rode in S^T's accumulator).
                         auto bias = [&] {

@@ -823,6 +823,47 @@ def test_backward_with_shared_key_tiles_from_d192(rng, monkeypatch, name, d, nq,
         assert key_block and all(_shares(v) > 1 for v in key_block), [v.name_expression for v in launched]
 
 
+# Options on the Hopper backward's roles (d = 192 and 256, every option but a bias):
+# Gemma's softcap with a sliding window at d = 256, dropout, ALiBi, block masks, GQA.
+HOPPER_ROLES_OPTION_CASES = (
+    ("softcap+window-d256", 256, 300, 333, 2, True,
+     lambda r, b, h, nq, nk, t: dict(softcap=50.0, window=(100, 0))),
+    ("dropout-d192", 192, 257, 200, 1, False, lambda r, b, h, nq, nk, t: dict(dropout_p=0.2, seed=3)),
+    ("alibi+block_mask-d160", 160, 200, 300, 4, False,
+     lambda r, b, h, nq, nk, t: dict(alibi_slopes=_slopes((h,)),
+                                     block_mask=_block_mask(r, (b, 1), nq, nk, 16), block_size=16)),
+    ("everything-d200", 200, 129, 65, 1, True,
+     lambda r, b, h, nq, nk, t: dict(softcap=5.0, alibi_slopes=_slopes((h,)), dropout_p=0.1, seed=9,
+                                     window=(40, 7), seqlens_k=_seqlens(r, b, nk))),
+)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "det"])
+@pytest.mark.parametrize("name,d,nq,nk,group,causal,build", HOPPER_ROLES_OPTION_CASES,
+                         ids=[c[0] for c in HOPPER_ROLES_OPTION_CASES])
+def test_hopper_roles_with_options(rng, monkeypatch, name, d, nq, nk, group, causal, build, deterministic, dtype):
+    """The options from d = 192 on the Hopper backward's roles (the dV role trading S^T as
+    computed, each role running the options' passes on it) against the float64 reference."""
+    import cupy as cp
+    from cupyflash import _cuda, _kernels
+    if not DRY_RUN and _cuda._device_info(cp.cuda.Device().id)[0] != "sm_90a":
+        pytest.skip("not a Hopper GPU")
+    launched = []
+    if not DRY_RUN:
+        launch = _cuda._launch
+        monkeypatch.setattr(_cuda, "_launch", lambda variant, *a: (launched.append(variant), launch(variant, *a)))
+    host = _qkv(rng, dtype, d, nq, nk, group, "bhsd", batch=2)
+    opts = build(rng, 2, 2 * group, nq, nk, dtype)
+    opts.update(causal=causal, layout="bhsd", deterministic=deterministic)
+    got, ref = _run_both(cupyflash.attention_forward, host, opts)
+    _check(got, ref, dtype)
+    if not DRY_RUN:
+        key_block = [v for v in launched if v.grads & _kernels.GRAD_DK]
+        assert [v.family for v in key_block] == [_kernels.BWD_SM90], [v.name_expression for v in launched]
+        assert key_block[0].head_dim >= _kernels.BWD_SM90_ROLES_MIN_HEAD_DIM
+
+
 HOPPER_BIAS_CASES = (
     ("2d", (1, 16), 64, False, lambda r, b, h, nq, nk, t: dict(bias=_bias(r, (nq, nk), t))),
     ("2d-causal", (129, 1000), 128, True, lambda r, b, h, nq, nk, t: dict(bias=_bias(r, (nq, nk), t))),

@@ -127,9 +127,9 @@ def test_hopper_forward_only_where_it_builds(monkeypatch, arch, source):
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_hopper_backward_only_where_it_builds(monkeypatch, arch, source, deterministic):
     # The key-block launch takes bwd_sm90.cu on Hopper at d = 64 and 128, with the options
-    # and the bias too (its dQ kernel stays bwd_sm80.cu's); at d = 192 and 256 dense calls
-    # take it (its warpgroups in two roles), the options bwd_sm80.cu (one launch, its warps
-    # sharing each key tile's columns, then the dQ kernel).
+    # and the bias too (its dQ kernel stays bwd_sm80.cu's); at d = 192 and 256 it takes
+    # every call but a bias (its warpgroups in two roles), which runs bwd_sm80.cu (one
+    # launch, its warps sharing each key tile's columns, then the dQ kernel).
     monkeypatch.setattr(_cuda, "_device_info", lambda device_id: (arch, HOPPER_SMEM))
 
     def kv_sources(dtype, D, mode=_kernels.MODE_DENSE):
@@ -143,7 +143,8 @@ def test_hopper_backward_only_where_it_builds(monkeypatch, arch, source, determi
     for D in (192, 256):
         assert kv_sources("float16", D) == [source]
         assert kv_sources("float16", D, _kernels.MODE_BAND) == [source]
-        assert kv_sources("float16", D, _kernels.MODE_EXT) == ["bwd_sm80.cu"]
+        assert kv_sources("float16", D, _kernels.MODE_EXT) == [source]
+        assert kv_sources("float16", D, _kernels.MODE_EXT | _kernels.MODE_BIAS) == ["bwd_sm80.cu"]
     plan = _kernels.backward_plan("float16", 128, deterministic)
     assert plan.dq is None or _cuda._choose(plan.dq, 0).source == "bwd_sm80.cu"
 
