@@ -647,13 +647,15 @@ def _sm90_dkdv(dtype_name: str, D: int, tile, grads: int, mode: int) -> Variant:
     ds_buffers, trade = (1, block_n * BWD_SM90_SUB_M) if roles else (2, 0)
     # bwd_sm90.cu Sm90BwdKVTile: K, V, Q and dO per stage, dS^T (DS_BUFFERS), the bias of
     # a sub-tile of BWD_SM90_SUB_M queries (MODE_BIAS), swizzled; the staged fp32 dQ tile
-    # with rows of D + 8; the roles' fp32 P^T; a tile's lse2 and delta rows a stage; 1024
+    # with rows of D + 8; the roles' fp32 P^T; a tile's lse2 and delta rows a stage; the
+    # option kernels' dropout exchange (two words a consumer thread, DROP_PAIR_WORDS); 1024
     # bytes to align the tiles; Sm90BwdBarriers (11 + 2 STAGES mbarriers of 8 bytes, two
     # unit words, a 16-byte Sm90BwdTileInfo a stage; the walk's ring: two mbarriers and a
     # tile info a slot, Sm90BwdKVTile::WALK_SLOTS; the consumers' split unit and a pad word).
     bias = BWD_SM90_SUB_M * block_n if mode & MODE_BIAS else 0
+    drop_pairs = 0 if lean_mode(mode) else 2 * consumers * 128
     smem = ((2 * block_n * D + 2 * stages * block_m * D + ds_buffers * block_n * block_m + bias) * 2
-            + (block_m * (D + 8) + trade + 2 * stages * _sm90_rows_ld(block_m)) * 4 + 1024 + 8 * (12 + 2 * stages)
+            + (block_m * (D + 8) + trade + 2 * stages * _sm90_rows_ld(block_m) + drop_pairs) * 4 + 1024 + 8 * (12 + 2 * stages)
             + 16 * stages + (2 * 8 + 16) * BWD_SM90_WALK_SLOTS + 8)
     expr = f"flash_bwd_dkdv_sm90<{CPP_TYPE[dtype_name]}, {D}, {block_m}, {consumers}, {grads}, {mode}, {smem}>"
     # + the producer warpgroup; the dQ workspace's rows padded as the staged tile's (DQ_LD)

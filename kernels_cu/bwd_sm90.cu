@@ -119,6 +119,19 @@ struct Sm90BwdBarriers {
     int consumers_split, unused;        // the consumers' unit: its index among the split units, or -1
 };
 
+// philox.cuh's WarpPair for consumer warps w and w ^ 1: through a slot of a word a consumer
+// thread (the other's), then the pair's named barrier (Sm90BwdKVTile::DROP_PAIR_BARRIER0).
+struct Sm90DropPair {
+    static constexpr bool PAIRED = true;
+    u32* slot;
+    int barrier;
+    __device__ __forceinline__ u32 operator()(u32 theirs) const {
+        slot[threadIdx.x ^ 32] = theirs;
+        named_barrier(barrier, 64);
+        return slot[threadIdx.x];
+    }
+};
+
 template <typename T, int D, int BLOCK_M, int CONSUMERS, int GRADS, int MODE>
 struct Sm90BwdKVTile {
     // From d = 192 a warpgroup's dK and dV of 64 keys (2 D registers a thread) exceed the
@@ -144,6 +157,13 @@ struct Sm90BwdKVTile {
     // write-after-write hazards between the dK role's dQ staging and the dV role's
     // epilogue in the one-stage kernel (d = 256), none with both waiting (H200, 2026-11-29).
     static constexpr int TRADE_BARRIER = 3;
+    // Dropout's draws split between the two warps of a pair, w and w ^ 1 (philox.cuh
+    // WarpPair: the keys 16 apart share each Philox call), the option kernels only: each
+    // warp writes the other's bits into the pair's slots and both meet at the pair's named
+    // barrier (DROP_PAIR_BARRIER0 + w / 2). Two slots, alternating per sub-tile: a warp
+    // writes a slot again only after the next barrier, which the other passes once it has
+    // read it.
+    static constexpr int DROP_PAIR_BARRIER0 = 4;
     // The query tile is computed in sub-tiles of SUB_M queries (S^T, dP^T, P^T, dS^T of a
     // whole 128-query tile would not fit the registers beside dK and dV at d = 64).
     static constexpr int SUB_M = 64;
@@ -201,6 +221,7 @@ struct Sm90BwdKVTile {
     // complete before the next tile's S^T (their registers), one.
     static constexpr int DS_BUFFERS = ROLES ? 1 : 2;
     static constexpr int TRADE_FLOATS = ROLES ? BLOCK_N * SUB_M : 0;   // a sub-tile's P^T (the roles)
+    static constexpr int DROP_PAIR_WORDS = LEAN ? 0 : 2 * CONSUMER_THREADS;   // two slots (DROP_PAIR_BARRIER0)
     static constexpr int BIAS_ELEMS = BIAS ? SUB_M * BLOCK_N : 0;
     static constexpr u32 BIAS_BYTES = BIAS_ELEMS * sizeof(T);
     static constexpr int DQ_FLOATS = BLOCK_M * DQ_LD;
@@ -213,7 +234,8 @@ struct Sm90BwdKVTile {
     static constexpr u32 ROWS_BYTES = 2 * ROWS_BOX * sizeof(float);   // lse2 and delta of a stage
     static constexpr int ALIGN = 1024;
     static constexpr int TILE_BYTES = (2 * KV_ELEMS + 2 * STAGES * QO_ELEMS + DS_BUFFERS * DS_ELEMS + BIAS_ELEMS) * sizeof(T) +
-                                      (DQ_FLOATS + TRADE_FLOATS + STAGES * 2 * ROWS_LD) * sizeof(float);
+                                      (DQ_FLOATS + TRADE_FLOATS + STAGES * 2 * ROWS_LD) * sizeof(float) +
+                                      DROP_PAIR_WORDS * sizeof(u32);
     // The walk's ring (Sm90BwdTileInfo): the loader runs up to STAGES tiles ahead of the
     // consumers and a dQ writer a tile behind them, so four slots let the walker run ahead
     // of every reader.
@@ -264,6 +286,7 @@ struct Sm90BwdKVTile {
     static_assert(D % PANEL == 0 && D <= 256 && BLOCK_M % 64 == 0 && BLOCK_M <= 128, "tile shape");
     static_assert(ROLES || (DQ_N % 64 == 0 && D % DQ_N == 0 && (BLOCK_M / 64) * DQ_COLS == CONSUMERS), "dQ pieces");
     static_assert(!ROLES || (!BIAS && CONSUMERS == 2 && BLOCK_M == SUB_M), "the roles: two warpgroups, no bias stage, one sub-tile");
+    static_assert(DROP_PAIR_BARRIER0 + CONSUMERS * 2 <= 16, "named barriers");
     static_assert(BWD_ROW_PAD % BLOCK_M == 0, "query tiles read the padded row workspaces whole");
     static_assert(2 * BLOCK_M <= CONSUMER_THREADS, "a consumer thread fetches one word of a tile's rows");
     static_assert(DQ_FLOATS * sizeof(float) >= (ROLES ? 2 : 1) * BLOCK_N * SmemTile<T, D>::stride * sizeof(T),
@@ -380,6 +403,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
     float* sdQ = reinterpret_cast<float*>(sBias + C::BIAS_ELEMS);   // also the epilogue's staging tile
     float* sTrade = sdQ + C::DQ_FLOATS;       // the roles' P^T (C::ROLES)
     float* sRows = sTrade + C::TRADE_FLOATS;  // a stage's lse2 then delta rows (C::ROWS_LD each), STAGES buffers
+    u32* sDropPairs = reinterpret_cast<u32*>(sRows + STAGES * 2 * C::ROWS_LD);   // two slots (C::DROP_PAIR_WORDS)
     auto& bars = *reinterpret_cast<Sm90BwdBarriers<STAGES, C::WALK_SLOTS>*>(reinterpret_cast<unsigned char*>(sK) + C::TILE_BYTES);
     // The option kernels' state of the CTA's unit (mods.cuh Mods; in registers it would
     // spill the consumers). The persistent dense kernels keep each role's in registers.
@@ -905,7 +929,9 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                         // while the products run; then P and dS as in dense mode, or with softcap
                         // in one pass once both products are in.
                         const auto hm = mods.at_head(h);
-                        const u32 keep = hm.dropout() ? hm.template keep_bits_key_rows<QT>(k0 + warp_row0, q0 + r0) : ~0u;
+                        const Sm90DropPair pair{sDropPairs + ((step * C::SUBTILES + sub) & 1) * C::CONSUMER_THREADS,
+                                                C::DROP_PAIR_BARRIER0 + warp / 2};
+                        const u32 keep = hm.dropout() ? hm.template keep_bits_key_rows<QT>(k0 + warp_row0, q0 + r0, pair) : ~0u;
                         const u32 visible = needs_mask ? mask.template visible_bits<true, QT>(k0 + warp_row0, q0 + r0, h)
                                                        : ~0u;
                         const bool alibi = hm.slope_log2 != 0.f;

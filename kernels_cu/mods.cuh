@@ -89,10 +89,11 @@ struct HeadMods<T, Acc, true> {
     __device__ __forceinline__ u64 keep_bits(int r0, int c0) const {
         return dropout_keep_bits<NT>(seed, stream, r0, c0, threshold, drop_base);
     }
-    // philox.cuh dropout_keep_bits_key_rows of the keys from k0 and queries from q0.
-    template <int NT>
-    __device__ __forceinline__ u32 keep_bits_key_rows(int k0, int q0) const {
-        return dropout_keep_bits_key_rows<NT>(seed, stream, k0, q0, threshold, drop_base);
+    // philox.cuh dropout_keep_bits_key_rows of the keys from k0 and queries from q0 (with
+    // a WarpPair, the calls split with the warp of the keys k0 ^ 16).
+    template <int NT, typename WarpPair = SoloWarp>
+    __device__ __forceinline__ u32 keep_bits_key_rows(int k0, int q0, const WarpPair& pair = WarpPair()) const {
+        return dropout_keep_bits_key_rows<NT>(seed, stream, k0, q0, threshold, drop_base, pair);
     }
 
     // The score of (row i, key j) in log2 units from the raw product s = q_i . k_j:

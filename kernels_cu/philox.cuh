@@ -130,12 +130,24 @@ __device__ __forceinline__ u32 bytes_at_least(u32 word, u32 lanes_add) {
 // 4 (g ^ 1) + t, which differ in key bit 0 alone. So the two lanes split the calls: each
 // draws the counters of one u for both lanes' keys and hands the other lane its bits by
 // one shuffle. One call gives 8 of the pair's scores (the forward's layout gets 16): 4
-// calls for a thread's 32 scores instead of 32. Keys and queries count from the origin of
+// calls for a thread's 32 scores instead of 32. The other 8 bytes are the scores of the
+// keys 16 apart (key bit 4), which the next warp of a warpgroup holds: with a WarpPair
+// (below) the two warps split the calls too, each drawing every other m for both and
+// handing the other warp its bits through the pair's exchange, so that one call gives 16
+// scores as in the forward (2 calls for 32). Keys and queries count from the origin of
 // `base`.
-template <int NT>
+struct SoloWarp {   // no exchange: the warp draws all its calls
+    static constexpr bool PAIRED = false;
+    __device__ __forceinline__ u32 operator()(u32) const { return 0; }
+};
+// A WarpPair is a functor like SoloWarp with PAIRED = true, called by both warps of a pair
+// (keys key0 and key0 ^ 16, the same lane layout and q0): it passes `theirs` to the same
+// lane of the other warp and returns what that lane passed.
+template <int NT, typename WarpPair = SoloWarp>
 __device__ __forceinline__ u32 dropout_keep_bits_key_rows(u64 seed, u64 stream, int key0, int q0, u32 threshold,
-                                                          uint2 base) {
-    static_assert(NT % 2 == 0 && 4 * NT <= 32, "pairs of query n-tiles, at most 32 scores");
+                                                          uint2 base, const WarpPair& pair = WarpPair()) {
+    constexpr bool PAIRED = WarpPair::PAIRED;
+    static_assert(NT % (PAIRED ? 4 : 2) == 0 && 4 * NT <= 32, "pairs (a warp pair: quads) of query n-tiles, at most 32 scores");
     const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int j = key0 + g;
     const int u = g & 1;   // the query this lane draws for: its own key bit 0
@@ -143,20 +155,26 @@ __device__ __forceinline__ u32 dropout_keep_bits_key_rows(u64 seed, u64 stream, 
     // The keys' bytes: from byte ((j >> 3) & 3) * 2 of each 8-byte half, key bit 0 and then
     // key g + 8 (2 more). key0 is a multiple of 16, so that is byte 0 or 4 (the warp's: key
     // bit 4), and a half's four bytes are one word of the call's, in the bits' order.
-    const bool high_word = (j >> 4) & 1;
+    const int high_word = (j >> 4) & 1;
     const u32 lanes_add = bytes_at_least_add(threshold);
     // Bit 4 nt + 2 kh + b of `drawn`: query u's score of the key with bit 0 = b, i.e. this
     // lane's bits where b = u, and where b != u the partner's, which it moves to its u.
-    u32 drawn = 0;
+    // Paired, the calls of m = 2 i + high_word, placed at m = 2 i and moved up at the end;
+    // `theirs`: the other warp's bits of the same calls.
+    u32 drawn = 0, theirs = 0;
     #pragma unroll
-    for (int m = 0; m < NT / 2; ++m) {
+    for (int i = 0; i < NT / 2 / (PAIRED ? 2 : 1); ++i) {
+        const int m = PAIRED ? 2 * i + high_word : i;
         const uint4 w = dropout_words(seed, stream, x, base.y + static_cast<u32>(((q0 >> 4) + m) * 8 + 2 * t + u));
         #pragma unroll
         for (int half = 0; half < 2; ++half) {          // n-tile 2 m + half: query bit 3
-            const u32 word = half ? (high_word ? w.w : w.z) : (high_word ? w.y : w.x);
-            drawn |= bytes_at_least(word, lanes_add) << (4 * (2 * m + half));
+            const u32 key_bit4_clear = half ? w.z : w.x, key_bit4_set = half ? w.w : w.y;
+            const int at = 4 * (2 * (PAIRED ? 2 * i : i) + half);
+            drawn |= bytes_at_least(high_word ? key_bit4_set : key_bit4_clear, lanes_add) << at;
+            if constexpr (PAIRED) theirs |= bytes_at_least(high_word ? key_bit4_clear : key_bit4_set, lanes_add) << at;
         }
     }
+    if constexpr (PAIRED) drawn = (drawn << (8 * high_word)) | pair(theirs << (8 * high_word));
     const u32 own = u ? 0xaaaaaaaau : 0x55555555u;   // the bits of this lane's key parity
     const u32 partners = __shfl_xor_sync(0xffffffffu, drawn, 4) & own;   // their query, these keys
     return (drawn & own) | (u ? partners >> 1 : partners << 1);

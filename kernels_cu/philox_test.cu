@@ -22,17 +22,31 @@ __global__ void dropout_keep_kernel(u64 seed, u64 offset, u32 batch, u32 head, u
     }
 }
 
-// keep[(key - key0) * nq_tile + (q - q0)] of a warp's 16 keys from key0 by NT * 8 queries
-// from q0, counted from the origin (row_origin, key_origin), from dropout_keep_bits_key_rows
-// as the backward's threads hold them (bit 4 nt + e of lane 4 g + t: key g + 8 (e / 2),
-// query 8 nt + 2 t + e % 2); one warp per block.
-template <int NT>
+// keep[(key - key0) * nq_tile + (q - q0)] of the block's 16 keys a warp from key0 by NT * 8
+// queries from q0, counted from the origin (row_origin, key_origin), from
+// dropout_keep_bits_key_rows as the backward's threads hold them (bit 4 nt + e of lane 4 g +
+// t: key g + 8 (e / 2), query 8 nt + 2 t + e % 2). One warp a block (SoloWarp), or with
+// PAIRED two (keys key0 and key0 + 16, key0 a multiple of 32) splitting the calls as
+// bwd_sm90.cu's Sm90DropPair does, through shared memory and a barrier of the two.
+struct TestWarpPair {
+    static constexpr bool PAIRED = true;
+    u32* slot;
+    __device__ __forceinline__ u32 operator()(u32 theirs) const {
+        slot[threadIdx.x ^ 32] = theirs;
+        __syncthreads();
+        return slot[threadIdx.x];
+    }
+};
+template <int NT, bool PAIRED>
 __global__ void dropout_key_rows_kernel(u64 seed, u64 stream, int key0, int q0, u32 row_origin, u32 key_origin,
                                         u32 threshold, unsigned char* keep) {
-    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    const u32 bits = dropout_keep_bits_key_rows<NT>(seed, stream, key0, q0, threshold,
-                                                    dropout_counter_base(row_origin, key_origin));
+    __shared__ u32 slots[64];
+    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, warp_key0 = key0 + 16 * (threadIdx.x / 32);
+    const uint2 base = dropout_counter_base(row_origin, key_origin);
+    u32 bits;
+    if constexpr (PAIRED) bits = dropout_keep_bits_key_rows<NT>(seed, stream, warp_key0, q0, threshold, base, TestWarpPair{slots});
+    else bits = dropout_keep_bits_key_rows<NT>(seed, stream, warp_key0, q0, threshold, base);
     for (int nt = 0; nt < NT; ++nt)
         for (int e = 0; e < 4; ++e)
-            keep[(g + 8 * (e / 2)) * (NT * 8) + 8 * nt + 2 * t + e % 2] = (bits >> (4 * nt + e)) & 1u;
+            keep[(warp_key0 - key0 + g + 8 * (e / 2)) * (NT * 8) + 8 * nt + 2 * t + e % 2] = (bits >> (4 * nt + e)) & 1u;
 }

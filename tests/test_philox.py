@@ -276,7 +276,8 @@ def test_single_element_arguments_are_checked():
 
 # --------------------------------------------------------------------------- kernels
 
-KERNELS = ("philox4x32_kernel<10>", "philox4x32_kernel<7>", "dropout_keep_kernel", "dropout_key_rows_kernel<8>")
+KERNELS = ("philox4x32_kernel<10>", "philox4x32_kernel<7>", "dropout_keep_kernel", "dropout_key_rows_kernel<8, false>",
+           "dropout_key_rows_kernel<8, true>")
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_test_kernels_build(arch):
@@ -330,22 +331,26 @@ def test_gpu_dropout_keep_matches_numpy(p, row0, key0, rng):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("paired", [False, True])
 @pytest.mark.parametrize("p", [0.1, 0.5])
 @pytest.mark.parametrize("key0,q0", [(0, 0), (16, 64), (48, 4096 + 16), (2**20 + 32, 2**21 + 48)])
 @pytest.mark.parametrize("row_origin, key_origin", [(0, 0), (384, 2**20 + 160)])
-def test_gpu_key_rows_bits_match_numpy(p, key0, q0, row_origin, key_origin):
-    """The backward's keep bits (two lanes sharing each Philox call, bwd_sm90.cu) against
-    the per-score draw of the NumPy twin, over a warp's 16 keys x 64 queries, counted from
-    an origin (a chunk pair's) or from 0."""
+def test_gpu_key_rows_bits_match_numpy(paired, p, key0, q0, row_origin, key_origin):
+    """The backward's keep bits (two lanes sharing each Philox call; paired, two warps too,
+    bwd_sm90.cu) against the per-score draw of the NumPy twin, over a warp's 16 keys (a
+    pair's 32, from key0 rounded down to 32) x 64 queries, counted from an origin (a chunk
+    pair's) or from 0."""
     import cupy
 
     seed, stream = 2**63 + 12345, 77
-    keep = cupy.full((16, 64), 7, dtype=cupy.uint8)   # poisoned
-    kernel = _gpu_kernel("dropout_key_rows_kernel<8>")
-    kernel((1,), (32,), (np.uint64(seed), np.uint64(stream), np.int32(key0), np.int32(q0),
-                         np.uint32(row_origin), np.uint32(key_origin),
-                         np.uint32(_philox.dropout_threshold(p)), keep))
-    keys, queries = np.meshgrid(np.arange(key_origin + key0, key_origin + key0 + 16),
+    warps = 2 if paired else 1
+    key0 = key0 // 32 * 32 if paired else key0
+    keep = cupy.full((16 * warps, 64), 7, dtype=cupy.uint8)   # poisoned
+    kernel = _gpu_kernel(f"dropout_key_rows_kernel<8, {str(paired).lower()}>")
+    kernel((1,), (32 * warps,), (np.uint64(seed), np.uint64(stream), np.int32(key0), np.int32(q0),
+                                 np.uint32(row_origin), np.uint32(key_origin),
+                                 np.uint32(_philox.dropout_threshold(p)), keep))
+    keys, queries = np.meshgrid(np.arange(key_origin + key0, key_origin + key0 + 16 * warps),
                                 np.arange(row_origin + q0, row_origin + q0 + 64), indexing="ij")
     expected = _philox.dropout_keep(seed, stream, 0, 0, queries.ravel(), keys.ravel(), p=p, heads=1)
-    np.testing.assert_array_equal(cupy.asnumpy(keep), expected.reshape(16, 64).astype(np.uint8))
+    np.testing.assert_array_equal(cupy.asnumpy(keep), expected.reshape(16 * warps, 64).astype(np.uint8))
