@@ -255,7 +255,7 @@ struct Sm90BwdKVTile {
     // Dense only: the option kernels' consumers spilled 12-40 bytes with a second full
     // barrier to choose. Not at d = 64, whose 128-query tiles take longer to compute than
     // a writer's turn: 0.93-1.01x there.
-    static constexpr int DQ_WRITERS = ORDERED_DQ && LEAN && D == 128 ? 2 : 1;
+    static constexpr int DQ_WRITERS = ORDERED_DQ && LEAN && D >= 128 ? 2 : 1;
     static constexpr int WRITERS_BARRIER = 2;   // named barrier of the two writers
     // The walker: the producer warpgroup's warp that no other role takes (the third, or
     // with the bias, whose loader is the third, the fourth).

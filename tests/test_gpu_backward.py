@@ -186,12 +186,15 @@ def test_deterministic_is_bitwise_reproducible(rng, dtype, d):
 
 # Sizes where many key blocks add into each query tile's dQ: on Hopper the deterministic
 # mode orders those additions (ascending key blocks without a right edge to the mask,
-# descending with causal), so the turn-taking is what these cases exercise.
+# descending with causal), so the turn-taking is what these cases exercise (from d = 128
+# with two dQ writers taking the tiles in turn).
 @pytest.mark.parametrize("dtype,d,causal,nq,nk,group,layout", [
     ("bfloat16", 128, False, 700, 2100, 1, "bhsd"),
     ("float16", 64, True, 2100, 1900, 2, "bshd"),
     ("bfloat16", 64, False, 333, 1337, 4, "bhsd"),
     ("float16", 128, True, 600, 2500, 1, "bhsd"),
+    ("bfloat16", 192, False, 700, 2100, 1, "bhsd"),   # the roles, two dQ writers taking turns
+    ("float16", 256, True, 600, 2500, 2, "bshd"),
 ])
 def test_deterministic_bits_with_many_key_blocks(rng, dtype, d, causal, nq, nk, group, layout):
     import cupy as cp
