@@ -420,7 +420,8 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
     // CTAs at least as many as a head's blocks; and at least 4 heads' worth, as measured
     // (bf16 against the kernel before: d = 64 1.14-1.17x at N = 2k-4k, 0.96x at 16k; d = 128
     // 0.98-0.99x at 2k-4k, 0.93x at 8k-16k, where a head's 64-128 blocks advance in
-    // lockstep with the last of them to be taken). Such a block waits for blocks of its head
+    // lockstep with the last of them to be taken); the roles' (d >= 192) from 2 heads'
+    // worth, which takes in N = 4k (H200, bf16, against 4: d = 192 1.00x, d = 256 1.07x). Such a block waits for blocks of its head
     // taken after it, so no CTA may hold two units with turns to wait for: there the dQ
     // writer, not the producer, claims the units, once its last unit's reductions are done
     // (the next unit's K and V then load after those, not during the last unit's
@@ -432,7 +433,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
     // the parameters: held across the roles' split, it was spilled. Not with a band,
     // MODE_BAND, whose blocks see different query tiles: their lists differ.)
     auto rotated_turns = [&] {
-        return C::ORDERED_DQ && MODE == MODE_DENSE && !p.causal && 4 * p.grid_n <= int(gridDim.x) &&
+        return C::ORDERED_DQ && MODE == MODE_DENSE && !p.causal && (C::ROLES ? 2 : 4) * p.grid_n <= int(gridDim.x) &&
                (i64)p.grid_m * group * (p.grid_n + 1) <= 0x7fffffff;
     };
     auto unit_state_of = [&](const ModsT& mods, Sm90BwdUnit unit) {
