@@ -469,8 +469,8 @@ def _plan_backward(do, q, k, v, o, dq, dk, dv, *, scale, causal, deterministic, 
     B, Hq, Nq, d = q.shape
     Hk, dim_v = k.shape[1], v.shape[3]
     device_id = q.device.id
-    plan = device_backward_plan(q.dtype.name, padded_head_dim(d, dim_v), bool(deterministic), backward_mode(mods),
-                                device_id)
+    D = padded_head_dim(d, dim_v)
+    plan = device_backward_plan(q.dtype.name, D, bool(deterministic), backward_mode(mods, D, deterministic), device_id)
     # Under varlen a query tile of the last sequence reads up to a tile past the rows.
     nq_pad = -(-(Nq + (BWD_ROW_PAD if mods.varlen else 0)) // BWD_ROW_PAD) * BWD_ROW_PAD
     batch, rows, keys = _grid_extents(q, k, mods)

@@ -397,10 +397,15 @@ def kernel_mode(mods) -> int:
     return MODE_EXT | (MODE_BIAS if mods.bias is not None else 0) | tf32
 
 
-def backward_mode(mods) -> int:
-    """kernel_mode for the backward: MODE_BAND where the options only bound the keys a
-    row sees (Modifiers.band_only; the backward has no precision="tf32")."""
-    if mods.band_only:
+def backward_mode(mods, D: int, deterministic: bool) -> int:
+    """kernel_mode for the backward at padded head dim D: MODE_BAND where the options only
+    bound the keys a row sees (Modifiers.band_only), or, in the default mode, also leave
+    out blocks of scores by a block mask whose blocks are whole tiles of every bwd_sm90.cu
+    kernel of D (Modifiers.skips_tiles_only, mask.cuh BLOCKS; the deterministic MODE_BAND
+    kernels read no block mask: Sm90BwdKVTile::BAND_BLOCKS). The backward has no
+    precision="tf32"."""
+    if mods.band_only or (mods.skips_tiles_only and not deterministic
+                          and _blocks_are_sm90_tiles(mods.block_size, D)):
         return MODE_BAND
     return kernel_mode(mods) & ~MODE_TF32
 
@@ -484,6 +489,22 @@ BWD_SM90_KV_TILES = {
 }
 # From this head dim bwd_sm90.cu's warpgroups take the roles (Sm90BwdKVTile::ROLES).
 BWD_SM90_ROLES_MIN_HEAD_DIM = 192
+
+
+def _sm90_bwd_tile(D: int, tile) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N) of a BWD_SM90_KV_TILES entry at head dim D: the query tile and
+    the key block (64 keys a consumer warpgroup, or with the roles 64 shared)."""
+    block_m, consumers = tile
+    return block_m, 64 if D >= BWD_SM90_ROLES_MIN_HEAD_DIM else 64 * consumers
+
+
+def _blocks_are_sm90_tiles(block_size, D: int) -> bool:
+    """Whether blocks of ``block_size`` (block_q, block_k) are whole tiles of every
+    bwd_sm90.cu kernel serving head dim D, so that its walk skips them and no element
+    needs their mask (mask.cuh BLOCKS)."""
+    E = sm90_head_dim(D, BWD_SM90_KV_TILES)
+    return E is not None and all(block_size[0] % m == 0 and block_size[1] % n == 0
+                                 for m, n in (_sm90_bwd_tile(E, t) for t in BWD_SM90_KV_TILES[E]))
 
 
 def bwd_sm90_splits_units(variant: "Variant") -> bool:
@@ -638,9 +659,9 @@ def _sm90_rows_ld(block_m: int) -> int:
 
 
 def _sm90_dkdv(dtype_name: str, D: int, tile, grads: int, mode: int) -> Variant:
-    block_m, consumers = tile
+    consumers = tile[1]
     roles = D >= BWD_SM90_ROLES_MIN_HEAD_DIM   # Sm90BwdKVTile::ROLES: both warpgroups on the same 64 keys
-    block_n = 64 if roles else 64 * consumers
+    block_m, block_n = _sm90_bwd_tile(D, tile)
     assert grads & GRAD_DQ, "bwd_sm90.cu adds dQ in both modes"
     assert not roles or not mode & MODE_BIAS, "the roles have no bias stage"
     stages = 1 if roles and D > 192 else 2

@@ -140,6 +140,14 @@ class Modifiers:
         return self._bounds_keys and not self._beyond_bounds
 
     @property
+    def skips_tiles_only(self) -> bool:
+        """Whether every option on bounds the keys each row sees (`band_only`) or leaves
+        out blocks of scores (a block mask), and changes nothing else: where the mask's
+        blocks are whole tiles of its kernels, the GPU backward runs these on its dense
+        path too (kernels_cu/mask.cuh BLOCKS)."""
+        return (self._bounds_keys or self.block_mask is not None) and not self._changes_scores
+
+    @property
     def _bounds_keys(self) -> bool:
         """An option on that bounds the keys each row sees (mask.cuh's band)."""
         return self.windowed or self.varlen or self.diagonal is not None or self.seqlens_k is not None
@@ -147,8 +155,12 @@ class Modifiers:
     @property
     def _beyond_bounds(self) -> bool:
         """An option on that does more: a block mask, a score term or dropout."""
-        return (self.softcap > 0 or self.dropout_p > 0
-                or any(x is not None for x in (self.block_mask, self.bias, self.alibi_slopes)))
+        return self.block_mask is not None or self._changes_scores
+
+    @property
+    def _changes_scores(self) -> bool:
+        """A score term or dropout on."""
+        return self.softcap > 0 or self.dropout_p > 0 or self.bias is not None or self.alibi_slopes is not None
 
     def call_diagonal(self, nq: int, nk: int) -> int:
         """``off`` of a batch entry of ``nq`` rows and ``nk`` keys in this call's own

@@ -58,7 +58,7 @@ struct KeyBlockPairs {
     // The first pair from `it` on that the block mask leaves on.
     template <bool EXT, bool BAND>
     __device__ __forceinline__ int next(int it, const MaskInfo<EXT, BAND>& mask) const {
-        if (EXT && mask.blocks != nullptr)
+        if (MaskInfo<EXT, BAND>::BLOCKS && mask.blocks != nullptr)
             while (it < count() && mask.block_state(q0(it), q0(it) + block_m, k0, k1, head(it)) == 0) ++it;
         return it;
     }
@@ -68,7 +68,7 @@ struct KeyBlockPairs {
     // keep next(): this one spills their d = 64 option kernel on sm_80, build check).
     template <bool EXT, bool BAND>
     __device__ __forceinline__ int next_in_warp(int it, const MaskInfo<EXT, BAND>& mask) const {
-        if (!EXT || mask.blocks == nullptr) return it;
+        if (!MaskInfo<EXT, BAND>::BLOCKS || mask.blocks == nullptr) return it;
         const int lane = threadIdx.x % 32;
         for (; it < count(); it += 32) {
             const int pair = it + lane;
@@ -108,7 +108,7 @@ struct DqTurns {
                                          int lane) const {
         const int2 band = mask.key_tile_range(q0, q0 + block_m, block_n);
         const int lo = descending ? key_block + 1 : band.x, hi = descending ? band.y : key_block;
-        if (!EXT || mask.blocks == nullptr) return u32(max(0, hi - lo));
+        if (!MaskInfo<EXT, BAND>::BLOCKS || mask.blocks == nullptr) return u32(max(0, hi - lo));
         u32 on = 0;
         for (int j = lo + lane; j < hi; j += 32)
             on += mask.block_state(q0, q0 + block_m, j * block_n, (j + 1) * block_n, h) != 0;

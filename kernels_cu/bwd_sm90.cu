@@ -178,6 +178,11 @@ struct Sm90BwdKVTile {
     // The dense path (MODE_DENSE, or MODE_BAND: the mask's band on it, mods.cuh): the
     // option state in registers, persistent CTAs, the passes without the options' terms.
     static constexpr bool LEAN = lean_mode(MODE);
+    // MODE_BAND takes block masks of whole tiles (mask.cuh BLOCKS) in the default mode. Not
+    // in the deterministic one, whose dQ writers have no registers for the mask's reads
+    // (NVRTC 13 build check: 76 bytes spilled at 40 a thread, and at 48 the consumers spill):
+    // the host sends those calls to the option kernels (cupyflash/_kernels.py backward_mode).
+    static constexpr bool BAND_BLOCKS = (MODE & MODE_BAND) != 0 && !ORDERED_DQ;
     static constexpr bool BIAS = (MODE & MODE_BIAS) != 0;
     // Softcap with a bias: softcap's pass adds the bias from its stage (bwd.cuh
     // KeyRowBias). In the deterministic kernels those reads spill (8 bytes at d = 64, 28
@@ -512,7 +517,8 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                 const int u = take(k);
                 if (u < 0) break;
                 const Sm90BwdUnit unit = Sm90BwdUnits(p).template decode<C::SPLITS>(u);
-                const ModsT mods = ModsT::make(p, unit.b, hq);   // outlives w, which refers to it
+                ModsT mods = ModsT::make(p, unit.b, hq);   // outlives w, which refers to it
+                if constexpr (C::LEAN && !C::BAND_BLOCKS) mods.mask.blocks = nullptr;   // none read
                 const UnitState w = unit_state_of(mods, unit);
                 if (w.has_keys()) work(w);
             }

@@ -14,8 +14,10 @@
 //
 // EXT = false is the dense fast path: causal and the sequence end only, or with BAND
 // (mods.cuh MODE_BAND) the whole band: a window's extents, key padding, a varlen
-// sequence's or a placed call's bounds; EXT adds the block mask. The fields a kernel
-// does not read the compiler drops.
+// sequence's or a placed call's bounds, and a block mask whose blocks are whole tiles of
+// the kernel (BLOCKS: it skips the tiles the mask leaves off, and masks no element by
+// it; the host sends no other block mask there); EXT adds every block mask. The fields a
+// kernel does not read the compiler drops.
 #pragma once
 #include "elem.cuh"
 
@@ -67,13 +69,15 @@ template <> struct ColumnBits<true> { typedef u32 type; };
 template <bool EXT, bool BAND = EXT>
 struct MaskInfo {
     static_assert(BAND || !EXT, "the options include the band");
+    // Whether the block mask is read (to skip tiles; element by element only with EXT).
+    static constexpr bool BLOCKS = BAND;
     int nq, nk;
     int causal;
     // BAND:
     int left, right;                    // window extents, -1 unbounded
     int key_stop;                       // keys >= key_stop are hidden (key padding)
     int diagonal;                       // off(), worked out once (Mods::set_bounds)
-    // EXT:
+    // BLOCKS:
     const unsigned char* blocks;        // this batch entry's block mask, or null
     i64 blocks_head, blocks_row;        // its head and row strides (0 for a broadcast head)
     int block_q, block_k;
@@ -107,7 +111,10 @@ struct MaskInfo {
     // Tiles of the block mask over rows [q0, q1) x keys [k0, k1) (clipped to the
     // sequence): 0 = no mask block set (skip the tile), 1 = all set, 2 = mixed.
     __device__ __forceinline__ int block_state(int q0, int q1, int k0, int k1, int h) const {
-        if (!EXT || blocks == nullptr) return 1;
+        if (!BLOCKS || blocks == nullptr) return 1;
+        if constexpr (!EXT) {   // blocks of whole tiles (the host's contract, above): the tile's one block
+            return q0 < nq && k0 < nk && blocks[h * blocks_head + (q0 / block_q) * blocks_row + k0 / block_k] != 0;
+        }
         q1 = min(q1, nq);
         k1 = min(k1, nk);
         if (q0 >= q1 || k0 >= k1) return 0;
@@ -142,12 +149,12 @@ struct MaskInfo {
     }
     // The first key tile at or after j (before `stop`) that the block mask leaves on.
     __device__ __forceinline__ int next_key_tile(int j, int stop, int q0, int q1, int block_n, int h = 0) const {
-        if (EXT && blocks != nullptr)
+        if (BLOCKS && blocks != nullptr)
             while (j < stop && block_state(q0, q1, j * block_n, (j + 1) * block_n, h) == 0) ++j;
         return j;
     }
     __device__ __forceinline__ int next_query_tile(int m, int stop, int k0, int k1, int block_m, int h = 0) const {
-        if (EXT && blocks != nullptr)
+        if (BLOCKS && blocks != nullptr)
             while (m < stop && block_state(m * block_m, (m + 1) * block_m, k0, k1, h) == 0) ++m;
         return m;
     }

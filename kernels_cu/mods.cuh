@@ -11,10 +11,11 @@
 //   MODE_EXT | MODE_BIAS   that family's kernel with the bias too (other tiles);
 //   MODE_BAND     the dense path with the options that only bound the keys a row sees
 //                 (a window, key padding, varlen sequences, a place in a larger
-//                 problem; mask.cuh's band), in bwd_sm90.cu: they hide keys and skip
-//                 tiles and nothing else, so the dense pipeline serves them (persistent
-//                 CTAs, the lean passes); the option kernel's one CTA per key block
-//                 read 0.66-0.74x dense per visible pair at window 2048 (H200, session 25).
+//                 problem; mask.cuh's band) and a block mask of whole tiles, in
+//                 bwd_sm90.cu: they hide keys and skip tiles and nothing else, so the
+//                 dense pipeline serves them (persistent CTAs, the lean passes); the
+//                 option kernel's one CTA per key block read 0.66-0.74x dense per visible
+//                 pair at window 2048 (H200, session 25).
 // MODE_TF32 is not an option but the precision="tf32" policy of fp32 inputs in
 // fwd_sm90.cu (one TF32 product per matrix product instead of three); it combines with
 // the others and is no part of what Mods compiles.
@@ -307,8 +308,6 @@ struct Mods {
             mask.key_stop = o.seqlens_k != nullptr ? min(o.seqlens_k[b], mask.nk) : mask.nk;
             mask.left = o.win_left;
             mask.right = o.win_right;
-        }
-        if constexpr (EXT) {
             mask.blocks = o.bmask != nullptr ? o.bmask + b * o.bmask_sb : nullptr;
             mask.blocks_head = o.bmask_sh;
             mask.blocks_row = o.bmask_sq;

@@ -34,12 +34,16 @@ def _options(kind, nq, nk, rng):
     bias": on Hopper the bias is a policy of its own, MODE_EXT and MODE_EXT | MODE_BIAS);
     the score terms alone, without a mask or dropout ("terms"); a bias with a window and
     dropout but no softcap ("bias": the Hopper backward starts S^T from it); a window and
-    key padding alone ("band": the Hopper backward's dense path, MODE_BAND)."""
+    key padding alone ("band": the Hopper backward's dense path, MODE_BAND); a block mask
+    of 128 x 128 blocks, whole tiles of the Hopper backward, with a window ("blocks": its
+    dense path too, in the default mode)."""
     slopes = cp.asarray(rng.random(4).astype(np.float32))
     if kind == "terms":
         return dict(alibi_slopes=slopes, softcap=5.0)
     if kind == "band":
         return dict(window=(40, 7), seqlens_k=np.array([max(1, nk - 9)], np.int32))
+    if kind == "blocks":
+        return dict(block_mask=rng.random((4, -(-nq // 128), -(-nk // 128))) < 0.7, block_size=128, window=(100, 7))
     if kind == "bias":
         return dict(bias=cp.asarray(rng.standard_normal((4, nq, nk)).astype(np.float32)), window=(40, 7),
                     dropout_p=0.2, seed=5)
@@ -65,7 +69,7 @@ def main():
                                                    (True, None, True), (True, "all", False),
                                                    (False, "no bias", False), (False, "terms", False),
                                                    (True, "bias", True), (True, "band", False),
-                                                   (False, "band", True)):
+                                                   (False, "band", True), (False, "blocks", False)):
                 q = cp.asarray(rng.standard_normal((1, 4, nq, d)).astype(dtype))
                 k, v = (cp.asarray(rng.standard_normal((1, 2, nk, d)).astype(dtype)) for _ in range(2))
                 extra = _options(options, nq, nk, rng) if options else {}

@@ -864,6 +864,60 @@ def test_hopper_roles_with_options(rng, monkeypatch, name, d, nq, nk, group, cau
         assert key_block[0].head_dim >= _kernels.BWD_SM90_ROLES_MIN_HEAD_DIM
 
 
+
+# Block masks whose blocks are whole tiles of the Hopper backward (128 x 128 at d = 64,
+# 64 queries x 128 keys at d = 128, 64 x 64 from d = 192) run its dense path (MODE_BAND:
+# persistent CTAs, the walker skipping the tiles the mask leaves off, no element masked
+# by it), alone or beside a band; rows whose blocks are all off see no key (dq 0). GQA
+# with a mask per query head, uneven lengths. In the deterministic mode the option
+# kernels take them (Sm90BwdKVTile::BAND_BLOCKS).
+# (id, d, nq, nk, GQA group, causal, builder as OPTION_CASES')
+HOPPER_WHOLE_TILE_BLOCK_CASES = (
+    ("128-per-head", 64, 1000, 1300, 2, False,
+     lambda r, b, h, nq, nk, t: dict(block_mask=_block_mask(r, (b, h), nq, nk, 128, density=0.4))),
+    ("128+causal+window", 128, 1500, 1500, 1, True,
+     lambda r, b, h, nq, nk, t: dict(block_mask=_block_mask(r, (1, h), nq, nk, 128, density=0.6),
+                                     window=(600, 0))),
+    ("64x128-d104-gqa4", 104, 700, 900, 4, False,
+     lambda r, b, h, nq, nk, t: dict(block_mask=_block_mask(r, (b, 1), nq, nk, (64, 128), density=0.5),
+                                     block_size=(64, 128))),
+    ("64-d192+causal", 192, 300, 333, 2, True,
+     lambda r, b, h, nq, nk, t: dict(block_mask=_block_mask(r, (b, h), nq, nk, 64, density=0.5), block_size=64)),
+    ("128x64-d256+seqlens_k", 256, 257, 300, 1, False,
+     lambda r, b, h, nq, nk, t: dict(block_mask=_block_mask(r, (), nq, nk, (128, 64), density=0.7,
+                                                            empty_row=False),
+                                     block_size=(128, 64), seqlens_k=_seqlens(r, b, nk))),
+)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "det"])
+@pytest.mark.parametrize("name,d,nq,nk,group,causal,build", HOPPER_WHOLE_TILE_BLOCK_CASES,
+                         ids=[c[0] for c in HOPPER_WHOLE_TILE_BLOCK_CASES])
+def test_hopper_backward_block_mask_of_whole_tiles(rng, monkeypatch, name, d, nq, nk, group, causal, build,
+                                                   deterministic):
+    """A block mask of whole tiles on the Hopper backward's dense path (MODE_BAND; the
+    option kernels in the deterministic mode), against the float64 reference; the
+    key-block kernel must be that one."""
+    import cupy as cp
+    from cupyflash import _cuda, _kernels
+    if not DRY_RUN and _cuda._device_info(cp.cuda.Device().id)[0] != "sm_90a":
+        pytest.skip("not a Hopper GPU")
+    launched = []
+    if not DRY_RUN:
+        launch = _cuda._launch
+        monkeypatch.setattr(_cuda, "_launch", lambda variant, *a: (launched.append(variant), launch(variant, *a)))
+    dtype = ("bfloat16", "float16")[(d + deterministic) % 2]
+    host = _qkv(rng, dtype, d, nq, nk, group, "bshd", batch=2)
+    opts = build(rng, 2, 2 * group, nq, nk, dtype)
+    opts.update(causal=causal, layout="bshd", deterministic=deterministic)
+    got, ref = _run_both(cupyflash.attention_forward, host, opts)
+    _check(got, ref, dtype)
+    if not DRY_RUN:
+        key_block = [v for v in launched if v.grads & _kernels.GRAD_DK]
+        mode = _kernels.MODE_EXT if deterministic else _kernels.MODE_BAND
+        assert [(v.family, v.mode) for v in key_block] == [(_kernels.BWD_SM90, mode)], \
+            [v.name_expression for v in launched]
+
 HOPPER_BIAS_CASES = (
     ("2d", (1, 16), 64, False, lambda r, b, h, nq, nk, t: dict(bias=_bias(r, (nq, nk), t))),
     ("2d-causal", (129, 1000), 128, True, lambda r, b, h, nq, nk, t: dict(bias=_bias(r, (nq, nk), t))),

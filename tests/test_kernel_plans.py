@@ -185,23 +185,39 @@ def test_hopper_kernels_serve_the_padded_head_dims(monkeypatch, dtype, arch):
 def test_band_options_run_the_hopper_backward_dense_path(monkeypatch, arch, deterministic):
     # Options that only bound the keys a row sees (a window, seqlens_k, varlen, a place
     # in a larger problem) hide keys and skip tiles, nothing more: the backward's mode is
-    # MODE_BAND, which bwd_sm90.cu runs on its dense path (persistent CTAs); with any
-    # other option they take the option kernels (MODE_EXT), and so do every other family
-    # and the forward.
+    # MODE_BAND, which bwd_sm90.cu runs on its dense path (persistent CTAs). So is a block
+    # mask whose blocks are whole tiles of the Hopper kernels of the head dim (128 x 128
+    # blocks: tiles of 128 x 128 at d = 64, 64 queries x 128 keys at d = 128, 64 x 64 from
+    # d = 192), with or without a band, in the default mode. With any other option, blocks
+    # that cut tiles, or a block mask in the deterministic mode, they take the option
+    # kernels (MODE_EXT), and so do every other family and the forward.
     monkeypatch.setattr(_cuda, "_device_info", lambda device_id: (arch, HOPPER_SMEM))
     index = np.zeros(3, np.int32)
     for band in (_mods.Modifiers(window=(256, 0)), _mods.Modifiers(seqlens_k=index),
                  _mods.Modifiers(cu_seqlens_q=index, cu_seqlens_k=index, window=(-1, 8)),
                  _mods.Modifiers(diagonal=0, row0=32)):
-        assert band.band_only and _kernels.backward_mode(band) == _kernels.MODE_BAND
+        assert band.band_only and _kernels.backward_mode(band, 128, deterministic) == _kernels.MODE_BAND
         assert _kernels.kernel_mode(band) == _kernels.MODE_EXT
+    for blocks, dims in ((_mods.Modifiers(block_mask=index), (32, 64, 96, 128, 192, 256)),
+                         (_mods.Modifiers(block_mask=index, window=(256, 0)), (64, 128)),
+                         (_mods.Modifiers(block_mask=index, block_size=(64, 128)), (128, 192)),
+                         (_mods.Modifiers(block_mask=index, block_size=(64, 64)), (192, 256))):
+        assert not blocks.band_only and blocks.skips_tiles_only
+        # The deterministic MODE_BAND kernels read no block mask (Sm90BwdKVTile::BAND_BLOCKS).
+        expected = _kernels.MODE_EXT if deterministic else _kernels.MODE_BAND
+        assert all(_kernels.backward_mode(blocks, D, deterministic) == expected for D in dims)
+    for cut, dims in ((_mods.Modifiers(block_mask=index, block_size=(64, 128)), (64,)),
+                      (_mods.Modifiers(block_mask=index, block_size=(64, 64)), (64, 128)),
+                      (_mods.Modifiers(block_mask=index, block_size=(16, 16)), (64, 128, 192))):
+        assert all(_kernels.backward_mode(cut, D, deterministic) == _kernels.MODE_EXT for D in dims)
     for other in (_mods.Modifiers(window=(256, 0), softcap=30.0), _mods.Modifiers(seqlens_k=index, dropout_p=0.1),
-                  _mods.Modifiers(block_mask=index), _mods.Modifiers(alibi_slopes=index),
+                  _mods.Modifiers(block_mask=index, alibi_slopes=index), _mods.Modifiers(alibi_slopes=index),
                   _mods.Modifiers(bias=index)):
-        assert not other.band_only and _kernels.backward_mode(other) == _kernels.MODE_EXT | (
+        assert not other.band_only and not other.skips_tiles_only
+        assert _kernels.backward_mode(other, 128, deterministic) == _kernels.MODE_EXT | (
             _kernels.MODE_BIAS if other.bias is not None else 0)
     assert not _mods.Modifiers(tf32=True).band_only
-    assert _kernels.backward_mode(_mods.Modifiers(tf32=True)) == _kernels.MODE_DENSE
+    assert _kernels.backward_mode(_mods.Modifiers(tf32=True), 128, deterministic) == _kernels.MODE_DENSE
     for D in (64, 128):
         (_, candidates), = _kernels.backward_plan("bfloat16", D, deterministic, _kernels.MODE_BAND).kv
         chosen = _cuda._choose(candidates, 0)
