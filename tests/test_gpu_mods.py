@@ -789,6 +789,30 @@ SHARED_KEY_CASES = (
 )
 
 
+def _checked_key_block_launches(rng, monkeypatch, dtype, d, nq, nk, group, causal, build, deterministic,
+                                layout="bhsd"):
+    """Runs a case (two batch entries) against the float64 reference at the dtype's
+    tolerance and returns the key-block kernels it launched (those writing dK), or None
+    in a dry run."""
+    from cupyflash import _cuda, _kernels
+    launched = []
+    if not DRY_RUN:
+        launch = _cuda._launch
+        monkeypatch.setattr(_cuda, "_launch", lambda variant, *a: (launched.append(variant), launch(variant, *a)))
+    host = _qkv(rng, dtype, d, nq, nk, group, layout, batch=2)
+    opts = build(rng, 2, 2 * group, nq, nk, dtype)
+    opts.update(causal=causal, layout=layout, deterministic=deterministic)
+    got, ref = _run_both(cupyflash.attention_forward, host, opts)
+    _check(got, ref, dtype)
+    return None if DRY_RUN else [v for v in launched if v.grads & _kernels.GRAD_DK]
+
+
+def _on_hopper():
+    import cupy as cp
+    from cupyflash import _cuda
+    return DRY_RUN or _cuda._device_info(cp.cuda.Device().id)[0] == "sm_90a"
+
+
 def _shares(variant):
     """The warps that share each 16-key m-tile of a key-block kernel (its tile's HALVES;
     on Hopper from d = 192 the two warpgroups of the roles)."""
@@ -808,19 +832,9 @@ def test_backward_with_shared_key_tiles_from_d192(rng, monkeypatch, name, d, nq,
     """The backward from d = 192 against the float64 reference (the dtype's tolerance),
     through key-block kernels whose warps share each key m-tile (fp64's deterministic dQ
     on the CUDA cores), with the bias gradient too."""
-    from cupyflash import _cuda, _kernels
-    launched = []
-    if not DRY_RUN:
-        launch = _cuda._launch
-        monkeypatch.setattr(_cuda, "_launch", lambda variant, *a: (launched.append(variant), launch(variant, *a)))
-    host = _qkv(rng, dtype, d, nq, nk, group, "bhsd", batch=2)
-    opts = build(rng, 2, 2 * group, nq, nk, dtype)
-    opts.update(causal=causal, layout="bhsd", deterministic=deterministic)
-    got, ref = _run_both(cupyflash.attention_forward, host, opts)
-    _check(got, ref, dtype)
-    if not DRY_RUN:
-        key_block = [v for v in launched if v.grads & _kernels.GRAD_DK]
-        assert key_block and all(_shares(v) > 1 for v in key_block), [v.name_expression for v in launched]
+    key_block = _checked_key_block_launches(rng, monkeypatch, dtype, d, nq, nk, group, causal, build, deterministic)
+    if key_block is not None:
+        assert key_block and all(_shares(v) > 1 for v in key_block), [v.name_expression for v in key_block]
 
 
 # Options on the Hopper backward's roles (d = 192 and 256, every option but a bias):
@@ -845,24 +859,13 @@ HOPPER_ROLES_OPTION_CASES = (
 def test_hopper_roles_with_options(rng, monkeypatch, name, d, nq, nk, group, causal, build, deterministic, dtype):
     """The options from d = 192 on the Hopper backward's roles (the dV role trading S^T as
     computed, each role running the options' passes on it) against the float64 reference."""
-    import cupy as cp
-    from cupyflash import _cuda, _kernels
-    if not DRY_RUN and _cuda._device_info(cp.cuda.Device().id)[0] != "sm_90a":
+    from cupyflash import _kernels
+    if not _on_hopper():
         pytest.skip("not a Hopper GPU")
-    launched = []
-    if not DRY_RUN:
-        launch = _cuda._launch
-        monkeypatch.setattr(_cuda, "_launch", lambda variant, *a: (launched.append(variant), launch(variant, *a)))
-    host = _qkv(rng, dtype, d, nq, nk, group, "bhsd", batch=2)
-    opts = build(rng, 2, 2 * group, nq, nk, dtype)
-    opts.update(causal=causal, layout="bhsd", deterministic=deterministic)
-    got, ref = _run_both(cupyflash.attention_forward, host, opts)
-    _check(got, ref, dtype)
-    if not DRY_RUN:
-        key_block = [v for v in launched if v.grads & _kernels.GRAD_DK]
-        assert [v.family for v in key_block] == [_kernels.BWD_SM90], [v.name_expression for v in launched]
+    key_block = _checked_key_block_launches(rng, monkeypatch, dtype, d, nq, nk, group, causal, build, deterministic)
+    if key_block is not None:
+        assert [v.family for v in key_block] == [_kernels.BWD_SM90], [v.name_expression for v in key_block]
         assert key_block[0].head_dim >= _kernels.BWD_SM90_ROLES_MIN_HEAD_DIM
-
 
 
 # Block masks whose blocks are whole tiles of the Hopper backward (128 x 128 at d = 64,
@@ -898,25 +901,17 @@ def test_hopper_backward_block_mask_of_whole_tiles(rng, monkeypatch, name, d, nq
     """A block mask of whole tiles on the Hopper backward's dense path (MODE_BAND; the
     option kernels in the deterministic mode), against the float64 reference; the
     key-block kernel must be that one."""
-    import cupy as cp
-    from cupyflash import _cuda, _kernels
-    if not DRY_RUN and _cuda._device_info(cp.cuda.Device().id)[0] != "sm_90a":
+    from cupyflash import _kernels
+    if not _on_hopper():
         pytest.skip("not a Hopper GPU")
-    launched = []
-    if not DRY_RUN:
-        launch = _cuda._launch
-        monkeypatch.setattr(_cuda, "_launch", lambda variant, *a: (launched.append(variant), launch(variant, *a)))
-    dtype = ("bfloat16", "float16")[(d + deterministic) % 2]
-    host = _qkv(rng, dtype, d, nq, nk, group, "bshd", batch=2)
-    opts = build(rng, 2, 2 * group, nq, nk, dtype)
-    opts.update(causal=causal, layout="bshd", deterministic=deterministic)
-    got, ref = _run_both(cupyflash.attention_forward, host, opts)
-    _check(got, ref, dtype)
-    if not DRY_RUN:
-        key_block = [v for v in launched if v.grads & _kernels.GRAD_DK]
+    dtype = "float16" if deterministic else "bfloat16"
+    key_block = _checked_key_block_launches(rng, monkeypatch, dtype, d, nq, nk, group, causal, build, deterministic,
+                                            layout="bshd")
+    if key_block is not None:
         mode = _kernels.MODE_EXT if deterministic else _kernels.MODE_BAND
         assert [(v.family, v.mode) for v in key_block] == [(_kernels.BWD_SM90, mode)], \
-            [v.name_expression for v in launched]
+            [v.name_expression for v in key_block]
+
 
 HOPPER_BIAS_CASES = (
     ("2d", (1, 16), 64, False, lambda r, b, h, nq, nk, t: dict(bias=_bias(r, (nq, nk), t))),
