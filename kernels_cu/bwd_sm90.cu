@@ -256,7 +256,8 @@ struct Sm90BwdKVTile {
     // Deterministic: two dQ writers (the producer warpgroup's second and fourth warps), taking
     // the tiles in turn, so that one's wait for its reduction to complete (before it passes
     // the turn on) overlaps the other's reduction: with one, the consumers waited for the
-    // staging tile ~15% of the time at d = 128 (ncu at 28fb6d0, N = 2k; two: 1.07-1.25x).
+    // staging tile ~15% of the time at d = 128 (ncu at 28fb6d0, N = 2k; two: 1.07-1.25x;
+    // from d = 192, the roles, 1.09-1.30x on an H200, bench/NOTES.md session 30).
     // Dense only: the option kernels' consumers spilled 12-40 bytes with a second full
     // barrier to choose. Not at d = 64, whose 128-query tiles take longer to compute than
     // a writer's turn: 0.93-1.01x there.
@@ -426,14 +427,14 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
     // (bf16 against the kernel before: d = 64 1.14-1.17x at N = 2k-4k, 0.96x at 16k; d = 128
     // 0.98-0.99x at 2k-4k, 0.93x at 8k-16k, where a head's 64-128 blocks advance in
     // lockstep with the last of them to be taken); the roles' (d >= 192) from 2 heads'
-    // worth, which takes in N = 4k (H200, bf16, against 4: d = 192 1.00x, d = 256 1.07x). Such a block waits for blocks of its head
-    // taken after it, so no CTA may hold two units with turns to wait for: there the dQ
-    // writer, not the producer, claims the units, once its last unit's reductions are done
-    // (the next unit's K and V then load after those, not during the last unit's
-    // epilogue). Then if CTAs hold units of a head not yet wholly taken, some other CTA
-    // holds a unit of a head wholly taken (there are at least as many CTAs as a head's
-    // blocks), whose turns all come; that CTA then takes the next unit, until the head is
-    // taken. (grid_m, the query tiles of a head, times the group is a block's pair count:
+    // worth, which takes in N = 4k (H200, bf16, against 4: d = 192 1.00x, d = 256 1.07x).
+    // Such a block waits for blocks of its head taken after it, so no CTA may hold two
+    // units with turns to wait for: there the dQ writer, not the producer, claims the
+    // units, once its last unit's reductions are done (the next unit's K and V then load
+    // after those, not during the last unit's epilogue). Then if CTAs hold units of a
+    // head not yet wholly taken, some other CTA holds a unit of a head wholly taken (there
+    // are at least as many CTAs as a head's blocks), whose turns all come; that CTA then
+    // takes the next unit, until the head is taken. (grid_m, the query tiles of a head, times the group is a block's pair count:
     // the rotation's arithmetic stays within an int. The flag is evaluated where used, from
     // the parameters: held across the roles' split, it was spilled. Not with a band,
     // MODE_BAND, whose blocks see different query tiles: their lists differ.)
