@@ -119,19 +119,6 @@ struct Sm90BwdBarriers {
     int consumers_split, unused;        // the consumers' unit: its index among the split units, or -1
 };
 
-// philox.cuh's WarpPair for consumer warps w and w ^ 1: through a slot of a word a consumer
-// thread (the other's), then the pair's named barrier (Sm90BwdKVTile::DROP_PAIR_BARRIER0).
-struct Sm90DropPair {
-    static constexpr bool PAIRED = true;
-    u32* slot;
-    int barrier;
-    __device__ __forceinline__ u32 operator()(u32 theirs) const {
-        slot[threadIdx.x ^ 32] = theirs;
-        named_barrier(barrier, 64);
-        return slot[threadIdx.x];
-    }
-};
-
 template <typename T, int D, int BLOCK_M, int CONSUMERS, int GRADS, int MODE>
 struct Sm90BwdKVTile {
     // From d = 192 a warpgroup's dK and dV of 64 keys (2 D registers a thread) exceed the
@@ -715,9 +702,23 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
         constexpr int DQ_N = R::SHARED_KEYS ? R::DQ_N : C::DQ_N;
         const int dq_row0 = R::SHARED_KEYS ? 0 : (wg / C::DQ_COLS) * 64;
         const int dq_col0 = R::SHARED_KEYS ? R::DQ_COL0 : (wg % C::DQ_COLS) * C::DQ_N;
-        // The dV role's P^T for the dK role: each thread's fragments, a float4 an n-tile, where
-        // the thread of the same warp and lane in the other role reads them.
+        // The roles' trade (C::TRADE_BARRIER): the dV role sends its P^T (with the options S^T)
+        // to the dK role, each thread's fragments a float4 an n-tile, where the thread of the
+        // same warp and lane in the other role receives them.
         [[maybe_unused]] auto traded = [&](int nt) { return reinterpret_cast<float4*>(sTrade) + (nt * 4 + warp % 4) * 32 + lane; };
+        [[maybe_unused]] auto send_trade = [&](const float (&frag)[QT][4]) {
+            #pragma unroll
+            for (int nt = 0; nt < QT; ++nt) *traded(nt) = make_float4(frag[nt][0], frag[nt][1], frag[nt][2], frag[nt][3]);
+            named_barrier(C::TRADE_BARRIER, C::CONSUMER_THREADS);
+        };
+        [[maybe_unused]] auto receive_trade = [&](float (&frag)[QT][4]) {
+            named_barrier(C::TRADE_BARRIER, C::CONSUMER_THREADS);
+            #pragma unroll
+            for (int nt = 0; nt < QT; ++nt) {
+                const float4 x = *traded(nt);
+                frag[nt][0] = x.x, frag[nt][1] = x.y, frag[nt][2] = x.z, frag[nt][3] = x.w;
+            }
+        };
 
         int step = 0;   // query tiles, over every unit: stage step % STAGES, dQ tile step
         int kv_n = 0;   // K/V blocks waited for
@@ -908,25 +909,14 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                             else
                                 recompute_p<MODE, true>(s, unused_dtanh, mods, mods.at_head(h), k0 + warp_row0, q0 + r0, lse2_at,
                                                         scale_log2, false);
-                            if constexpr (!R::DP) {   // P^T to the dK role (its last reads were before the last tile's barrier)
-                                #pragma unroll
-                                for (int nt = 0; nt < QT; ++nt) *traded(nt) = make_float4(s[0][nt][0], s[0][nt][1], s[0][nt][2], s[0][nt][3]);
-                                named_barrier(C::TRADE_BARRIER, C::CONSUMER_THREADS);
-                            }
+                            if constexpr (!R::DP) send_trade(s[0]);   // P^T to the dK role (its last reads were before the last tile's barrier)
                             #pragma unroll
                             for (int ks = 0; ks < C::QSTEPS; ++ks) c_to_a_frag<T>(p_frag[ks], s, 0, ks);
                         }
                         if constexpr (R::DP) {
                             wgmma_wait<0>();
                             reg_fence(dp[0]);
-                            if constexpr (!R::S) {   // P^T from the dV role
-                                named_barrier(C::TRADE_BARRIER, C::CONSUMER_THREADS);
-                                #pragma unroll
-                                for (int nt = 0; nt < QT; ++nt) {
-                                    const float4 x = *traded(nt);
-                                    s[0][nt][0] = x.x, s[0][nt][1] = x.y, s[0][nt][2] = x.z, s[0][nt][3] = x.w;
-                                }
-                            }
+                            if constexpr (!R::S) receive_trade(s[0]);   // P^T from the dV role
                             grad_scores<MODE, true>(s, dp, unused_dtanh, mods, mods.at_head(h), k0 + warp_row0, q0 + r0, delta_at,
                                                     nullptr, 0, 0, 0);
                             #pragma unroll
@@ -937,7 +927,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                         // while the products run; then P and dS as in dense mode, or with softcap
                         // in one pass once both products are in.
                         const auto hm = mods.at_head(h);
-                        const Sm90DropPair pair{sDropPairs + ((step * C::SUBTILES + sub) & 1) * C::CONSUMER_THREADS,
+                        const SharedMemoryWarpPair pair{sDropPairs + ((step * C::SUBTILES + sub) & 1) * C::CONSUMER_THREADS,
                                                 C::DROP_PAIR_BARRIER0 + warp / 2};
                         const u32 keep = hm.dropout() ? hm.template keep_bits_key_rows<QT>(k0 + warp_row0, q0 + r0, pair) : ~0u;
                         const u32 visible = needs_mask ? mask.template visible_bits<true, QT>(k0 + warp_row0, q0 + r0, h)
@@ -950,16 +940,9 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                             if constexpr (R::S) {
                                 wgmma_wait<0>();
                                 reg_fence(s[0]);
-                                #pragma unroll
-                                for (int nt = 0; nt < QT; ++nt) *traded(nt) = make_float4(s[0][nt][0], s[0][nt][1], s[0][nt][2], s[0][nt][3]);
-                                named_barrier(C::TRADE_BARRIER, C::CONSUMER_THREADS);
+                                send_trade(s[0]);
                             } else {
-                                named_barrier(C::TRADE_BARRIER, C::CONSUMER_THREADS);
-                                #pragma unroll
-                                for (int nt = 0; nt < QT; ++nt) {
-                                    const float4 x = *traded(nt);
-                                    s[0][nt][0] = x.x, s[0][nt][1] = x.y, s[0][nt][2] = x.z, s[0][nt][3] = x.w;
-                                }
+                                receive_trade(s[0]);
                             }
                         }
                         // MODE_BIAS with softcap: the bias from its stage in the one pass (above it

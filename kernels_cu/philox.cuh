@@ -5,6 +5,7 @@
 // Counter-based: a word is a pure function of (counter, key), so a thread evaluates only
 // the scores it holds and the backward pass regenerates the forward's mask from indices.
 #pragma once
+#include "copy.cuh"
 #include "elem.cuh"
 
 #define PHILOX_M0 0xD2511F53u
@@ -138,11 +139,24 @@ __device__ __forceinline__ u32 bytes_at_least(u32 word, u32 lanes_add) {
 // `base`.
 struct SoloWarp {   // no exchange: the warp draws all its calls
     static constexpr bool PAIRED = false;
-    __device__ __forceinline__ u32 operator()(u32) const { return 0; }
 };
-// A WarpPair is a functor like SoloWarp with PAIRED = true, called by both warps of a pair
-// (keys key0 and key0 ^ 16, the same lane layout and q0): it passes `theirs` to the same
-// lane of the other warp and returns what that lane passed.
+// A WarpPair (PAIRED = true) is called by both warps of a pair (keys key0 and key0 ^ 16,
+// the same lane layout and q0): it passes `theirs` to the same lane of the other warp and
+// returns what that lane passed. This one goes through shared memory, for warps w and
+// w ^ 1 of a block (threads t and t ^ 32): each writes the other's word of `slots` (a
+// word a thread, by threadIdx.x), then both meet at the named barrier `barrier` (64
+// threads). A caller that exchanges again before another barrier of the pair passes
+// other slots (bwd_sm90.cu alternates two).
+struct SharedMemoryWarpPair {
+    static constexpr bool PAIRED = true;
+    u32* slots;
+    int barrier;
+    __device__ __forceinline__ u32 operator()(u32 theirs) const {
+        slots[threadIdx.x ^ 32] = theirs;
+        named_barrier(barrier, 64);
+        return slots[threadIdx.x];
+    }
+};
 template <int NT, typename WarpPair = SoloWarp>
 __device__ __forceinline__ u32 dropout_keep_bits_key_rows(u64 seed, u64 stream, int key0, int q0, u32 threshold,
                                                           uint2 base, const WarpPair& pair = WarpPair()) {

@@ -26,17 +26,8 @@ __global__ void dropout_keep_kernel(u64 seed, u64 offset, u32 batch, u32 head, u
 // queries from q0, counted from the origin (row_origin, key_origin), from
 // dropout_keep_bits_key_rows as the backward's threads hold them (bit 4 nt + e of lane 4 g +
 // t: key g + 8 (e / 2), query 8 nt + 2 t + e % 2). One warp a block (SoloWarp), or with
-// PAIRED two (keys key0 and key0 + 16, key0 a multiple of 32) splitting the calls as
-// bwd_sm90.cu's Sm90DropPair does, through shared memory and a barrier of the two.
-struct TestWarpPair {
-    static constexpr bool PAIRED = true;
-    u32* slot;
-    __device__ __forceinline__ u32 operator()(u32 theirs) const {
-        slot[threadIdx.x ^ 32] = theirs;
-        __syncthreads();
-        return slot[threadIdx.x];
-    }
-};
+// PAIRED two (keys key0 and key0 + 16, key0 a multiple of 32) splitting the calls through
+// philox.cuh's SharedMemoryWarpPair, as bwd_sm90.cu's consumers do.
 template <int NT, bool PAIRED>
 __global__ void dropout_key_rows_kernel(u64 seed, u64 stream, int key0, int q0, u32 row_origin, u32 key_origin,
                                         u32 threshold, unsigned char* keep) {
@@ -44,7 +35,7 @@ __global__ void dropout_key_rows_kernel(u64 seed, u64 stream, int key0, int q0, 
     const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, warp_key0 = key0 + 16 * (threadIdx.x / 32);
     const uint2 base = dropout_counter_base(row_origin, key_origin);
     u32 bits;
-    if constexpr (PAIRED) bits = dropout_keep_bits_key_rows<NT>(seed, stream, warp_key0, q0, threshold, base, TestWarpPair{slots});
+    if constexpr (PAIRED) bits = dropout_keep_bits_key_rows<NT>(seed, stream, warp_key0, q0, threshold, base, SharedMemoryWarpPair{slots, 1});
     else bits = dropout_keep_bits_key_rows<NT>(seed, stream, warp_key0, q0, threshold, base);
     for (int nt = 0; nt < NT; ++nt)
         for (int e = 0; e < 4; ++e)
