@@ -148,6 +148,13 @@ class Modifiers:
         return (self._bounds_keys or self.block_mask is not None) and not self._changes_scores
 
     @property
+    def alibi_only_term(self) -> bool:
+        """Whether ALiBi is on and no other score term or dropout (a band and a block mask
+        may be): its gradient is dense attention's, so the GPU backward runs it on its
+        dense path too (kernels_cu/mods.cuh MODE_ALIBI)."""
+        return self.alibi_slopes is not None and not (self.softcap > 0 or self.dropout_p > 0 or self.bias is not None)
+
+    @property
     def _bounds_keys(self) -> bool:
         """An option on that bounds the keys each row sees (mask.cuh's band)."""
         return self.windowed or self.varlen or self.diagonal is not None or self.seqlens_k is not None

@@ -161,7 +161,12 @@ template <int MODE, typename M, typename H, typename Acc>
 __device__ __forceinline__ Acc recomputed_p(const M& mods, const H& hm, Acc s, int i, int j, Acc lse2,
                                             Acc scale_log2, bool masked, Acc& dtanh) {
     if constexpr (lean_mode(MODE)) {
-        const Acc p = exp2_fast(s * scale_log2 - lse2);
+        Acc x = s * scale_log2;
+        if constexpr ((MODE & MODE_ALIBI) != 0) {   // HeadMods::alibi
+            const int dist = i + mods.mask.off() - j;
+            x -= hm.slope_log2 * Acc(dist < 0 ? -dist : dist);
+        }
+        const Acc p = exp2_fast(x - lse2);
         return masked && !mods.mask.visible(i, j) ? Acc(0) : p;
     } else {
         const Acc p = exp2_fast(hm.score_log2(s, i, j, scale_log2, masked, dtanh) - lse2);

@@ -16,6 +16,9 @@
 //                 dense pipeline serves them (persistent CTAs, the lean passes); the
 //                 option kernel's one CTA per key block read 0.66-0.74x dense per visible
 //                 pair at window 2048 (H200, session 25).
+//   MODE_BAND | MODE_ALIBI   the same with ALiBi, the one score term whose gradient is
+//                 dense mode's (it changes P; dS = P (dP - delta) stays): the lean passes
+//                 add it to each score (bwd.cuh recomputed_p).
 // MODE_TF32 is not an option but the precision="tf32" policy of fp32 inputs in
 // fwd_sm90.cu (one TF32 product per matrix product instead of three); it combines with
 // the others and is no part of what Mods compiles.
@@ -25,10 +28,11 @@
 #include "params.cuh"
 #include "philox.cuh"
 
-enum { MODE_DENSE = 0, MODE_EXT = 1, MODE_BIAS = 2, MODE_TF32 = 4, MODE_BAND = 8 };
+enum { MODE_DENSE = 0, MODE_EXT = 1, MODE_BIAS = 2, MODE_TF32 = 4, MODE_BAND = 8, MODE_ALIBI = 16 };
 
-// Whether a mode's kernel runs the dense path: no score term, dropout or block mask, at
-// most a band (MODE_DENSE, MODE_BAND; MODE_TF32 is no option either).
+// Whether a mode's kernel runs the dense path: no score term but ALiBi, no dropout, at
+// most a band and a block mask of whole tiles (MODE_DENSE, MODE_BAND, MODE_ALIBI;
+// MODE_TF32 is no option either).
 constexpr bool lean_mode(int mode) { return (mode & (MODE_EXT | MODE_BIAS)) == 0; }
 
 // Declares `mods`, this CTA's Mods, from the contract's AttnParams `p` (params.cuh).
@@ -59,7 +63,9 @@ template <typename T> __device__ __forceinline__ double tanh_acc(double x) { ret
 
 // Mods' per-score state of one query head, copied into registers for the scores of one
 // tile: read from shared memory per score, the options would cost a load each.
-template <typename T, typename Acc, bool EXT> struct HeadMods {};   // dense: nothing
+template <typename T, typename Acc, bool EXT> struct HeadMods {   // the dense path: ALiBi's slope (MODE_ALIBI) or 0
+    Acc slope_log2;
+};
 template <typename T, typename Acc>
 struct HeadMods<T, Acc, true> {
     // The mask (the CTA's, in shared memory). ALiBi's diagonal is read from it where a
@@ -255,6 +261,7 @@ template <typename T, typename Acc, int MODE>
 struct Mods {
     static constexpr bool EXT = !lean_mode(MODE);
     static constexpr bool BAND = EXT || (MODE & MODE_BAND) != 0;   // the mask's band (mask.cuh)
+    static constexpr bool ALIBI = EXT || (MODE & MODE_ALIBI) != 0;   // the ALiBi slopes
     // Where this batch entry's rows live in the (B, H, N, d) arrays: batch index `tb`
     // and first row; under varlen the arrays are (1, H, total, d) and a sequence starts
     // at cu_seqlens.
@@ -316,13 +323,13 @@ struct Mods {
         }
     }
     __device__ __forceinline__ void set_terms(const AttnParams& p, int b, int heads) {
+        [[maybe_unused]] const ModsParams& o = p.mods;
+        if constexpr (ALIBI) alibi = o.alibi != nullptr ? static_cast<const Acc*>(o.alibi) + b * o.alibi_sb : nullptr;
         if constexpr (EXT) {
-            const ModsParams& o = p.mods;
             bias = o.bias != nullptr ? static_cast<const T*>(o.bias) + b * o.bias_sb : nullptr;
             bias_sh = o.bias_sh;
             bias_sq = o.bias_sq;
             bias_sk = o.bias_sk;
-            alibi = o.alibi != nullptr ? static_cast<const Acc*>(o.alibi) + b * o.alibi_sb : nullptr;
             softcap = Acc(o.softcap);
             seed = o.rng_seed;
             stream0 = dropout_stream(o.rng_offset, b, 0, heads);
@@ -351,8 +358,10 @@ struct Mods {
             m.threshold = threshold;
             m.drop_base = drop_base;
             return m;
+        } else if constexpr (ALIBI) {
+            return {alibi != nullptr ? alibi[h] * Acc(LOG2E_D) : Acc(0)};
         } else {
-            return {};
+            return {Acc(0)};
         }
     }
 };

@@ -36,12 +36,15 @@ def _options(kind, nq, nk, rng):
     dropout but no softcap ("bias": the Hopper backward starts S^T from it); a window and
     key padding alone ("band": the Hopper backward's dense path, MODE_BAND); a block mask
     of 128 x 128 blocks, whole tiles of the Hopper backward, with a window ("blocks": its
-    dense path too, in the default mode)."""
+    dense path too, in the default mode); ALiBi with a window ("alibi": the dense path
+    with MODE_ALIBI)."""
     slopes = cp.asarray(rng.random(4).astype(np.float32))
     if kind == "terms":
         return dict(alibi_slopes=slopes, softcap=5.0)
     if kind == "band":
         return dict(window=(40, 7), seqlens_k=np.array([max(1, nk - 9)], np.int32))
+    if kind == "alibi":
+        return dict(alibi_slopes=slopes, window=(40, 7))
     if kind == "blocks":
         return dict(block_mask=rng.random((4, -(-nq // 128), -(-nk // 128))) < 0.7, block_size=128, window=(100, 7))
     if kind == "bias":
@@ -69,7 +72,8 @@ def main():
                                                    (True, None, True), (True, "all", False),
                                                    (False, "no bias", False), (False, "terms", False),
                                                    (True, "bias", True), (True, "band", False),
-                                                   (False, "band", True), (False, "blocks", False)):
+                                                   (False, "band", True), (False, "blocks", False),
+                                                   (True, "alibi", False), (False, "alibi", True)):
                 q = cp.asarray(rng.standard_normal((1, 4, nq, d)).astype(dtype))
                 k, v = (cp.asarray(rng.standard_normal((1, 2, nk, d)).astype(dtype)) for _ in range(2))
                 extra = _options(options, nq, nk, rng) if options else {}
