@@ -29,16 +29,18 @@ TF32_MODES = tuple(mode | MODE_TF32 for mode in MODES)
 # varlen, a placed call: Modifiers.band_only) on bwd_sm90.cu's dense path (persistent
 # CTAs, the lean passes); the other families and the forward run such calls in MODE_EXT.
 MODE_BAND = 8
-# mods.cuh MODE_ALIBI: with MODE_BAND, ALiBi on that dense path too (the one score term
-# whose gradient is dense mode's: Modifiers.alibi_only_term).
+# mods.cuh MODE_ALIBI, MODE_SOFTCAP: with MODE_BAND, ALiBi or softcap on that dense path
+# too, where it is the call's one score term (Modifiers.only_score_term).
 MODE_ALIBI = 16
-BACKWARD_MODES = (*MODES, MODE_BAND, MODE_BAND | MODE_ALIBI)
+MODE_SOFTCAP = 32
+DENSE_PATH_TERMS = {"alibi": MODE_ALIBI, "softcap": MODE_SOFTCAP}
+BACKWARD_MODES = (*MODES, MODE_BAND, *(MODE_BAND | term for term in DENSE_PATH_TERMS.values()))
 
 
 def lean_mode(mode: int) -> bool:
     """mods.cuh lean_mode: whether a kernel of this mode runs the dense path (no option
-    but at most the mask's band and a block mask of whole tiles, MODE_BAND, and ALiBi,
-    MODE_ALIBI; MODE_TF32 is no option either)."""
+    but at most the mask's band and a block mask of whole tiles, MODE_BAND, and ALiBi or
+    softcap, MODE_ALIBI or MODE_SOFTCAP; MODE_TF32 is no option either)."""
     return mode & (MODE_EXT | MODE_BIAS) == 0
 
 # Tensor-core forward tiles per head dim, (BLOCK_M, BLOCK_N, WARPS), in order of
@@ -406,14 +408,14 @@ def backward_mode(mods, D: int, deterministic: bool) -> int:
     bound the keys a row sees (Modifiers.band_only), or, in the default mode, also leave
     out blocks of scores by a block mask whose blocks are whole tiles of every bwd_sm90.cu
     kernel of D (Modifiers.skips_tiles_only, mask.cuh BLOCKS; the deterministic MODE_BAND
-    kernels read no block mask: Sm90BwdKVTile::BAND_BLOCKS); with MODE_ALIBI where ALiBi
-    is the only other option on (Modifiers.alibi_only_term). The backward has no
-    precision="tf32"."""
+    kernels read no block mask: Sm90BwdKVTile::BAND_BLOCKS); with MODE_ALIBI or
+    MODE_SOFTCAP where ALiBi or softcap is the call's one score term and no dropout is on
+    (Modifiers.only_score_term). The backward has no precision="tf32"."""
     blocks_fit = mods.block_mask is None or (not deterministic and _blocks_are_sm90_tiles(mods.block_size, D))
     if mods.band_only or (mods.skips_tiles_only and blocks_fit):
         return MODE_BAND
-    if mods.alibi_only_term and blocks_fit:
-        return MODE_BAND | MODE_ALIBI
+    if mods.only_score_term and blocks_fit:
+        return MODE_BAND | DENSE_PATH_TERMS[mods.only_score_term]
     return kernel_mode(mods) & ~MODE_TF32
 
 

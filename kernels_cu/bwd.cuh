@@ -161,7 +161,13 @@ template <int MODE, typename M, typename H, typename Acc>
 __device__ __forceinline__ Acc recomputed_p(const M& mods, const H& hm, Acc s, int i, int j, Acc lse2,
                                             Acc scale_log2, bool masked, Acc& dtanh) {
     if constexpr (lean_mode(MODE)) {
-        Acc x = s * scale_log2;
+        Acc x;
+        if constexpr ((MODE & MODE_SOFTCAP) != 0) {   // the P alone (the dS pass: capped_p_and_grad)
+            Acc unused;
+            x = hm.cap_log2() * hm.capped_tanh(s, hm.tanh_arg(scale_log2), unused);
+        } else {
+            x = s * scale_log2;
+        }
         if constexpr ((MODE & MODE_ALIBI) != 0) {   // HeadMods::alibi
             const int dist = i + mods.mask.off() - j;
             x -= hm.slope_log2 * Acc(dist < 0 ? -dist : dist);

@@ -171,6 +171,10 @@ struct Sm90BwdKVTile {
     // the host sends those calls to the option kernels (cupyflash/_kernels.py backward_mode).
     static constexpr bool BAND_BLOCKS = (MODE & MODE_BAND) != 0 && !ORDERED_DQ;
     static constexpr bool BIAS = (MODE & MODE_BIAS) != 0;
+    // The dense path with softcap (MODE_SOFTCAP, mods.cuh): the option kernels' one pass for
+    // P and dS. Alone: with ALiBi too such calls take the option kernels.
+    static constexpr bool LEAN_SOFTCAP = LEAN && (MODE & MODE_SOFTCAP) != 0;
+    static_assert(!(LEAN_SOFTCAP && (MODE & MODE_ALIBI)), "softcap or ALiBi on the dense path, not both");
     // Softcap with a bias: softcap's pass adds the bias from its stage (bwd.cuh
     // KeyRowBias). In the deterministic kernels those reads spill (8 bytes at d = 64, 28
     // at d = 128 with the consumers' 224 registers, build check): the host sends such
@@ -897,30 +901,58 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                     u32 p_frag[C::QSTEPS][4], ds_frag[C::QSTEPS][4];
                     if constexpr (C::LEAN) {
                         float unused_dtanh[1][1][4];
-                        if constexpr (R::S) {
+                        const int kr0 = k0 + warp_row0, qc0 = q0 + r0;
+                        // MODE_SOFTCAP: P and dS in one pass once both products are in (the
+                        // derivative needs S): with the roles the dV role trades S^T as computed
+                        // and caps it for P alone; the mask's verdict as bits, worked out while
+                        // the products run.
+                        [[maybe_unused]] u32 visible = ~0u;
+                        if constexpr (C::LEAN_SOFTCAP) {
+                            if (needs_mask) visible = mask.template visible_bits<true, QT>(kr0, qc0, h);
+                        }
+                        if constexpr (R::S && !(C::LEAN_SOFTCAP && R::DP)) {
                             wgmma_wait<R::DP ? 1 : 0>();
                             reg_fence(s[0]);
+                            if constexpr (C::LEAN_SOFTCAP) send_trade(s[0]);   // S^T to the dK role
                             // A copy of the pass per case: with the flag at run time ptxas worked out
                             // every score's visibility and selected on it (~150 instructions a tile
                             // that no mask touches, ncu at 7f8a6b4).
                             if (needs_mask)
-                                recompute_p<MODE, true>(s, unused_dtanh, mods, mods.at_head(h), k0 + warp_row0, q0 + r0, lse2_at,
+                                recompute_p<MODE, true>(s, unused_dtanh, mods, mods.at_head(h), kr0, qc0, lse2_at,
                                                         scale_log2, true);
                             else
-                                recompute_p<MODE, true>(s, unused_dtanh, mods, mods.at_head(h), k0 + warp_row0, q0 + r0, lse2_at,
+                                recompute_p<MODE, true>(s, unused_dtanh, mods, mods.at_head(h), kr0, qc0, lse2_at,
                                                         scale_log2, false);
-                            if constexpr (!R::DP) send_trade(s[0]);   // P^T to the dK role (its last reads were before the last tile's barrier)
+                            if constexpr (!R::DP && !C::LEAN_SOFTCAP) send_trade(s[0]);   // P^T to the dK role (its last reads were before the last tile's barrier)
                             #pragma unroll
                             for (int ks = 0; ks < C::QSTEPS; ++ks) c_to_a_frag<T>(p_frag[ks], s, 0, ks);
                         }
                         if constexpr (R::DP) {
+                            if constexpr (!R::S && C::LEAN_SOFTCAP) receive_trade(s[0]);   // S^T, while dP^T runs
                             wgmma_wait<0>();
                             reg_fence(dp[0]);
-                            if constexpr (!R::S) receive_trade(s[0]);   // P^T from the dV role
-                            grad_scores<MODE, true>(s, dp, unused_dtanh, mods, mods.at_head(h), k0 + warp_row0, q0 + r0, delta_at,
-                                                    nullptr, 0, 0, 0);
-                            #pragma unroll
-                            for (int ks = 0; ks < C::QSTEPS; ++ks) c_to_a_frag<T>(ds_frag[ks], s, 0, ks);
+                            if constexpr (C::LEAN_SOFTCAP) {
+                                reg_fence(s[0]);
+                                const auto hm = mods.at_head(h);
+                                NoBias no_bias;
+                                if (needs_mask)
+                                    capped_p_and_grad<false, true, true>(s, dp, hm, kr0, qc0, lse2_at, delta_at, no_bias,
+                                                                         visible, ~0u, scale_log2);
+                                else
+                                    capped_p_and_grad<false, false, true>(s, dp, hm, kr0, qc0, lse2_at, delta_at, no_bias,
+                                                                          ~0u, ~0u, scale_log2);
+                                #pragma unroll
+                                for (int ks = 0; ks < C::QSTEPS; ++ks) {
+                                    if constexpr (R::S) c_to_a_frag<T>(p_frag[ks], s, 0, ks);
+                                    c_to_a_frag<T>(ds_frag[ks], dp, 0, ks);
+                                }
+                            } else {
+                                if constexpr (!R::S) receive_trade(s[0]);   // P^T from the dV role
+                                grad_scores<MODE, true>(s, dp, unused_dtanh, mods, mods.at_head(h), kr0, qc0, delta_at,
+                                                        nullptr, 0, 0, 0);
+                                #pragma unroll
+                                for (int ks = 0; ks < C::QSTEPS; ++ks) c_to_a_frag<T>(ds_frag[ks], s, 0, ks);
+                            }
                         }
                     } else {
                         // The options (bwd.cuh): which scores the mask shows and dropout keeps,

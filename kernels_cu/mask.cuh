@@ -195,19 +195,20 @@ struct MaskInfo {
         return bits;
     }
 
-    // apply's verdict as bits for one m-tile of fragments (bit 4 nt + e; EXT only): for a
-    // kernel that works them out while its products run and masks in the pass that needs
-    // them (bwd_sm90.cu), where a -inf pass over the scores would cost registers.
+    // apply's verdict as bits for one m-tile of fragments (bit 4 nt + e; with the band):
+    // for a kernel that works them out while its products run and masks in the pass that
+    // needs them (bwd_sm90.cu), where a -inf pass over the scores would cost registers.
+    // Without EXT the block mask's blocks are whole tiles, which the walker skips.
     template <bool KEY_ROWS, int NT>
     __device__ __forceinline__ u32 visible_bits(int r0, int c0, int h) const {
-        static_assert(EXT && 4 * NT <= 32, "a bit per score of the m-tile");
+        static_assert(BAND && 4 * NT <= 32, "a bit per score of the m-tile");
         const int g = threadIdx.x % 32 / 4;
         float indices_only[1][NT][4];   // for for_each_score's (i, j) walk; never read
         u32 bits = 0;
         for_each_score<KEY_ROWS>(indices_only, r0, c0, [&](float&, int i, int j, int, int nt, int e) {
             bits |= u32(j >= band_lo(i) && j < band_hi(i)) << (4 * nt + e);
         });
-        if (blocks == nullptr) return bits;
+        if (!EXT || blocks == nullptr) return bits;
         #pragma unroll
         for (int half = 0; half < 2; ++half) {
             const auto row = block_row_bits<KEY_ROWS, NT>(r0 + g + 8 * half, c0, h);

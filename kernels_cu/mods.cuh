@@ -19,6 +19,9 @@
 //   MODE_BAND | MODE_ALIBI   the same with ALiBi, the one score term whose gradient is
 //                 dense mode's (it changes P; dS = P (dP - delta) stays): the lean passes
 //                 add it to each score (bwd.cuh recomputed_p).
+//   MODE_BAND | MODE_SOFTCAP   the same with softcap as the one score term: P and dS in
+//                 one pass once both products are in (bwd.cuh capped_p_and_grad, as the
+//                 option kernels), its derivative 1 - tanh^2 living only within the pass.
 // MODE_TF32 is not an option but the precision="tf32" policy of fp32 inputs in
 // fwd_sm90.cu (one TF32 product per matrix product instead of three); it combines with
 // the others and is no part of what Mods compiles.
@@ -28,11 +31,11 @@
 #include "params.cuh"
 #include "philox.cuh"
 
-enum { MODE_DENSE = 0, MODE_EXT = 1, MODE_BIAS = 2, MODE_TF32 = 4, MODE_BAND = 8, MODE_ALIBI = 16 };
+enum { MODE_DENSE = 0, MODE_EXT = 1, MODE_BIAS = 2, MODE_TF32 = 4, MODE_BAND = 8, MODE_ALIBI = 16, MODE_SOFTCAP = 32 };
 
-// Whether a mode's kernel runs the dense path: no score term but ALiBi, no dropout, at
-// most a band and a block mask of whole tiles (MODE_DENSE, MODE_BAND, MODE_ALIBI;
-// MODE_TF32 is no option either).
+// Whether a mode's kernel runs the dense path: no score term but ALiBi or softcap, no
+// dropout, at most a band and a block mask of whole tiles (MODE_DENSE, MODE_BAND,
+// MODE_ALIBI, MODE_SOFTCAP; MODE_TF32 is no option either).
 constexpr bool lean_mode(int mode) { return (mode & (MODE_EXT | MODE_BIAS)) == 0; }
 
 // Declares `mods`, this CTA's Mods, from the contract's AttnParams `p` (params.cuh).
@@ -61,20 +64,46 @@ template <> __device__ __forceinline__ float tanh_acc<half_t>(float x) {
 template <> __device__ __forceinline__ float tanh_acc<bfloat16_t>(float x) { return tanh_acc<half_t>(x); }
 template <typename T> __device__ __forceinline__ double tanh_acc(double x) { return tanh(x); }
 
+// Softcap's per-score arithmetic, for HeadMods of either path. Softcap of a raw product
+// s, in log2 units: softcap log2 e tanh(scale s / softcap) = cap_log2() th for th =
+// capped_tanh(s, tanh_arg(scale_log2)) (the scale's log2 e and softcap_in's ln 2 cancel
+// inside). The scale thus rides in the tanh's one product and the cap in the one after
+// it, which a pass can fold into its exp2's FMA (the forward's fold scale; the backward's
+// P). `dtanh` receives softcap's derivative factor 1 - th^2.
+template <typename T, typename Acc> struct SoftcapTerm {
+    Acc softcap;         // 0: off
+    Acc softcap_in;      // ln 2 / softcap: a log2-unit score times it is the tanh's argument
+
+    __device__ __forceinline__ void set_softcap(Acc cap) {
+        softcap = cap;
+        softcap_in = cap > Acc(0) ? Acc(LN2_D) / cap : Acc(0);
+    }
+    __device__ __forceinline__ Acc tanh_arg(Acc scale_log2) const { return scale_log2 * softcap_in; }
+    __device__ __forceinline__ Acc cap_log2() const { return softcap * Acc(LOG2E_D); }
+    __device__ __forceinline__ Acc capped_tanh(Acc s, Acc to_tanh, Acc& dtanh) const {
+        const Acc th = tanh_acc<T>(s * to_tanh);
+        dtanh = Acc(1) - th * th;
+        return th;
+    }
+};
+
 // Mods' per-score state of one query head, copied into registers for the scores of one
 // tile: read from shared memory per score, the options would cost a load each.
-template <typename T, typename Acc, bool EXT> struct HeadMods {   // the dense path: ALiBi's slope (MODE_ALIBI) or 0
+template <typename T, typename Acc, bool EXT> struct HeadMods : SoftcapTerm<T, Acc> {
+    // The dense path: ALiBi's slope (MODE_ALIBI) or 0, softcap (MODE_SOFTCAP) or 0.
     Acc slope_log2;
 };
 template <typename T, typename Acc>
-struct HeadMods<T, Acc, true> {
+struct HeadMods<T, Acc, true> : SoftcapTerm<T, Acc> {
+    using SoftcapTerm<T, Acc>::softcap;
+    using SoftcapTerm<T, Acc>::tanh_arg;
+    using SoftcapTerm<T, Acc>::cap_log2;
+    using SoftcapTerm<T, Acc>::capped_tanh;
     // The mask (the CTA's, in shared memory). ALiBi's diagonal is read from it where a
     // distance is formed (MaskInfo::off), not copied here: a copy held a register across
     // a tile's products, which spilled bwd_sm90.cu's d = 128 tiles (build check).
     const MaskInfo<true>* mask;
     int h;
-    Acc softcap;         // 0: off
-    Acc softcap_in;      // ln 2 / softcap: a log2-unit score times it is the tanh's argument
     const T* bias;       // this head's bias rows, or null
     i64 bias_sq, bias_sk;
     Acc slope_log2;      // ALiBi slope times log2(e); 0: off
@@ -235,18 +264,6 @@ struct HeadMods<T, Acc, true> {
         }
     }
 
-    // Softcap of a raw product s, in log2 units: softcap log2 e tanh(scale s / softcap) =
-    // cap_log2() th for th = capped_tanh(s, tanh_arg(scale_log2)) (the scale's log2 e and
-    // softcap_in's ln 2 cancel inside). The scale thus rides in the tanh's one product and
-    // the cap in the one after it, which a pass can fold into its exp2's FMA (the forward's
-    // fold scale; the backward's P). `dtanh` receives softcap's derivative factor 1 - th^2.
-    __device__ __forceinline__ Acc tanh_arg(Acc scale_log2) const { return scale_log2 * softcap_in; }
-    __device__ __forceinline__ Acc cap_log2() const { return softcap * Acc(LOG2E_D); }
-    __device__ __forceinline__ Acc capped_tanh(Acc s, Acc to_tanh, Acc& dtanh) const {
-        const Acc th = tanh_acc<T>(s * to_tanh);
-        dtanh = Acc(1) - th * th;
-        return th;
-    }
     // Rows and keys past the sequence (a tile's padding) read no bias: it has none there.
     __device__ __forceinline__ Acc biased(int i, int j) const {
         return i < mask->nq && j < mask->nk ? to_acc(bias[i * bias_sq + j * bias_sk]) * Acc(LOG2E_D) : Acc(0);
@@ -262,6 +279,7 @@ struct Mods {
     static constexpr bool EXT = !lean_mode(MODE);
     static constexpr bool BAND = EXT || (MODE & MODE_BAND) != 0;   // the mask's band (mask.cuh)
     static constexpr bool ALIBI = EXT || (MODE & MODE_ALIBI) != 0;   // the ALiBi slopes
+    static constexpr bool SOFTCAP = EXT || (MODE & MODE_SOFTCAP) != 0;
     // Where this batch entry's rows live in the (B, H, N, d) arrays: batch index `tb`
     // and first row; under varlen the arrays are (1, H, total, d) and a sequence starts
     // at cu_seqlens.
@@ -325,12 +343,12 @@ struct Mods {
     __device__ __forceinline__ void set_terms(const AttnParams& p, int b, int heads) {
         [[maybe_unused]] const ModsParams& o = p.mods;
         if constexpr (ALIBI) alibi = o.alibi != nullptr ? static_cast<const Acc*>(o.alibi) + b * o.alibi_sb : nullptr;
+        if constexpr (SOFTCAP) softcap = Acc(o.softcap);
         if constexpr (EXT) {
             bias = o.bias != nullptr ? static_cast<const T*>(o.bias) + b * o.bias_sb : nullptr;
             bias_sh = o.bias_sh;
             bias_sq = o.bias_sq;
             bias_sk = o.bias_sk;
-            softcap = Acc(o.softcap);
             seed = o.rng_seed;
             stream0 = dropout_stream(o.rng_offset, b, 0, heads);
             threshold = o.drop_threshold;
@@ -343,26 +361,21 @@ struct Mods {
 
     // The per-score state of head h, for the scores of one tile (below).
     __device__ __forceinline__ HeadMods<T, Acc, EXT> at_head(int h) const {
+        HeadMods<T, Acc, EXT> m;
+        m.set_softcap(SOFTCAP ? softcap : Acc(0));
+        m.slope_log2 = ALIBI && alibi != nullptr ? alibi[h] * Acc(LOG2E_D) : Acc(0);
         if constexpr (EXT) {
-            HeadMods<T, Acc, EXT> m;
             m.mask = &mask;
             m.h = h;
-            m.softcap = softcap;
-            m.softcap_in = softcap > Acc(0) ? Acc(LN2_D) / softcap : Acc(0);
             m.bias = bias != nullptr ? bias + h * bias_sh : nullptr;
             m.bias_sq = bias_sq;
             m.bias_sk = bias_sk;
-            m.slope_log2 = alibi != nullptr ? alibi[h] * Acc(LOG2E_D) : Acc(0);
             m.seed = seed;
             m.stream = stream0 + h;
             m.threshold = threshold;
             m.drop_base = drop_base;
-            return m;
-        } else if constexpr (ALIBI) {
-            return {alibi != nullptr ? alibi[h] * Acc(LOG2E_D) : Acc(0)};
-        } else {
-            return {Acc(0)};
         }
+        return m;
     }
 };
 

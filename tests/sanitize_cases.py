@@ -37,7 +37,7 @@ def _options(kind, nq, nk, rng):
     key padding alone ("band": the Hopper backward's dense path, MODE_BAND); a block mask
     of 128 x 128 blocks, whole tiles of the Hopper backward, with a window ("blocks": its
     dense path too, in the default mode); ALiBi with a window ("alibi": the dense path
-    with MODE_ALIBI)."""
+    with MODE_ALIBI); softcap with a window ("softcap": the dense path with MODE_SOFTCAP)."""
     slopes = cp.asarray(rng.random(4).astype(np.float32))
     if kind == "terms":
         return dict(alibi_slopes=slopes, softcap=5.0)
@@ -45,6 +45,8 @@ def _options(kind, nq, nk, rng):
         return dict(window=(40, 7), seqlens_k=np.array([max(1, nk - 9)], np.int32))
     if kind == "alibi":
         return dict(alibi_slopes=slopes, window=(40, 7))
+    if kind == "softcap":
+        return dict(softcap=3.0, window=(40, 7))
     if kind == "blocks":
         return dict(block_mask=rng.random((4, -(-nq // 128), -(-nk // 128))) < 0.7, block_size=128, window=(100, 7))
     if kind == "bias":
@@ -73,7 +75,8 @@ def main():
                                                    (False, "no bias", False), (False, "terms", False),
                                                    (True, "bias", True), (True, "band", False),
                                                    (False, "band", True), (False, "blocks", False),
-                                                   (True, "alibi", False), (False, "alibi", True)):
+                                                   (True, "alibi", False), (False, "alibi", True),
+                                                   (True, "softcap", False), (False, "softcap", True)):
                 q = cp.asarray(rng.standard_normal((1, 4, nq, d)).astype(dtype))
                 k, v = (cp.asarray(rng.standard_normal((1, 2, nk, d)).astype(dtype)) for _ in range(2))
                 extra = _options(options, nq, nk, rng) if options else {}

@@ -914,39 +914,48 @@ def test_hopper_backward_block_mask_of_whole_tiles(rng, monkeypatch, name, d, nq
 
 
 
-# ALiBi, the one score term whose gradient is dense attention's, on the Hopper backward's
-# dense path (MODE_BAND | MODE_ALIBI: the lean passes add it to each score), alone or
-# beside a band or a block mask of whole tiles (which the deterministic mode leaves to the
-# option kernels): slopes per head or per (batch, head), GQA, d = 104 padded to 128, the
-# roles from d = 192.
+# ALiBi or softcap as the call's one score term on the Hopper backward's dense path
+# (MODE_BAND | MODE_ALIBI: the lean passes add ALiBi to each score; MODE_BAND |
+# MODE_SOFTCAP: P and dS in one pass once both products are in, with the roles from d =
+# 192 the dV role trading S^T), alone or beside a band or a block mask of whole tiles
+# (which the deterministic mode leaves to the option kernels): slopes per head or per
+# (batch, head), GQA, d = 104 padded to 128, the roles from d = 192.
 # (id, d, nq, nk, GQA group, causal, builder as OPTION_CASES')
-HOPPER_DENSE_PATH_ALIBI_CASES = (
-    ("causal-d64", 64, 1000, 1000, 2, True, lambda r, b, h, nq, nk, t: dict(alibi_slopes=_slopes((h,)))),
-    ("window-gqa4-d128", 128, 700, 900, 4, False,
+HOPPER_DENSE_PATH_TERM_CASES = (
+    ("alibi-causal-d64", 64, 1000, 1000, 2, True, lambda r, b, h, nq, nk, t: dict(alibi_slopes=_slopes((h,)))),
+    ("alibi-window-gqa4-d128", 128, 700, 900, 4, False,
      lambda r, b, h, nq, nk, t: dict(alibi_slopes=_slopes((b, h)), window=(300, 50))),
-    ("blocks-d104", 104, 700, 900, 1, False,
+    ("alibi-blocks-d104", 104, 700, 900, 1, False,
      lambda r, b, h, nq, nk, t: dict(alibi_slopes=_slopes((h,)), block_mask=_block_mask(r, (b, h), nq, nk, 128))),
-    ("causal-d192", 192, 300, 333, 2, True, lambda r, b, h, nq, nk, t: dict(alibi_slopes=_slopes((b, h)))),
-    ("seqlens_k-d256", 256, 257, 300, 1, False,
+    ("alibi-causal-d192", 192, 300, 333, 2, True, lambda r, b, h, nq, nk, t: dict(alibi_slopes=_slopes((b, h)))),
+    ("alibi-seqlens_k-d256", 256, 257, 300, 1, False,
      lambda r, b, h, nq, nk, t: dict(alibi_slopes=_slopes((h,)), seqlens_k=_seqlens(r, b, nk))),
+    ("softcap-d64", 64, 1000, 1100, 2, False, lambda r, b, h, nq, nk, t: dict(softcap=3.0)),
+    ("softcap-causal-window-gqa4-d128", 128, 700, 900, 4, True,
+     lambda r, b, h, nq, nk, t: dict(softcap=5.0, window=(300, 0))),
+    ("softcap-blocks-d104", 104, 700, 900, 1, False,
+     lambda r, b, h, nq, nk, t: dict(softcap=2.0, block_mask=_block_mask(r, (b, h), nq, nk, 128))),
+    ("softcap-causal-d192", 192, 300, 333, 2, True, lambda r, b, h, nq, nk, t: dict(softcap=4.0)),
+    ("softcap-seqlens_k-d256", 256, 257, 300, 1, False,
+     lambda r, b, h, nq, nk, t: dict(softcap=3.0, seqlens_k=_seqlens(r, b, nk))),
 )
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "det"])
-@pytest.mark.parametrize("name,d,nq,nk,group,causal,build", HOPPER_DENSE_PATH_ALIBI_CASES,
-                         ids=[c[0] for c in HOPPER_DENSE_PATH_ALIBI_CASES])
-def test_hopper_backward_alibi_on_the_dense_path(rng, monkeypatch, name, d, nq, nk, group, causal, build,
-                                                 deterministic):
-    """ALiBi on the Hopper backward's dense path (MODE_BAND | MODE_ALIBI), against the
-    float64 reference; the key-block kernel must be that one."""
+@pytest.mark.parametrize("name,d,nq,nk,group,causal,build", HOPPER_DENSE_PATH_TERM_CASES,
+                         ids=[c[0] for c in HOPPER_DENSE_PATH_TERM_CASES])
+def test_hopper_backward_score_term_on_the_dense_path(rng, monkeypatch, name, d, nq, nk, group, causal, build,
+                                                      deterministic):
+    """ALiBi or softcap on the Hopper backward's dense path (MODE_BAND | MODE_ALIBI or
+    MODE_SOFTCAP), against the float64 reference; the key-block kernel must be that one."""
     from cupyflash import _kernels
     if not _on_hopper():
         pytest.skip("not a Hopper GPU")
     dtype = "bfloat16" if deterministic else "float16"
     key_block = _checked_key_block_launches(rng, monkeypatch, dtype, d, nq, nk, group, causal, build, deterministic)
     if key_block is not None:
-        ext = deterministic and name.startswith("blocks")
-        mode = _kernels.MODE_EXT if ext else _kernels.MODE_BAND | _kernels.MODE_ALIBI
+        term, ext = name.split("-")[0], deterministic and "-blocks" in name
+        mode = _kernels.MODE_EXT if ext else _kernels.MODE_BAND | _kernels.DENSE_PATH_TERMS[term]
         assert [(v.family, v.mode) for v in key_block] == [(_kernels.BWD_SM90, mode)], \
             [v.name_expression for v in key_block]
 
