@@ -29,18 +29,21 @@ TF32_MODES = tuple(mode | MODE_TF32 for mode in MODES)
 # varlen, a placed call: Modifiers.band_only) on bwd_sm90.cu's dense path (persistent
 # CTAs, the lean passes); the other families and the forward run such calls in MODE_EXT.
 MODE_BAND = 8
-# mods.cuh MODE_ALIBI, MODE_SOFTCAP: with MODE_BAND, ALiBi or softcap on that dense path
-# too, where it is the call's one score term (Modifiers.only_score_term).
+# mods.cuh MODE_ALIBI, MODE_SOFTCAP, MODE_DROPOUT: with MODE_BAND, ALiBi, softcap or
+# dropout on that dense path too, where it is the call's one such option
+# (Modifiers.dense_path_term).
 MODE_ALIBI = 16
 MODE_SOFTCAP = 32
-DENSE_PATH_TERMS = {"alibi": MODE_ALIBI, "softcap": MODE_SOFTCAP}
+MODE_DROPOUT = 64
+DENSE_PATH_TERMS = {"alibi": MODE_ALIBI, "softcap": MODE_SOFTCAP, "dropout": MODE_DROPOUT}
 BACKWARD_MODES = (*MODES, MODE_BAND, *(MODE_BAND | term for term in DENSE_PATH_TERMS.values()))
 
 
 def lean_mode(mode: int) -> bool:
     """mods.cuh lean_mode: whether a kernel of this mode runs the dense path (no option
-    but at most the mask's band and a block mask of whole tiles, MODE_BAND, and ALiBi or
-    softcap, MODE_ALIBI or MODE_SOFTCAP; MODE_TF32 is no option either)."""
+    but at most the mask's band and a block mask of whole tiles, MODE_BAND, and one of
+    ALiBi, softcap and dropout, MODE_ALIBI, MODE_SOFTCAP, MODE_DROPOUT; MODE_TF32 is no
+    option either)."""
     return mode & (MODE_EXT | MODE_BIAS) == 0
 
 # Tensor-core forward tiles per head dim, (BLOCK_M, BLOCK_N, WARPS), in order of
@@ -408,14 +411,14 @@ def backward_mode(mods, D: int, deterministic: bool) -> int:
     bound the keys a row sees (Modifiers.band_only), or, in the default mode, also leave
     out blocks of scores by a block mask whose blocks are whole tiles of every bwd_sm90.cu
     kernel of D (Modifiers.skips_tiles_only, mask.cuh BLOCKS; the deterministic MODE_BAND
-    kernels read no block mask: Sm90BwdKVTile::BAND_BLOCKS); with MODE_ALIBI or
-    MODE_SOFTCAP where ALiBi or softcap is the call's one score term and no dropout is on
-    (Modifiers.only_score_term). The backward has no precision="tf32"."""
+    kernels read no block mask: Sm90BwdKVTile::BAND_BLOCKS); with MODE_ALIBI,
+    MODE_SOFTCAP or MODE_DROPOUT where that option is the call's one beyond those
+    (Modifiers.dense_path_term). The backward has no precision="tf32"."""
     blocks_fit = mods.block_mask is None or (not deterministic and _blocks_are_sm90_tiles(mods.block_size, D))
     if mods.band_only or (mods.skips_tiles_only and blocks_fit):
         return MODE_BAND
-    if mods.only_score_term and blocks_fit:
-        return MODE_BAND | DENSE_PATH_TERMS[mods.only_score_term]
+    if mods.dense_path_term and blocks_fit:
+        return MODE_BAND | DENSE_PATH_TERMS[mods.dense_path_term]
     return kernel_mode(mods) & ~MODE_TF32
 
 
@@ -678,12 +681,12 @@ def _sm90_dkdv(dtype_name: str, D: int, tile, grads: int, mode: int) -> Variant:
     # bwd_sm90.cu Sm90BwdKVTile: K, V, Q and dO per stage, dS^T (DS_BUFFERS), the bias of
     # a sub-tile of BWD_SM90_SUB_M queries (MODE_BIAS), swizzled; the staged fp32 dQ tile
     # with rows of D + 8; the roles' fp32 P^T; a tile's lse2 and delta rows a stage; the
-    # option kernels' dropout exchange (two words a consumer thread, DROP_PAIR_WORDS); 1024
+    # dropout exchange (two words a consumer thread, DROP_PAIR_WORDS; with dropout); 1024
     # bytes to align the tiles; Sm90BwdBarriers (11 + 2 STAGES mbarriers of 8 bytes, two
     # unit words, a 16-byte Sm90BwdTileInfo a stage; the walk's ring: two mbarriers and a
     # tile info a slot, Sm90BwdKVTile::WALK_SLOTS; the consumers' split unit and a pad word).
     bias = BWD_SM90_SUB_M * block_n if mode & MODE_BIAS else 0
-    drop_pairs = 0 if lean_mode(mode) else 2 * consumers * 128
+    drop_pairs = 0 if lean_mode(mode) and not mode & MODE_DROPOUT else 2 * consumers * 128
     smem = ((2 * block_n * D + 2 * stages * block_m * D + ds_buffers * block_n * block_m + bias) * 2
             + (block_m * (D + 8) + trade + 2 * stages * _sm90_rows_ld(block_m) + drop_pairs) * 4 + 1024 + 8 * (12 + 2 * stages)
             + 16 * stages + (2 * 8 + 16) * BWD_SM90_WALK_SLOTS + 8)

@@ -148,16 +148,18 @@ class Modifiers:
         return (self._bounds_keys or self.block_mask is not None) and not self._changes_scores
 
     @property
-    def only_score_term(self) -> str | None:
-        """The score term on where it is the only one and dropout is off: "alibi" or
-        "softcap" (a band and a block mask may be on), else None. The GPU backward runs
-        such calls on its dense path too: ALiBi's gradient is dense attention's, and
-        softcap's derivative is a factor per score in the pass that forms dS
-        (kernels_cu/mods.cuh MODE_ALIBI, MODE_SOFTCAP)."""
-        if self.dropout_p > 0 or self.bias is not None:
+    def dense_path_term(self) -> str | None:
+        """The one option on beside a band and a block mask where it is ALiBi, softcap or
+        dropout ("alibi", "softcap", "dropout"), else None. The GPU backward runs such
+        calls on its dense path too: ALiBi's gradient is dense attention's, softcap's
+        derivative is a factor per score in the pass that forms dS, and dropout's draws
+        are selects in the passes (kernels_cu/mods.cuh MODE_ALIBI, MODE_SOFTCAP,
+        MODE_DROPOUT)."""
+        if self.bias is not None:
             return None
-        terms = [name for name, on in (("alibi", self.alibi_slopes is not None), ("softcap", self.softcap > 0)) if on]
-        return terms[0] if len(terms) == 1 else None
+        on = [name for name, flag in (("alibi", self.alibi_slopes is not None), ("softcap", self.softcap > 0),
+                                      ("dropout", self.dropout_p > 0)) if flag]
+        return on[0] if len(on) == 1 else None
 
     @property
     def _bounds_keys(self) -> bool:

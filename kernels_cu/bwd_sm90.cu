@@ -172,9 +172,12 @@ struct Sm90BwdKVTile {
     static constexpr bool BAND_BLOCKS = (MODE & MODE_BAND) != 0 && !ORDERED_DQ;
     static constexpr bool BIAS = (MODE & MODE_BIAS) != 0;
     // The dense path with softcap (MODE_SOFTCAP, mods.cuh): the option kernels' one pass for
-    // P and dS. Alone: with ALiBi too such calls take the option kernels.
+    // P and dS. Alone: with ALiBi or dropout too such calls take the option kernels.
     static constexpr bool LEAN_SOFTCAP = LEAN && (MODE & MODE_SOFTCAP) != 0;
-    static_assert(!(LEAN_SOFTCAP && (MODE & MODE_ALIBI)), "softcap or ALiBi on the dense path, not both");
+    // Dropout on the dense path (MODE_DROPOUT): the option kernels' draws and selects.
+    static constexpr bool LEAN_DROPOUT = LEAN && (MODE & MODE_DROPOUT) != 0;
+    static_assert(((MODE & MODE_ALIBI) != 0) + LEAN_SOFTCAP + LEAN_DROPOUT <= 1,
+                  "one of ALiBi, softcap and dropout on the dense path");
     // Softcap with a bias: softcap's pass adds the bias from its stage (bwd.cuh
     // KeyRowBias). In the deterministic kernels those reads spill (8 bytes at d = 64, 28
     // at d = 128 with the consumers' 224 registers, build check): the host sends such
@@ -217,7 +220,7 @@ struct Sm90BwdKVTile {
     // complete before the next tile's S^T (their registers), one.
     static constexpr int DS_BUFFERS = ROLES ? 1 : 2;
     static constexpr int TRADE_FLOATS = ROLES ? BLOCK_N * SUB_M : 0;   // a sub-tile's P^T (the roles)
-    static constexpr int DROP_PAIR_WORDS = LEAN ? 0 : 2 * CONSUMER_THREADS;   // two slots (DROP_PAIR_BARRIER0)
+    static constexpr int DROP_PAIR_WORDS = LEAN && !LEAN_DROPOUT ? 0 : 2 * CONSUMER_THREADS;   // two slots (DROP_PAIR_BARRIER0)
     static constexpr int BIAS_ELEMS = BIAS ? SUB_M * BLOCK_N : 0;
     static constexpr u32 BIAS_BYTES = BIAS_ELEMS * sizeof(T);
     static constexpr int DQ_FLOATS = BLOCK_M * DQ_LD;
@@ -905,10 +908,17 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                         // MODE_SOFTCAP: P and dS in one pass once both products are in (the
                         // derivative needs S): with the roles the dV role trades S^T as computed
                         // and caps it for P alone; the mask's verdict as bits, worked out while
-                        // the products run.
-                        [[maybe_unused]] u32 visible = ~0u;
+                        // the products run. MODE_DROPOUT: the keep bits, drawn while the
+                        // products run (each role its own), leave the dropped scores out of
+                        // the P that multiplies dO and out of dP.
+                        [[maybe_unused]] u32 visible = ~0u, keep = ~0u;
                         if constexpr (C::LEAN_SOFTCAP) {
                             if (needs_mask) visible = mask.template visible_bits<true, QT>(kr0, qc0, h);
+                        }
+                        if constexpr (C::LEAN_DROPOUT) {
+                            const SharedMemoryWarpPair pair{sDropPairs + ((step * C::SUBTILES + sub) & 1) * C::CONSUMER_THREADS,
+                                                            C::DROP_PAIR_BARRIER0 + warp / 2};
+                            keep = mods.at_head(h).template keep_bits_key_rows<QT>(kr0, qc0, pair);
                         }
                         if constexpr (R::S && !(C::LEAN_SOFTCAP && R::DP)) {
                             wgmma_wait<R::DP ? 1 : 0>();
@@ -925,7 +935,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                                                         scale_log2, false);
                             if constexpr (!R::DP && !C::LEAN_SOFTCAP) send_trade(s[0]);   // P^T to the dK role (its last reads were before the last tile's barrier)
                             #pragma unroll
-                            for (int ks = 0; ks < C::QSTEPS; ++ks) c_to_a_frag<T>(p_frag[ks], s, 0, ks);
+                            for (int ks = 0; ks < C::QSTEPS; ++ks) kept_a_frag<T, C::LEAN_DROPOUT>(p_frag[ks], s, ks, keep);
                         }
                         if constexpr (R::DP) {
                             if constexpr (!R::S && C::LEAN_SOFTCAP) receive_trade(s[0]);   // S^T, while dP^T runs
@@ -948,8 +958,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                                 }
                             } else {
                                 if constexpr (!R::S) receive_trade(s[0]);   // P^T from the dV role
-                                grad_scores<MODE, true>(s, dp, unused_dtanh, mods, mods.at_head(h), kr0, qc0, delta_at,
-                                                        nullptr, 0, 0, 0);
+                                grad_pass<C::LEAN_DROPOUT, true>(s, dp, kr0, qc0, delta_at, keep);
                                 #pragma unroll
                                 for (int ks = 0; ks < C::QSTEPS; ++ks) c_to_a_frag<T>(ds_frag[ks], s, 0, ks);
                             }

@@ -22,6 +22,9 @@
 //   MODE_BAND | MODE_SOFTCAP   the same with softcap as the one score term: P and dS in
 //                 one pass once both products are in (bwd.cuh capped_p_and_grad, as the
 //                 option kernels), its derivative 1 - tanh^2 living only within the pass.
+//   MODE_BAND | MODE_DROPOUT   the same with dropout and no score term: the keep bits drawn
+//                 while the products run (the warps of a pair splitting each Philox call,
+//                 as in the option kernels), dropped scores left out of dV and of dP.
 // MODE_TF32 is not an option but the precision="tf32" policy of fp32 inputs in
 // fwd_sm90.cu (one TF32 product per matrix product instead of three); it combines with
 // the others and is no part of what Mods compiles.
@@ -31,11 +34,12 @@
 #include "params.cuh"
 #include "philox.cuh"
 
-enum { MODE_DENSE = 0, MODE_EXT = 1, MODE_BIAS = 2, MODE_TF32 = 4, MODE_BAND = 8, MODE_ALIBI = 16, MODE_SOFTCAP = 32 };
+enum { MODE_DENSE = 0, MODE_EXT = 1, MODE_BIAS = 2, MODE_TF32 = 4, MODE_BAND = 8, MODE_ALIBI = 16, MODE_SOFTCAP = 32,
+       MODE_DROPOUT = 64 };
 
-// Whether a mode's kernel runs the dense path: no score term but ALiBi or softcap, no
-// dropout, at most a band and a block mask of whole tiles (MODE_DENSE, MODE_BAND,
-// MODE_ALIBI, MODE_SOFTCAP; MODE_TF32 is no option either).
+// Whether a mode's kernel runs the dense path: at most one of ALiBi, softcap or dropout,
+// a band and a block mask of whole tiles (MODE_DENSE, MODE_BAND, MODE_ALIBI,
+// MODE_SOFTCAP, MODE_DROPOUT; MODE_TF32 is no option either).
 constexpr bool lean_mode(int mode) { return (mode & (MODE_EXT | MODE_BIAS)) == 0; }
 
 // Declares `mods`, this CTA's Mods, from the contract's AttnParams `p` (params.cuh).
@@ -87,36 +91,15 @@ template <typename T, typename Acc> struct SoftcapTerm {
     }
 };
 
-// Mods' per-score state of one query head, copied into registers for the scores of one
-// tile: read from shared memory per score, the options would cost a load each.
-template <typename T, typename Acc, bool EXT> struct HeadMods : SoftcapTerm<T, Acc> {
-    // The dense path: ALiBi's slope (MODE_ALIBI) or 0, softcap (MODE_SOFTCAP) or 0.
-    Acc slope_log2;
-};
-template <typename T, typename Acc>
-struct HeadMods<T, Acc, true> : SoftcapTerm<T, Acc> {
-    using SoftcapTerm<T, Acc>::softcap;
-    using SoftcapTerm<T, Acc>::tanh_arg;
-    using SoftcapTerm<T, Acc>::cap_log2;
-    using SoftcapTerm<T, Acc>::capped_tanh;
-    // The mask (the CTA's, in shared memory). ALiBi's diagonal is read from it where a
-    // distance is formed (MaskInfo::off), not copied here: a copy held a register across
-    // a tile's products, which spilled bwd_sm90.cu's d = 128 tiles (build check).
-    const MaskInfo<true>* mask;
-    int h;
-    const T* bias;       // this head's bias rows, or null
-    i64 bias_sq, bias_sk;
-    Acc slope_log2;      // ALiBi slope times log2(e); 0: off
-    u64 seed, stream;    // Dropout: keep (row, key) iff its Philox draw >= threshold;
-    u32 threshold;       // 0: off. (Kept scores' scale: Mods::drop_scale in the forward,
-                         // the row workspaces in the backward, bwd.cuh.)
+// Dropout's per-score draws, for HeadMods of either path: keep (row, key) iff its Philox
+// draw >= threshold (0: off). Kept scores' scale: Mods::drop_scale in the forward, the
+// row workspaces in the backward (bwd.cuh).
+struct DropoutTerm {
+    u64 seed, stream;
+    u32 threshold;
     uint2 drop_base;     // the counters of the call's origin in its problem (Mods)
 
     __device__ __forceinline__ bool dropout() const { return threshold != 0; }
-    // Whether a term changes the scores (else a kernel may fold the scale into its exp2).
-    __device__ __forceinline__ bool score_terms() const {
-        return softcap > Acc(0) || bias != nullptr || slope_log2 != Acc(0);
-    }
     __device__ __forceinline__ bool keep(int i, int j) const {
         return !dropout() || dropout_keep(seed, stream, i, j, threshold, drop_base);
     }
@@ -130,6 +113,34 @@ struct HeadMods<T, Acc, true> : SoftcapTerm<T, Acc> {
     template <int NT, typename WarpPair = SoloWarp>
     __device__ __forceinline__ u32 keep_bits_key_rows(int k0, int q0, const WarpPair& pair = WarpPair()) const {
         return dropout_keep_bits_key_rows<NT>(seed, stream, k0, q0, threshold, drop_base, pair);
+    }
+};
+
+// Mods' per-score state of one query head, copied into registers for the scores of one
+// tile: read from shared memory per score, the options would cost a load each.
+template <typename T, typename Acc, bool EXT> struct HeadMods : SoftcapTerm<T, Acc>, DropoutTerm {
+    // The dense path: ALiBi's slope (MODE_ALIBI) or 0, softcap (MODE_SOFTCAP) or 0,
+    // dropout (MODE_DROPOUT) or off.
+    Acc slope_log2;
+};
+template <typename T, typename Acc>
+struct HeadMods<T, Acc, true> : SoftcapTerm<T, Acc>, DropoutTerm {
+    using SoftcapTerm<T, Acc>::softcap;
+    using SoftcapTerm<T, Acc>::tanh_arg;
+    using SoftcapTerm<T, Acc>::cap_log2;
+    using SoftcapTerm<T, Acc>::capped_tanh;
+    // The mask (the CTA's, in shared memory). ALiBi's diagonal is read from it where a
+    // distance is formed (MaskInfo::off), not copied here: a copy held a register across
+    // a tile's products, which spilled bwd_sm90.cu's d = 128 tiles (build check).
+    const MaskInfo<true>* mask;
+    int h;
+    const T* bias;       // this head's bias rows, or null
+    i64 bias_sq, bias_sk;
+    Acc slope_log2;      // ALiBi slope times log2(e); 0: off
+
+    // Whether a term changes the scores (else a kernel may fold the scale into its exp2).
+    __device__ __forceinline__ bool score_terms() const {
+        return softcap > Acc(0) || bias != nullptr || slope_log2 != Acc(0);
     }
 
     // The score of (row i, key j) in log2 units from the raw product s = q_i . k_j:
@@ -280,6 +291,7 @@ struct Mods {
     static constexpr bool BAND = EXT || (MODE & MODE_BAND) != 0;   // the mask's band (mask.cuh)
     static constexpr bool ALIBI = EXT || (MODE & MODE_ALIBI) != 0;   // the ALiBi slopes
     static constexpr bool SOFTCAP = EXT || (MODE & MODE_SOFTCAP) != 0;
+    static constexpr bool DROPOUT = EXT || (MODE & MODE_DROPOUT) != 0;
     // Where this batch entry's rows live in the (B, H, N, d) arrays: batch index `tb`
     // and first row; under varlen the arrays are (1, H, total, d) and a sequence starts
     // at cu_seqlens.
@@ -349,6 +361,8 @@ struct Mods {
             bias_sh = o.bias_sh;
             bias_sq = o.bias_sq;
             bias_sk = o.bias_sk;
+        }
+        if constexpr (DROPOUT) {
             seed = o.rng_seed;
             stream0 = dropout_stream(o.rng_offset, b, 0, heads);
             threshold = o.drop_threshold;
@@ -357,23 +371,25 @@ struct Mods {
         }
     }
 
-    __device__ __forceinline__ bool dropout() const { return EXT && threshold != 0; }
+    __device__ __forceinline__ bool dropout() const { return DROPOUT && threshold != 0; }
 
     // The per-score state of head h, for the scores of one tile (below).
     __device__ __forceinline__ HeadMods<T, Acc, EXT> at_head(int h) const {
         HeadMods<T, Acc, EXT> m;
         m.set_softcap(SOFTCAP ? softcap : Acc(0));
         m.slope_log2 = ALIBI && alibi != nullptr ? alibi[h] * Acc(LOG2E_D) : Acc(0);
+        m.threshold = DROPOUT ? threshold : 0u;
+        if constexpr (DROPOUT) {
+            m.seed = seed;
+            m.stream = stream0 + h;
+            m.drop_base = drop_base;
+        }
         if constexpr (EXT) {
             m.mask = &mask;
             m.h = h;
             m.bias = bias != nullptr ? bias + h * bias_sh : nullptr;
             m.bias_sq = bias_sq;
             m.bias_sk = bias_sk;
-            m.seed = seed;
-            m.stream = stream0 + h;
-            m.threshold = threshold;
-            m.drop_base = drop_base;
         }
         return m;
     }

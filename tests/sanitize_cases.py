@@ -37,7 +37,8 @@ def _options(kind, nq, nk, rng):
     key padding alone ("band": the Hopper backward's dense path, MODE_BAND); a block mask
     of 128 x 128 blocks, whole tiles of the Hopper backward, with a window ("blocks": its
     dense path too, in the default mode); ALiBi with a window ("alibi": the dense path
-    with MODE_ALIBI); softcap with a window ("softcap": the dense path with MODE_SOFTCAP)."""
+    with MODE_ALIBI); softcap with a window ("softcap": the dense path with MODE_SOFTCAP);
+    dropout with a window ("dropout": the dense path with MODE_DROPOUT)."""
     slopes = cp.asarray(rng.random(4).astype(np.float32))
     if kind == "terms":
         return dict(alibi_slopes=slopes, softcap=5.0)
@@ -47,6 +48,8 @@ def _options(kind, nq, nk, rng):
         return dict(alibi_slopes=slopes, window=(40, 7))
     if kind == "softcap":
         return dict(softcap=3.0, window=(40, 7))
+    if kind == "dropout":
+        return dict(dropout_p=0.2, seed=4, window=(40, 7))
     if kind == "blocks":
         return dict(block_mask=rng.random((4, -(-nq // 128), -(-nk // 128))) < 0.7, block_size=128, window=(100, 7))
     if kind == "bias":
@@ -76,7 +79,8 @@ def main():
                                                    (True, "bias", True), (True, "band", False),
                                                    (False, "band", True), (False, "blocks", False),
                                                    (True, "alibi", False), (False, "alibi", True),
-                                                   (True, "softcap", False), (False, "softcap", True)):
+                                                   (True, "softcap", False), (False, "softcap", True),
+                                                   (True, "dropout", False), (False, "dropout", True)):
                 q = cp.asarray(rng.standard_normal((1, 4, nq, d)).astype(dtype))
                 k, v = (cp.asarray(rng.standard_normal((1, 2, nk, d)).astype(dtype)) for _ in range(2))
                 extra = _options(options, nq, nk, rng) if options else {}

@@ -914,10 +914,11 @@ def test_hopper_backward_block_mask_of_whole_tiles(rng, monkeypatch, name, d, nq
 
 
 
-# ALiBi or softcap as the call's one score term on the Hopper backward's dense path
-# (MODE_BAND | MODE_ALIBI: the lean passes add ALiBi to each score; MODE_BAND |
+# ALiBi, softcap or dropout as the call's one such option on the Hopper backward's dense
+# path (MODE_BAND | MODE_ALIBI: the lean passes add ALiBi to each score; MODE_BAND |
 # MODE_SOFTCAP: P and dS in one pass once both products are in, with the roles from d =
-# 192 the dV role trading S^T), alone or beside a band or a block mask of whole tiles
+# 192 the dV role trading S^T; MODE_BAND | MODE_DROPOUT: the keep bits drawn by warp
+# pairs, dropped scores out of dV and dP), alone or beside a band or a block mask of whole tiles
 # (which the deterministic mode leaves to the option kernels): slopes per head or per
 # (batch, head), GQA, d = 104 padded to 128, the roles from d = 192.
 # (id, d, nq, nk, GQA group, causal, builder as OPTION_CASES')
@@ -938,6 +939,14 @@ HOPPER_DENSE_PATH_TERM_CASES = (
     ("softcap-causal-d192", 192, 300, 333, 2, True, lambda r, b, h, nq, nk, t: dict(softcap=4.0)),
     ("softcap-seqlens_k-d256", 256, 257, 300, 1, False,
      lambda r, b, h, nq, nk, t: dict(softcap=3.0, seqlens_k=_seqlens(r, b, nk))),
+    ("dropout-d64", 64, 1000, 1100, 2, False, lambda r, b, h, nq, nk, t: dict(dropout_p=0.2, seed=5)),
+    ("dropout-causal-window-gqa4-d128", 128, 700, 900, 4, True,
+     lambda r, b, h, nq, nk, t: dict(dropout_p=0.1, seed=6, window=(300, 0))),
+    ("dropout-blocks-d104", 104, 700, 900, 1, False,
+     lambda r, b, h, nq, nk, t: dict(dropout_p=0.3, seed=7, block_mask=_block_mask(r, (b, h), nq, nk, 128))),
+    ("dropout-causal-d192", 192, 300, 333, 2, True, lambda r, b, h, nq, nk, t: dict(dropout_p=0.15, seed=8)),
+    ("dropout-seqlens_k-d256", 256, 257, 300, 1, False,
+     lambda r, b, h, nq, nk, t: dict(dropout_p=0.2, seed=9, seqlens_k=_seqlens(r, b, nk))),
 )
 
 
@@ -946,8 +955,9 @@ HOPPER_DENSE_PATH_TERM_CASES = (
                          ids=[c[0] for c in HOPPER_DENSE_PATH_TERM_CASES])
 def test_hopper_backward_score_term_on_the_dense_path(rng, monkeypatch, name, d, nq, nk, group, causal, build,
                                                       deterministic):
-    """ALiBi or softcap on the Hopper backward's dense path (MODE_BAND | MODE_ALIBI or
-    MODE_SOFTCAP), against the float64 reference; the key-block kernel must be that one."""
+    """ALiBi, softcap or dropout on the Hopper backward's dense path (MODE_BAND |
+    MODE_ALIBI, MODE_SOFTCAP or MODE_DROPOUT), against the float64 reference; the
+    key-block kernel must be that one."""
     from cupyflash import _kernels
     if not _on_hopper():
         pytest.skip("not a Hopper GPU")

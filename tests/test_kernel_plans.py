@@ -188,9 +188,9 @@ def test_band_options_run_the_hopper_backward_dense_path(monkeypatch, arch, dete
     # MODE_BAND, which bwd_sm90.cu runs on its dense path (persistent CTAs). So is a block
     # mask whose blocks are whole tiles of the Hopper kernels of the head dim (128 x 128
     # blocks: tiles of 128 x 128 at d = 64, 64 queries x 128 keys at d = 128, 64 x 64 from
-    # d = 192), with or without a band, in the default mode; and ALiBi or softcap beside
-    # them, where it is the call's one score term (MODE_ALIBI, MODE_SOFTCAP). With any
-    # other option, blocks that cut tiles, or a block mask in the deterministic mode, they
+    # d = 192), with or without a band, in the default mode; and ALiBi, softcap or dropout
+    # beside them, where it is the call's one such option (MODE_ALIBI, MODE_SOFTCAP,
+    # MODE_DROPOUT). With any other option, blocks that cut tiles, or a block mask in the deterministic mode, they
     # take the option kernels (MODE_EXT), and so do every other family and the forward.
     monkeypatch.setattr(_cuda, "_device_info", lambda device_id: (arch, HOPPER_SMEM))
     index = np.zeros(3, np.int32)
@@ -211,23 +211,24 @@ def test_band_options_run_the_hopper_backward_dense_path(monkeypatch, arch, dete
                       (_mods.Modifiers(block_mask=index, block_size=(64, 64)), (64, 128)),
                       (_mods.Modifiers(block_mask=index, block_size=(16, 16)), (64, 128, 192))):
         assert all(_kernels.backward_mode(cut, D, deterministic) == _kernels.MODE_EXT for D in dims)
-    # ALiBi or softcap as the one score term, alone or beside a band or such a block mask:
-    # MODE_BAND | MODE_ALIBI, MODE_BAND | MODE_SOFTCAP.
-    for name, term in (("alibi", dict(alibi_slopes=index)), ("softcap", dict(softcap=30.0))):
+    # ALiBi, softcap or dropout as the one such option, alone or beside a band or such a
+    # block mask: MODE_BAND | MODE_ALIBI, MODE_SOFTCAP or MODE_DROPOUT.
+    for name, term in (("alibi", dict(alibi_slopes=index)), ("softcap", dict(softcap=30.0)),
+                       ("dropout", dict(dropout_p=0.1))):
         mode = _kernels.MODE_BAND | _kernels.DENSE_PATH_TERMS[name]
         for terms in (_mods.Modifiers(**term), _mods.Modifiers(**term, window=(256, 0)),
                       _mods.Modifiers(**term, cu_seqlens_q=index, cu_seqlens_k=index)):
-            assert terms.only_score_term == name and not terms.skips_tiles_only
+            assert terms.dense_path_term == name and not terms.skips_tiles_only
             assert all(_kernels.backward_mode(terms, D, deterministic) == mode for D in (64, 128, 192, 256))
         with_blocks = _mods.Modifiers(block_mask=index, **term)
         assert _kernels.backward_mode(with_blocks, 128, deterministic) == (_kernels.MODE_EXT if deterministic else mode)
         assert _kernels.backward_mode(_mods.Modifiers(block_mask=index, block_size=(16, 16), **term), 128,
                                       deterministic) == _kernels.MODE_EXT
-    for other in (_mods.Modifiers(seqlens_k=index, dropout_p=0.1), _mods.Modifiers(softcap=30.0, dropout_p=0.1),
-                  _mods.Modifiers(alibi_slopes=index, softcap=30.0), _mods.Modifiers(alibi_slopes=index, dropout_p=0.1),
-                  _mods.Modifiers(bias=index), _mods.Modifiers(bias=index, alibi_slopes=index),
-                  _mods.Modifiers(bias=index, softcap=30.0)):
-        assert not other.band_only and not other.skips_tiles_only and other.only_score_term is None
+    for other in (_mods.Modifiers(seqlens_k=index, dropout_p=0.1, softcap=30.0),
+                  _mods.Modifiers(softcap=30.0, dropout_p=0.1), _mods.Modifiers(alibi_slopes=index, softcap=30.0),
+                  _mods.Modifiers(alibi_slopes=index, dropout_p=0.1), _mods.Modifiers(bias=index),
+                  _mods.Modifiers(bias=index, alibi_slopes=index), _mods.Modifiers(bias=index, dropout_p=0.1)):
+        assert not other.band_only and not other.skips_tiles_only and other.dense_path_term is None
         assert _kernels.backward_mode(other, 128, deterministic) == _kernels.MODE_EXT | (
             _kernels.MODE_BIAS if other.bias is not None else 0)
     assert not _mods.Modifiers(tf32=True).band_only

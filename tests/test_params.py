@@ -33,11 +33,11 @@ def test_template_constants_match_the_headers():
     # bwd.cuh), one static_assert each, and which modes run the dense path (lean_mode:
     # the host's persistent grid follows it).
     names = ("MODE_DENSE", "MODE_EXT", "MODE_BIAS", "MODE_TF32", "MODE_BAND", "MODE_ALIBI", "MODE_SOFTCAP",
-             "GRAD_DV", "GRAD_DK", "GRAD_DQ", "GRAD_DQ_ORDERED", "BWD_ROW_PAD")
+             "MODE_DROPOUT", "GRAD_DV", "GRAD_DK", "GRAD_DQ", "GRAD_DQ_ORDERED", "BWD_ROW_PAD")
     source = '#include "bwd.cuh"\n' + "".join(
         f'static_assert({name} == {getattr(_kernels, name)}, "{name}");\n' for name in names)
     source += "".join(f'static_assert(lean_mode({mode}) == {str(_kernels.lean_mode(mode)).lower()}, "lean {mode}");\n'
-                      for mode in range(64))
+                      for mode in range(128))
     _nvrtc.check_source(source, "template_constants.cu", _kernels.BUILD_ARCHS[0])
 
 
