@@ -355,13 +355,13 @@ struct Mods {
     __device__ __forceinline__ void set_terms(const AttnParams& p, int b, int heads) {
         [[maybe_unused]] const ModsParams& o = p.mods;
         if constexpr (ALIBI) alibi = o.alibi != nullptr ? static_cast<const Acc*>(o.alibi) + b * o.alibi_sb : nullptr;
-        if constexpr (SOFTCAP) softcap = Acc(o.softcap);
         if constexpr (EXT) {
             bias = o.bias != nullptr ? static_cast<const T*>(o.bias) + b * o.bias_sb : nullptr;
             bias_sh = o.bias_sh;
             bias_sq = o.bias_sq;
             bias_sk = o.bias_sk;
         }
+        if constexpr (SOFTCAP) softcap = Acc(o.softcap);
         if constexpr (DROPOUT) {
             seed = o.rng_seed;
             stream0 = dropout_stream(o.rng_offset, b, 0, heads);
@@ -376,21 +376,23 @@ struct Mods {
     // The per-score state of head h, for the scores of one tile (below).
     __device__ __forceinline__ HeadMods<T, Acc, EXT> at_head(int h) const {
         HeadMods<T, Acc, EXT> m;
-        m.set_softcap(SOFTCAP ? softcap : Acc(0));
-        m.slope_log2 = ALIBI && alibi != nullptr ? alibi[h] * Acc(LOG2E_D) : Acc(0);
-        m.threshold = DROPOUT ? threshold : 0u;
-        if constexpr (DROPOUT) {
-            m.seed = seed;
-            m.stream = stream0 + h;
-            m.drop_base = drop_base;
-        }
         if constexpr (EXT) {
             m.mask = &mask;
             m.h = h;
+        }
+        m.set_softcap(SOFTCAP ? softcap : Acc(0));
+        if constexpr (EXT) {
             m.bias = bias != nullptr ? bias + h * bias_sh : nullptr;
             m.bias_sq = bias_sq;
             m.bias_sk = bias_sk;
         }
+        m.slope_log2 = ALIBI && alibi != nullptr ? alibi[h] * Acc(LOG2E_D) : Acc(0);
+        if constexpr (DROPOUT) {
+            m.seed = seed;
+            m.stream = stream0 + h;
+        }
+        m.threshold = DROPOUT ? threshold : 0u;
+        if constexpr (DROPOUT) m.drop_base = drop_base;
         return m;
     }
 };
