@@ -110,17 +110,20 @@ __device__ __forceinline__ u64 dropout_keep_bits(u64 seed, u64 stream, int r0, i
 }
 
 // Bits 0-3: whether bytes 0-3 of `word` are >= the threshold (1 .. 255), four compares in
-// a few integer instructions: a byte plus 256 - threshold, in a 16-bit lane of its own,
-// carries into the lane's bit 8 exactly when it is >= the threshold. `lanes_add` is
-// (256 - threshold) in both 16-bit halves (bytes_at_least_add).
-__device__ __forceinline__ u32 bytes_at_least_add(u32 threshold) {
-    return (256u - threshold) * 0x00010001u;
-}
-__device__ __forceinline__ u32 bytes_at_least(u32 word, u32 lanes_add) {
-    const u32 even = (word & 0x00ff00ffu) + lanes_add;          // bytes 0, 2: carries at bits 8, 24
-    const u32 odd = ((word >> 8) & 0x00ff00ffu) + lanes_add;    // bytes 1, 3: carries at bits 8, 24
-    const u32 carries = ((even >> 8) & 0x00010001u) | ((odd >> 7) & 0x00020002u);   // bits 0, 1, 16, 17
-    return (carries | (carries >> 14)) & 0xfu;
+// six integer instructions, where one per byte and the bits' assembly took about twelve:
+// d = (word | 0x80..) - (the threshold's low 7 bits in each byte) borrows within no byte
+// and has a byte's top bit set exactly when its low 7 bits are >= the threshold's. With
+// the bytes' own top bits, a byte is >= the threshold iff its top bit is set and the
+// threshold's is not, or both agree and d's verdict holds: (word & d) | ((word | d) &
+// ~repeated), one LOP3, since `repeated` (the threshold in every byte,
+// bytes_threshold) carries the threshold's top bit. One multiply then gathers the four
+// top bits 7, 15, 23, 31 into bits 28 .. 31 (their cross products land elsewhere).
+__device__ __forceinline__ u32 bytes_threshold(u32 threshold) { return threshold * 0x01010101u; }
+__device__ __forceinline__ u32 bytes_at_least(u32 word, u32 repeated) {
+    constexpr u32 TOP = 0x80808080u;
+    const u32 d = (word | TOP) - (repeated & ~TOP);
+    const u32 top = ((word & d) | ((word | d) & ~repeated)) & TOP;
+    return (top * 0x00204081u) >> 28;
 }
 
 // The keep bits of the transposed products' fragments (bwd_sm90.cu: C fragments whose rows
@@ -170,7 +173,7 @@ __device__ __forceinline__ u32 dropout_keep_bits_key_rows(u64 seed, u64 stream, 
     // key g + 8 (2 more). key0 is a multiple of 16, so that is byte 0 or 4 (the warp's: key
     // bit 4), and a half's four bytes are one word of the call's, in the bits' order.
     const int high_word = (j >> 4) & 1;
-    const u32 lanes_add = bytes_at_least_add(threshold);
+    const u32 repeated = bytes_threshold(threshold);
     // Bit 4 nt + 2 kh + b of `drawn`: query u's score of the key with bit 0 = b, i.e. this
     // lane's bits where b = u, and where b != u the partner's, which it moves to its u.
     // Paired, the calls of m = 2 i + high_word, placed at m = 2 i and moved up at the end;
@@ -184,8 +187,8 @@ __device__ __forceinline__ u32 dropout_keep_bits_key_rows(u64 seed, u64 stream, 
         for (int half = 0; half < 2; ++half) {          // n-tile 2 m + half: query bit 3
             const u32 key_bit4_clear = half ? w.z : w.x, key_bit4_set = half ? w.w : w.y;
             const int at = 4 * (2 * (PAIRED ? 2 * i : i) + half);
-            drawn |= bytes_at_least(high_word ? key_bit4_set : key_bit4_clear, lanes_add) << at;
-            if constexpr (PAIRED) theirs |= bytes_at_least(high_word ? key_bit4_clear : key_bit4_set, lanes_add) << at;
+            drawn |= bytes_at_least(high_word ? key_bit4_set : key_bit4_clear, repeated) << at;
+            if constexpr (PAIRED) theirs |= bytes_at_least(high_word ? key_bit4_clear : key_bit4_set, repeated) << at;
         }
     }
     if constexpr (PAIRED) drawn = (drawn << (8 * high_word)) | pair(theirs << (8 * high_word));
