@@ -1,6 +1,8 @@
 // Backward attention's key-block kernel on Hopper (sm_90a, fp16/bf16; dense, dense with the
 // options that only bound the keys a row sees (MODE_BAND, mods.cuh: a window, varlen,
-// key padding), every option (MODE_EXT), and the bias with them (MODE_EXT | MODE_BIAS)):
+// key padding, a block mask of whole tiles) and one of ALiBi, softcap or dropout beside
+// them (MODE_ALIBI, MODE_SOFTCAP, MODE_DROPOUT), every option (MODE_EXT), and the bias
+// with them (MODE_EXT | MODE_BIAS)):
 // warp-specialised, the tiles moved by the tensor memory accelerator, the products on
 // warpgroup MMA, dQ added into its fp32 workspace by bulk reductions.
 //
@@ -8,7 +10,8 @@
 // (query head, query tile) pairs that see them (bwd.cuh KeyBlockPairs); the dense kernels'
 // CTAs are persistent, taking one unit after another (Sm90BwdUnits), so that the next
 // unit's K, V and first tiles load while the last one's dK and dV are written (the lean
-// kernels, dense and MODE_BAND, C::LEAN below, are the dense ones here). It has
+// kernels, dense and MODE_BAND with or without one of those terms, C::LEAN below, are
+// the dense ones here). It has
 // CONSUMERS + 1 warpgroups:
 //   consumers (warpgroups 0 .. CONSUMERS-1, 64 keys each): per query tile of BLOCK_M rows
 //     S^T  = K Q^T      A: K (K-major, its 64 rows)   B: Q  (K-major)        wgmma ss
@@ -145,7 +148,7 @@ struct Sm90BwdKVTile {
     // epilogue in the one-stage kernel (d = 256), none with both waiting (H200, 2026-11-29).
     static constexpr int TRADE_BARRIER = 3;
     // Dropout's draws split between the two warps of a pair, w and w ^ 1 (philox.cuh
-    // WarpPair: the keys 16 apart share each Philox call), the option kernels only: each
+    // WarpPair: the keys 16 apart share each Philox call), in the kernels with dropout: each
     // warp writes the other's bits into the pair's slots and both meet at the pair's named
     // barrier (DROP_PAIR_BARRIER0 + w / 2). Two slots, alternating per sub-tile: a warp
     // writes a slot again only after the next barrier, which the other passes once it has
