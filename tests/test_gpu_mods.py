@@ -913,14 +913,13 @@ def test_hopper_backward_block_mask_of_whole_tiles(rng, monkeypatch, name, d, nq
             [v.name_expression for v in key_block]
 
 
-
 # ALiBi, softcap or dropout as the call's one such option on the Hopper backward's dense
 # path (MODE_BAND | MODE_ALIBI: the lean passes add ALiBi to each score; MODE_BAND |
 # MODE_SOFTCAP: P and dS in one pass once both products are in, with the roles from d =
 # 192 the dV role trading S^T; MODE_BAND | MODE_DROPOUT: the keep bits drawn by warp
-# pairs, dropped scores out of dV and dP), alone or beside a band or a block mask of whole tiles
-# (which the deterministic mode leaves to the option kernels): slopes per head or per
-# (batch, head), GQA, d = 104 padded to 128, the roles from d = 192.
+# pairs, dropped scores out of dV and dP), alone or beside a band or a block mask of
+# whole tiles (which the deterministic mode leaves to the option kernels): ALiBi slopes
+# per head or per (batch, head), GQA, d = 104 padded to 128, the roles from d = 192.
 # (id, d, nq, nk, GQA group, causal, builder as OPTION_CASES')
 HOPPER_DENSE_PATH_TERM_CASES = (
     ("alibi-causal-d64", 64, 1000, 1000, 2, True, lambda r, b, h, nq, nk, t: dict(alibi_slopes=_slopes((h,)))),
@@ -968,6 +967,7 @@ def test_hopper_backward_score_term_on_the_dense_path(rng, monkeypatch, name, d,
         mode = _kernels.MODE_EXT if ext else _kernels.MODE_BAND | _kernels.DENSE_PATH_TERMS[term]
         assert [(v.family, v.mode) for v in key_block] == [(_kernels.BWD_SM90, mode)], \
             [v.name_expression for v in key_block]
+
 
 HOPPER_BIAS_CASES = (
     ("2d", (1, 16), 64, False, lambda r, b, h, nq, nk, t: dict(bias=_bias(r, (nq, nk), t))),

@@ -190,8 +190,9 @@ def test_band_options_run_the_hopper_backward_dense_path(monkeypatch, arch, dete
     # blocks: tiles of 128 x 128 at d = 64, 64 queries x 128 keys at d = 128, 64 x 64 from
     # d = 192), with or without a band, in the default mode; and ALiBi, softcap or dropout
     # beside them, where it is the call's one such option (MODE_ALIBI, MODE_SOFTCAP,
-    # MODE_DROPOUT). With any other option, blocks that cut tiles, or a block mask in the deterministic mode, they
-    # take the option kernels (MODE_EXT), and so do every other family and the forward.
+    # MODE_DROPOUT). With any other option, blocks that cut tiles, or a block mask in the
+    # deterministic mode, they take the option kernels (MODE_EXT), and so do every other
+    # family and the forward.
     monkeypatch.setattr(_cuda, "_device_info", lambda device_id: (arch, HOPPER_SMEM))
     index = np.zeros(3, np.int32)
     for band in (_mods.Modifiers(window=(256, 0)), _mods.Modifiers(seqlens_k=index),
