@@ -431,10 +431,11 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
     // after those, not during the last unit's epilogue). Then if CTAs hold units of a
     // head not yet wholly taken, some other CTA holds a unit of a head wholly taken (there
     // are at least as many CTAs as a head's blocks), whose turns all come; that CTA then
-    // takes the next unit, until the head is taken. (grid_m, the query tiles of a head, times the group is a block's pair count:
-    // the rotation's arithmetic stays within an int. The flag is evaluated where used, from
-    // the parameters: held across the roles' split, it was spilled. Not with a band,
-    // MODE_BAND, whose blocks see different query tiles: their lists differ.)
+    // takes the next unit, until the head is taken. (grid_m, the query tiles of a head,
+    // times the group is a block's pair count: the rotation's arithmetic stays within an
+    // int. The flag is evaluated where used, from the parameters: held across the roles'
+    // split, it was spilled. Not with a band, MODE_BAND, whose blocks see different query
+    // tiles: their lists differ.)
     auto rotated_turns = [&] {
         return C::ORDERED_DQ && MODE == MODE_DENSE && !p.causal && (C::ROLES ? 2 : 4) * p.grid_n <= int(gridDim.x) &&
                (i64)p.grid_m * group * (p.grid_n + 1) <= 0x7fffffff;
@@ -905,9 +906,16 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                         return pair_at(sDeltab, nt, e);
                     };
                     u32 p_frag[C::QSTEPS][4], ds_frag[C::QSTEPS][4];
+                    const int kr0 = k0 + warp_row0, qc0 = q0 + r0;   // the warp's first key, the sub-tile's first query
+                    // Dropout's keep bits of the warp's scores, the warps of a pair splitting each
+                    // Philox call through this sub-tile's slots (DROP_PAIR_BARRIER0).
+                    [[maybe_unused]] auto keep_bits = [&](const auto& hm) {
+                        const SharedMemoryWarpPair pair{sDropPairs + ((step * C::SUBTILES + sub) & 1) * C::CONSUMER_THREADS,
+                                                        C::DROP_PAIR_BARRIER0 + warp / 2};
+                        return hm.template keep_bits_key_rows<QT>(kr0, qc0, pair);
+                    };
                     if constexpr (C::LEAN) {
                         float unused_dtanh[1][1][4];
-                        const int kr0 = k0 + warp_row0, qc0 = q0 + r0;
                         // MODE_SOFTCAP: P and dS in one pass once both products are in (the
                         // derivative needs S): with the roles the dV role trades S^T as computed
                         // and caps it for P alone; the mask's verdict as bits, worked out while
@@ -918,11 +926,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                         if constexpr (C::LEAN_SOFTCAP) {
                             if (needs_mask) visible = mask.template visible_bits<true, QT>(kr0, qc0, h);
                         }
-                        if constexpr (C::LEAN_DROPOUT) {
-                            const SharedMemoryWarpPair pair{sDropPairs + ((step * C::SUBTILES + sub) & 1) * C::CONSUMER_THREADS,
-                                                            C::DROP_PAIR_BARRIER0 + warp / 2};
-                            keep = mods.at_head(h).template keep_bits_key_rows<QT>(kr0, qc0, pair);
-                        }
+                        if constexpr (C::LEAN_DROPOUT) keep = keep_bits(mods.at_head(h));
                         if constexpr (R::S && !(C::LEAN_SOFTCAP && R::DP)) {
                             wgmma_wait<R::DP ? 1 : 0>();
                             reg_fence(s[0]);
@@ -971,13 +975,9 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                         // while the products run; then P and dS as in dense mode, or with softcap
                         // in one pass once both products are in.
                         const auto hm = mods.at_head(h);
-                        const SharedMemoryWarpPair pair{sDropPairs + ((step * C::SUBTILES + sub) & 1) * C::CONSUMER_THREADS,
-                                                C::DROP_PAIR_BARRIER0 + warp / 2};
-                        const u32 keep = hm.dropout() ? hm.template keep_bits_key_rows<QT>(k0 + warp_row0, q0 + r0, pair) : ~0u;
-                        const u32 visible = needs_mask ? mask.template visible_bits<true, QT>(k0 + warp_row0, q0 + r0, h)
-                                                       : ~0u;
+                        const u32 keep = hm.dropout() ? keep_bits(hm) : ~0u;
+                        const u32 visible = needs_mask ? mask.template visible_bits<true, QT>(kr0, qc0, h) : ~0u;
                         const bool alibi = hm.slope_log2 != 0.f;
-                        const int kr0 = k0 + warp_row0, qc0 = q0 + r0;
                         if constexpr (R::SHARED_KEYS) {
                             // S^T as computed, from the dV role to the dK role, whose dP^T runs on
                             // (after the bits above, which the dV role works out while S^T runs).
