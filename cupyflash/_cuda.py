@@ -21,7 +21,8 @@ from . import _arrays, _mods, _nvrtc, _params, _philox, _tma
 from ._kernels import (BACKWARD_MODES, BWD_ROW_PAD, BWD_SM90, BWD_SM90_SUB_M, CPP_TYPE, FWD_SM90, GRAD_DK, GRAD_DQ,
                        GRAD_DQ_ORDERED, HEAD_DIMS, MIN_COMPUTE_CAPABILITY, MODE_BIAS, MODE_DENSE, MODE_TF32, MODES,
                        BackwardPlan, Variant, backward_mode, backward_plan, bwd_sm90_persistent, bwd_sm90_splits_units,
-                       forward_variants, forward_variants_for, padded_head_dim, sm90_rows_box, sm90_unit_split)
+                       forward_variants, forward_variants_for, halves_passes, padded_head_dim, sm90_rows_box,
+                       sm90_unit_split)
 from ._validate import check_flag
 
 MAX_GRID_YZ = 65535   # grid y (heads) and z (batch) extents
@@ -166,6 +167,8 @@ def precompile(*, dtypes=None, head_dims=None, device=None, workers=None, option
                 chosen.append(_choose(variants, device_id))
                 # and the Hopper tiles a block mask may select (forward_variants_for)
                 chosen += [v for v in variants[1:] if v.family is FWD_SM90 and v.builds_for(arch)]
+                if name == "float32" and any(v.family is FWD_SM90 for v in chosen):
+                    chosen += halves_passes(mode)
             for mode in backward_modes:
                 for deterministic in (False, True):
                     plan = device_backward_plan(name, D, deterministic, mode, device_id)
@@ -274,6 +277,9 @@ class _ForwardPlan:
     map_specs: tuple | None = None   # q, k, v tensor maps (`_tma.map_spec`) of fwd_sm90.cu
     bias_spec: tuple | None = None   # the bias's, where its tiles stream by TMA
     persistent: bool = False         # a zeroed work counter per launch
+    # fp32 on fwd_sm90.cu: the passes that write q, k and v as fp16 halves first (its maps
+    # then describe those, made per call: `_forward_halves`); empty elsewhere.
+    halves: tuple = ()
 
 
 # Python's work per call (~0.3 ms on an H100's host: validation, the choice of kernels,
@@ -319,12 +325,15 @@ def _plan_forward(q, k, v, o, *, scale: float, causal: bool, mods) -> _ForwardPl
     heads = q.shape[1]
     params = _problem_scalars(q, k, v, scale=scale, causal=causal, mods=mods)
     params.set(vec=int(_arrays.rows_16b_aligned(q, k, v, o)))
-    specs = _sm90_map_specs(variant, q, k, v) if variant.family.tensor_maps else None
+    # fp32 reaches the Hopper forward as fp16 halves, which the copy engine can always read.
+    halves = q.dtype == np.float32 and variant.family is FWD_SM90
+    specs = _sm90_map_specs(variant, q, k, v) if variant.family.tensor_maps and not halves else None
     blocks = math.ceil(rows / variant.block_m)
     # The next kernel in line where the copy engine cannot read the inputs, or where the
     # work tiles would not fit the Hopper forward's work numbers.
-    if variant.family.tensor_maps and (specs is None or blocks * heads * batch > MAX_WORK_TILES):
+    if variant.family.tensor_maps and ((specs is None and not halves) or blocks * heads * batch > MAX_WORK_TILES):
         variant = _choose([c for c in variants if not c.family.tensor_maps], device_id)
+        halves = False
     if not variant.family.tensor_maps:
         grid = (math.ceil(rows / variant.block_m) * variant.column_passes, heads, batch)
         return _ForwardPlan(variant, grid, params)
@@ -332,7 +341,8 @@ def _plan_forward(q, k, v, o, *, scale: float, causal: bool, mods) -> _ForwardPl
     if bias_spec is not None:
         params.mods(bias_tma=1)
     grid = _work_grid(params, blocks, heads, batch, device_id)
-    return _ForwardPlan(variant, grid, params, specs, bias_spec, PERSISTENT_FORWARD)
+    return _ForwardPlan(variant, grid, params, specs, bias_spec, PERSISTENT_FORWARD,
+                        halves_passes(variant.mode) if halves else ())
 
 
 def attention_forward(q, k, v, o, lse, *, scale: float, causal: bool, mods=_mods.NONE) -> None:
@@ -353,6 +363,14 @@ def attention_forward(q, k, v, o, lse, *, scale: float, causal: bool, mods=_mods
     params.tensor("q", q).tensor("k", k).tensor("v", v).tensor("o", o).set(lse=lse.data.ptr)
     if mods.active:
         _mods_addresses(params, mods)
+    if plan.halves:
+        # Kept alive until the forward is queued (a buffer freed before would be the next
+        # allocation's, the work counter's below).
+        halves, largest = _forward_halves(plan, params, q, k, v)
+        specs = _map_specs((halves[0], plan.variant.block_m), *((x, plan.variant.tile[0]) for x in halves[1:]))
+        if specs is None:
+            raise RuntimeError("the driver refused a tensor map of fp16 halves")
+        params.set(**_tensor_maps(specs, halves, ("q_map", "k_map", "v_map")))
     if plan.map_specs is not None:
         specs = plan.map_specs + (() if plan.bias_spec is None else (plan.bias_spec,))
         params.set(**_tensor_maps(specs, (q, k, v, mods.bias), ("q_map", "k_map", "v_map", "bias_map")))
@@ -362,6 +380,34 @@ def attention_forward(q, k, v, o, lse, *, scale: float, causal: bool, mods=_mods
         counter = cupy.zeros(1, cupy.int32)   # freed to the pool, reused only after the launch (same stream)
         params.set(work_counter=counter.data.ptr)
     _launch(plan.variant, plan.grid, q.device.id, params)
+
+
+def _forward_halves(plan: _ForwardPlan, params: _params.Params, q, k, v) -> tuple:
+    """fp32 on the Hopper forward: q, k and v as fp16 halves (kernels_cu/halves.cuh), written
+    by the plan's two passes (split_f32.cu) on the call's stream, and their largest
+    magnitudes' words set in ``params``. Returns (B, PLANES H, N, d) views of the three
+    arrays (rows padded to 16 bytes, as TMA needs) and the words' array, whose memory
+    returns to CuPy's pool once the caller drops them: kernels that reuse it later on this
+    stream run after the forward."""
+    import cupy
+
+    planes = 1 if plan.variant.mode & MODE_TF32 else 2
+
+    def halves_of(x):
+        B, H, N, cols = x.shape
+        return cupy.empty((B, planes * H, N, -(-cols // 8) * 8), cupy.float16)[..., :cols]
+
+    halves = tuple(halves_of(x) for x in (q, k, v))
+    largest = cupy.zeros(3, cupy.uint32)   # HALVES_Q, _K, _V (halves.cuh)
+    params.set(halves_max=largest.data.ptr)
+    # The passes' grid (split_f32.cu): the arrays' own rows and batch (under varlen the
+    # packed (1, H, total, d) arrays).
+    passes = params.copy().set(halves_q=halves[0].data.ptr, halves_k=halves[1].data.ptr, halves_v=halves[2].data.ptr,
+                               nq=q.shape[2], nk=k.shape[2], grid_heads=q.shape[1], grid_batch=q.shape[0])
+    grid = (math.ceil(max(q.shape[2], k.shape[2]) / plan.halves[0].block_m), q.shape[1], 3 * q.shape[0])
+    for variant in plan.halves:
+        _launch(variant, grid, q.device.id, passes)
+    return halves, largest
 
 
 def _tensor_maps(specs, arrays, names) -> dict:

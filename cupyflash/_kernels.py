@@ -105,40 +105,29 @@ FWD_SM90_BIAS_TILES = {
     192: ((64, 2, 2),),
 }
 _FWD_SM90_TABLES = {MODE_DENSE: FWD_SM90_TILES, MODE_EXT: FWD_SM90_EXT_TILES, MODE_EXT | MODE_BIAS: FWD_SM90_BIAS_TILES}
-# fp32 in the same kernel on TF32 wgmma (3xTF32, fwd_sm90.cu), every mode (the bias read
-# from global memory, no bias stage): a stage holds K and its low parts, V^T and its low
-# parts, 4 BLOCK_N x d fp32 tiles, beside one landing buffer of V, so d = 128 takes 32-key
-# tiles to fit two stages beside the 128-row Q tile (208 KB of tiles; a third consumer
-# warpgroup's Q would need 240).
+# fp32 in the same kernel on fp16 halves (fwd_sm90.cu, kernels_cu/halves.cuh): every tile
+# holds a high and a low plane, so a stage's K and V take as many bytes as fp32's, and
+# each product is three fp16 products; every mode (the bias read from global memory, no
+# bias stage). Not yet measured on a GPU: the 16-bit tiles' shapes where they fit.
 FWD_SM90_F32_TILES = {
-    64: ((64, 3, 2),),
-    128: ((32, 2, 2),),
+    64: ((128, 2, 2), (64, 2, 2)),
+    128: ((64, 2, 2),),
 }
-# With the options the producer keeps 72 registers (its schedule walk beside the split
-# warps), which leaves three consumer warpgroups too few (108 bytes of spills at d = 64).
 FWD_SM90_F32_EXT_TILES = {
     64: ((64, 2, 2),),
-    128: ((32, 2, 2),),
+    128: ((64, 2, 2),),
 }
 _FWD_SM90_F32_TABLES = {MODE_DENSE: FWD_SM90_F32_TILES, MODE_EXT: FWD_SM90_F32_EXT_TILES,
                         MODE_EXT | MODE_BIAS: FWD_SM90_F32_EXT_TILES}
-# precision="tf32": one product, a stage holds K and V^T (2 BLOCK_N x d fp32 tiles) beside
-# one landing buffer of V. Under a causal band (or a window) the 128-row tiles serve
-# (forward_variants_for). H200, N = 1k / 4k, since K is read as it landed (bench/NOTES.md,
-# session 25, ee7a574, `bench/results/h200-2026-11-28-ee7a574-tune-tf32-sm90.log`): d = 128
-# (64, 2, 2) 241 / 267 TFLOP/s, causal 175 / 242; (32, 3, 3), the first tile before, 204 /
-# 245; (32, 2, 4) 190 / 221; d = 64 (64, 3, 4) 217 / 264; (64, 3, 3) 202 / 264; (128, 2,
-# 2) 226 / 247, causal 152 / 225.
-FWD_SM90_TF32_TILES = {
-    64: ((64, 3, 4), (128, 2, 2)),
+# precision="tf32": the high halves alone, one product each: the 16-bit tiles, but with
+# the bias, whose fp32 pairs (two words each, read from global memory) spilled those
+# tiles (build check): 64 keys and two consumers, to d = 128.
+FWD_SM90_TF32_BIAS_TILES = {
+    64: ((64, 2, 3),),
     128: ((64, 2, 2),),
 }
-FWD_SM90_TF32_EXT_TILES = {
-    64: ((64, 2, 3),),
-    128: ((32, 2, 3),),
-}
-_FWD_SM90_TF32_TABLES = {MODE_DENSE: FWD_SM90_TF32_TILES, MODE_EXT: FWD_SM90_TF32_EXT_TILES,
-                         MODE_EXT | MODE_BIAS: FWD_SM90_TF32_EXT_TILES}
+_FWD_SM90_TF32_TABLES = {MODE_DENSE: FWD_SM90_TILES, MODE_EXT: FWD_SM90_EXT_TILES,
+                         MODE_EXT | MODE_BIAS: FWD_SM90_TF32_BIAS_TILES}
 # The same with the options of _mods (window, dropout, bias, ...; the MODE_EXT kernels):
 # their per-score work and the option state need registers that the dense tiles with 64
 # keys or two m-tiles per warp do not have (build check), so 32-key tiles (16 at d = 192).
@@ -235,6 +224,20 @@ BWD_SM80 = Family("bwd_sm80.cu")
 BWD_WIDE = Family("bwd_wide.cu", spill_free=False)
 BWD_SIMT = Family("bwd_simt.cu", spill_free=False)
 BWD_PREP = Family("bwd_prep.cu", spill_free=False)
+# The fp32 Hopper forward's passes before it: q, k and v as fp16 halves (split_f32.cu:
+# HALVES_ROWS rows a CTA of HALVES_THREADS threads; a word a warp of static shared memory).
+HALVES_ROWS = 64
+HALVES_THREADS = 256
+SPLIT_F32 = Family("split_f32.cu", static_smem=HALVES_THREADS // 32 * 4)
+
+
+def halves_passes(mode: int) -> tuple:
+    """The two launches before an fp32 Hopper forward of ``mode`` (split_f32.cu): the
+    largest magnitudes, then the halves (both planes, or with precision="tf32" the high
+    one)."""
+    planes = 1 if mode & MODE_TF32 else 2
+    return (Variant(SPLIT_F32, "f32_halves_max", HALVES_THREADS, HALVES_ROWS, 0),
+            Variant(SPLIT_F32, f"f32_halves<{planes}>", HALVES_THREADS, HALVES_ROWS, 0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -311,18 +314,16 @@ def _sm80_forward(dtype_name: str, D: int, tile, mode: int) -> Variant:
 def _sm90_forward(dtype_name: str, D: int, tile, mode: int) -> Variant:
     block_n, consumers, stages = tile
     block_m = 64 * consumers
-    item = np.dtype(dtype_name).itemsize
-    # fwd_sm90.cu Sm90FwdTile: Q, then a K tile and a V tile per stage, swizzled (fp32:
-    # K with its low parts and V^T with its low parts, 2 + 2 block_n x D tiles; with one
-    # TF32 product K and V^T), with the bias a (block_m, block_n) bias tile per stage, and
-    # fp32's landing buffer of V (LANDINGS); 1024 bytes to align them; then Sm90FwdBarriers
-    # (2 + 9 STAGES mbarriers of 8 bytes, then the schedule's STAGES + 1 ints, padded to 8
-    # bytes).
-    kv_tiles = 2 if item == 2 or mode & MODE_TF32 else 4
-    landings = 0 if item == 2 else 1
-    bias = stages * block_m * block_n if mode & MODE_BIAS and item == 2 else 0   # fp32: no bias stage
-    smem = (((block_m + (kv_tiles * stages + landings) * block_n) * D + bias) * item + 1024
-            + 8 * (2 + 9 * stages) + -(-4 * (stages + 1) // 8) * 8)
+    f32 = dtype_name == "float32"
+    # fwd_sm90.cu Sm90FwdTile: Q, then a K tile and a V tile per stage, swizzled, of 16-bit
+    # elements (fp32: fp16 halves, two planes each, one with precision="tf32"), with the
+    # bias a (block_m, block_n) bias tile per stage (fp32: none); 1024 bytes to align them;
+    # then Sm90FwdBarriers (2 + 6 STAGES mbarriers of 8 bytes, then the schedule's STAGES +
+    # 1 ints, padded to 8 bytes).
+    planes = 2 if f32 and not mode & MODE_TF32 else 1
+    bias = stages * block_m * block_n if mode & MODE_BIAS and not f32 else 0
+    smem = ((planes * (block_m + 2 * stages * block_n) * D + bias) * 2 + 1024
+            + 8 * (2 + 6 * stages) + -(-4 * (stages + 1) // 8) * 8)
     expr = f"flash_fwd_sm90<{CPP_TYPE[dtype_name]}, {D}, {block_n}, {consumers}, {stages}, {mode}, {smem}>"
     return Variant(FWD_SM90, expr, (consumers + 1) * 128, block_m, smem, mode=mode, tile=tuple(tile), head_dim=D)
 
@@ -361,18 +362,18 @@ def forward_variants(dtype_name: str, D: int, mode: int = MODE_DENSE) -> list[Va
 
 def forward_variants_for(dtype_name: str, D: int, mods, *, causal: bool) -> list[Variant]:
     """forward_variants of the call's mode, less the Hopper option tiles that do not
-    suit it: 192-row tiles (three consumers) under a causal or window band (so too the
-    dense precision="tf32" tiles), and tiles whose query rows a block of the block mask
-    would split (every tile would then need the element mask: 192 rows and blocks of 128)."""
+    suit it: 192-row tiles (three consumers) under a causal or window band, and tiles
+    whose query rows a block of the block mask would split (every tile would then need
+    the element mask: 192 rows and blocks of 128)."""
     variants = forward_variants(dtype_name, D, kernel_mode(mods))
 
     def suits(v: Variant) -> bool:
         if v.family is not FWD_SM90:
             return True
         options = v.mode & ~MODE_TF32 != MODE_DENSE
-        # The 16-bit dense tiles keep their 192 rows under a causal band (their table's
-        # measurements); the option and precision="tf32" tiles do not.
-        if (causal or mods.windowed) and v.block_m > 128 and (options or v.mode & MODE_TF32):
+        # The dense tiles keep their 192 rows under a causal band (their table's
+        # measurements); the option tiles do not.
+        if (causal or mods.windowed) and v.block_m > 128 and options:
             return False
         block_q = mods.block_size[0]
         return not options or mods.block_mask is None or v.block_m % block_q == 0 or block_q % v.block_m == 0
@@ -394,6 +395,9 @@ def all_variants() -> list[Variant]:
             for mode in TF32_MODES if name == "float32" else ():
                 for v in forward_variants(name, D, mode):
                     unique.setdefault((v.source, v.name_expression), v)
+    for mode in (MODE_DENSE, MODE_TF32):
+        for v in halves_passes(mode):
+            unique.setdefault((v.source, v.name_expression), v)
     return list(unique.values())
 
 

@@ -36,34 +36,24 @@
 //     scores' bias), with the heads of a query block side by side in the work order;
 //   - dropout zeroes P after the row sums took it; its keep bits (16 scores per Philox
 //     call) are drawn while S is on the tensor cores.
-// fp32 (T = float) runs on TF32 wgmma at fp32 accuracy (3xTF32, elem.cuh tf32_low): a
-// product of fp32 operands is a_lo b + a b_lo + a b, a's and b's high parts being the
-// fp32 elements themselves, which the tensor cores read truncated to TF32. TF32 wgmma
-// reads shared-memory operands K-major only, and a B operand needs its low parts in
-// shared memory too, so three more warps of the producer warpgroup (the split warps)
-// follow the stages: once K has landed they write its low parts below it in the same
-// tile (S's first product is then one wgmma over the keys' high and low rows,
-// [S_hh | S_hl] = Q [K; K_lo]^T, and the second adds Q_lo K^T from registers); once V has
-// landed they write V^T and its low parts (keys in the order of P's registers, below).
-// TF32 accumulates by truncation, so P V of each key tile is summed from zero on the
-// tensor cores and added to O in the FPU, where rounding is to nearest (the same reason
-// as mma_wide.cuh's slices). The consumers issue S, then P V, of each key tile in turn:
-// the registers do not hold both tiles' products at once beside these sums.
-// precision="tf32" (MODE_TF32) keeps one product each, S = Q K^T and O += P V, O
-// accumulated on the tensor cores in the 16-bit inputs' pipeline. Q, P and V^T are
-// rounded to TF32 to nearest (the consumers round their rows of Q in place and P in
-// registers, the split warps V^T as they write it); K is read as it landed, truncated
-// to TF32 by the tensor cores. Rounding K in place kept the consumers waiting for the
-// split warps (a third of their stall samples, ncu, session 24); without it the
-// forward ran 1.28-1.53x (H200, session 25), and truncation costs ~1.5x the error of
-// rounding (6.5e-4 against 4.1e-4 relative, float64 simulation at d = 128), within
-// the documented tolerance (tests/TOLERANCES.md).
+// fp32 (T = float) runs on the 16-bit tensor cores at fp32 accuracy: split_f32.cu has
+// written q, k and v, each scaled by a power of two, as fp16 high and low halves
+// (halves.cuh), which TMA brings as two planes of every tile; a product is three fp16
+// products, a_h b_h + a_h b_l + a_l b_h (S = Q K^T over the planes of Q and K; P V from P
+// split in registers, scaled by P_SCALE, over V's planes read N-major as in the 16-bit
+// path). The consumers unscale S as it lands and O in the epilogue (powers of two, exact).
+// The tensor cores accumulate by truncation, so each key tile's P V is summed from zero
+// and added to O in the FPU, where rounding is to nearest; S, a few dozen k-steps, takes
+// the truncation. precision="tf32" (MODE_TF32) keeps the high halves' one product each,
+// S = Q K^T and O += P V, P rounded to fp16 as in the 16-bit path: 11 significant bits a
+// factor, TF32's precision, at the 16-bit rate (tests/TOLERANCES.md).
 // Varlen reads (1, H, total, d) tensors at the sequence's row offset: rows past a
 // sequence's end belong to the next one (or are zero-filled past the tensor) and are
 // masked or never stored. Tensors TMA cannot describe (rows not 16-byte aligned) run in
 // fwd_sm80.cu.
 #include "elem.cuh"
 #include "copy.cuh"
+#include "halves.cuh"
 #include "mask.cuh"
 #include "mods.cuh"
 #include "softmax.cuh"
@@ -81,11 +71,6 @@
 // the barriers order them, and compute-sanitizer's racecheck, which does not follow
 // mbarrier ordering, then sees no plain write racing the plain reads of a stage's
 // previous round.
-// fp32: the split warps' arrivals (k_split, v_split) follow k_full and v_full, and the
-// consumers wait for them instead; v_full and v_landing_free guard V's landing buffers
-// (Sm90FwdTile::LANDINGS), the latter completed by the split warps once they have read
-// one. The producer writes the schedule word in every mode, and END there once no work is
-// left, which stops the split warps.
 template <int STAGES>
 struct Sm90FwdBarriers {
     static constexpr int END = -1;
@@ -93,8 +78,6 @@ struct Sm90FwdBarriers {
     u64 k_full[STAGES], v_full[STAGES];
     u64 k_empty[STAGES], v_empty[STAGES];
     u64 bias_full[STAGES], bias_empty[STAGES];   // MODE_BIAS with the bias by TMA
-    u64 k_split[STAGES], v_split[STAGES];         // fp32: the split warps wrote the low parts
-    u64 v_landing_free[STAGES];                   // fp32: ... and read V's landing buffer
     int tile[STAGES];
     int work;   // the work tile whose Q is in flight (END: none left)
 };
@@ -160,133 +143,54 @@ struct Sm90FwdTile {
     static constexpr int CONSUMER_THREADS = CONSUMERS * 128;
     static constexpr int THREADS = CONSUMER_THREADS + 128;   // + the producer warpgroup
     static constexpr int BLOCK_M = CONSUMERS * 64;
-    static constexpr bool TF32 = sizeof(T) == 4;    // fp32 as 3xTF32 (above)
-    static constexpr bool ONE_PRODUCT = TF32 && (MODE & MODE_TF32) != 0;   // precision="tf32"
-    static constexpr bool SPLIT = TF32 && !ONE_PRODUCT;                     // low parts beside
+    // fp32 (above): the tiles hold fp16 halves, PLANES of them (high, and low beside for
+    // full accuracy), and a product is PRODUCTS fp16 products.
+    static constexpr bool F32 = sizeof(T) == 4;
+    static constexpr bool ONE_PRODUCT = F32 && (MODE & MODE_TF32) != 0;   // precision="tf32"
+    static constexpr bool SPLIT = F32 && !ONE_PRODUCT;                     // low halves beside
+    static constexpr int PLANES = SPLIT ? 2 : 1, PRODUCTS = SPLIT ? 3 : 1;
+    // Whether each key tile's S and P V run in turn rather than overlapped (below): fp32
+    // at d = 128 with the options, where the registers do not hold the next tile's S
+    // beside O, the tile's P V and the option state (the overlapped loop spilled 268-708
+    // bytes there; build check).
+    static constexpr bool SERIAL = SPLIT && D >= 128 && (MODE & ~MODE_TF32) != MODE_DENSE;
+    typedef typename HalvesOf<T>::type E;   // the tiles' elements
+    // fp32: P's scale before it is split. The online softmax's stale max lets P reach
+    // 2^RESCALE_SLACK = 2^8 (softmax.cuh), so 2^6 keeps it below 2^14, inside fp16's
+    // range; the low halves stay normal fp16 down to P = 2^-9 (the row's largest P is at
+    // least 1) and round to ~2^-31 absolute below.
+    static constexpr float P_SCALE = SPLIT ? 64.f : 1.f;
+    static_assert(OnlineSoftmax<1>::RESCALE_SLACK == 8.f, "P_SCALE keeps P * P_SCALE below 2^14");
     static constexpr int OPTIONS = MODE & ~MODE_TF32;   // the option policies (mods.cuh)
     static constexpr int NT = BLOCK_N / 8;          // n-tiles of S per warp
     static constexpr int DT = D / 8;                // n-tiles of O per warp
-    static constexpr int KSTEPS = D / WgmmaK<T>::elems;         // k-steps of Q K^T
-    static constexpr int PSTEPS = BLOCK_N / WgmmaK<T>::elems;   // k-steps of P V
+    static constexpr int KSTEPS = D / WgmmaK<E>::elems;         // k-steps of Q K^T
+    static constexpr int PSTEPS = BLOCK_N / WgmmaK<E>::elems;   // k-steps of P V
+    // A plane of the Q tile and of a stage's K and V tiles; the planes of a tile follow
+    // one another.
     static constexpr int Q_ELEMS = BLOCK_M * D, KV_ELEMS = BLOCK_N * D;
-    // A stage's K tile: K, and for fp32 its low parts as BLOCK_N more rows (K_ROWS rows in
-    // all, so each panel holds both); its V tile: V as TMA lands it, or for fp32 V^T and
-    // V^T's low parts (precision="tf32": V^T), which the split warps write from V's landing
-    // buffer. One landing buffer serves every stage (the next V lands once the split warps
-    // have read the last): the shared memory it frees bought precision="tf32" at d = 128
-    // three consumer warpgroups or 64-key tiles (it fitted 32 keys and two: 1.14-1.25x).
-    // A landing buffer a stage measured 0.95-0.99x for 3xTF32, two 0.94-1.02x (H200,
-    // session 24: V's copies are not what the consumers wait for; bench/NOTES.md).
-    static constexpr int K_ROWS = SPLIT ? 2 * BLOCK_N : BLOCK_N;
-    static constexpr int K_TILE_ELEMS = K_ROWS * D, V_TILE_ELEMS = (SPLIT ? 2 : 1) * KV_ELEMS;
-    static constexpr int LANDINGS = TF32 ? 1 : 0;
-    static constexpr int SPLIT_WARPS = 3;           // fp32: the producer warpgroup's warps 1 .. 3
     // MODE_BIAS: a bias tile per stage (BLOCK_M rows, BLOCK_N / 64 panels of 64 keys);
     // none for fp32, whose bias the consumers load from global memory.
-    static constexpr int BIAS_ELEMS = (MODE & MODE_BIAS) != 0 && !TF32 ? BLOCK_M * BLOCK_N : 0;
-    static constexpr int PANEL = 128 / sizeof(T);   // columns per TMA box (128 bytes, the swizzle span)
-    static constexpr u32 Q_BYTES = Q_ELEMS * sizeof(T), KV_BYTES = KV_ELEMS * sizeof(T);
-    static constexpr u32 BIAS_BYTES = BIAS_ELEMS * sizeof(T);
-    // Shared memory (cupyflash/_kernels.py mirrors it): Q, K x STAGES, V x STAGES, bias x
-    // STAGES (MODE_BIAS), V's landing buffers (fp32), each 1024-byte aligned; then the
+    static constexpr int BIAS_ELEMS = (MODE & MODE_BIAS) != 0 && !F32 ? BLOCK_M * BLOCK_N : 0;
+    static constexpr int PANEL = 128 / sizeof(E);   // columns per TMA box (128 bytes, the swizzle span)
+    static constexpr u32 Q_BYTES = Q_ELEMS * sizeof(E), KV_BYTES = KV_ELEMS * sizeof(E);   // a plane's
+    static constexpr u32 BIAS_BYTES = BIAS_ELEMS * sizeof(E);
+    // Shared memory (cupyflash/_kernels.py mirrors it): Q, K x STAGES, V x STAGES (each
+    // PLANES planes), bias x STAGES (MODE_BIAS), each 1024-byte aligned; then the
     // mbarriers and the schedule.
     static constexpr int ALIGN = 1024;
-    static constexpr int TILE_BYTES =
-        (Q_ELEMS + STAGES * (K_TILE_ELEMS + V_TILE_ELEMS + BIAS_ELEMS) + LANDINGS * KV_ELEMS) * sizeof(T);
+    static constexpr int TILE_BYTES = (PLANES * (Q_ELEMS + 2 * STAGES * KV_ELEMS) + STAGES * BIAS_ELEMS) * sizeof(E);
     // The dynamic shared memory the host must give: the tiles, the slack to align them,
     // the barriers.
     static constexpr int SMEM_BYTES = TILE_BYTES + ALIGN + sizeof(Sm90FwdBarriers<STAGES>);
     // Register budgets after setmaxnreg: the producer keeps 24 a thread, 56 where it
-    // walks the options' schedule (with less, its block-mask walk spills) or splits fp32
-    // tiles, 72 where it does both or rounds them in place (build check); the consumers
-    // share the rest of the launch's registers (tma.cuh WarpgroupRegs).
-    static constexpr int PRODUCER_REGS = !TF32 ? (OPTIONS == MODE_DENSE ? 24 : 56)
-                                               : (OPTIONS == MODE_DENSE && SPLIT ? 56 : 72);
+    // walks the options' schedule (with less, its block-mask walk spills; build check);
+    // the consumers share the rest of the launch's registers (tma.cuh WarpgroupRegs).
+    static constexpr int PRODUCER_REGS = OPTIONS == MODE_DENSE ? 24 : 56;
     static constexpr int CONSUMER_REGS = WarpgroupRegs<THREADS, PRODUCER_REGS>::CONSUMER;
     static_assert(D % PANEL == 0 && BLOCK_N % PANEL == 0 && BLOCK_N <= 256 && D <= 256 && BLOCK_M <= 256,
                   "tile shape (TMA boxes take at most 256 rows)");
-    static_assert(LANDINGS <= STAGES, "landing buffers share the stages' barrier arrays");
-
-    // Where the t-th key tile's V lands (TMA's layout; `v_tiles`: the stages' V tiles,
-    // `landings`: fp32's buffers) and the index and round of its landing barriers.
-    __device__ static __forceinline__ int landing(int t) { return TF32 ? t % LANDINGS : t % STAGES; }
-    __device__ static __forceinline__ u32 landing_parity(int t) { return (t / (TF32 ? LANDINGS : STAGES)) & 1; }
-    template <typename E>
-    __device__ static __forceinline__ E* landed_v(E* v_tiles, E* landings, int t) {
-        return TF32 ? landings + landing(t) * KV_ELEMS : v_tiles + landing(t) * V_TILE_ELEMS;
-    }
 };
-
-// The split warps of an fp32 tile (C::TF32): for each stage the producer fills, in the
-// producer's order, once K has landed its low parts into the K tile's rows BLOCK_N ..
-// (the same swizzle phase: BLOCK_N is a multiple of 8), and once V has landed in its
-// landing buffer the stage's V^T and its low parts (rows: head-dim columns; columns:
-// keys, each 8-key group's keys in the order 0 2 4 6 1 3 5 7, so that the C fragment of
-// S, keys 2t and 2t + 1 of a thread's rows, is P V's A fragment as it is: a0 a1 a2 a3 =
-// c0 c2 c1 c3, k-slots t and t + 4). With one product (precision="tf32") they write V^T
-// rounded to TF32 only (K is read as it landed). Each write is fenced for the wgmmas
-// (async proxy) before the warp's arrival, and the landing buffer goes back to the
-// producer beside V^T's arrival. They stop at a schedule word END.
-template <typename C, typename Bars, typename ReadWord, typename ReleaseBar>
-__device__ __forceinline__ void split_stages(float* sK, float* sV, float* sLanding, Bars& bars, ReadWord&& read_word,
-                                             ReleaseBar&& release_bar) {
-    constexpr int BLOCK_N = C::BLOCK_N, D = C::D, STAGES = C::STAGES;
-    constexpr int SPLIT_THREADS = C::SPLIT_WARPS * 32;
-    // Indices are unsigned: with signed ones Swizzle128's divisions took ~10 integer
-    // instructions an element, and the split warps, busy 86% of the time, kept the
-    // consumers waiting for K (a third of their stall samples; ncu, precision="tf32", d =
-    // 128, H200, session 24).
-    const unsigned tid = threadIdx.x - C::CONSUMER_THREADS - 32;
-    typedef Swizzle128<float, BLOCK_N> VLayout;   // V as TMA lays it out: rows are keys
-    typedef Swizzle128<float, D> VtLayout;        // V^T: rows are head-dim columns
-    for (int t = 0;; ++t) {
-        const int s = t % STAGES;
-        const u32 parity = (t / STAGES) & 1;
-        mbar_wait(&bars.k_full[s], parity);
-        if (read_word(&bars.tile[s]) == Bars::END) return;
-        // K's 16-byte chunks, panel by panel: rows 0 .. BLOCK_N - 1 of a K_ROWS-row panel;
-        // their low parts BLOCK_N rows below. (precision="tf32" reads K as it landed.)
-        if constexpr (C::SPLIT) {
-            float* k_tile = sK + s * C::K_TILE_ELEMS;
-            constexpr unsigned CHUNKS = BLOCK_N * 8;   // per panel: 8 chunks of 4 floats a row
-            #pragma unroll 4
-            for (unsigned c = tid; c < (D / 32) * CHUNKS; c += SPLIT_THREADS) {
-                float* chunk = k_tile + (c / CHUNKS) * (C::K_ROWS * 32) + (c % CHUNKS) * 4;
-                store_shared_16(chunk + BLOCK_N * 32, tf32_low(*reinterpret_cast<const float4*>(chunk)));
-            }
-            fence_async_smem();
-            release_bar(&bars.k_split[s]);
-        }
-
-        mbar_wait(&bars.v_full[C::landing(t)], C::landing_parity(t));
-        float* v_tile = C::landed_v(sV, sLanding, t);
-        float* vt = sV + s * C::V_TILE_ELEMS;
-        float* vt_low = vt + C::KV_ELEMS;
-        // A thread takes one head-dim column d of an 8-key group: a warp reads 32
-        // neighbouring columns of a key row (128 bytes) and writes 16-byte chunks of 8
-        // neighbouring V^T rows at distinct swizzle positions, so neither side conflicts.
-        #pragma unroll 2
-        for (unsigned u = tid; u < (BLOCK_N / 8) * D; u += SPLIT_THREADS) {
-            const unsigned d = u % D, key0 = (u / D) * 8;
-            float x[8];
-            #pragma unroll
-            for (unsigned i = 0; i < 8; ++i) x[i] = VLayout::at(v_tile, key0 + i, d & ~3u)[d & 3];
-            const float4 even = make_float4(x[0], x[2], x[4], x[6]), odd = make_float4(x[1], x[3], x[5], x[7]);
-            if constexpr (C::SPLIT) {
-                store_shared_16(VtLayout::at(vt, d, key0), even);
-                store_shared_16(VtLayout::at(vt, d, key0 + 4), odd);
-                store_shared_16(VtLayout::at(vt_low, d, key0), tf32_low(even));
-                store_shared_16(VtLayout::at(vt_low, d, key0 + 4), tf32_low(odd));
-            } else {
-                store_shared_16(VtLayout::at(vt, d, key0), tf32_round(even));
-                store_shared_16(VtLayout::at(vt, d, key0 + 4), tf32_round(odd));
-            }
-        }
-        fence_async_smem();
-        release_bar(&bars.v_landing_free[C::landing(t)]);
-        release_bar(&bars.v_split[s]);
-    }
-}
 
 template <typename T, int D, int BLOCK_N, int CONSUMERS, int STAGES, int MODE, int SMEM_BYTES>
 __global__ void __launch_bounds__(Sm90FwdTile<T, D, BLOCK_N, CONSUMERS, STAGES, MODE>::THREADS, 1)
@@ -298,11 +202,12 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
     constexpr int BLOCK_M = C::BLOCK_M, NT = C::NT, DT = C::DT;
     constexpr bool HEADS_FIRST = (MODE & MODE_BIAS) != 0;
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    T* sQ = reinterpret_cast<T*>(smem_raw + (C::ALIGN - smem_addr(smem_raw) % C::ALIGN) % C::ALIGN);
-    T* sK = sQ + C::Q_ELEMS;                    // STAGES K tiles
-    T* sV = sK + STAGES * C::K_TILE_ELEMS;      // STAGES V tiles
-    T* sBias = sV + STAGES * C::V_TILE_ELEMS;   // STAGES buffers (MODE_BIAS)
-    T* sLanding = sBias + STAGES * C::BIAS_ELEMS;   // LANDINGS buffers (fp32)
+    typedef typename C::E E;
+    constexpr int PLANES = C::PLANES, Q_TILE = PLANES * C::Q_ELEMS, KV_TILE = PLANES * C::KV_ELEMS;
+    E* sQ = reinterpret_cast<E*>(smem_raw + (C::ALIGN - smem_addr(smem_raw) % C::ALIGN) % C::ALIGN);
+    E* sK = sQ + Q_TILE;                  // STAGES K tiles
+    E* sV = sK + STAGES * KV_TILE;        // STAGES V tiles
+    E* sBias = sV + STAGES * KV_TILE;     // STAGES buffers (MODE_BIAS)
     auto& bars = *reinterpret_cast<Sm90FwdBarriers<STAGES>*>(reinterpret_cast<unsigned char*>(sQ) + C::TILE_BYTES);
     // The option state of the current work tile (mods.cuh), one copy for the producer
     // thread and one for the consumers, each written and read by its own side (the
@@ -319,7 +224,7 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
     auto read_word = [](int* word) { return read_published(word); };
     // MODE_BIAS: the bias tiles come by TMA beside K and V where the bias has whole rows
     // (a tensor map describes it), else each thread loads its scores' bias (bias_tile).
-    const bool bias_in_smem = (MODE & MODE_BIAS) != 0 && !C::TF32 && p.mods.bias_tma;
+    const bool bias_in_smem = (MODE & MODE_BIAS) != 0 && !C::F32 && p.mods.bias_tma;
     const int work_tiles = p.grid_m * p.grid_heads * p.grid_batch;
     if (threadIdx.x == 0) {
         mbar_init(&bars.q_full, 1);
@@ -332,9 +237,6 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
             mbar_init(&bars.v_empty[s], CONSUMERS * 4);
             mbar_init(&bars.bias_full[s], 1);
             mbar_init(&bars.bias_empty[s], CONSUMERS * 4);
-            mbar_init(&bars.k_split[s], C::SPLIT_WARPS);
-            mbar_init(&bars.v_split[s], C::SPLIT_WARPS);
-            mbar_init(&bars.v_landing_free[s], C::SPLIT_WARPS);
         }
         mbar_init_fence();
     }
@@ -351,12 +253,16 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
         if (warp == CONSUMERS * 4) {
             const bool leader = lane == 0;
             const ModsT& mods = producer_mods;
-            // Rows in the tensor maps' coordinates: under varlen the sequence's offset. The
-            // panels of dst have panel_rows rows (the box's, or an fp32 K tile's K_ROWS).
-            auto load_panels = [&](T* dst, const TmaMap& map, u64* bar, int panel_rows, i64 row0, int head) {
+            // A tile of `rows` rows (the box's) from row0 on, in the tensor maps' coordinates
+            // (under varlen the sequence's offset), each plane's panels after the last: fp32's
+            // low halves are the head `heads` further on (split_f32.cu).
+            auto load_tile = [&](E* dst, const TmaMap& map, u64* bar, int rows, i64 row0, int head, int heads) {
                 #pragma unroll
-                for (int panel = 0; panel < D / C::PANEL; ++panel)
-                    tma_load_4d(dst + panel * panel_rows * C::PANEL, map, bar, panel * C::PANEL, int(row0), head, mods.tb);
+                for (int plane = 0; plane < PLANES; ++plane)
+                    #pragma unroll
+                    for (int panel = 0; panel < D / C::PANEL; ++panel)
+                        tma_load_4d(dst + (plane * D / C::PANEL + panel) * rows * C::PANEL, map, bar, panel * C::PANEL,
+                                    int(row0), head + plane * heads, mods.tb);
             };
             auto next_work = [&](int w) {
                 if (p.work_counter == nullptr) return w + int(gridDim.x);
@@ -385,16 +291,9 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
                         atomicExch(&bars.work, bars.END);
                         mbar_arrive(&bars.q_full);
                     }
-                    if constexpr (C::TF32) {   // and stops the split warps at the next stage
-                        mbar_wait(&bars.k_empty[t % STAGES], ((t / STAGES) & 1) ^ 1);
-                        if (leader) {
-                            atomicExch(&bars.tile[t % STAGES], bars.END);
-                            mbar_arrive(&bars.k_full[t % STAGES]);
-                        }
-                    }
                     break;
                 }
-                const int h = work.h, hk = h / p.group;
+                const int h = work.h, hk = h / p.group, kv_heads = p.grid_heads / p.group;
                 const int2 tiles = mods.mask.key_tile_range(q0, q0 + q_rows, BLOCK_N);
                 // The key tiles visited, in order: every tile of the range, less those the
                 // block mask leaves out. The dense path visits the range upwards (its
@@ -437,8 +336,8 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
                 if (leader) {
                     // The work word: 2 w, + 1 when no key tile is visited.
                     atomicExch(&bars.work, 2 * w + (k_pos >= walk_length));
-                    mbar_arrive_expect_tx(&bars.q_full, C::Q_BYTES);
-                    load_panels(sQ, p.q_map, &bars.q_full, BLOCK_M, mods.q_base + q0, h);
+                    mbar_arrive_expect_tx(&bars.q_full, PLANES * C::Q_BYTES);
+                    load_tile(sQ, p.q_map, &bars.q_full, BLOCK_M, mods.q_base + q0, h, p.grid_heads);
                 }
                 for (; k_pos < walk_length; ++t) {
                     const int s = t % STAGES, j = tile_at(k_pos);
@@ -453,12 +352,10 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
                             const bool masked = state == 2 || mods.mask.band_needs_mask(q0, q0 + q_rows, j * BLOCK_N,
                                                                                         (j + 1) * BLOCK_N);
                             atomicExch(&bars.tile[s], 4 * j + 2 * (next >= walk_length) + masked);
-                        } else if constexpr (C::TF32) {
-                            atomicExch(&bars.tile[s], 4 * j);   // not END: the split warps go on
                         }
-                        mbar_arrive_expect_tx(&bars.k_full[s], C::KV_BYTES);
-                        load_panels(sK + s * C::K_TILE_ELEMS, p.k_map, &bars.k_full[s], C::K_ROWS,
-                                    mods.k_base + (i64)j * BLOCK_N, hk);
+                        mbar_arrive_expect_tx(&bars.k_full[s], PLANES * C::KV_BYTES);
+                        load_tile(sK + s * KV_TILE, p.k_map, &bars.k_full[s], BLOCK_N, mods.k_base + (i64)j * BLOCK_N, hk,
+                                  kv_heads);
                     }
                     if (bias_in_smem) {
                         mbar_wait(&bars.bias_empty[s], parity);
@@ -472,23 +369,16 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
                                             p.mods.bias_sh != 0 ? h : 0, p.mods.bias_sb != 0 ? work.b : 0);
                         }
                     }
-                    // fp32: V lands apart and the split warps write the stage's V^T from it,
-                    // after this wait on the stage (so the consumers are done with it).
                     mbar_wait(&bars.v_empty[s], parity);
-                    if constexpr (C::TF32)
-                        mbar_wait(&bars.v_landing_free[C::landing(t)], C::landing_parity(t) ^ 1);
                     if (leader) {
-                        u64* landed = &bars.v_full[C::landing(t)];
-                        mbar_arrive_expect_tx(landed, C::KV_BYTES);
-                        load_panels(C::landed_v(sV, sLanding, t), p.v_map, landed, BLOCK_N,
-                                    mods.k_base + (i64)j * BLOCK_N, hk);
+                        mbar_arrive_expect_tx(&bars.v_full[s], PLANES * C::KV_BYTES);
+                        load_tile(sV + s * KV_TILE, p.v_map, &bars.v_full[s], BLOCK_N, mods.k_base + (i64)j * BLOCK_N, hk,
+                                  kv_heads);
                     }
                     k_pos = next;
                     state = next_state;
                 }
             }
-        } else if constexpr (C::TF32) {
-            split_stages<C>(sK, sV, sLanding, bars, read_word, release_bar);
         }
         return;
     }
@@ -503,12 +393,14 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
     // them: the t-th is in stage t % STAGES.
     int t = 0;
     auto wait_full = [&](u64* full, int t) { mbar_wait(&full[t % STAGES], (t / STAGES) & 1); };
-    // Where the consumers learn that a stage's K or V is ready: fp32 once the split warps
-    // have written its low parts (V^T: or rounded it); precision="tf32" takes K as it lands.
-    u64* const k_ready = C::SPLIT ? bars.k_split : bars.k_full;
-    u64* const v_ready = C::TF32 ? bars.v_split : bars.v_full;
     auto release = [&](u64* empty, int t) { release_bar(&empty[t % STAGES]); };
     const float scale_log2 = float(p.scale_log2);
+    // fp32: S's scale and O's in the halves (powers of two, so unscaling is exact).
+    float s_unscale = 1.f, o_unscale = 1.f;
+    if constexpr (C::F32) {
+        s_unscale = 1.f / (halves_scale(p.halves_max[HALVES_Q]) * halves_scale(p.halves_max[HALVES_K]));
+        o_unscale = 1.f / (C::P_SCALE * halves_scale(p.halves_max[HALVES_V]));
+    }
 
     for (int k = 0;; ++k) {
         mbar_wait(&bars.q_full, k & 1);
@@ -527,19 +419,6 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
         const int q0 = work.m_block * BLOCK_M;
         const int q_rows = min(BLOCK_M, mask.nq - q0);
         const int2 tiles = mask.key_tile_range(q0, q0 + q_rows, BLOCK_N);
-        // precision="tf32": this warpgroup's rows of Q rounded to TF32 in place, fenced for
-        // the wgmmas and published to the warpgroup (named barrier 2 + its index).
-        if constexpr (C::ONE_PRODUCT) {
-            constexpr int CHUNKS = 64 * 8;   // per panel: the warpgroup's 64 rows of 8 chunks
-            #pragma unroll 4
-            for (int c = threadIdx.x % 128; c < (D / 32) * CHUNKS; c += 128) {
-                float4* chunk = reinterpret_cast<float4*>(sQ + (c / CHUNKS) * (BLOCK_M * 32) + wg_row0 * 32 + (c % CHUNKS) * 4);
-                *chunk = tf32_round(*chunk);
-            }
-            fence_async_smem();
-            named_barrier(2 + warp / 4, 128);
-        }
-
         float acc[1][DT][4];
         zero_frags(acc);
         OnlineSoftmax<1> softmax;
@@ -547,87 +426,64 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
         float s[1][NT][4];
         u32 p_frag[C::PSTEPS][4];   // P of the tile whose P V is next, as A fragments
         float alpha[1][2];
-        // fp32 (3xTF32): S's products [S_hh | S_hl] (the second half then added to the
-        // first), P's low parts, and one key tile's P V, summed into acc in the FPU.
-        constexpr bool TF32 = C::TF32, SPLIT = C::SPLIT;
-        float s2[1][SPLIT ? 2 * NT : 1][4];
+        // fp32 with the low halves: P's low halves, and one key tile's P V, summed into acc
+        // in the FPU.
+        constexpr bool F32 = C::F32, SPLIT = C::SPLIT;
         u32 p_low[SPLIT ? C::PSTEPS : 1][4];
         float o_tile[1][SPLIT ? DT : 1][4];
 
-        // S = Q K^T of the t-th key tile (this warpgroup's 64 rows), one batch. fp32: into
-        // s2, Q [K; K_lo]^T, then Q_lo K^T (Q_lo from Q's shared tile, in the m16n8k8 A
-        // layout) onto its first half.
+        // S = Q K^T of the t-th key tile (this warpgroup's 64 rows), one batch: the
+        // products of planes (0, 0), then fp32's (0, 1) and (1, 0).
         auto issue_s = [&](int t) {
-            const T* sKb = sK + (t % STAGES) * C::K_TILE_ELEMS;
-            u32 q_low[SPLIT ? C::KSTEPS : 1][4];
-            if constexpr (SPLIT) {
-                #pragma unroll
-                for (int ks = 0; ks < C::KSTEPS; ++ks)
-                    #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int row = warp_row0 + g + 8 * (e % 2), col = 8 * ks + t4 + 4 * (e / 2);
-                        q_low[ks][e] = __float_as_uint(tf32_low(Swizzle128<float, BLOCK_M>::at(sQ, row, col & ~3)[col & 3]));
-                    }
-            }
+            const E* sKb = sK + (t % STAGES) * KV_TILE;
             wgmma_fence();
-            if constexpr (SPLIT) {
-                auto& s_hh = *reinterpret_cast<float (*)[NT][4]>(&s2[0][0][0]);
-                Wgmma<float, 2 * BLOCK_N>::template ss<false>(s2[0], kmajor_desc<float, BLOCK_M>(sQ, wg_row0, 0),
-                                                              kmajor_desc<float, C::K_ROWS>(sKb, 0, 0));
+            #pragma unroll
+            for (int product = 0; product < C::PRODUCTS; ++product) {
+                const E* q = sQ + (product == 2) * C::Q_ELEMS;
+                const E* k = sKb + (product == 1) * C::KV_ELEMS;
                 #pragma unroll
-                for (int ks = 1; ks < C::KSTEPS; ++ks)
-                    Wgmma<float, 2 * BLOCK_N>::template ss<true>(s2[0], kmajor_desc<float, BLOCK_M>(sQ, wg_row0, ks),
-                                                                 kmajor_desc<float, C::K_ROWS>(sKb, 0, ks));
-                #pragma unroll
-                for (int ks = 0; ks < C::KSTEPS; ++ks)
-                    Wgmma<float, BLOCK_N>::template rs<true>(s_hh, q_low[ks], kmajor_desc<float, C::K_ROWS>(sKb, 0, ks));
-            } else {
-                Wgmma<T, BLOCK_N>::template ss<false>(s[0], kmajor_desc<T, BLOCK_M>(sQ, wg_row0, 0), kmajor_desc<T, BLOCK_N>(sKb, 0, 0));
-                #pragma unroll
-                for (int ks = 1; ks < C::KSTEPS; ++ks)
-                    Wgmma<T, BLOCK_N>::template ss<true>(s[0], kmajor_desc<T, BLOCK_M>(sQ, wg_row0, ks), kmajor_desc<T, BLOCK_N>(sKb, 0, ks));
+                for (int ks = 0; ks < C::KSTEPS; ++ks) {
+                    const u64 a = kmajor_desc<E, BLOCK_M>(q, wg_row0, ks), b = kmajor_desc<E, BLOCK_N>(k, 0, ks);
+                    if (product == 0 && ks == 0)
+                        Wgmma<E, BLOCK_N>::template ss<false>(s[0], a, b);
+                    else
+                        Wgmma<E, BLOCK_N>::template ss<true>(s[0], a, b);
+                }
             }
             wgmma_commit();
         };
-        // S once its product has landed (3xTF32: the sum of s2's halves).
+        // S once its product has landed (fp32: unscaled).
         auto land_s = [&]() {
-            if constexpr (SPLIT) {
-                reg_fence(s2[0]);
+            reg_fence(s[0]);
+            if constexpr (F32) {
                 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt)
                     #pragma unroll
-                    for (int e = 0; e < 4; ++e) s[0][nt][e] = s2[0][nt][e] + s2[0][NT + nt][e];
-            } else {
-                reg_fence(s[0]);
+                    for (int e = 0; e < 4; ++e) s[0][nt][e] *= s_unscale;
             }
         };
-        // O += P V of the t-th key tile, one batch. 3xTF32: o_tile = P_lo V + P V_lo + P V
-        // from V^T's tiles (split_stages), added to acc once landed (land_pv); one TF32
-        // product: P V^T into acc.
+        // O += P V of the t-th key tile, one batch, V read N-major. fp32 with the low
+        // halves: o_tile = P_h V_h + P_h V_l + P_l V_h, added to acc once landed (land_pv).
         auto issue_pv = [&](int t) {
-            const T* sVb = sV + (t % STAGES) * C::V_TILE_ELEMS;
+            const E* sVb = sV + (t % STAGES) * KV_TILE;
             wgmma_fence();
-            if constexpr (TF32 && !SPLIT) {
+            if constexpr (SPLIT) {
                 #pragma unroll
-                for (int ks = 0; ks < C::PSTEPS; ++ks)
-                    Wgmma<float, D>::template rs<true>(acc[0], p_frag[ks], kmajor_desc<float, D>(sVb, 0, ks));
-            } else if constexpr (SPLIT) {
-                const float* vt = sVb;
-                const float* vt_low = vt + C::KV_ELEMS;
-                Wgmma<float, D>::template rs<false>(o_tile[0], p_low[0], kmajor_desc<float, D>(vt, 0, 0));
-                #pragma unroll
-                for (int ks = 1; ks < C::PSTEPS; ++ks)
-                    Wgmma<float, D>::template rs<true>(o_tile[0], p_low[ks], kmajor_desc<float, D>(vt, 0, ks));
-                #pragma unroll
-                for (int ks = 0; ks < C::PSTEPS; ++ks)
-                    Wgmma<float, D>::template rs<true>(o_tile[0], p_frag[ks], kmajor_desc<float, D>(vt_low, 0, ks));
-                #pragma unroll
-                for (int ks = 0; ks < C::PSTEPS; ++ks)
-                    Wgmma<float, D>::template rs<true>(o_tile[0], p_frag[ks], kmajor_desc<float, D>(vt, 0, ks));
+                for (int product = 0; product < C::PRODUCTS; ++product) {
+                    const E* v = sVb + (product == 1) * C::KV_ELEMS;
+                    #pragma unroll
+                    for (int ks = 0; ks < C::PSTEPS; ++ks) {
+                        const u32 (&a)[4] = product == 2 ? p_low[ks] : p_frag[ks];
+                        if (product == 0 && ks == 0)
+                            Wgmma<E, D>::template rs<false>(o_tile[0], a, mnmajor_desc<E, BLOCK_N>(v, ks));
+                        else
+                            Wgmma<E, D>::template rs<true>(o_tile[0], a, mnmajor_desc<E, BLOCK_N>(v, ks));
+                    }
+                }
             } else {
                 #pragma unroll
                 for (int ks = 0; ks < C::PSTEPS; ++ks)
-                    Wgmma<T, D>::template rs<true>(acc[0], p_frag[ks], mnmajor_desc<T, BLOCK_N>(sVb, ks));
+                    Wgmma<E, D>::template rs<true>(acc[0], p_frag[ks], mnmajor_desc<E, BLOCK_N>(sVb, ks));
             }
             wgmma_commit();
         };
@@ -661,7 +517,7 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
         typedef u32 BiasPairs[NT][2 * Words::N];
         auto bias_tile = [&](int t, int jt, BiasPairs& pairs) {
             if constexpr ((MODE & MODE_BIAS) != 0) {
-                if constexpr (!TF32) {
+                if constexpr (!F32) {
                     if (bias_in_smem) {
                         wait_full(bars.bias_full, t);
                         const T* stage = sBias + (t % STAGES) * C::BIAS_ELEMS;
@@ -754,27 +610,14 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
             }
         };
         // P into A fragments; p_frag must not change while a P V that reads it is in flight.
-        // fp32: n-tile ks of S is k-step ks, its keys 2t, 2t + 1 in k-slots t, t + 4
-        // (split_stages' order of V^T), and the low parts beside (3xTF32) or P rounded
-        // to TF32 (one product).
+        // fp32 with the low halves: P times P_SCALE in high and low halves.
         auto round_p = [&]() {
             #pragma unroll
             for (int ks = 0; ks < C::PSTEPS; ++ks) {
-                if constexpr (TF32) {
-                    constexpr int SLOT[4] = {0, 2, 1, 3};
-                    #pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        const float x = s[0][ks][SLOT[i]];
-                        if constexpr (SPLIT) {
-                            p_frag[ks][i] = __float_as_uint(x);
-                            p_low[ks][i] = __float_as_uint(tf32_low(x));
-                        } else {
-                            p_frag[ks][i] = __float_as_uint(tf32_round(x));
-                        }
-                    }
-                } else {
-                    c_to_a_frag<T>(p_frag[ks], s, 0, ks);
-                }
+                if constexpr (SPLIT)
+                    c_to_split_a_frags(p_frag[ks], p_low[ks], s, 0, ks, C::P_SCALE);
+                else
+                    c_to_a_frag<E>(p_frag[ks], s, 0, ks);
             }
         };
 
@@ -792,7 +635,7 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
                 masked = jt >= dense_masked_from;
                 last = jt + 1 >= tiles.y;
             } else {
-                wait_full(k_ready, t);
+                wait_full(bars.k_full, t);
                 const int code = read_word(&bars.tile[t % STAGES]);
                 jt = code >> 2;
                 last = code & 2;
@@ -811,12 +654,12 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
         // leave register copies between the wgmmas and their wait.)
         // fp32 as 3xTF32: each key tile's S, then its P V, in turn (see the top); Q goes
         // back once the last S has landed.
-        if constexpr (SPLIT) {
+        if constexpr (C::SERIAL) {
             for (bool last = (work_word & 1) != 0; !last; ++t) {
                 int jt;
                 bool masked;
                 visited(t, jt, masked, last);
-                wait_full(k_ready, t);
+                wait_full(bars.k_full, t);
                 issue_s(t);
                 const u64 keep = keep_bits(jt);
                 wgmma_wait<0>();
@@ -827,7 +670,7 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
                 bias_tile(t, jt, bias);
                 const bool grew = softmax_tile(jt, masked, keep, bias);
                 round_p();
-                wait_full(v_ready, t);
+                wait_full(bars.v_full, t);
                 issue_pv(t);
                 if (grew) softmax.rescale(acc, alpha);
                 wgmma_wait<0>();
@@ -839,7 +682,7 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
             int jt;
             bool masked, last;
             visited(t, jt, masked, last);
-            wait_full(k_ready, t);
+            wait_full(bars.k_full, t);
             issue_s(t);
             const u64 keep = keep_bits(jt);
             wgmma_wait<0>();
@@ -852,8 +695,8 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
             round_p();
             for (; !last; ++t) {
                 visited(t + 1, jt, masked, last);
-                wait_full(k_ready, t + 1);
-                wait_full(v_ready, t);
+                wait_full(bars.k_full, t + 1);
+                wait_full(bars.v_full, t);
                 issue_s(t + 1);
                 issue_pv(t);
                 const u64 keep = keep_bits(jt);
@@ -871,7 +714,7 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
                 round_p();
             }
             release_bar(&bars.q_empty);
-            wait_full(v_ready, t);
+            wait_full(bars.v_full, t);
             issue_pv(t);
             wgmma_wait<0>();
             land_pv();
@@ -882,7 +725,7 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
         }
 
         float row_lse[1][2];
-        softmax.finalize(acc, row_lse, mods.dropout() ? mods.drop_scale : 1.f);
+        softmax.finalize(acc, row_lse, (mods.dropout() ? mods.drop_scale : 1.f) * o_unscale);
 
         // Epilogue: O straight from the accumulators, a thread's two neighbouring columns
         // per store (nothing staged in shared memory: the producer may already be loading
@@ -900,7 +743,7 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
                 #pragma unroll
                 for (int dt = 0; dt < DT; ++dt)
                     if (dt * 8 + 2 * t4 < p.dim_v) {
-                        if constexpr (TF32)
+                        if constexpr (F32)
                             *reinterpret_cast<float2*>(o_row + dt * 8) = make_float2(acc[0][dt][2 * hh], acc[0][dt][2 * hh + 1]);
                         else
                             *reinterpret_cast<u32*>(o_row + dt * 8) = pack2<T>(acc[0][dt][2 * hh], acc[0][dt][2 * hh + 1]);

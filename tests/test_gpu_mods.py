@@ -713,21 +713,28 @@ def _fp32_hopper_params():
             yield pytest.param(d, nq, nk, layout, causal, build, id=f"{name}-d{d}-{nq}x{nk}-{layout}")
 
 
-@pytest.mark.parametrize("d,nq,nk,layout,causal,build,precision", [
-    *(pytest.param(*p.values, precision, id=f"{p.id}-{precision}") for i, p in enumerate(_fp32_hopper_params())
-      for precision in ("highest", "tf32")[:1 + (i % 3 == 0)]),
-    # precision="tf32"'s dense tiles over many key tiles (the landing buffer of V reused
-    # round after round): three consumer warpgroups, two under a causal band.
-    *(pytest.param(d, 1000, 1000, LAYOUTS[d // 128], causal, lambda *a: {}, "tf32",
-                   id=f"dense-tiles-{'causal-' if causal else ''}d{d}-1000x1000-tf32")
-      for d in (64, 128) for causal in (False, True))])
-def test_hopper_fp32_forward_on_tf32_wgmma(rng, monkeypatch, d, nq, nk, layout, causal, build, precision):
-    """fp32 on Hopper's TF32 warpgroup MMA (fwd_sm90.cu with the split warps) against the
-    float64 reference, dense and with every option (the bias read from global memory);
-    GQA 2:1: at fp32's tolerance (3xTF32), or with precision="tf32" (one
-    product, MODE_TF32) at the documented TF32 tolerance, gradients included (the
-    backward is fp32-accurate from that forward's o and LSE). The forward must take
-    that kernel."""
+# q, k and v far outside fp16's range (the halves' scales), q k^T of order 1 and the
+# gradients (dq ~ |v| |k|, dk ~ |v| |q|) inside fp32's normal range.
+FAR_FROM_FP16 = (3e-21, 3e20, 1e-9)
+
+
+@pytest.mark.parametrize("d,nq,nk,layout,causal,build,precision,magnitudes", [
+    *(pytest.param(*p.values, precision, FAR_FROM_FP16 if i % 4 == 1 else (1, 1, 1),
+                   id=f"{p.id}-{precision}" + ("-far-from-fp16" if i % 4 == 1 else ""))
+      for i, p in enumerate(_fp32_hopper_params()) for precision in ("highest", "tf32")[:1 + (i % 3 == 0)]),
+    # The dense tiles over many key tiles (stages reused round after round), both precisions.
+    *(pytest.param(d, 1000, 1000, LAYOUTS[d // 128], causal, lambda *a: {}, precision, (1, 1, 1),
+                   id=f"dense-tiles-{'causal-' if causal else ''}d{d}-1000x1000-{precision}")
+      for d in (64, 128) for causal in (False, True) for precision in ("highest", "tf32"))])
+def test_hopper_fp32_forward_on_fp16_halves(rng, monkeypatch, d, nq, nk, layout, causal, build, precision,
+                                            magnitudes):
+    """fp32 on Hopper's 16-bit warpgroup MMA (fwd_sm90.cu over the fp16 halves that
+    split_f32.cu writes, kernels_cu/halves.cuh) against the float64 reference, dense and
+    with every option (the bias read from global memory); GQA 2:1: at fp32's tolerance
+    (three products), or with precision="tf32" (the high halves' one product, MODE_TF32)
+    at the documented TF32 tolerance, gradients included (the backward is fp32-accurate
+    from that forward's o and LSE). q, k and v far outside fp16's range (q k^T of order 1)
+    check the halves' scales. The forward must take that kernel after the two passes."""
     if DRY_RUN:
         pytest.skip("pins a GPU kernel")
     import cupy as cp
@@ -736,6 +743,7 @@ def test_hopper_fp32_forward_on_tf32_wgmma(rng, monkeypatch, d, nq, nk, layout, 
         pytest.skip("not a Hopper GPU")
     batch = 2 if nq * nk <= 10**6 else 1
     host = _qkv(rng, "float32", d, nq, nk, 2, layout, batch=batch)
+    host[:3] = [x * np.float32(m) for x, m in zip(host, magnitudes)]
     opts = build(rng, batch, 4, nq, nk, "float32")
     launched = []
     launch = _cuda._launch
@@ -760,6 +768,8 @@ def test_hopper_fp32_forward_on_tf32_wgmma(rng, monkeypatch, d, nq, nk, layout, 
     assert forward and all(v.family is _kernels.FWD_SM90 and "<float," in v.name_expression
                            and bool(v.mode & _kernels.MODE_TF32) == tf32 for v in forward), \
         [v.name_expression for v in launched]
+    passes = [v.name_expression for v in launched if v.family is _kernels.SPLIT_F32]
+    assert passes == ["f32_halves_max", f"f32_halves<{1 if tf32 else 2}>"] * len(forward), passes
 
 
 # The bias on the Hopper backward (bwd_sm90.cu's MODE_BIAS kernels, whole (Nq, Nk) rows

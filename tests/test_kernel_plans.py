@@ -88,11 +88,12 @@ def test_deterministic_plans_add_dq_only_in_order(dtype):
 
 
 def _kernel_templates(source):
-    """{kernel name: number of template parameters} of the __global__ templates in a source."""
-    pattern = re.compile(r"template\s*<([^>]*)>\s*__global__\s+void\s+"
+    """{kernel name: number of template parameters} of the __global__ functions in a
+    source (0: not a template)."""
+    pattern = re.compile(r"(?:template\s*<([^>]*)>\s*)?__global__\s+void\s+"
                          r"(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\(")
     code = re.sub(r"//[^\n]*", "", source)
-    return {name: len(params.split(",")) for params, name in pattern.findall(code)}
+    return {name: len(params.split(",")) if params else 0 for params, name in pattern.findall(code)}
 
 
 def test_every_variant_names_a_kernel_template_of_its_source():
@@ -100,9 +101,9 @@ def test_every_variant_names_a_kernel_template_of_its_source():
     for v in _kernels.all_variants():
         if v.source not in templates:
             templates[v.source] = _kernel_templates((_nvrtc.KERNEL_DIR / v.source).read_text())
-        name, args = re.fullmatch(r"(\w+)<(.*)>", v.name_expression).groups()
+        name, args = re.fullmatch(r"(\w+)(?:<(.*)>)?", v.name_expression).groups()
         assert name in templates[v.source], f"{v.name_expression}: no kernel {name} in {v.source}"
-        assert len(args.split(",")) == templates[v.source][name], v.name_expression
+        assert (len(args.split(",")) if args else 0) == templates[v.source][name], v.name_expression
 
 
 @pytest.mark.parametrize("arch, source", [("sm_90a", "fwd_sm90.cu"), ("sm_80", "fwd_sm80.cu"),
@@ -305,15 +306,15 @@ def test_hopper_option_tile_at_d64(monkeypatch, block_size, causal, window, rows
 
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-def test_tf32_dense_tile_follows_the_causal_band(monkeypatch, D, causal):
-    # precision="tf32" without options at d = 64: three consumer warpgroups (192 rows)
-    # where no causal band masks the tiles' diagonal, two (128 rows) under one; at d = 128
-    # two, 64-key tiles, either way (the tile table's measurements).
+def test_tf32_takes_the_16_bit_tiles(monkeypatch, D, causal):
+    # precision="tf32" runs the fp16 high halves' one product (fwd_sm90.cu): the 16-bit
+    # kernels' tiles, which it fits as they do.
     monkeypatch.setattr(_cuda, "_device_info", lambda device_id: ("sm_90a", HOPPER_SMEM))
     mods = _mods.Modifiers(tf32=True)
     chosen = _cuda._choose(_kernels.forward_variants_for("float32", D, mods, causal=causal), 0)
     assert chosen.family is _kernels.FWD_SM90 and chosen.mode == _kernels.MODE_DENSE | _kernels.MODE_TF32
-    assert chosen.block_m == (128 if causal or D == 128 else 192)
+    half = _cuda._choose(_kernels.forward_variants_for("float16", D, _mods.NONE, causal=causal), 0)
+    assert chosen.tile == half.tile and chosen.smem_bytes == half.smem_bytes
 
 
 @pytest.mark.parametrize("tf32", [False, True])

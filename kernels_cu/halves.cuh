@@ -1,0 +1,64 @@
+// fp32 operands as fp16 halves, for the tensor cores' 16-bit products (fwd_sm90.cu).
+//
+// An fp32 tensor x is scaled by a power of two s (so that max |x s| lies in [2^14, 2^15),
+// inside fp16's range) and split into a high half h = fp16(x s) and a low half
+// l = fp16(x s - h): h carries 11 significant bits and l the next 11, so h + l holds x s
+// to about 2^-22 relative, where TF32's three-product split holds 2^-21. A product of two
+// such operands is then three fp16 products, a_h b_h + a_h b_l + a_l b_h (a_l b_l is
+// ~2^-22 of it): on Hopper the 16-bit tensor-core rate is twice TF32's, and 16-bit wgmma
+// reads shared-memory operands in either major order, so V needs no transposed copy.
+// precision="tf32" keeps a_h b_h alone (11 significant bits a factor, TF32's precision).
+// The scale is one per tensor: an element far below the tensor's largest keeps its
+// absolute error (about 2^-40 of the largest in the low half's subnormals), so the error
+// norms the tests hold (tests/TOLERANCES.md) do not see it. Infinities and NaN are left
+// out of the largest element and pass through the halves as themselves.
+//
+// split_f32.cu finds each tensor's largest finite |x| (as its bits: a non-negative float
+// orders as its bits do, so atomicMax on them finds it) and writes the halves; the kernels
+// that read them recompute s from the same bits (halves_scale), so the host never waits.
+#pragma once
+#include "elem.cuh"
+
+// The elements a kernel's tiles hold for inputs of type T: T, or fp16 halves for fp32.
+template <typename T> struct HalvesOf { typedef T type; };
+template <> struct HalvesOf<float> { typedef half_t type; };
+
+// The largest finite magnitudes' bits of q, k and v, in AttnParams::halves_max.
+enum { HALVES_Q = 0, HALVES_K = 1, HALVES_V = 2, HALVES_TENSORS = 3 };
+
+// The scale s = 2^(14 - e) of a tensor whose largest finite |x| is in [2^e, 2^(e + 1))
+// (its bits `max_bits`); e at least -112 so that s stays a normal float (an all-zero or
+// subnormal tensor), at most 127.
+__device__ __forceinline__ float halves_scale(u32 max_bits) {
+    const int e = max(int(max_bits >> 23) - 127, -112);
+    return __uint_as_float(u32(14 - e + 127) << 23);
+}
+
+// The elements of a row of halves for rows of `cols`: whole 16 bytes, which TMA needs of a
+// row's stride (cupyflash/_cuda.py allocates them so).
+__host__ __device__ constexpr int halves_row(int cols) { return (cols + 7) / 8 * 8; }
+
+// x (already scaled) as its high half and the fp16 rounding of what the high half missed.
+__device__ __forceinline__ void split_half(float x, half_t& hi, half_t& lo) {
+    hi = from_float<half_t>(x);
+    lo = from_float<half_t>(x - to_float(hi));
+}
+
+// Two scaled floats as pack2's pair of high halves and the pair of their low halves.
+__device__ __forceinline__ void split_pack2(float a, float b, u32& hi, u32& lo) {
+    hi = pack2<half_t>(a, b);
+    const float ha = to_float(half_t{u16(hi & 0xffffu)}), hb = to_float(half_t{u16(hi >> 16)});
+    lo = pack2<half_t>(a - ha, b - hb);
+}
+
+// warp_mm.cuh c_to_a_frag for a split operand: the C fragments of n-tiles 2 ks and 2 ks + 1
+// times `mul`, as the A fragments of k-step ks in high and low halves.
+template <int MT, int KT>
+__device__ __forceinline__ void c_to_split_a_frags(u32 (&hi)[4], u32 (&lo)[4], const float (&x)[MT][KT][4], int mt,
+                                                   int ks, float mul) {
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float* c = x[mt][2 * ks + i / 2];
+        split_pack2(c[2 * (i % 2)] * mul, c[2 * (i % 2) + 1] * mul, hi[i], lo[i]);
+    }
+}
