@@ -35,12 +35,24 @@ struct HalvesSlice {
     }
     __device__ __forceinline__ bool empty() const { return h >= heads || row0 >= rows; }
     // Calls f(row, col, count) for the CTA's elements in runs of 4 (count 4: a 16-byte
-    // aligned float4 of one row) or 1, the threads' runs neighbouring in each row.
+    // aligned float4 of one row) or 1, the threads' runs neighbouring in each row. A
+    // thread's runs are HALVES_THREADS apart: their rows and columns follow from the
+    // first's by a fixed step and a carry (a division per run made the passes issue-bound),
+    // and four at a time are unrolled so that their loads are in flight together.
     template <typename F>
     __device__ __forceinline__ void for_each(bool vec, F&& f) const {
         const int run = vec && cols % 4 == 0 ? 4 : 1, per_row = cols / run;
-        const int n = (row_end - row0) * per_row;
-        for (int i = threadIdx.x; i < n; i += HALVES_THREADS) f(row0 + i / per_row, (i % per_row) * run, run);
+        const int step_rows = HALVES_THREADS / per_row, step_runs = HALVES_THREADS % per_row;
+        int row = row0 + int(threadIdx.x) / per_row, r = int(threadIdx.x) % per_row;
+        #pragma unroll 4
+        for (; row < row_end; row += step_rows) {
+            f(row, r * run, run);
+            r += step_runs;
+            if (r >= per_row) {
+                r -= per_row;
+                ++row;
+            }
+        }
     }
 };
 
