@@ -4,7 +4,7 @@ forward follows two passes that write q, k and v as fp16 halves (split_f32.cu).
 
     python bench/forward_launch_times.py --dtype float32 --head-dim 64 --seqlen 1024 [--causal] [--precision tf32]
 
-B N = 16k and H d = 2048 as in the grid; (B, N, H, d) layout.
+B N = 16k and H d = 2048 as in the grid; (B, H, N, d) arrays, the API's default layout.
 """
 
 import argparse
@@ -27,7 +27,7 @@ def main():
     p.add_argument("--reps", type=int, default=20)
     a = p.parse_args()
     B, H = 16384 // a.seqlen, 2048 // a.head_dim
-    q, k, v = (cp.random.standard_normal((B, a.seqlen, H, a.head_dim), dtype=cp.float32).astype(a.dtype)
+    q, k, v = (cp.random.standard_normal((B, H, a.seqlen, a.head_dim), dtype=cp.float32).astype(a.dtype)
                for _ in range(3))
     call = lambda: cupyflash.attention(q, k, v, causal=a.causal, precision=a.precision)  # noqa: E731
     call()

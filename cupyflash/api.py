@@ -110,13 +110,15 @@ progress : callable or "tqdm", optional
     never call it.
 precision : {"highest", "tf32"}, default "highest"
     float32 inputs only (ValueError for other dtypes). "highest" computes at float32
-    accuracy: on Hopper GPUs each matrix product runs on the tensor cores as three TF32
-    products (3xTF32), elsewhere as the other kernels do. "tf32" lets the Hopper forward
-    pass take one TF32 product instead (operands rounded to 11 significant bits, k
-    truncated to them): faster, with relative errors of a few 1e-4
-    (``tests/TOLERANCES.md``). The backward pass, other GPUs and the NumPy backend
-    compute at float32 accuracy either way (the gradients start from the forward's o and
-    LSE, so they carry its error)."""
+    accuracy: the Hopper forward splits q, k and v (each scaled by a power of two) into
+    fp16 high and low halves and runs each matrix product as three fp16 products on the
+    tensor cores; elsewhere products run as three TF32 products (3xTF32). "tf32" lets the
+    Hopper forward take the high halves' one product instead (operands rounded to 11
+    significant bits, TF32's precision): about twice as fast, with relative errors of a
+    few 1e-4 (``tests/TOLERANCES.md``). The backward pass, other GPUs and the NumPy
+    backend compute at float32 accuracy either way (the gradients start from the
+    forward's o and LSE, so they carry its error). The Hopper forward's halves take as
+    much device memory as q, k and v (half with "tf32") for the length of the call."""
 
 _INPUTS_DOC = """\
 q : array, shape (..., Hq, Nq, d) or (B, Nq, Hq, d)

@@ -89,22 +89,11 @@ __device__ __forceinline__ double log2_fast(double x) { return log2(x); }
 #define INFINITY __int_as_float(0x7f800000)
 #endif
 
-// TF32 parts of fp32 values (the tensor cores read the top 19 bits of a .tf32 operand).
-// tf32_round: x's bits plus half a TF32 ulp, so that the tensor core's truncation of it
-// is x rounded to nearest TF32 (ties away; cvt.rna without its inf/NaN select; within
-// 2^-12 relative of FLT_MAX it rounds to inf). tf32_low: the part of x that the
-// truncation drops, exact in fp32 (3xTF32 on wgmma: a_lo b + a b_lo + a b with the high
-// parts the fp32 elements themselves; the dropped terms stay below 2^-19 of |a b|).
+// An fp32 value rounded for a TF32 operand (the tensor cores read the top 19 bits of a
+// .tf32 operand): x's bits plus half a TF32 ulp, so that the tensor core's truncation of
+// it is x rounded to nearest TF32 (ties away; cvt.rna without its inf/NaN select; within
+// 2^-12 relative of FLT_MAX it rounds to inf).
 __device__ __forceinline__ float tf32_round(float x) { return __uint_as_float(__float_as_uint(x) + 0x1000u); }
-__device__ __forceinline__ float4 tf32_round(float4 x) {
-    return make_float4(tf32_round(x.x), tf32_round(x.y), tf32_round(x.z), tf32_round(x.w));
-}
-__device__ __forceinline__ float tf32_low(float x) {
-    return x - __uint_as_float(__float_as_uint(x) & 0xffffe000u);
-}
-__device__ __forceinline__ float4 tf32_low(float4 x) {
-    return make_float4(tf32_low(x.x), tf32_low(x.y), tf32_low(x.z), tf32_low(x.w));
-}
 
 // A template parameter's use that takes no part in deduction (std::type_identity).
 template <typename X> struct NoDeduce { typedef X type; };

@@ -652,8 +652,8 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
         // soon as the product that reads it has landed. (The issue order is
         // unconditional inside the loop: a wgmma batch issued on one path only would
         // leave register copies between the wgmmas and their wait.)
-        // fp32 as 3xTF32: each key tile's S, then its P V, in turn (see the top); Q goes
-        // back once the last S has landed.
+        // C::SERIAL (fp32 at d = 128 with the options): each key tile's S, then its P V,
+        // in turn; Q goes back once the last S has landed.
         if constexpr (C::SERIAL) {
             for (bool last = (work_word & 1) != 0; !last; ++t) {
                 int jt;
