@@ -85,30 +85,6 @@ __device__ __forceinline__ bool dropout_keep(u64 seed, u64 stream, u64 row, u64 
     return dropout_byte(dropout_words(seed, stream, x, y), b) >= threshold;
 }
 
-// The keep bits of one 16-row m-tile of scores held as mma C fragments [NT][4]
-// (for_each_score's layout) whose rows start at r0 (a multiple of 16) and columns at c0
-// (a multiple of 32), counted from the origin of `base`: bit 4 nt + e for element e of
-// n-tile nt, one Philox call per 4 n-tiles. They depend on indices alone, so a kernel
-// draws them while the tensor cores compute the scores.
-template <int NT>
-__device__ __forceinline__ u64 dropout_keep_bits(u64 seed, u64 stream, int r0, int c0, u32 threshold, uint2 base) {
-    static_assert(NT % 4 == 0 && 4 * NT <= 64, "whole 32-column blocks, at most 64 scores");
-    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    const u32 y = base.y + static_cast<u32>((r0 >> 4) * 8 + g);
-    u64 bits = 0;
-    #pragma unroll
-    for (int blk = 0; blk < NT / 4; ++blk) {
-        const uint4 w = dropout_words(seed, stream, base.x + static_cast<u32>(((c0 >> 5) + blk) * 4 + t), y);
-        #pragma unroll
-        for (int nt = 0; nt < 4; ++nt)
-            #pragma unroll
-            for (int e = 0; e < 4; ++e)
-                if (dropout_byte(w, (e / 2) * 8 + nt * 2 + (e % 2)) >= threshold)
-                    bits |= 1ull << (4 * (blk * 4 + nt) + e);
-    }
-    return bits;
-}
-
 // Bits 0-3: whether bytes 0-3 of `word` are >= the threshold (1 .. 255), four compares in
 // six integer instructions, where one per byte and the bits' assembly took about twelve:
 // d = (word | 0x80..) - (the threshold's low 7 bits in each byte) borrows within no byte
@@ -119,11 +95,42 @@ __device__ __forceinline__ u64 dropout_keep_bits(u64 seed, u64 stream, int r0, i
 // bytes_threshold) carries the threshold's top bit. One multiply then gathers the four
 // top bits 7, 15, 23, 31 into bits 28 .. 31 (their cross products land elsewhere).
 __device__ __forceinline__ u32 bytes_threshold(u32 threshold) { return threshold * 0x01010101u; }
-__device__ __forceinline__ u32 bytes_at_least(u32 word, u32 repeated) {
+// The verdicts as the bytes' top bits (7, 15, 23, 31), for a caller's own gather.
+__device__ __forceinline__ u32 bytes_top_at_least(u32 word, u32 repeated) {
     constexpr u32 TOP = 0x80808080u;
     const u32 d = (word | TOP) - (repeated & ~TOP);
-    const u32 top = ((word & d) | ((word | d) & ~repeated)) & TOP;
-    return (top * 0x00204081u) >> 28;
+    return ((word & d) | ((word | d) & ~repeated)) & TOP;
+}
+__device__ __forceinline__ u32 bytes_at_least(u32 word, u32 repeated) {
+    return (bytes_top_at_least(word, repeated) * 0x00204081u) >> 28;
+}
+
+// The keep bits of one 16-row m-tile of scores held as mma C fragments [NT][4]
+// (for_each_score's layout) whose rows start at r0 (a multiple of 16) and columns at c0
+// (a multiple of 32), counted from the origin of `base`: bit 4 nt + e for element e of
+// n-tile nt, one Philox call per 4 n-tiles. They depend on indices alone, so a kernel
+// draws them while the tensor cores compute the scores.
+template <int NT>
+__device__ __forceinline__ u64 dropout_keep_bits(u64 seed, u64 stream, int r0, int c0, u32 threshold, uint2 base) {
+    static_assert(NT % 4 == 0 && 4 * NT <= 64, "whole 32-column blocks, at most 64 scores");
+    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const u32 y = base.y + static_cast<u32>((r0 >> 4) * 8 + g);
+    const u32 repeated = bytes_threshold(threshold);
+    u64 bits = 0;
+    #pragma unroll
+    for (int blk = 0; blk < NT / 4; ++blk) {
+        const uint4 w = dropout_words(seed, stream, base.x + static_cast<u32>(((c0 >> 5) + blk) * 4 + t), y);
+        // Word 2 E + N holds the bytes of elements 2 E, 2 E + 1 of n-tiles 2 N, 2 N + 1 (byte
+        // (nt % 2) * 2 + e % 2): their bits 4 nt + e are two pairs 4 apart from 8 N + 2 E. One
+        // multiply puts the four top bits at 26, 27, 30 and 31 (bytes_at_least's way).
+        #pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            const u32 word = q == 0 ? w.x : q == 1 ? w.y : q == 2 ? w.z : w.w;
+            const u32 pairs = (bytes_top_at_least(word, repeated) * 0x00081081u) >> 26;
+            bits |= u64(pairs) << (16 * blk + 8 * (q % 2) + 2 * (q / 2));
+        }
+    }
+    return bits;
 }
 
 // The keep bits of the transposed products' fragments (bwd_sm90.cu: C fragments whose rows

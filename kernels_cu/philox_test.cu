@@ -22,6 +22,20 @@ __global__ void dropout_keep_kernel(u64 seed, u64 offset, u32 batch, u32 head, u
     }
 }
 
+// keep[(row - r0) * NT * 8 + (key - c0)] of one m-tile, 16 rows from r0 (a multiple of 16)
+// by NT n-tiles of keys from c0 (a multiple of 32), counted from the origin (row_origin,
+// key_origin), from dropout_keep_bits as the forward's threads hold them (bit 4 nt + e of
+// lane 4 g + t: row g + 8 (e / 2), key 8 nt + 2 t + e % 2). One warp.
+template <int NT>
+__global__ void dropout_m_tile_kernel(u64 seed, u64 stream, int r0, int c0, u32 row_origin, u32 key_origin,
+                                      u32 threshold, unsigned char* keep) {
+    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const u64 bits = dropout_keep_bits<NT>(seed, stream, r0, c0, threshold, dropout_counter_base(row_origin, key_origin));
+    for (int nt = 0; nt < NT; ++nt)
+        for (int e = 0; e < 4; ++e)
+            keep[(g + 8 * (e / 2)) * (NT * 8) + 8 * nt + 2 * t + e % 2] = (bits >> (4 * nt + e)) & 1u;
+}
+
 // keep[(key - key0) * nq_tile + (q - q0)] of the block's 16 keys a warp from key0 by NT * 8
 // queries from q0, counted from the origin (row_origin, key_origin), from
 // dropout_keep_bits_key_rows as the backward's threads hold them (bit 4 nt + e of lane 4 g +

@@ -276,8 +276,8 @@ def test_single_element_arguments_are_checked():
 
 # --------------------------------------------------------------------------- kernels
 
-KERNELS = ("philox4x32_kernel<10>", "philox4x32_kernel<7>", "dropout_keep_kernel", "dropout_key_rows_kernel<8, false>",
-           "dropout_key_rows_kernel<8, true>")
+KERNELS = ("philox4x32_kernel<10>", "philox4x32_kernel<7>", "dropout_keep_kernel", "dropout_m_tile_kernel<8>",
+           "dropout_key_rows_kernel<8, false>", "dropout_key_rows_kernel<8, true>")
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_test_kernels_build(arch):
@@ -328,6 +328,27 @@ def test_gpu_dropout_keep_matches_numpy(p, row0, key0, rng):
     grid = _philox.dropout_keep_mask(seed, offset, batch, head, np.arange(row0, row0 + 64),
                                      np.arange(key0, key0 + 97), p=p, heads=heads)
     np.testing.assert_array_equal(cupy.asnumpy(keep[:64 * 97]).reshape(64, 97), grid.astype(np.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("p", [0.0, 0.1, 0.5, 1 - 1 / 256])
+@pytest.mark.parametrize("r0,c0", [(0, 0), (16, 64), (4096 + 48, 2**20 + 32)])
+@pytest.mark.parametrize("row_origin, key_origin", [(0, 0), (384, 2**20 + 160)])
+def test_gpu_m_tile_bits_match_numpy(p, r0, c0, row_origin, key_origin):
+    """The forward's keep bits (fwd_sm90.cu: one Philox call a thread for 4 n-tiles, the
+    byte compares a word at a time) against the per-score draw of the NumPy twin, over a
+    warp's 16 rows x 64 keys, counted from an origin (a chunk pair's) or from 0."""
+    import cupy
+
+    seed, stream = 2**63 + 54321, 91
+    keep = cupy.full((16, 64), 7, dtype=cupy.uint8)   # poisoned
+    _gpu_kernel("dropout_m_tile_kernel<8>")((1,), (32,), (
+        np.uint64(seed), np.uint64(stream), np.int32(r0), np.int32(c0), np.uint32(row_origin),
+        np.uint32(key_origin), np.uint32(_philox.dropout_threshold(p)), keep))
+    rows, keys = np.meshgrid(np.arange(row_origin + r0, row_origin + r0 + 16),
+                             np.arange(key_origin + c0, key_origin + c0 + 64), indexing="ij")
+    expected = _philox.dropout_keep(seed, stream, 0, 0, rows.ravel(), keys.ravel(), p=p, heads=1)
+    np.testing.assert_array_equal(cupy.asnumpy(keep), expected.reshape(16, 64).astype(np.uint8))
 
 
 @pytest.mark.gpu
