@@ -108,7 +108,10 @@ _FWD_SM90_TABLES = {MODE_DENSE: FWD_SM90_TILES, MODE_EXT: FWD_SM90_EXT_TILES, MO
 # fp32 in the same kernel on fp16 halves (fwd_sm90.cu, kernels_cu/halves.cuh): every tile
 # holds a high and a low plane, so a stage's K and V take as many bytes as fp32's, and
 # each product is three fp16 products; every mode (the bias read from global memory, no
-# bias stage). Not yet measured on a GPU: the 16-bit tiles' shapes where they fit.
+# bias stage). Measured (H200, N = 1k / 4k, bench/results/h200-2026-11-29-42097c4-tune-fp32-tf32-halves.log):
+# d = 64 (128, 2, 2) 125 / 171 TFLOP/s, causal 82 / 143, against (128, 2, 3) 120 / 164 and
+# (64, 2, 4) 123 / 165 (causal within 1%); d = 128 (64, 2, 2) 150 / 212, 94 / 183, the
+# one that fits (128-key tiles need 320 KB).
 FWD_SM90_F32_TILES = {
     64: ((128, 2, 2), (64, 2, 2)),
     128: ((64, 2, 2),),
@@ -119,14 +122,17 @@ FWD_SM90_F32_EXT_TILES = {
 }
 _FWD_SM90_F32_TABLES = {MODE_DENSE: FWD_SM90_F32_TILES, MODE_EXT: FWD_SM90_F32_EXT_TILES,
                         MODE_EXT | MODE_BIAS: FWD_SM90_F32_EXT_TILES}
-# precision="tf32": the high halves alone, one product each: the 16-bit tiles, but with
-# the bias, whose fp32 pairs (two words each, read from global memory) spilled those
-# tiles (build check): 64 keys and two consumers, to d = 128.
+# precision="tf32": the high halves alone, one product each: the 16-bit tiles, but at d =
+# 128 two stages (H200, N = 1k / 4k, bench/results/h200-2026-11-29-42097c4-tune-fp32-tf32-halves.log:
+# (128, 2, 2) 243 / 467 TFLOP/s, causal 140 / 347, against three stages' 243 / 439, 138 /
+# 328), and with the bias, whose fp32 pairs (two words each, read from global memory)
+# spilled those tiles (build check), 64 keys and two consumers, to d = 128.
 FWD_SM90_TF32_BIAS_TILES = {
     64: ((64, 2, 3),),
     128: ((64, 2, 2),),
 }
-_FWD_SM90_TF32_TABLES = {MODE_DENSE: FWD_SM90_TILES, MODE_EXT: FWD_SM90_EXT_TILES,
+FWD_SM90_TF32_TILES = {**FWD_SM90_TILES, 128: ((128, 2, 2),)}
+_FWD_SM90_TF32_TABLES = {MODE_DENSE: FWD_SM90_TF32_TILES, MODE_EXT: FWD_SM90_EXT_TILES,
                          MODE_EXT | MODE_BIAS: FWD_SM90_TF32_BIAS_TILES}
 # The same with the options of _mods (window, dropout, bias, ...; the MODE_EXT kernels):
 # their per-score work and the option state need registers that the dense tiles with 64
