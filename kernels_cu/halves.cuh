@@ -38,10 +38,12 @@ __device__ __forceinline__ float halves_scale(u32 max_bits) {
 // row's stride (cupyflash/_cuda.py allocates them so).
 __host__ __device__ constexpr int halves_row(int cols) { return (cols + 7) / 8 * 8; }
 
-// x (already scaled) as its high half and the fp16 rounding of what the high half missed.
+// x (already scaled) as its high half and the fp16 rounding of what the high half missed;
+// an infinity or NaN as itself and a low half of 0 (inf - inf would make it NaN).
 __device__ __forceinline__ void split_half(float x, half_t& hi, half_t& lo) {
     hi = from_float<half_t>(x);
-    lo = from_float<half_t>(x - to_float(hi));
+    const float rest = x - to_float(hi);
+    lo = from_float<half_t>(rest == rest ? rest : 0.f);
 }
 
 // Two scaled floats as pack2's pair of high halves and the pair of their low halves.
