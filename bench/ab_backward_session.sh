@@ -8,22 +8,10 @@
 # files, SANITIZE="<sanitize_cases.py arguments>" racecheck and memcheck on those cases.
 # Usage: OPTIONS="dropout softcap" COMMIT=<sha> bash bench/ab_backward_session.sh
 # (options: bench/ab_versions.py OPTIONS, "dense" for the dense call beside torch's peers)
-set -u -o pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-OLD=${OLD:-.ab_old}
-HEAD_DIMS=${HEAD_DIMS:-64 128}
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 CUPYFLASH_CACHE_DIR=${CUPYFLASH_CACHE_DIR:-/tmp/cupyflash-cache}
-nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader
-pre="import cupyflash as cf; print(len(cf.precompile(dtypes=['bfloat16', 'float16'], head_dims=[${HEAD_DIMS// /, }], workers=16, options=True)), 'kernels')"
-python3 -c "$pre" > "$OUT/precompile.log" 2>&1; echo "precompile rc=$? ($(tail -1 "$OUT/precompile.log"))"
-PYTHONPATH=$PWD/$OLD python3 -c "$pre" > "$OUT/precompile-old.log" 2>&1; echo "precompile old rc=$? ($(tail -1 "$OUT/precompile-old.log"))"
-[ -n "${TESTS:-}" ] && { timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_backward.py \
-    tests/test_gpu_mods.py -k "$TESTS" > "$OUT/pytest.log" 2>&1; echo "gpu tests rc=$?"; tail -n 3 "$OUT/pytest.log"; }
-[ -n "${SANITIZE:-}" ] && for tool in racecheck memcheck; do
-    timeout 150 compute-sanitizer --tool $tool --error-exitcode 9 python3 tests/sanitize_cases.py $SANITIZE \
-        > "$OUT/$tool.log" 2>&1
-    echo "$tool rc=$? : $(grep -E 'SUMMARY|sanitize cases' "$OUT/$tool.log" | tr '\n' ' ')"
-done
+source "$(dirname "$0")/ab_session_common.sh"
+precompile_both "['bfloat16', 'float16']"
+gpu_tests tests/test_gpu_backward.py tests/test_gpu_mods.py
+sanitize
 for option in ${OPTIONS:-dropout}; do
     timeout 150 python3 bench/ab_versions.py "$OLD" --backward --option "$option" --head-dims $HEAD_DIMS \
         --seqlens ${SEQLENS:-4096 16384} > "$OUT/ab-$option.log" 2>&1; echo "ab $option rc=$?"; cat "$OUT/ab-$option.log"

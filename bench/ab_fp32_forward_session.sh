@@ -7,23 +7,10 @@
 # runs those GPU tests of the forward and option files, SANITIZE="<sanitize_cases.py
 # arguments>" racecheck and memcheck on those cases.
 # Usage: TESTS="float32" SANITIZE="float32 64 128" bash bench/ab_fp32_forward_session.sh
-set -u -o pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-OLD=${OLD:-.ab_old}
-HEAD_DIMS=${HEAD_DIMS:-64 128}
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 CUPYFLASH_CACHE_DIR=${CUPYFLASH_CACHE_DIR:-/tmp/cupyflash-cache}
-nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader
-pre="import cupyflash as cf; print(len(cf.precompile(dtypes=['float32'], head_dims=[${HEAD_DIMS// /, }], workers=16, options=True)), 'kernels')"
-python3 -c "$pre" > "$OUT/precompile.log" 2>&1; echo "precompile rc=$? ($(tail -1 "$OUT/precompile.log"))"
-PYTHONPATH=$PWD/$OLD python3 -c "$pre" > "$OUT/precompile-old.log" 2>&1; echo "precompile old rc=$? ($(tail -1 "$OUT/precompile-old.log"))"
-[ -n "${TESTS:-}" ] && { timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -m gpu -q -p no:cacheprovider \
-    tests/test_gpu_forward.py tests/test_gpu_mods.py -k "$TESTS" > "$OUT/pytest.log" 2>&1; echo "gpu tests rc=$?"
-    grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -20; tail -n 3 "$OUT/pytest.log"; }
-[ -n "${SANITIZE:-}" ] && for tool in racecheck memcheck; do
-    timeout 150 compute-sanitizer --tool $tool --error-exitcode 9 python3 tests/sanitize_cases.py $SANITIZE \
-        > "$OUT/$tool.log" 2>&1
-    echo "$tool rc=$? : $(grep -E 'SUMMARY|sanitize cases' "$OUT/$tool.log" | tr '\n' ' ')"
-done
+source "$(dirname "$0")/ab_session_common.sh"
+precompile_both "['float32']"
+gpu_tests tests/test_gpu_forward.py tests/test_gpu_mods.py
+sanitize
 for precision in highest tf32; do
     timeout 150 python3 bench/ab_versions.py "$OLD" --dtype float32 --precision $precision --head-dims $HEAD_DIMS \
         --seqlens ${SEQLENS:-1024 4096} > "$OUT/ab-$precision.log" 2>&1; echo "ab $precision rc=$?"; cat "$OUT/ab-$precision.log"

@@ -18,7 +18,7 @@ tests/test_gpu_mods.py test_hopper_fp32_forward_on_fp16_halves).
 
 import numpy as np
 from gpu_cases import TOLERANCE
-from test_tf32_split import mma_step, reference, rel_err
+from test_tf32_split import mma_step, online_softmax_tiles, reference, rel_err
 
 P_SCALE = np.float32(64.0)   # fwd_sm90.cu Sm90FwdTile::P_SCALE
 RESCALE_SLACK = 8            # softmax.cuh: P <= 2^8 under a stale max
@@ -61,33 +61,22 @@ def attention_halves(q, k, v, scale, block_n=64, products=3, per_tile=True):
     sq, sk, sv = halves_scale(q), halves_scale(k), halves_scale(v)
     qh = split(q, sq)
     p_scale = P_SCALE if products == 3 else np.float32(1)
-    scale_log2 = np.float32(scale * np.log2(np.e))
-    nq = q.shape[0]
-    row_max = np.full(nq, -np.inf, np.float32)
-    row_sum = np.zeros(nq, np.float32)
-    acc = np.zeros((nq, v.shape[1]), np.float32)
-    for k0 in range(0, k.shape[0], block_n):
-        n = min(block_n, k.shape[0] - k0)
-        kt = np.pad(k[k0:k0 + n], ((0, block_n - n), (0, 0)))   # zero-filled tail, masked below
-        vt = np.pad(v[k0:k0 + n], ((0, block_n - n), (0, 0)))
-        s = (matmul_halves(qh, split(kt, sk), products) / (sq * sk)).astype(np.float32)
-        s[:, n:] = -np.inf
-        new_max = np.maximum(row_max, (s.max(1) * scale_log2).astype(np.float32))
-        alpha = np.exp2(row_max - new_max).astype(np.float32)
-        row_max = new_max
-        p = np.exp2((s * scale_log2 - row_max[:, None]).astype(np.float32)).astype(np.float32)
-        row_sum = (row_sum * alpha + p.sum(1, dtype=np.float32)).astype(np.float32)
-        acc = (acc * alpha[:, None]).astype(np.float32)
+
+    def scores(kt):
+        return (matmul_halves(qh, split(kt, sk), products) / (sq * sk)).astype(np.float32)
+
+    def add_pv(acc, p, vt):
         ph, pl = split(p, p_scale)
         vh, vl = split(vt.T.copy(), sv)
         if per_tile:
-            acc = (acc + matmul_halves((ph, pl), (vh, vl), products)).astype(np.float32)
-        else:
-            pairs = ((ph, vh), (ph, vl), (pl, vh))[:products]
-            for j in range(0, block_n, 16):
-                js = slice(j, j + 16)
-                for x, y in pairs:
-                    acc = mma_step(acc, x[:, None, js], y[None, :, js])
+            return (acc + matmul_halves((ph, pl), (vh, vl), products)).astype(np.float32)
+        for j in range(0, block_n, 16):
+            js = slice(j, j + 16)
+            for x, y in ((ph, vh), (ph, vl), (pl, vh))[:products]:
+                acc = mma_step(acc, x[:, None, js], y[None, :, js])
+        return acc
+
+    acc, row_sum = online_softmax_tiles(q, k, v, scale, block_n, scores, add_pv)
     return acc / (row_sum[:, None] * p_scale * sv)
 
 

@@ -68,36 +68,45 @@ def matmul_3xtf32(a, b):
     return c
 
 
-def attention_3xtf32(q, k, v, scale, block_n=64, per_tile=True):
-    """The kernel's forward for one head: key tiles of block_n, online softmax in fp32,
-    P V summed per tile from zero (per_tile) or straight into the output accumulator."""
-    nq, d = q.shape
+def online_softmax_tiles(q, k, v, scale, block_n, scores, add_pv):
+    """The kernels' forward loop for one head in fp32: key tiles of block_n (a zero-filled
+    tail, masked), S = scores(k_tile) unscaled, the online softmax, the output accumulator
+    rescaled and then add_pv(acc, p, v_tile) for the tile. Returns (acc, row sums)."""
+    nq = q.shape[0]
     scale_log2 = np.float32(scale * np.log2(np.e))
     row_max = np.full(nq, -np.inf, np.float32)
     row_sum = np.zeros(nq, np.float32)
     acc = np.zeros((nq, v.shape[1]), np.float32)
     for k0 in range(0, k.shape[0], block_n):
-        kt, vt = k[k0:k0 + block_n], v[k0:k0 + block_n]
-        n = kt.shape[0]
-        kt = np.pad(kt, ((0, block_n - n), (0, 0)))   # zero-filled tail, masked below
-        vt = np.pad(vt, ((0, block_n - n), (0, 0)))
-        s = matmul_3xtf32(q, kt)
+        n = min(block_n, k.shape[0] - k0)
+        kt = np.pad(k[k0:k0 + n], ((0, block_n - n), (0, 0)))
+        vt = np.pad(v[k0:k0 + n], ((0, block_n - n), (0, 0)))
+        s = scores(kt)
         s[:, n:] = -np.inf
         new_max = np.maximum(row_max, (s.max(1) * scale_log2).astype(np.float32))
         alpha = np.exp2(row_max - new_max).astype(np.float32)
         row_max = new_max
         p = np.exp2((s * scale_log2 - row_max[:, None]).astype(np.float32)).astype(np.float32)
         row_sum = (row_sum * alpha + p.sum(1, dtype=np.float32)).astype(np.float32)
-        acc = (acc * alpha[:, None]).astype(np.float32)
+        acc = add_pv((acc * alpha[:, None]).astype(np.float32), p, vt)
+    return acc, row_sum
+
+
+def attention_3xtf32(q, k, v, scale, block_n=64, per_tile=True):
+    """fwd_wide.cu's forward for one head: P V summed per tile from zero (per_tile) or
+    straight into the output accumulator."""
+    def add_pv(acc, p, vt):
         if per_tile:
-            acc = (acc + matmul_3xtf32(p, vt.T.copy())).astype(np.float32)
-        else:
-            p_big, p_small = split(p)
-            v_big, v_small = split(vt.T.copy())
-            for j in range(0, block_n, 8):
-                js = slice(j, j + 8)
-                for x, y in ((p_small, v_big), (p_big, v_small), (p_big, v_big)):
-                    acc = mma_step(acc, x[:, None, js], y[None, :, js])
+            return (acc + matmul_3xtf32(p, vt.T.copy())).astype(np.float32)
+        p_big, p_small = split(p)
+        v_big, v_small = split(vt.T.copy())
+        for j in range(0, block_n, 8):
+            js = slice(j, j + 8)
+            for x, y in ((p_small, v_big), (p_big, v_small), (p_big, v_big)):
+                acc = mma_step(acc, x[:, None, js], y[None, :, js])
+        return acc
+
+    acc, row_sum = online_softmax_tiles(q, k, v, scale, block_n, lambda kt: matmul_3xtf32(q, kt), add_pv)
     return acc / row_sum[:, None]
 
 
