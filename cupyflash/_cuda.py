@@ -366,7 +366,7 @@ def attention_forward(q, k, v, o, lse, *, scale: float, causal: bool, mods=_mods
     if plan.halves:
         # Kept alive until the forward is queued (a buffer freed before would be the next
         # allocation's, the work counter's below).
-        halves, largest = _forward_halves(plan, params, q, k, v)
+        halves, largest = _halves_of(plan.halves, 1 if plan.variant.mode & MODE_TF32 else 2, params, (q, k, v))
         specs = _map_specs((halves[0], plan.variant.block_m), *((x, plan.variant.tile[0]) for x in halves[1:]))
         if specs is None:
             raise RuntimeError("the driver refused a tensor map of fp16 halves")
@@ -382,32 +382,35 @@ def attention_forward(q, k, v, o, lse, *, scale: float, causal: bool, mods=_mods
     _launch(plan.variant, plan.grid, q.device.id, params)
 
 
-def _forward_halves(plan: _ForwardPlan, params: _params.Params, q, k, v) -> tuple:
-    """fp32 on the Hopper forward: q, k and v as fp16 halves (kernels_cu/halves.cuh), written
-    by the plan's two passes (split_f32.cu) on the call's stream, and their largest
-    magnitudes' words set in ``params``. Returns (B, PLANES H, N, d) views of the three
-    arrays (rows padded to 16 bytes, as TMA needs) and the words' array, whose memory
-    returns to CuPy's pool once the caller drops them: kernels that reuse it later on this
-    stream run after the forward."""
+def _halves_of(passes, planes: int, params: _params.Params, tensors) -> tuple:
+    """fp32 on the Hopper kernels: ``tensors`` (q, k, v, and for the backward dO) as fp16
+    halves (kernels_cu/halves.cuh), written by ``passes`` (split_f32.cu) on the call's
+    stream, and their largest magnitudes' words set in ``params``. Returns (B, planes H, N,
+    d) views of the arrays (rows padded to 16 bytes, as TMA needs) and the words' array,
+    whose memory returns to CuPy's pool once the caller drops them: kernels that reuse it
+    later on this stream run after the caller's."""
     import cupy
-
-    planes = 1 if plan.variant.mode & MODE_TF32 else 2
 
     def halves_of(x):
         B, H, N, cols = x.shape
         return cupy.empty((B, planes * H, N, -(-cols // 8) * 8), cupy.float16)[..., :cols]
 
-    halves = tuple(halves_of(x) for x in (q, k, v))
-    largest = cupy.zeros(3, cupy.uint32)   # HALVES_Q, _K, _V (halves.cuh)
+    halves = tuple(halves_of(x) for x in tensors)
+    largest = cupy.zeros(4, cupy.uint32)   # HALVES_Q, _K, _V, _DO (halves.cuh)
     params.set(halves_max=largest.data.ptr)
+    q, k = tensors[:2]
     # The passes' grid (split_f32.cu): the arrays' own rows and batch (under varlen the
-    # packed (1, H, total, d) arrays).
-    passes = params.copy().set(halves_q=halves[0].data.ptr, halves_k=halves[1].data.ptr, halves_v=halves[2].data.ptr,
-                               nq=q.shape[2], nk=k.shape[2], grid_heads=q.shape[1], grid_batch=q.shape[0])
-    grid = (math.ceil(max(q.shape[2], k.shape[2]) / plan.halves[0].block_m), q.shape[1], 3 * q.shape[0])
-    for variant in plan.halves:
-        _launch(variant, grid, q.device.id, passes)
+    # packed (1, H, total, d) arrays), a z-slice of the grid per tensor.
+    passes_params = params.copy().set(**{f"halves_{name}": x.data.ptr for name, x in zip(("q", "k", "v", "do"), halves)},
+                                      nq=q.shape[2], nk=k.shape[2], grid_heads=q.shape[1], grid_batch=q.shape[0])
+    grid = (math.ceil(max(q.shape[2], k.shape[2]) / passes[0].block_m), q.shape[1], len(tensors) * q.shape[0])
+    for variant in passes:
+        _launch(variant, grid, q.device.id, passes_params)
     return halves, largest
+
+
+# A key-block launch whose tensor maps describe fp16 halves made per call (`_halves_of`).
+HALVES = "halves"
 
 
 def _tensor_maps(specs, arrays, names) -> dict:
@@ -503,6 +506,7 @@ class _BackwardLaunchPlan:
     dq_ld: int             # 0: no dQ workspace (the dQ kernel computes dq)
     dq_turns: int          # turn counters of a key-block kernel that adds dQ in order (bwd.cuh DqTurns)
     work_counter: bool     # the Hopper key-block kernel's unit counter (bwd_sm90.cu Sm90BwdUnits)
+    halves: tuple          # fp32 on it: the passes writing q, k, v and dO as fp16 halves first (split_f32.cu)
     split_units: int       # its units taken in pieces: a piece counter (after the unit counter) and
     split_floats: int      # the fp32 dK and dV sums (floats) of each, zeroed
     params: _params.Params
@@ -527,7 +531,9 @@ def _plan_backward(do, q, k, v, o, dq, dk, dv, *, scale, causal, deterministic, 
     split = (0, 0)
     for _, candidates in plan.kv:
         variant, specs = _choose(candidates, device_id), None
-        if variant.family.tensor_maps:
+        if variant.family.tensor_maps and q.dtype == np.float32:
+            specs = HALVES   # its maps describe the halves, made per call
+        elif variant.family.tensor_maps:
             specs = _sm90_backward_map_specs(variant, q, k, v, do, mods, dbias)
             if specs is None:   # the next kernel in line
                 variant = _choose([c for c in candidates if not c.family.tensor_maps], device_id)
@@ -564,7 +570,8 @@ def _plan_backward(do, q, k, v, o, dq, dk, dv, *, scale, causal, deterministic, 
         finish = (plan.convert, (math.ceil(Nq * d / plan.convert.block_m), Hq, B))
     prep = (plan.prep, (nq_pad // plan.prep.block_m, Hq, B))
     work_counter = any(bwd_sm90_persistent(variant) for variant, _, _ in kv)
-    return _BackwardLaunchPlan(prep, tuple(kv), finish, nq_pad, dq_ld, dq_turns, work_counter, *split, params)
+    halves = halves_passes(MODE_DENSE) if any(specs is HALVES for _, _, specs in kv) else ()
+    return _BackwardLaunchPlan(prep, tuple(kv), finish, nq_pad, dq_ld, dq_turns, work_counter, halves, *split, params)
 
 
 def attention_backward(do, q, k, v, o, lse, dq, dk, dv, *, scale, causal, deterministic,
@@ -630,9 +637,17 @@ def attention_backward(do, q, k, v, o, lse, dq, dk, dv, *, scale, causal, determ
                    dbias=_params.address(dbias if variant.grads & GRAD_DK else None),
                    work_counter=_params.address(work_counter if bwd_sm90_persistent(variant) else None),
                    kv_partial=_params.address(kv_partial))
+        maps_of = (q, do, k, v, mods.bias)
+        if specs is HALVES:
+            # Kept alive until the kernel is queued (a buffer freed before would be the next
+            # allocation's).
+            halves, largest = _halves_of(plan.halves, 2, params, (q, k, v, do))
+            maps_of = (halves[0], halves[3], halves[1], halves[2])
+            specs = _map_specs(*((x, rows) for x, rows in zip(maps_of, (variant.tile[0],) * 2 + (variant.block_m,) * 2)))
+            if specs is None:
+                raise RuntimeError("the driver refused a tensor map of fp16 halves")
         if specs is not None:
-            params.set(**_tensor_maps(specs, (q, do, k, v, mods.bias),
-                                      ("q_map", "dout_map", "k_map", "v_map", "bias_map")))
+            params.set(**_tensor_maps(specs, maps_of, ("q_map", "dout_map", "k_map", "v_map", "bias_map")))
             rows_map = _tma.rows_map(rows, sm90_rows_box(variant.tile[0]))
             if rows_map is None:
                 raise RuntimeError("the CUDA driver refused the tensor map of the backward's row workspaces")

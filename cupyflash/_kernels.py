@@ -511,6 +511,24 @@ BWD_SM90_KV_TILES = {
 }
 # From this head dim bwd_sm90.cu's warpgroups take the roles (Sm90BwdKVTile::ROLES).
 BWD_SM90_ROLES_MIN_HEAD_DIM = 192
+# fp32 in the same kernel on fp16 halves (kernels_cu/halves.cuh; split_f32.cu writes q, k, v
+# and dO as high and low planes first), the dense path alone (MODE_DENSE, MODE_BAND), in
+# the roles at every head dim: a warpgroup's dV or dK beside its query tile's sum (the
+# tensor cores truncate as they accumulate, so each tile's products are added in the
+# FPU). H200, N = 1k / 4k, against bwd_wide.cu (3xTF32 on mma.sync) in one process
+# (bench/results/h200-2026-11-29-e71a374-ab-fp32-bwd-halves-vs-c5f2190.log): d = 64 122 /
+# 152 TFLOP/s (2.6 / 3.1x), causal 88 / 135; d = 128 144 / 178 (3.7 / 4.4x), causal 104 / 163.
+BWD_SM90_F32_KV_TILES = {
+    64: ((64, 2),),
+    128: ((64, 2),),
+}
+
+
+def bwd_sm90_roles(variant: "Variant") -> bool:
+    """Whether a bwd_sm90.cu kernel runs its warpgroups in the roles (Sm90BwdKVTile::ROLES):
+    from BWD_SM90_ROLES_MIN_HEAD_DIM, and fp32 (its first template argument) at every one."""
+    return variant.head_dim >= BWD_SM90_ROLES_MIN_HEAD_DIM or variant.name_expression.startswith(
+        "flash_bwd_dkdv_sm90<float,")
 
 
 def _sm90_bwd_tile(D: int, tile) -> tuple[int, int]:
@@ -534,7 +552,7 @@ def bwd_sm90_splits_units(variant: "Variant") -> bool:
     Sm90BwdKVTile::SPLITS: the dense kernels of the default mode below the roles' head
     dims; `sm90_unit_split`)."""
     return (variant.family is BWD_SM90 and variant.mode == MODE_DENSE and not variant.grads & GRAD_DQ_ORDERED
-            and variant.head_dim < BWD_SM90_ROLES_MIN_HEAD_DIM)
+            and not bwd_sm90_roles(variant))
 
 
 def sm90_unit_split(units: int, ctas: int, pairs: int) -> tuple[int, int]:
@@ -682,11 +700,14 @@ def _sm90_rows_ld(block_m: int) -> int:
 
 def _sm90_dkdv(dtype_name: str, D: int, tile, grads: int, mode: int) -> Variant:
     consumers = tile[1]
-    roles = D >= BWD_SM90_ROLES_MIN_HEAD_DIM   # Sm90BwdKVTile::ROLES: both warpgroups on the same 64 keys
-    block_m, block_n = _sm90_bwd_tile(D, tile)
+    f32 = dtype_name == "float32"   # fp16 halves, two planes a tile, the roles at every head dim
+    planes = 2 if f32 else 1
+    # Sm90BwdKVTile::ROLES: both warpgroups on the same 64 keys
+    roles = D >= BWD_SM90_ROLES_MIN_HEAD_DIM or f32
+    block_m, block_n = tile[0], 64 if roles else 64 * consumers
     assert grads & GRAD_DQ, "bwd_sm90.cu adds dQ in both modes"
     assert not roles or not mode & MODE_BIAS, "the roles have no bias stage"
-    stages = 1 if roles and D > 192 else 2
+    stages = 1 if roles and (D > 192 or (f32 and D > 64)) else 2
     ds_buffers, trade = (1, block_n * BWD_SM90_SUB_M) if roles else (2, 0)
     # bwd_sm90.cu Sm90BwdKVTile: K, V, Q and dO per stage, dS^T (DS_BUFFERS), the bias of
     # a sub-tile of BWD_SM90_SUB_M queries (MODE_BIAS), swizzled; the staged fp32 dQ tile
@@ -697,7 +718,7 @@ def _sm90_dkdv(dtype_name: str, D: int, tile, grads: int, mode: int) -> Variant:
     # tile info a slot, Sm90BwdKVTile::WALK_SLOTS; the consumers' split unit and a pad word).
     bias = BWD_SM90_SUB_M * block_n if mode & MODE_BIAS else 0
     drop_pairs = 0 if lean_mode(mode) and not mode & MODE_DROPOUT else 2 * consumers * 128
-    smem = ((2 * block_n * D + 2 * stages * block_m * D + ds_buffers * block_n * block_m + bias) * 2
+    smem = (((2 * block_n * D + 2 * stages * block_m * D + ds_buffers * block_n * block_m) * planes + bias) * 2
             + (block_m * (D + 8) + trade + 2 * stages * _sm90_rows_ld(block_m) + drop_pairs) * 4 + 1024 + 8 * (12 + 2 * stages)
             + 16 * stages + (2 * 8 + 16) * BWD_SM90_WALK_SLOTS + 8)
     expr = f"flash_bwd_dkdv_sm90<{CPP_TYPE[dtype_name]}, {D}, {block_m}, {consumers}, {grads}, {mode}, {smem}>"
@@ -789,7 +810,13 @@ def backward_plan(dtype_name: str, D: int, deterministic: bool, mode: int = MODE
         dq = [_sm80_dq(dtype_name, D, t, mode) for t in q_tiles] if dq_kernel else None
     elif D in BWD_WIDE_KV_TILES[dtype_name] and not cuda_cores:
         grads = GRAD_DV | GRAD_DK | dq_bit
-        kv = ((grads, [_wide_dkdv(dtype_name, D, t, grads, mode) for t in BWD_WIDE_KV_TILES[dtype_name][D]]),)
+        # fp32 on Hopper's dense path: bwd_sm90.cu over fp16 halves first (it adds dQ in
+        # both modes, as for 16-bit inputs).
+        E = sm90_head_dim(D, BWD_SM90_F32_KV_TILES) if dtype_name == "float32" else None
+        hopper = E is not None and hopper_mode in (MODE_DENSE, MODE_BAND)
+        kv = ((grads, [*(_sm90_dkdv(dtype_name, E, t, GRAD_DV | GRAD_DK | sm90_dq_bits, hopper_mode)
+                         for t in (BWD_SM90_F32_KV_TILES[E] if hopper else ())),
+                       *(_wide_dkdv(dtype_name, D, t, grads, mode) for t in BWD_WIDE_KV_TILES[dtype_name][D])]),)
         dq = None
         if deterministic:
             dq = ([_wide_dq(dtype_name, D, t, mode) for t in BWD_WIDE_Q_TILES[dtype_name].get(D, ())]

@@ -63,7 +63,7 @@ ATTN = _struct([
     ("lse", "ptr"), ("lse2", "ptr"), ("delta", "ptr"), ("dq_accum", "ptr"), ("dq_order", "ptr"),
     ("dbias", "ptr"), ("dbias_sb", "i64"), ("dbias_sh", "i64"), ("dbias_sq", "i64"), ("dbias_sk", "i64"),
     ("work_counter", "ptr"), ("kv_partial", "ptr"),
-    ("halves_q", "ptr"), ("halves_k", "ptr"), ("halves_v", "ptr"), ("halves_max", "ptr"),
+    ("halves_q", "ptr"), ("halves_k", "ptr"), ("halves_v", "ptr"), ("halves_do", "ptr"), ("halves_max", "ptr"),
     ("scale", "f64"), ("scale_log2", "f64"),
     ("group", "i32"), ("nq", "i32"), ("nk", "i32"), ("d", "i32"), ("dim_v", "i32"), ("nq_pad", "i32"), ("dq_ld", "i32"),
     ("causal", "i32"), ("vec", "i32"), ("grid_m", "i32"), ("grid_heads", "i32"), ("grid_batch", "i32"),

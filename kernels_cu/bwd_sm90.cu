@@ -1,4 +1,4 @@
-// Backward attention's key-block kernel on Hopper (sm_90a, fp16/bf16; dense, dense with the
+// Backward attention's key-block kernel on Hopper (sm_90a, fp16/bf16, and fp32 below; dense, dense with the
 // options that only bound the keys a row sees (MODE_BAND, mods.cuh: a window, varlen,
 // key padding, a block mask of whole tiles) and one of ALiBi, softcap or dropout beside
 // them (MODE_ALIBI, MODE_SOFTCAP, MODE_DROPOUT), every option (MODE_EXT), and the bias
@@ -49,6 +49,15 @@
 // computes S^T, P^T and dV, the other dP^T, dS^T and dK, P^T passing between them through
 // shared memory; each finishes a tile's dQ product of its columns before the next tile's
 // products, so one dS^T buffer serves, and d = 256 fits one Q/dO stage.
+// fp32 (T = float, the dense path alone: MODE_DENSE and MODE_BAND) runs on fp16 halves, as
+// fwd_sm90.cu does (halves.cuh: q, k, v and dO scaled by powers of two and split by
+// split_f32.cu into high and low planes, which TMA brings as the planes of each tile), each
+// product as three fp16 products, in the roles at every head dim (a warpgroup's dV or dK
+// and its tile's sum: the tensor cores truncate as they accumulate, so each query tile's
+// dV and dK products are summed from zero and added in the FPU, which needs the second
+// set of registers). P^T goes in scaled by P_SCALE, dS^T by a power of two below its
+// bound 2 d max|dO| max|V| (DsScale), both split in registers; dQ is unscaled before its
+// reduction, dK and dV as they are stored, from the registers.
 // So the consumers issue no atomics, no loads from global memory and no walk of the pairs:
 // the mainloop is their products and the softmax's gradient. In the deterministic mode (GRAD_DQ_ORDERED)
 // the key blocks take turns on each dQ tile in a fixed order (bwd.cuh DqTurns): the
@@ -60,6 +69,7 @@
 // boxes of 64 columns land as its panels.
 #include "elem.cuh"
 #include "copy.cuh"
+#include "halves.cuh"
 #include "mods.cuh"
 #include "tensor.cuh"
 #include "tma.cuh"
@@ -132,11 +142,19 @@ struct Sm90BwdKVTile {
     // the options (not the bias: its stage does not fit beside the trade) the dV role
     // trades S^T as computed, and each role runs the options' passes on it: the dV role
     // for the P that multiplies dO, the dK role for dS (softcap's derivative needs S).
-    static constexpr bool ROLES = D > 128;
+    // fp32 (above): fp16 halves in PLANES planes, PRODUCTS products a product, the roles at
+    // every head dim.
+    static constexpr bool F32 = sizeof(T) == 4;
+    typedef typename HalvesOf<T>::type E;   // the tiles' elements
+    static constexpr int PLANES = F32 ? 2 : 1, PRODUCTS = F32 ? 3 : 1;
+    static constexpr bool ROLES = D > 128 || F32;
     // Q and dO stages: at d = 256 one (the tiles, the trade and the dQ tile take the rest:
     // FlashAttention-3 keeps one there too), its next tile loading while the consumers'
-    // dQ products run.
-    static constexpr int STAGES = ROLES && D > 192 ? 1 : 2;
+    // dQ products run; fp32's two planes from d = 128 one too.
+    static constexpr int STAGES = ROLES && (D > 192 || (F32 && D > 64)) ? 1 : 2;
+    // fp32: P^T's scale before it is split (P <= 1 from the exact LSE; 2^13 leaves room for
+    // the forward's rounding) and dS^T's (DsScale).
+    static constexpr float P_SCALE = F32 ? 8192.f : 1.f;
     // Named barrier of the consumers alone (0 is __syncthreads').
     static constexpr int CONSUMER_BARRIER = 1;
     static constexpr int CONSUMER_THREADS = CONSUMERS * 128;
@@ -160,7 +178,7 @@ struct Sm90BwdKVTile {
     static constexpr int SUBTILES = BLOCK_M / SUB_M;
     static constexpr int QT = SUB_M / 8;             // query n-tiles of a sub-tile's S^T, dP^T per warp
     static constexpr int DT = D / 8;                 // n-tiles of dK, dV per warp
-    static constexpr int KSTEPS = D / 16;            // k-steps of K Q^T and V dO^T
+    static constexpr int KSTEPS = D / 16;            // k-steps of K Q^T and V dO^T (16-bit elements)
     static constexpr int QSTEPS = SUB_M / 16;        // k-steps of a sub-tile's P^T dO and dS^T Q
     static constexpr int NSTEPS = BLOCK_N / 16;      // k-steps of dS K
     static constexpr int PANEL = 64;                 // columns per TMA box (128 bytes, the swizzle span)
@@ -216,6 +234,7 @@ struct Sm90BwdKVTile {
     // Q x STAGES, dO x STAGES, dS^T x 2 (with dQ), a sub-tile's bias (MODE_BIAS), each a
     // multiple of 1024 bytes; the staged dQ tile (fp32, with dQ); a tile's lse2 and delta
     // rows, one buffer a stage; the barriers.
+    // A plane's elements (the planes of a tile follow one another).
     static constexpr int KV_ELEMS = BLOCK_N * D, QO_ELEMS = BLOCK_M * D;
     static constexpr int DS_ELEMS = BLOCK_N * BLOCK_M;
     // dS^T buffers: two, so that the next tile's dS^T goes to the other while the dQ
@@ -227,15 +246,15 @@ struct Sm90BwdKVTile {
     static constexpr int BIAS_ELEMS = BIAS ? SUB_M * BLOCK_N : 0;
     static constexpr u32 BIAS_BYTES = BIAS_ELEMS * sizeof(T);
     static constexpr int DQ_FLOATS = BLOCK_M * DQ_LD;
-    static constexpr u32 KV_BYTES = 2 * KV_ELEMS * sizeof(T);   // K and V
-    static constexpr u32 QO_BYTES = 2 * QO_ELEMS * sizeof(T);   // Q and dO of a stage
+    static constexpr u32 KV_BYTES = 2 * PLANES * KV_ELEMS * sizeof(E);   // K and V
+    static constexpr u32 QO_BYTES = 2 * PLANES * QO_ELEMS * sizeof(E);   // Q and dO of a stage
     // A tile's lse2 and delta rows come by TMA, whose box must start 16-byte aligned: from
     // the tile's first row rounded down to a multiple of 4 (under varlen a sequence starts
     // at any row), ROWS_BOX rows, each box ROWS_LD floats apart (128-byte aligned).
     static constexpr int ROWS_BOX = BLOCK_M + 4, ROWS_LD = (ROWS_BOX + 31) / 32 * 32;
     static constexpr u32 ROWS_BYTES = 2 * ROWS_BOX * sizeof(float);   // lse2 and delta of a stage
     static constexpr int ALIGN = 1024;
-    static constexpr int TILE_BYTES = (2 * KV_ELEMS + 2 * STAGES * QO_ELEMS + DS_BUFFERS * DS_ELEMS + BIAS_ELEMS) * sizeof(T) +
+    static constexpr int TILE_BYTES = (PLANES * (2 * KV_ELEMS + 2 * STAGES * QO_ELEMS + DS_BUFFERS * DS_ELEMS) + BIAS_ELEMS) * sizeof(E) +
                                       (DQ_FLOATS + TRADE_FLOATS + STAGES * 2 * ROWS_LD) * sizeof(float) +
                                       DROP_PAIR_WORDS * sizeof(u32);
     // The walk's ring (Sm90BwdTileInfo): the loader runs up to STAGES tiles ahead of the
@@ -292,8 +311,9 @@ struct Sm90BwdKVTile {
     static_assert(DROP_PAIR_BARRIER0 + CONSUMERS * 2 <= 16, "named barriers");
     static_assert(BWD_ROW_PAD % BLOCK_M == 0, "query tiles read the padded row workspaces whole");
     static_assert(2 * BLOCK_M <= CONSUMER_THREADS, "a consumer thread fetches one word of a tile's rows");
-    static_assert(DQ_FLOATS * sizeof(float) >= (ROLES ? 2 : 1) * BLOCK_N * SmemTile<T, D>::stride * sizeof(T),
-                  "epilogue staging in the dQ tile (with the roles, dV and dK at once)");
+    static_assert(F32 || DQ_FLOATS * sizeof(float) >= (ROLES ? 2 : 1) * BLOCK_N * SmemTile<T, D>::stride * sizeof(T),
+                  "epilogue staging in the dQ tile (with the roles, dV and dK at once; fp32 stores from registers)");
+    static_assert(!F32 || (MODE & ~MODE_BAND) == 0, "fp32: the dense path without a score term or dropout");
 };
 
 // The kernel's work: a unit is (key block, kv head, batch entry), numbered with the key
@@ -347,8 +367,10 @@ struct Sm90BwdRole {
     // 64, where its share of the score passes is larger: it reads P^T from the trade and
     // stores dS^T). Each a whole number of 64-column panels, as the B operand's
     // descriptor wants (wgmma.cuh mnmajor_desc).
-    static constexpr int DQ_COL0 = ROLE == DK ? 128 : 0;
-    static constexpr int DQ_N = ROLE == DV ? 128 : D - 128;
+    // Below d = 192 (fp32's roles): d = 128 in two panels, one a role; d = 64 the dV
+    // role's alone (DQ_N 0: the dK role only takes part in the staging's barriers).
+    static constexpr int DQ_COL0 = ROLE == DK ? (D > 128 ? 128 : D / 2) : 0;
+    static constexpr int DQ_N = D > 128 ? (ROLE == DV ? 128 : D - 128) : D == 128 ? 64 : (ROLE == DV ? D : 0);
 };
 
 // What every role derives from a unit and its option state: its key block and the pairs
@@ -382,6 +404,16 @@ struct Sm90BwdUnitState {
     __device__ __forceinline__ int after(int it) const { return pairs.next_in_warp(it + 1, mods.mask); }
 };
 
+// fp32 (halves.cuh): the power of two dS^T is scaled by before its split. |dS| = P |dP -
+// delta| <= 2 max|dP| <= 2 d max|dO| max|V| < D2 2^(e_dO + e_V + 3), D2 the power of two at
+// or above D and e_x the exponent of max|x|; the halves' scales s_x = 2^(14 - e_x) give
+// 2^(11 - e_dO - e_V) / D2 = s_dO s_V 2^-17 / D2, which keeps the scaled dS below 2^14.
+template <int D>
+__device__ __forceinline__ float ds_scale(float s_do, float s_v) {
+    constexpr int D2 = D <= 64 ? 64 : D <= 128 ? 128 : 256;
+    return s_do * s_v * (1.f / 131072.f) * (1.f / D2);
+}
+
 // One CTA per SM: the tiles take most of the shared memory, and the bound lets setmaxnreg
 // give each consumer thread the registers of dK, dV and the score tiles. The host
 // launches it with q, k, v and dO tensor maps, persistent (C::PERSISTENT: as many CTAs as
@@ -397,12 +429,15 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
     constexpr int STAGES = C::STAGES, BLOCK_N = C::BLOCK_N, QT = C::QT, DT = C::DT;
     BWD_SCALARS(p, float);
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    T* sK = reinterpret_cast<T*>(smem_raw + (C::ALIGN - smem_addr(smem_raw) % C::ALIGN) % C::ALIGN);
-    T* sV = sK + C::KV_ELEMS;
-    T* sQ = sV + C::KV_ELEMS;                 // STAGES buffers
-    T* sdO = sQ + STAGES * C::QO_ELEMS;       // STAGES buffers
-    T* sdS = sdO + STAGES * C::QO_ELEMS;      // C::DS_BUFFERS buffers
-    T* sBias = sdS + C::DS_BUFFERS * C::DS_ELEMS;   // one stage (MODE_BIAS)
+    typedef typename C::E E;
+    constexpr int PLANES = C::PLANES;
+    constexpr int KV_TILE = PLANES * C::KV_ELEMS, QO_TILE = PLANES * C::QO_ELEMS, DS_TILE = PLANES * C::DS_ELEMS;
+    E* sK = reinterpret_cast<E*>(smem_raw + (C::ALIGN - smem_addr(smem_raw) % C::ALIGN) % C::ALIGN);
+    E* sV = sK + KV_TILE;
+    E* sQ = sV + KV_TILE;                     // STAGES buffers
+    E* sdO = sQ + STAGES * QO_TILE;           // STAGES buffers
+    E* sdS = sdO + STAGES * QO_TILE;          // C::DS_BUFFERS buffers
+    T* sBias = reinterpret_cast<T*>(sdS + C::DS_BUFFERS * DS_TILE);   // one stage (MODE_BIAS)
     float* sdQ = reinterpret_cast<float*>(sBias + C::BIAS_ELEMS);   // also the epilogue's staging tile
     float* sTrade = sdQ + C::DQ_FLOATS;       // the roles' P^T (C::ROLES)
     float* sRows = sTrade + C::TRADE_FLOATS;  // a stage's lse2 then delta rows (C::ROWS_LD each), STAGES buffers
@@ -550,19 +585,25 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
             each_unit(take, [&](const UnitState& w) {
                 const ModsT& mods = w.mods;
                 if (w.first() >= w.count()) return;   // no query tile: the consumers write zeros
-                // Rows in the tensor maps' coordinates: under varlen the sequence's offset.
-                auto load_panels = [&](T* dst, const TmaMap& map, u64* bar, int rows, i64 row0, int head) {
+                // Rows in the tensor maps' coordinates: under varlen the sequence's offset; each
+                // plane's panels after the last (fp32's low halves are the head `heads` further
+                // on, split_f32.cu).
+                auto load_panels = [&](E* dst, const TmaMap& map, u64* bar, int rows, i64 row0, int head, int heads) {
                     #pragma unroll
-                    for (int panel = 0; panel < D / C::PANEL; ++panel)
-                        tma_load_4d(dst + panel * rows * C::PANEL, map, bar, panel * C::PANEL, int(row0), head, mods.tb);
+                    for (int plane = 0; plane < PLANES; ++plane)
+                        #pragma unroll
+                        for (int panel = 0; panel < D / C::PANEL; ++panel)
+                            tma_load_4d(dst + (plane * D / C::PANEL + panel) * rows * C::PANEL, map, bar, panel * C::PANEL,
+                                        int(row0), head + plane * heads, mods.tb);
                 };
+                const int kv_heads = hq / group;
                 // K and V once the consumers are done with the last unit's (its last dQ
                 // product): they load while the consumers write that unit's dK and dV.
                 mbar_wait(&bars.kv_empty, (kv_n & 1) ^ 1);
                 if (lane == 0) {
                     mbar_arrive_expect_tx(&bars.kv_full, C::KV_BYTES);
-                    load_panels(sK, p.k_map, &bars.kv_full, BLOCK_N, mods.k_base + w.k0, w.unit.hk);
-                    load_panels(sV, p.v_map, &bars.kv_full, BLOCK_N, mods.k_base + w.k0, w.unit.hk);
+                    load_panels(sK, p.k_map, &bars.kv_full, BLOCK_N, mods.k_base + w.k0, w.unit.hk, kv_heads);
+                    load_panels(sV, p.v_map, &bars.kv_full, BLOCK_N, mods.k_base + w.k0, w.unit.hk, kv_heads);
                 }
                 ++kv_n;
                 // Each walked tile into the next stage once the consumers gave it back.
@@ -572,8 +613,8 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                     if (lane == 0) {
                         bars.tile[s].publish(tile);
                         mbar_arrive_expect_tx(&bars.full[s], C::QO_BYTES + C::ROWS_BYTES);
-                        load_panels(sQ + s * C::QO_ELEMS, p.q_map, &bars.full[s], BLOCK_M, mods.q_base + tile.q0, tile.h);
-                        load_panels(sdO + s * C::QO_ELEMS, p.dout_map, &bars.full[s], BLOCK_M, mods.q_base + tile.q0, tile.h);
+                        load_panels(sQ + s * QO_TILE, p.q_map, &bars.full[s], BLOCK_M, mods.q_base + tile.q0, tile.h, hq);
+                        load_panels(sdO + s * QO_TILE, p.dout_map, &bars.full[s], BLOCK_M, mods.q_base + tile.q0, tile.h, hq);
                         // The tile's lse2 and delta rows (the padded row workspaces: read whole),
                         // from a 16-byte aligned row (C::ROWS_BOX).
                         float* rows = sRows + s * 2 * C::ROWS_LD;
@@ -702,6 +743,27 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
         if (lane == 0) mbar_arrive(bar);
     };
     auto consumer_sync = [] { named_barrier(C::CONSUMER_BARRIER, C::CONSUMER_THREADS); };
+    // fp32: what undoes the halves' scales (powers of two, exact). S^T's product carries
+    // s_q s_k, dP^T's s_dO s_v; P^T goes in times P_SCALE and dS^T times ds_scale, so dV
+    // carries P_SCALE s_dO, dK ds_scale s_q and dQ ds_scale s_k.
+    [[maybe_unused]] float s_unscale = 1.f, dp_unscale = 1.f, ds_mul = 1.f, dv_unscale = 1.f, dk_unscale = 1.f,
+                           dq_unscale = 1.f;
+    if constexpr (C::F32) {
+        const float sq = halves_scale(p.halves_max[HALVES_Q]), sk = halves_scale(p.halves_max[HALVES_K]);
+        const float sv = halves_scale(p.halves_max[HALVES_V]), sdo = halves_scale(p.halves_max[HALVES_DO]);
+        ds_mul = ds_scale<D>(sdo, sv);
+        s_unscale = 1.f / (sq * sk);
+        dp_unscale = 1.f / (sdo * sv);
+        dv_unscale = 1.f / (C::P_SCALE * sdo);
+        dk_unscale = 1.f / (ds_mul * sq);
+        dq_unscale = 1.f / (ds_mul * sk);
+    }
+    // A product over the halves' planes (C::PRODUCTS): issue(a_plane, b_plane, first) for
+    // (high, high), then fp32's (high, low) and (low, high).
+    auto over_planes = [](auto&& issue) {
+        #pragma unroll
+        for (int product = 0; product < C::PRODUCTS; ++product) issue(int(product == 2), int(product == 1), product == 0);
+    };
     // A warpgroup's work in its role (Sm90BwdRole); each role's accumulators are its own.
     auto consume = [&](auto role) {
         typedef decltype(role) R;
@@ -752,6 +814,11 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
             float acc_dv[1][R::S ? DT : 1][4], acc_dk[1][R::DP ? DT : 1][4];
             zero_frags(acc_dv);
             zero_frags(acc_dk);
+            // fp32: a query tile's dV or dK products, summed from zero on the tensor cores and
+            // added into acc_dv or acc_dk in the FPU (the tensor cores truncate; above).
+            float dv_tile[1][C::F32 && R::S ? DT : 1][4], dk_tile[1][C::F32 && R::DP ? DT : 1][4];
+            auto& dv_sum = [&]() -> auto& { if constexpr (C::F32) return dv_tile; else return acc_dv; }();
+            auto& dk_sum = [&]() -> auto& { if constexpr (C::F32) return dk_tile; else return acc_dk; }();
 
             // A tile's dQ = dS K goes to the tensor cores at the start of the next tile, ahead of
             // its S^T, and is staged while S^T runs (dP^T is issued after: with it in flight too,
@@ -762,12 +829,21 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
             // wgmmas); the unit's first iteration's dQ product reads a dS^T buffer of no tile of
             // this unit and is not staged. The last tile's dV and dK are done by then too, so
             // that its Q and dO stage is released there.
-            float dq[1][DQ_N / 8][4];
-            auto issue_dq = [&](const T* dS_tile) {
-                Wgmma<T, DQ_N>::template ss_mn<false>(dq[0], mnmajor_desc<T, BLOCK_N>(dS_tile, 0, dq_row0), mnmajor_desc<T, BLOCK_N>(sK, 0, dq_col0));
-                #pragma unroll
-                for (int ks = 1; ks < C::NSTEPS; ++ks)
-                    Wgmma<T, DQ_N>::template ss_mn<true>(dq[0], mnmajor_desc<T, BLOCK_N>(dS_tile, ks, dq_row0), mnmajor_desc<T, BLOCK_N>(sK, ks, dq_col0));
+            // (fp32 at d = 64: the dK role has no columns of dQ, DQ_N 0; it issues nothing and
+            // only takes part in the staging's barriers.)
+            float dq[1][DQ_N > 0 ? DQ_N / 8 : 1][4];
+            auto issue_dq = [&](const E* dS_tile) {
+                if constexpr (DQ_N > 0) {
+                    over_planes([&](int pa, int pb, bool first) {
+                        #pragma unroll
+                        for (int ks = 0; ks < C::NSTEPS; ++ks) {
+                            const u64 a = mnmajor_desc<E, BLOCK_N>(dS_tile + pa * C::DS_ELEMS, ks, dq_row0);
+                            const u64 b = mnmajor_desc<E, BLOCK_N>(sK + pb * C::KV_ELEMS, ks, dq_col0);
+                            if (first && ks == 0) Wgmma<E, DQ_N>::template ss_mn<false>(dq[0], a, b);
+                            else Wgmma<E, DQ_N>::template ss_mn<true>(dq[0], a, b);
+                        }
+                    });
+                }
                 wgmma_commit();
             };
             // The piece of tile `step` into the staging tile once the copy engine has read the
@@ -780,7 +856,8 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                     float* row = sdQ + (dq_row0 + (warp % 4) * 16 + g + hh * 8) * C::DQ_LD;
                     #pragma unroll
                     for (int nt = 0; nt < DQ_N / 8; ++nt)
-                        *reinterpret_cast<float2*>(row + dq_col0 + nt * 8 + 2 * t) = make_float2(dq[0][nt][2 * hh], dq[0][nt][2 * hh + 1]);
+                        *reinterpret_cast<float2*>(row + dq_col0 + nt * 8 + 2 * t) =
+                            make_float2(dq[0][nt][2 * hh] * dq_unscale, dq[0][nt][2 * hh + 1] * dq_unscale);
                 }
                 fence_async_smem();
                 release(&bars.dq_full[dq_step % C::DQ_WRITERS]);
@@ -803,8 +880,8 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
             };
             for (bool more = has_tiles; more; ++step) {
                 const int s_ = step % STAGES;
-                const T* sQb = sQ + s_ * C::QO_ELEMS;
-                const T* sdOb = sdO + s_ * C::QO_ELEMS;
+                const E* sQb = sQ + s_ * QO_TILE;
+                const E* sdOb = sdO + s_ * QO_TILE;
                 // The tile's rows from where the loader's aligned box put them (q_base 0 but
                 // under varlen).
                 const float* sLseb = sRows + s_ * 2 * C::ROWS_LD + (ModsT::BAND ? int(mods.q_base) & 3 : 0);
@@ -814,7 +891,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                     // dP^T take the registers (with one stage, while this tile's Q and dO load).
                     if (step > unit_step0) {
                         wgmma_fence();
-                        issue_dq(sdS + ((step - 1) % C::DS_BUFFERS) * C::DS_ELEMS);
+                        issue_dq(sdS + ((step - 1) % C::DS_BUFFERS) * DS_TILE);
                         wgmma_wait<0>();
                         stage_dq(step - 1);
                     }
@@ -830,7 +907,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                 // g + 8 (i % 2), columns 16 ks + 8 (i / 2) + 2 t, + 1); that buffer of two tiles
                 // ago is free: every warpgroup passed the barrier below since, after its dQ
                 // products of that tile completed.
-                T* sdSb = sdS + (step % C::DS_BUFFERS) * C::DS_ELEMS;
+                E* sdSb = sdS + (step % C::DS_BUFFERS) * DS_TILE;
                 #pragma unroll
                 for (int sub = 0; sub < C::SUBTILES; ++sub) {
                     const int r0 = sub * C::SUB_M;   // the sub-tile's first row in the query tile
@@ -854,13 +931,18 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                     }
                     wgmma_fence();
                     if constexpr (!R::SHARED_KEYS) {
-                        if (sub == 0) issue_dq(sdS + ((step + 1) % 2) * C::DS_ELEMS);   // the last tile's
+                        if (sub == 0) issue_dq(sdS + ((step + 1) % 2) * DS_TILE);   // the last tile's
                     }
                     if constexpr (R::S) {
-                        Wgmma<T, C::SUB_M>::template ss<C::BIAS>(s[0], kmajor_desc<T, BLOCK_N>(sK, R::SHARED_KEYS ? 0 : wg * 64, 0), kmajor_desc<T, BLOCK_M>(sQb, r0, 0));
-                        #pragma unroll
-                        for (int ks = 1; ks < C::KSTEPS; ++ks)
-                            Wgmma<T, C::SUB_M>::template ss<true>(s[0], kmajor_desc<T, BLOCK_N>(sK, R::SHARED_KEYS ? 0 : wg * 64, ks), kmajor_desc<T, BLOCK_M>(sQb, r0, ks));
+                        over_planes([&](int pa, int pb, bool first) {
+                            #pragma unroll
+                            for (int ks = 0; ks < C::KSTEPS; ++ks) {
+                                const u64 a = kmajor_desc<E, BLOCK_N>(sK + pa * C::KV_ELEMS, R::SHARED_KEYS ? 0 : wg * 64, ks);
+                                const u64 b = kmajor_desc<E, BLOCK_M>(sQb + pb * C::QO_ELEMS, r0, ks);
+                                if (first && ks == 0) Wgmma<E, C::SUB_M>::template ss<C::BIAS>(s[0], a, b);
+                                else Wgmma<E, C::SUB_M>::template ss<true>(s[0], a, b);
+                            }
+                        });
                         wgmma_commit();
                     }
                     // The bias stage goes back only once the values read from it have been used:
@@ -880,10 +962,15 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                         }
                     }
                     if constexpr (R::DP) {
-                        Wgmma<T, C::SUB_M>::template ss<false>(dp[0], kmajor_desc<T, BLOCK_N>(sV, R::SHARED_KEYS ? 0 : wg * 64, 0), kmajor_desc<T, BLOCK_M>(sdOb, r0, 0));
-                        #pragma unroll
-                        for (int ks = 1; ks < C::KSTEPS; ++ks)
-                            Wgmma<T, C::SUB_M>::template ss<true>(dp[0], kmajor_desc<T, BLOCK_N>(sV, R::SHARED_KEYS ? 0 : wg * 64, ks), kmajor_desc<T, BLOCK_M>(sdOb, r0, ks));
+                        over_planes([&](int pa, int pb, bool first) {
+                            #pragma unroll
+                            for (int ks = 0; ks < C::KSTEPS; ++ks) {
+                                const u64 a = kmajor_desc<E, BLOCK_N>(sV + pa * C::KV_ELEMS, R::SHARED_KEYS ? 0 : wg * 64, ks);
+                                const u64 b = kmajor_desc<E, BLOCK_M>(sdOb + pb * C::QO_ELEMS, r0, ks);
+                                if (first && ks == 0) Wgmma<E, C::SUB_M>::template ss<false>(dp[0], a, b);
+                                else Wgmma<E, C::SUB_M>::template ss<true>(dp[0], a, b);
+                            }
+                        });
                         wgmma_commit();
                     }
 
@@ -906,6 +993,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                         return pair_at(sDeltab, nt, e);
                     };
                     u32 p_frag[C::QSTEPS][4], ds_frag[C::QSTEPS][4];
+                    [[maybe_unused]] u32 p_low[C::F32 ? C::QSTEPS : 1][4], ds_low[C::F32 ? C::QSTEPS : 1][4];   // fp32's low halves
                     const int kr0 = k0 + warp_row0, qc0 = q0 + r0;   // the warp's first key, the sub-tile's first query
                     // Dropout's keep bits of the warp's scores, the warps of a pair splitting each
                     // Philox call through this sub-tile's slots (DROP_PAIR_BARRIER0).
@@ -936,13 +1024,16 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                             // that no mask touches, ncu at 7f8a6b4).
                             if (needs_mask)
                                 recompute_p<MODE, true>(s, unused_dtanh, mods, mods.at_head(h), kr0, qc0, lse2_at,
-                                                        scale_log2, true);
+                                                        scale_log2 * s_unscale, true);
                             else
                                 recompute_p<MODE, true>(s, unused_dtanh, mods, mods.at_head(h), kr0, qc0, lse2_at,
-                                                        scale_log2, false);
+                                                        scale_log2 * s_unscale, false);
                             if constexpr (!R::DP && !C::LEAN_SOFTCAP) send_trade(s[0]);   // P^T to the dK role (its last reads were before the last tile's barrier)
                             #pragma unroll
-                            for (int ks = 0; ks < C::QSTEPS; ++ks) kept_a_frag<T, C::LEAN_DROPOUT>(p_frag[ks], s, ks, keep);
+                            for (int ks = 0; ks < C::QSTEPS; ++ks) {
+                                if constexpr (C::F32) c_to_split_a_frags(p_frag[ks], p_low[ks], s, 0, ks, C::P_SCALE);
+                                else kept_a_frag<T, C::LEAN_DROPOUT>(p_frag[ks], s, ks, keep);
+                            }
                         }
                         if constexpr (R::DP) {
                             if constexpr (!R::S && C::LEAN_SOFTCAP) receive_trade(s[0]);   // S^T, while dP^T runs
@@ -965,9 +1056,15 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                                 }
                             } else {
                                 if constexpr (!R::S) receive_trade(s[0]);   // P^T from the dV role
+                                if constexpr (C::F32) for_each_score<true>(dp, 0, 0, [&](float& x, int, int, int, int, int) {
+                                    x *= dp_unscale;
+                                });
                                 grad_pass<C::LEAN_DROPOUT, true>(s, dp, kr0, qc0, delta_at, keep);
                                 #pragma unroll
-                                for (int ks = 0; ks < C::QSTEPS; ++ks) c_to_a_frag<T>(ds_frag[ks], s, 0, ks);
+                                for (int ks = 0; ks < C::QSTEPS; ++ks) {
+                                    if constexpr (C::F32) c_to_split_a_frags(ds_frag[ks], ds_low[ks], s, 0, ks, ds_mul);
+                                    else c_to_a_frag<T>(ds_frag[ks], s, 0, ks);
+                                }
                             }
                         }
                     } else {
@@ -1031,17 +1128,22 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
         #undef CUPYFLASH_OPTION_SCORES
                     }
 
+                    // dV += P^T dO and dK += dS^T Q (fp32: the tile's sums, from zero).
                     wgmma_fence();
-                    if constexpr (R::S) {
-                        #pragma unroll
-                        for (int ks = 0; ks < C::QSTEPS; ++ks)
-                            Wgmma<T, D>::template rs<true>(acc_dv[0], p_frag[ks], mnmajor_desc<T, BLOCK_M>(sdOb, r0 / 16 + ks));
-                    }
-                    if constexpr (R::DP) {
-                        #pragma unroll
-                        for (int ks = 0; ks < C::QSTEPS; ++ks)
-                            Wgmma<T, D>::template rs<true>(acc_dk[0], ds_frag[ks], mnmajor_desc<T, BLOCK_M>(sQb, r0 / 16 + ks));
-                    }
+                    auto add_product = [&](auto& sum, const u32 (&high)[C::QSTEPS][4], const u32 (&low)[C::F32 ? C::QSTEPS : 1][4],
+                                           const E* b_tile) {
+                        over_planes([&](int pa, int pb, bool first) {
+                            #pragma unroll
+                            for (int ks = 0; ks < C::QSTEPS; ++ks) {
+                                const u32 (&a)[4] = pa ? low[C::F32 ? ks : 0] : high[ks];
+                                const u64 b = mnmajor_desc<E, BLOCK_M>(b_tile + pb * C::QO_ELEMS, r0 / 16 + ks);
+                                if (C::F32 && first && ks == 0) Wgmma<E, D>::template rs<false>(sum[0], a, b);
+                                else Wgmma<E, D>::template rs<true>(sum[0], a, b);
+                            }
+                        });
+                    };
+                    if constexpr (R::S) add_product(dv_sum, p_frag, p_low, sdOb);
+                    if constexpr (R::DP) add_product(dk_sum, ds_frag, ds_low, sQb);
                     wgmma_commit();
                     if (C::BIAS && capped()) release(&bars.bias_empty);   // see above
 
@@ -1050,17 +1152,24 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                     #pragma unroll
                     for (int ks = 0; ks < (R::DP ? C::QSTEPS : 0); ++ks) {
                         const int quarter = lane / 8;
-                        stmatrix_x4(Swizzle128<T, BLOCK_N>::at(sdSb, warp_row0 + lane % 8 + (quarter % 2) * 8,
-                                                                r0 + ks * 16 + (quarter / 2) * 8),
-                                    ds_frag[ks]);
+                        E* at = Swizzle128<E, BLOCK_N>::at(sdSb, warp_row0 + lane % 8 + (quarter % 2) * 8,
+                                                           r0 + ks * 16 + (quarter / 2) * 8);
+                        stmatrix_x4(at, ds_frag[ks]);
+                        if constexpr (C::F32) stmatrix_x4(at + C::DS_ELEMS, ds_low[ks]);   // the low halves' plane
                     }
                 }
 
                 fence_async_smem();   // dS^T's writes, for the dQ products that read it
                 named_barrier(C::CONSUMER_BARRIER, C::CONSUMER_THREADS);
                 wgmma_wait<0>();   // dV and dK (ptxas follows the accumulators within an iteration)
-                reg_fence(acc_dv[0]);
-                reg_fence(acc_dk[0]);
+                reg_fence(dv_sum[0]);
+                reg_fence(dk_sum[0]);
+                if constexpr (C::F32) {   // the tile's sums into dV, dK (rounding to nearest)
+                    #pragma unroll
+                    for (int i = 0; i < (R::S ? DT * 4 : 0); ++i) acc_dv[0][i / 4][i % 4] += dv_tile[0][i / 4][i % 4];
+                    #pragma unroll
+                    for (int i = 0; i < (R::DP ? DT * 4 : 0); ++i) acc_dk[0][i / 4][i % 4] += dk_tile[0][i / 4][i % 4];
+                }
                 more = !tile.has(Sm90BwdTileInfo::LAST);
                 // The roles' dQ products read neither Q nor dO: the stage goes back now (its
                 // record read above), where the others' goes back in the next tile.
@@ -1069,7 +1178,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
 
             if (step > unit_step0) {   // the unit's last tile: its dQ, then K, V and its stage go back
                 wgmma_fence();
-                issue_dq(sdS + ((step - 1) % C::DS_BUFFERS) * C::DS_ELEMS);
+                issue_dq(sdS + ((step - 1) % C::DS_BUFFERS) * DS_TILE);
                 wgmma_wait<0>();
                 if constexpr (!R::SHARED_KEYS) release(&bars.empty[(step - 1) % STAGES]);
                 release(&bars.kv_empty);
@@ -1124,7 +1233,31 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                     return;
                 }
             }
-            if constexpr (R::SHARED_KEYS) {
+            if constexpr (C::F32) {
+                // Each role stores its gradient from its registers, a thread's pairs of columns
+                // (fp32 rows: the 16-bit path's staging tile would not hold both), unscaled.
+                const int k_rows = min(BLOCK_N, mask.nk - k0);
+                auto store_rows = [&](const Strided<T>& X, const float (&acc)[1][DT][4], float mul, int cols) {
+                    #pragma unroll
+                    for (int hh = 0; hh < 2; ++hh) {
+                        const int key = warp_row0 + g + 8 * hh;
+                        if (key >= k_rows) continue;
+                        T* row = X.at(mods.tb, w.unit.hk, mods.k_base + k0 + key);
+                        #pragma unroll
+                        for (int nt = 0; nt < DT; ++nt) {
+                            const int col = nt * 8 + 2 * t;
+                            if (vec && col + 1 < cols) {
+                                *reinterpret_cast<float2*>(row + col) = make_float2(acc[0][nt][2 * hh] * mul, acc[0][nt][2 * hh + 1] * mul);
+                            } else {
+                                if (col < cols) row[col] = acc[0][nt][2 * hh] * mul;
+                                if (col + 1 < cols) row[col + 1] = acc[0][nt][2 * hh + 1] * mul;
+                            }
+                        }
+                    }
+                };
+                if constexpr (R::S) store_rows(dV, acc_dv, dv_unscale, dim_v);
+                else store_rows(dK, acc_dk, scale * dk_unscale, d);
+            } else if constexpr (R::SHARED_KEYS) {
                 // Each role stages its gradient in its half of the staging tile and stores it.
                 T* sMine = sOut + (R::S ? 0 : 1) * BLOCK_N * SmemTile<T, D>::stride;
                 const int k_rows = min(BLOCK_N, mask.nk - k0), thread = threadIdx.x % 128;

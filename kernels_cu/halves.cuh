@@ -23,8 +23,9 @@
 template <typename T> struct HalvesOf { typedef T type; };
 template <> struct HalvesOf<float> { typedef half_t type; };
 
-// The largest finite magnitudes' bits of q, k and v, in AttnParams::halves_max.
-enum { HALVES_Q = 0, HALVES_K = 1, HALVES_V = 2, HALVES_TENSORS = 3 };
+// The largest finite magnitudes' bits of q, k, v (and the backward's dO), in
+// AttnParams::halves_max.
+enum { HALVES_Q = 0, HALVES_K = 1, HALVES_V = 2, HALVES_DO = 3, HALVES_TENSORS = 4 };
 
 // The scale s = 2^(14 - e) of a tensor whose largest finite |x| is in [2^e, 2^(e + 1))
 // (its bits `max_bits`); e at least -112 so that s stays a normal float (an all-zero or

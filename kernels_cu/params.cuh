@@ -71,13 +71,14 @@ struct AttnParams {
     int* work_counter;                  // the Hopper kernels' work scheduler (below), or null; the
                                         // Hopper backward's split units' piece counters follow it
     void* kv_partial;                   // the Hopper backward's split units' fp32 dK and dV sums, zeroed, or null
-    // fp32 on the Hopper forward (fwd_sm90.cu): q, k and v as fp16 halves (halves.cuh), each a
-    // contiguous (B, PLANES, H, N, d) array written by split_f32.cu, and the bits of each
-    // tensor's largest finite |x| (HALVES_Q, _K, _V; zeroed by the host), which give the
-    // halves' scales; null elsewhere.
+    // fp32 on the Hopper kernels (fwd_sm90.cu, bwd_sm90.cu): q, k, v (and the backward's dO)
+    // as fp16 halves (halves.cuh), each a contiguous (B, PLANES, H, N, d) array written by
+    // split_f32.cu, and the bits of each tensor's largest finite |x| (HALVES_Q, _K, _V,
+    // _DO; zeroed by the host), which give the halves' scales; null elsewhere.
     void* halves_q;
     void* halves_k;
     void* halves_v;
+    void* halves_do;
     u32* halves_max;
     double scale;                       // softmax scale
     double scale_log2;                  // scale * log2(e), > 0 (the host clamps it)

@@ -1,4 +1,5 @@
-// fp32 q, k and v as fp16 halves for the Hopper forward (halves.cuh), in two passes before it:
+// fp32 q, k and v (and for the backward dO) as fp16 halves for the Hopper kernels (halves.cuh),
+// in two passes before them:
 //   f32_halves_max:   each tensor's largest finite |x|, as bits, by atomicMax into
 //                     AttnParams::halves_max (zeroed by the host);
 //   f32_halves<PLANES>: each tensor scaled by its power of two and split into its high
@@ -6,7 +7,7 @@
 //                     halves_v as contiguous (B, PLANES, H, N, halves_row(d)) arrays: the
 //                     planes of a batch entry are its heads H .. 2H - 1, so a tensor map of
 //                     the (B, PLANES H, N, d) view reads a low tile at head h + H.
-// Grid (ceil(max(nq, nk) / HALVES_ROWS), Hq, 3 B): blockIdx.z = tensor * B + batch entry,
+// Grid (ceil(max(nq, nk) / HALVES_ROWS), Hq, 3 B, or 4 B with dO): blockIdx.z = tensor * B + batch entry,
 // the launch's nq and nk the arrays' rows (under varlen the packed total) and grid_batch
 // their batch; CTAs past a tensor's heads or rows return at once.
 #include "halves.cuh"
@@ -25,11 +26,12 @@ struct HalvesSlice {
         which = blockIdx.z / p.grid_batch;
         b = blockIdx.z % p.grid_batch;
         h = blockIdx.y;
-        const TensorParams& t = which == HALVES_Q ? p.q : which == HALVES_K ? p.k : p.v;
+        const bool query_rows = which == HALVES_Q || which == HALVES_DO;
+        const TensorParams& t = which == HALVES_Q ? p.q : which == HALVES_K ? p.k : which == HALVES_V ? p.v : p.dout;
         x = tensor<const float>(t);
-        heads = which == HALVES_Q ? p.grid_heads : p.grid_heads / p.group;
-        rows = which == HALVES_Q ? p.nq : p.nk;
-        cols = which == HALVES_V ? p.dim_v : p.d;
+        heads = query_rows ? p.grid_heads : p.grid_heads / p.group;
+        rows = query_rows ? p.nq : p.nk;
+        cols = which == HALVES_V || which == HALVES_DO ? p.dim_v : p.d;
         row0 = blockIdx.x * HALVES_ROWS;
         row_end = min(row0 + HALVES_ROWS, rows);
     }
@@ -97,8 +99,10 @@ f32_halves(const __grid_constant__ AttnParams p)
     const HalvesSlice s(p);
     if (s.empty()) return;
     const float scale = halves_scale(p.halves_max[s.which]);
-    half_t* const out = static_cast<half_t*>(s.which == HALVES_Q ? p.halves_q : s.which == HALVES_K ? p.halves_k
-                                                                                                     : p.halves_v);
+    half_t* const out = static_cast<half_t*>(s.which == HALVES_Q   ? p.halves_q
+                                             : s.which == HALVES_K ? p.halves_k
+                                             : s.which == HALVES_V ? p.halves_v
+                                                                   : p.halves_do);
     // Element (b, plane, h, row, col) of the (B, PLANES, H, N, halves_row(cols)) halves.
     const int row_elems = halves_row(s.cols);
     const i64 plane_elems = (i64)s.heads * s.rows * row_elems;

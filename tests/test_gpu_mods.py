@@ -768,8 +768,49 @@ def test_hopper_fp32_forward_on_fp16_halves(rng, monkeypatch, d, nq, nk, layout,
     assert forward and all(v.family is _kernels.FWD_SM90 and "<float," in v.name_expression
                            and bool(v.mode & _kernels.MODE_TF32) == tf32 for v in forward), \
         [v.name_expression for v in launched]
+    # The forward's passes, then the backward's where it runs bwd_sm90.cu (the dense path).
     passes = [v.name_expression for v in launched if v.family is _kernels.SPLIT_F32]
-    assert passes == ["f32_halves_max", f"f32_halves<{1 if tf32 else 2}>"] * len(forward), passes
+    hopper_backward = any(v.family is _kernels.BWD_SM90 for v in launched)
+    assert passes == (["f32_halves_max", f"f32_halves<{1 if tf32 else 2}>"] * len(forward)
+                      + ["f32_halves_max", "f32_halves<2>"] * hopper_backward), passes
+
+
+@pytest.mark.parametrize("d,nq,nk,causal,window,deterministic,magnitudes", [
+    pytest.param(d, nq, nk, causal, window, det, mags,
+                 id=f"d{d}-{nq}x{nk}{'-causal' if causal else ''}{'-window' if window else ''}"
+                    f"-{'det' if det else 'atomic'}{'-far-from-fp16' if mags != (1, 1, 1, 1) else ''}")
+    for i, (d, nq, nk, causal, window) in enumerate((
+        (64, 300, 300, False, None), (128, 257, 513, True, None), (40, 129, 200, False, None),
+        (104, 200, 129, True, None), (64, 1000, 1000, False, (100, 20)), (128, 70, 333, False, None)))
+    for det in (False, True)
+    for mags in ((1, 1, 1, 1), (3e-21, 3e20, 1e-9, 1e5))[:1 + (i % 2 == det)]])
+def test_hopper_fp32_backward_on_fp16_halves(rng, monkeypatch, d, nq, nk, causal, window, deterministic, magnitudes):
+    """The fp32 backward on Hopper's 16-bit warpgroup MMA (bwd_sm90.cu in the roles over the
+    fp16 halves of q, k, v and dO that split_f32.cu writes, kernels_cu/halves.cuh) against
+    the float64 reference at fp32's tolerance: dense and with a window (MODE_BAND), GQA
+    2:1, partial key blocks and query tiles, both modes; q, k, v and dO far outside fp16's
+    range (q k^T of order 1) check the halves' scales and dS's. The backward must take
+    that kernel after the four-tensor passes."""
+    if DRY_RUN:
+        pytest.skip("pins a GPU kernel")
+    import cupy as cp
+    from cupyflash import _cuda, _kernels
+    if _cuda._device_info(cp.cuda.Device().id)[0] != "sm_90a":
+        pytest.skip("not a Hopper GPU")
+    host = _qkv(rng, "float32", d, nq, nk, 2, "bhsd")
+    host = [x * np.float32(m) for x, m in zip(host, magnitudes)]
+    opts = dict(causal=causal, deterministic=deterministic, **({"window": window} if window else {}))
+    launched = []
+    launch = _cuda._launch
+    monkeypatch.setattr(_cuda, "_launch", lambda variant, *a: (launched.append(variant), launch(variant, *a)))
+    got, ref = _run_both(cupyflash.attention_forward, host, opts)
+    _check(got, ref, "float32")
+    backward = [v for v in launched if v.family is _kernels.BWD_SM90]
+    assert len(backward) == 1 and backward[0].name_expression.startswith("flash_bwd_dkdv_sm90<float,"), \
+        [v.name_expression for v in launched]
+    assert bool(backward[0].grads & _kernels.GRAD_DQ_ORDERED) == deterministic
+    passes = [v.name_expression for v in launched if v.family is _kernels.SPLIT_F32]
+    assert passes == ["f32_halves_max", "f32_halves<2>"] * 2, passes   # the forward's, then the backward's
 
 
 @pytest.mark.parametrize("precision", ["highest", "tf32"])
