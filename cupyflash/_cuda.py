@@ -593,7 +593,8 @@ def attention_backward(do, q, k, v, o, lse, dq, dk, dv, *, scale, causal, determ
     kernel is instantiated for, 128 for d = 96), and for its ordered additions one 4-byte
     turn counter per query tile; on Hopper without a causal band (d <= 128), the fp32 dK
     and dV sums of the units it splits (fewer than the SMs: 2 * 128 * D * 4 bytes each)
-    and a counter each. ``deterministic=True`` computes dq
+    and a counter each; fp32 on Hopper's dense path, the fp16 halves of q, k, v and dO (as
+    many bytes as those) and four words. ``deterministic=True`` computes dq
     bitwise reproducibly (dbias too when the bias broadcasts over no axis).
     """
     import cupy

@@ -117,8 +117,10 @@ precision : {"highest", "tf32"}, default "highest"
     significant bits, TF32's precision): about twice as fast, with relative errors of a
     few 1e-4 (``tests/TOLERANCES.md``). The backward pass, other GPUs and the NumPy
     backend compute at float32 accuracy either way (the gradients start from the
-    forward's o and LSE, so they carry its error). The Hopper forward's halves take as
-    much device memory as q, k and v (half with "tf32") for the length of the call."""
+    forward's o and LSE, so they carry its error). On Hopper the backward's dense path
+    (no score term, dropout or bias; head dims up to 128) runs on fp16 halves too, at
+    float32 accuracy. The halves take as much device memory as q, k and v (half with
+    "tf32"; the backward's, of q, k, v and dO) for the length of the call."""
 
 _INPUTS_DOC = """\
 q : array, shape (..., Hq, Nq, d) or (B, Nq, Hq, d)
