@@ -1,5 +1,5 @@
-// Backward attention's key-block kernel on Hopper (sm_90a, fp16/bf16, and fp32 below; dense, dense with the
-// options that only bound the keys a row sees (MODE_BAND, mods.cuh: a window, varlen,
+// Backward attention's key-block kernel on Hopper (sm_90a, fp16/bf16, and fp32 below;
+// dense, dense with the options that only bound the keys a row sees (MODE_BAND, mods.cuh: a window, varlen,
 // key padding, a block mask of whole tiles) and one of ALiBi, softcap or dropout beside
 // them (MODE_ALIBI, MODE_SOFTCAP, MODE_DROPOUT), every option (MODE_EXT), and the bias
 // with them (MODE_EXT | MODE_BIAS)):
@@ -56,7 +56,7 @@
 // and its tile's sum: the tensor cores truncate as they accumulate, so each query tile's
 // dV and dK products are summed from zero and added in the FPU, which needs the second
 // set of registers). P^T goes in scaled by P_SCALE, dS^T by a power of two below its
-// bound 2 d max|dO| max|V| (DsScale), both split in registers; dQ is unscaled before its
+// bound 2 d max|dO| max|V| (ds_scale), both split in registers; dQ is unscaled before its
 // reduction, dK and dV as they are stored, from the registers.
 // So the consumers issue no atomics, no loads from global memory and no walk of the pairs:
 // the mainloop is their products and the softmax's gradient. In the deterministic mode (GRAD_DQ_ORDERED)
@@ -153,7 +153,7 @@ struct Sm90BwdKVTile {
     // dQ products run; fp32's two planes from d = 128 one too.
     static constexpr int STAGES = ROLES && (D > 192 || (F32 && D > 64)) ? 1 : 2;
     // fp32: P^T's scale before it is split (P <= 1 from the exact LSE; 2^13 leaves room for
-    // the forward's rounding) and dS^T's (DsScale).
+    // the forward's rounding) and dS^T's (ds_scale).
     static constexpr float P_SCALE = F32 ? 8192.f : 1.f;
     // Named barrier of the consumers alone (0 is __syncthreads').
     static constexpr int CONSUMER_BARRIER = 1;
