@@ -1,8 +1,8 @@
 // Backward attention's key-block kernel on Hopper (sm_90a, fp16/bf16, and fp32 below;
-// dense, dense with the options that only bound the keys a row sees (MODE_BAND, mods.cuh: a window, varlen,
-// key padding, a block mask of whole tiles) and one of ALiBi, softcap or dropout beside
-// them (MODE_ALIBI, MODE_SOFTCAP, MODE_DROPOUT), every option (MODE_EXT), and the bias
-// with them (MODE_EXT | MODE_BIAS)):
+// dense, dense with the options that only bound the keys a row sees (MODE_BAND, mods.cuh:
+// a window, varlen, key padding, a block mask of whole tiles) and one of ALiBi, softcap or
+// dropout beside them (MODE_ALIBI, MODE_SOFTCAP, MODE_DROPOUT), every option (MODE_EXT),
+// and the bias with them (MODE_EXT | MODE_BIAS)):
 // warp-specialised, the tiles moved by the tensor memory accelerator, the products on
 // warpgroup MMA, dQ added into its fp32 workspace by bulk reductions.
 //
