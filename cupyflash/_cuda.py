@@ -278,7 +278,7 @@ class _ForwardPlan:
     bias_spec: tuple | None = None   # the bias's, where its tiles stream by TMA
     persistent: bool = False         # a zeroed work counter per launch
     # fp32 on fwd_sm90.cu: the passes that write q, k and v as fp16 halves first (its maps
-    # then describe those, made per call: `_forward_halves`); empty elsewhere.
+    # then describe those, made per call: `_halves_of`); empty elsewhere.
     halves: tuple = ()
 
 
