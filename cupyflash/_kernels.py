@@ -230,17 +230,18 @@ BWD_SM80 = Family("bwd_sm80.cu")
 BWD_WIDE = Family("bwd_wide.cu", spill_free=False)
 BWD_SIMT = Family("bwd_simt.cu", spill_free=False)
 BWD_PREP = Family("bwd_prep.cu", spill_free=False)
-# The fp32 Hopper forward's passes before it: q, k and v as fp16 halves (split_f32.cu:
-# HALVES_ROWS rows a CTA of HALVES_THREADS threads; a word a warp of static shared memory).
+# The fp32 Hopper kernels' passes before them: q, k, v (the backward's dO too) as fp16
+# halves (split_f32.cu: HALVES_ROWS rows a CTA of HALVES_THREADS threads; a word a warp of
+# static shared memory).
 HALVES_ROWS = 64
 HALVES_THREADS = 256
 SPLIT_F32 = Family("split_f32.cu", static_smem=HALVES_THREADS // 32 * 4)
 
 
 def halves_passes(mode: int) -> tuple:
-    """The two launches before an fp32 Hopper forward of ``mode`` (split_f32.cu): the
-    largest magnitudes, then the halves (both planes, or with precision="tf32" the high
-    one)."""
+    """The two launches before an fp32 Hopper kernel of ``mode`` (split_f32.cu): the
+    largest magnitudes, then the halves (both planes, or for the forward's
+    precision="tf32", MODE_TF32, the high one)."""
     planes = 1 if mode & MODE_TF32 else 2
     return (Variant(SPLIT_F32, "f32_halves_max", HALVES_THREADS, HALVES_ROWS, 0),
             Variant(SPLIT_F32, f"f32_halves<{planes}>", HALVES_THREADS, HALVES_ROWS, 0))
