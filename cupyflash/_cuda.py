@@ -512,10 +512,13 @@ class _BackwardLaunchPlan:
     params: _params.Params
 
 
-def _plan_backward(do, q, k, v, o, dq, dk, dv, *, scale, causal, deterministic, mods, dbias) -> _BackwardLaunchPlan:
+def _plan_backward(do, q, k, v, o, dq, dk, dv, *, scale, causal, deterministic, mods, dbias,
+                   lse_grad: bool = False) -> _BackwardLaunchPlan:
     """The plan of this call's signature: the kernels of `device_backward_plan` that fit the
     device (the Hopper key-block kernel where its tensor maps can be made), their grids and
-    the scalar fields."""
+    the scalar fields. ``lse_grad``: the call passes a dlse, which fp32's Hopper kernel does
+    not take (its dS scale is bounded by dO and V alone: kernels_cu/bwd_sm90.cu ds_scale),
+    so such calls run the next kernel in line."""
     B, Hq, Nq, d = q.shape
     Hk, dim_v = k.shape[1], v.shape[3]
     device_id = q.device.id
@@ -531,7 +534,9 @@ def _plan_backward(do, q, k, v, o, dq, dk, dv, *, scale, causal, deterministic, 
     split = (0, 0)
     for _, candidates in plan.kv:
         variant, specs = _choose(candidates, device_id), None
-        if variant.family.tensor_maps and q.dtype == np.float32:
+        if variant.family.tensor_maps and q.dtype == np.float32 and lse_grad:
+            variant = _choose([c for c in candidates if not c.family.tensor_maps], device_id)
+        elif variant.family.tensor_maps and q.dtype == np.float32:
             specs = HALVES   # its maps describe the halves, made per call
         elif variant.family.tensor_maps:
             specs = _sm90_backward_map_specs(variant, q, k, v, do, mods, dbias)
@@ -604,9 +609,10 @@ def attention_backward(do, q, k, v, o, lse, dq, dk, dv, *, scale, causal, determ
         return
     lse = cupy.ascontiguousarray(lse)   # the pre-pass reads it as (B, Hq, Nq) rows
     signature = (*_signature((do, q, k, v, o, dq, dk, dv, dbias), scale=scale, causal=causal, mods=mods),
-                 bool(deterministic))
+                 bool(deterministic), dlse is not None)
     plan = _cached_plan(_BACKWARD_PLANS, signature, lambda: _plan_backward(
-        do, q, k, v, o, dq, dk, dv, scale=scale, causal=causal, deterministic=deterministic, mods=mods, dbias=dbias))
+        do, q, k, v, o, dq, dk, dv, scale=scale, causal=causal, deterministic=deterministic, mods=mods, dbias=dbias,
+        lse_grad=dlse is not None))
     B, Hq, Nq, d = q.shape
     acc = _arrays.accumulation_dtype(q.dtype).type
     rows = cupy.empty((2, B, Hq, plan.nq_pad), acc)   # one array: bwd_sm90.cu reads both through one map

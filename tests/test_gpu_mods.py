@@ -614,6 +614,32 @@ def test_dropout_with_an_lse_gradient(rng, dtype, causal):
     _check(got, ref, dtype)
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_fp32_backward_with_an_lse_gradient_alone(rng, monkeypatch, deterministic):
+    """A dlse with dO = 0 (a loss of the LSE alone): dS = P (dlse - ...) is bounded by the
+    dlse, not by dO and V, which bound the dS scale of fp32's Hopper backward
+    (kernels_cu/bwd_sm90.cu ds_scale), so calls with a dlse run the next kernel in line
+    (bwd_wide.cu), at fp32's tolerance against float64."""
+    from cupyflash import _cuda, _kernels
+    nq, nk = 200, 300
+    host = _qkv(rng, "float32", 64, nq, nk, 2, "bhsd")
+    host[3][:] = 0
+    dlse = rng.standard_normal(host[0].shape[:3]).astype(np.float32) * np.float32(1e3)
+    launched = []
+    if not DRY_RUN:
+        launch = _cuda._launch
+        monkeypatch.setattr(_cuda, "_launch", lambda variant, *a: (launched.append(variant), launch(variant, *a)))
+    results = []
+    for backend, inputs, g in ((BACKEND, [_dev(x) for x in host], _dev(dlse)),
+                               ("numpy", [x.astype(np.float64) for x in host], dlse.astype(np.float64))):
+        o, ctx = cupyflash.attention_forward(*inputs[:3], backend=backend, deterministic=deterministic)
+        grads = cupyflash.attention_backward(inputs[3], ctx, dlse=g)
+        results.append({"o": _host(o), "lse": _host(ctx.lse), **dict(zip(GRAD_NAMES, (_host(x) for x in grads)))})
+    got, ref = results
+    _check(got, ref, "float32")
+    assert not any(v.family is _kernels.BWD_SM90 for v in launched), [v.name_expression for v in launched]
+
+
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_deterministic_backward_with_modifiers_is_bitwise_reproducible(rng, dtype):
     """deterministic=True: dq, dk, dv and dbias identical run to run with dropout, bias,
