@@ -405,13 +405,17 @@ struct Sm90BwdUnitState {
 };
 
 // fp32 (halves.cuh): the power of two dS^T is scaled by before its split. |dS| = P |dP -
-// delta| <= 2 max|dP| <= 2 d max|dO| max|V| < D2 2^(e_dO + e_V + 3), D2 the power of two at
-// or above D and e_x the exponent of max|x|; the halves' scales s_x = 2^(14 - e_x) give
-// 2^(11 - e_dO - e_V) / D2 = s_dO s_V 2^-17 / D2, which keeps the scaled dS below 2^14.
+// delta| <= 2 max|dP| <= 2 d max|dO| max|V| < D2 2^(e_dO + e_V + 3), D2 = 2^L the power of
+// two at or above D and e_x the exponent of max|x| (halves_exponent), so 2^(11 - e_dO -
+// e_V - L) keeps the scaled dS below 2^14. The exponent is held to [-100, 100]: at an
+// all-zero dO (e_dO at its floor, -112) the product of the halves' scales overflowed to
+// inf, and the scaled dS, 0 times inf, was NaN; a smaller scale only rounds dS's
+// smallest values sooner, a larger one cannot be needed below fp32's own range.
 template <int D>
-__device__ __forceinline__ float ds_scale(float s_do, float s_v) {
-    constexpr int D2 = D <= 64 ? 64 : D <= 128 ? 128 : 256;
-    return s_do * s_v * (1.f / 131072.f) * (1.f / D2);
+__device__ __forceinline__ float ds_scale(u32 max_do_bits, u32 max_v_bits) {
+    constexpr int L = D <= 64 ? 6 : D <= 128 ? 7 : 8;
+    const int e = min(max(11 - halves_exponent(max_do_bits) - halves_exponent(max_v_bits) - L, -100), 100);
+    return __uint_as_float(u32(e + 127) << 23);
 }
 
 // One CTA per SM: the tiles take most of the shared memory, and the bound lets setmaxnreg
@@ -743,20 +747,22 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
         if (lane == 0) mbar_arrive(bar);
     };
     auto consumer_sync = [] { named_barrier(C::CONSUMER_BARRIER, C::CONSUMER_THREADS); };
-    // fp32: what undoes the halves' scales (powers of two, exact). S^T's product carries
-    // s_q s_k, dP^T's s_dO s_v; P^T goes in times P_SCALE and dS^T times ds_scale, so dV
-    // carries P_SCALE s_dO, dK ds_scale s_q and dQ ds_scale s_k.
-    [[maybe_unused]] float s_unscale = 1.f, dp_unscale = 1.f, ds_mul = 1.f, dv_unscale = 1.f, dk_unscale = 1.f,
-                           dq_unscale = 1.f;
+    // fp32: what undoes the halves' scales s_x = 2^(14 - e_x) (powers of two, exact). S^T's
+    // product carries s_q s_k, dP^T's s_dO s_v; P^T goes in times P_SCALE and dS^T times
+    // ds_mul (ds_scale), so dV carries P_SCALE s_dO, dK ds_mul s_q and dQ ds_mul s_k. Each
+    // from its exponent (ldexpf): a product of the scales themselves overflows where a
+    // tensor's largest magnitude is tiny (an all-zero dO: s_dO = 2^126).
+    [[maybe_unused]] float s_unscale = 1.f, dp_unscale = 1.f, ds_mul = 1.f;
+    [[maybe_unused]] float dv_unscale = 1.f, dk_unscale = 1.f, dq_unscale = 1.f;
     if constexpr (C::F32) {
-        const float sq = halves_scale(p.halves_max[HALVES_Q]), sk = halves_scale(p.halves_max[HALVES_K]);
-        const float sv = halves_scale(p.halves_max[HALVES_V]), sdo = halves_scale(p.halves_max[HALVES_DO]);
-        ds_mul = ds_scale<D>(sdo, sv);
-        s_unscale = 1.f / (sq * sk);
-        dp_unscale = 1.f / (sdo * sv);
-        dv_unscale = 1.f / (C::P_SCALE * sdo);
-        dk_unscale = 1.f / (ds_mul * sq);
-        dq_unscale = 1.f / (ds_mul * sk);
+        const int eq = halves_exponent(p.halves_max[HALVES_Q]), ek = halves_exponent(p.halves_max[HALVES_K]);
+        const int ev = halves_exponent(p.halves_max[HALVES_V]), edo = halves_exponent(p.halves_max[HALVES_DO]);
+        ds_mul = ds_scale<D>(p.halves_max[HALVES_DO], p.halves_max[HALVES_V]);
+        s_unscale = ldexpf(1.f, eq + ek - 28);
+        dp_unscale = ldexpf(1.f, edo + ev - 28);
+        dv_unscale = ldexpf(1.f / C::P_SCALE, edo - 14);
+        dk_unscale = ldexpf(1.f / ds_mul, eq - 14);
+        dq_unscale = ldexpf(1.f / ds_mul, ek - 14);
     }
     // A product over the halves' planes (C::PRODUCTS): issue(a_plane, b_plane, first) for
     // (high, high), then fp32's (high, low) and (low, high).

@@ -30,9 +30,9 @@ enum { HALVES_Q = 0, HALVES_K = 1, HALVES_V = 2, HALVES_DO = 3, HALVES_TENSORS =
 // The scale s = 2^(14 - e) of a tensor whose largest finite |x| is in [2^e, 2^(e + 1))
 // (its bits `max_bits`); e at least -112 so that s stays a normal float (an all-zero or
 // subnormal tensor), at most 127.
+__device__ __forceinline__ int halves_exponent(u32 max_bits) { return max(int(max_bits >> 23) - 127, -112); }
 __device__ __forceinline__ float halves_scale(u32 max_bits) {
-    const int e = max(int(max_bits >> 23) - 127, -112);
-    return __uint_as_float(u32(14 - e + 127) << 23);
+    return __uint_as_float(u32(14 - halves_exponent(max_bits) + 127) << 23);
 }
 
 // The elements of a row of halves for rows of `cols`: whole 16 bytes, which TMA needs of a

@@ -614,6 +614,19 @@ def test_dropout_with_an_lse_gradient(rng, dtype, causal):
     _check(got, ref, dtype)
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_fp32_backward_of_a_zero_do(rng, d):
+    """dO = 0 and no dlse: every gradient is exactly 0, not NaN. (On Hopper the halves' scale
+    of an all-zero dO is 2^126: fp32's backward takes its dS scale and unscales from the
+    exponents, held in range, kernels_cu/bwd_sm90.cu ds_scale.)"""
+    q, k, v, do = (_dev(x) for x in _qkv(rng, "float32", d, 129, 200, 2, "bhsd"))
+    do *= 0
+    o, ctx = cupyflash.attention_forward(q, k, v, causal=True, backend=BACKEND)
+    for grad in cupyflash.attention_backward(do, ctx):
+        g = _host(grad)
+        assert np.isfinite(g).all() and not g.any()
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_fp32_backward_with_an_lse_gradient_alone(rng, monkeypatch, deterministic):
     """A dlse with dO = 0 (a loss of the LSE alone): dS = P (dlse - ...) is bounded by the
