@@ -1,4 +1,4 @@
-// fp32 operands as fp16 halves, for the tensor cores' 16-bit products (fwd_sm90.cu).
+// fp32 operands as fp16 halves, for the tensor cores' 16-bit products (fwd_sm90.cu, bwd_sm90.cu).
 //
 // An fp32 tensor x is scaled by a power of two s (so that max |x s| lies in [2^14, 2^15),
 // inside fp16's range) and split into a high half h = fp16(x s) and a low half
@@ -15,7 +15,8 @@
 //
 // split_f32.cu finds each tensor's largest finite |x| (as its bits: a non-negative float
 // orders as its bits do, so atomicMax on them finds it) and writes the halves; the kernels
-// that read them recompute s from the same bits (halves_scale), so the host never waits.
+// that read them recompute s (or its exponent) from the same bits (halves_scale,
+// halves_exponent), so the host never waits.
 #pragma once
 #include "elem.cuh"
 
