@@ -589,16 +589,10 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
             each_unit(take, [&](const UnitState& w) {
                 const ModsT& mods = w.mods;
                 if (w.first() >= w.count()) return;   // no query tile: the consumers write zeros
-                // Rows in the tensor maps' coordinates: under varlen the sequence's offset; each
-                // plane's panels after the last (fp32's low halves are the head `heads` further
-                // on, split_f32.cu).
+                // Rows in the tensor maps' coordinates: under varlen the sequence's offset; with
+                // the tile's planes (fp32's halves).
                 auto load_panels = [&](E* dst, const TmaMap& map, u64* bar, int rows, i64 row0, int head, int heads) {
-                    #pragma unroll
-                    for (int plane = 0; plane < PLANES; ++plane)
-                        #pragma unroll
-                        for (int panel = 0; panel < D / C::PANEL; ++panel)
-                            tma_load_4d(dst + (plane * D / C::PANEL + panel) * rows * C::PANEL, map, bar, panel * C::PANEL,
-                                        int(row0), head + plane * heads, mods.tb);
+                    tma_load_planes<PLANES, D, C::PANEL>(dst, map, bar, rows, int(row0), head, heads, mods.tb);
                 };
                 const int kv_heads = hq / group;
                 // K and V once the consumers are done with the last unit's (its last dQ
@@ -764,12 +758,6 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
         dk_unscale = ldexpf(1.f / ds_mul, eq - 14);
         dq_unscale = ldexpf(1.f / ds_mul, ek - 14);
     }
-    // A product over the halves' planes (C::PRODUCTS): issue(a_plane, b_plane, first) for
-    // (high, high), then fp32's (high, low) and (low, high).
-    auto over_planes = [](auto&& issue) {
-        #pragma unroll
-        for (int product = 0; product < C::PRODUCTS; ++product) issue(int(product == 2), int(product == 1), product == 0);
-    };
     // A warpgroup's work in its role (Sm90BwdRole); each role's accumulators are its own.
     auto consume = [&](auto role) {
         typedef decltype(role) R;
@@ -840,7 +828,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
             float dq[1][DQ_N > 0 ? DQ_N / 8 : 1][4];
             auto issue_dq = [&](const E* dS_tile) {
                 if constexpr (DQ_N > 0) {
-                    over_planes([&](int pa, int pb, bool first) {
+                    for_each_product<C::PRODUCTS>([&](int pa, int pb, bool first) {
                         #pragma unroll
                         for (int ks = 0; ks < C::NSTEPS; ++ks) {
                             const u64 a = mnmajor_desc<E, BLOCK_N>(dS_tile + pa * C::DS_ELEMS, ks, dq_row0);
@@ -940,7 +928,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                         if (sub == 0) issue_dq(sdS + ((step + 1) % 2) * DS_TILE);   // the last tile's
                     }
                     if constexpr (R::S) {
-                        over_planes([&](int pa, int pb, bool first) {
+                        for_each_product<C::PRODUCTS>([&](int pa, int pb, bool first) {
                             #pragma unroll
                             for (int ks = 0; ks < C::KSTEPS; ++ks) {
                                 const u64 a = kmajor_desc<E, BLOCK_N>(sK + pa * C::KV_ELEMS, R::SHARED_KEYS ? 0 : wg * 64, ks);
@@ -968,7 +956,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                         }
                     }
                     if constexpr (R::DP) {
-                        over_planes([&](int pa, int pb, bool first) {
+                        for_each_product<C::PRODUCTS>([&](int pa, int pb, bool first) {
                             #pragma unroll
                             for (int ks = 0; ks < C::KSTEPS; ++ks) {
                                 const u64 a = kmajor_desc<E, BLOCK_N>(sV + pa * C::KV_ELEMS, R::SHARED_KEYS ? 0 : wg * 64, ks);
@@ -1138,7 +1126,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                     wgmma_fence();
                     auto add_product = [&](auto& sum, const u32 (&high)[C::QSTEPS][4], const u32 (&low)[C::F32 ? C::QSTEPS : 1][4],
                                            const E* b_tile) {
-                        over_planes([&](int pa, int pb, bool first) {
+                        for_each_product<C::PRODUCTS>([&](int pa, int pb, bool first) {
                             #pragma unroll
                             for (int ks = 0; ks < C::QSTEPS; ++ks) {
                                 const u32 (&a)[4] = pa ? low[C::F32 ? ks : 0] : high[ks];

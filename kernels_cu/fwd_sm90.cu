@@ -254,15 +254,9 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
             const bool leader = lane == 0;
             const ModsT& mods = producer_mods;
             // A tile of `rows` rows (the box's) from row0 on, in the tensor maps' coordinates
-            // (under varlen the sequence's offset), each plane's panels after the last: fp32's
-            // low halves are the head `heads` further on (split_f32.cu).
+            // (under varlen the sequence's offset), with its planes (fp32's halves).
             auto load_tile = [&](E* dst, const TmaMap& map, u64* bar, int rows, i64 row0, int head, int heads) {
-                #pragma unroll
-                for (int plane = 0; plane < PLANES; ++plane)
-                    #pragma unroll
-                    for (int panel = 0; panel < D / C::PANEL; ++panel)
-                        tma_load_4d(dst + (plane * D / C::PANEL + panel) * rows * C::PANEL, map, bar, panel * C::PANEL,
-                                    int(row0), head + plane * heads, mods.tb);
+                tma_load_planes<PLANES, D, C::PANEL>(dst, map, bar, rows, int(row0), head, heads, mods.tb);
             };
             auto next_work = [&](int w) {
                 if (p.work_counter == nullptr) return w + int(gridDim.x);
@@ -437,19 +431,18 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
         auto issue_s = [&](int t) {
             const E* sKb = sK + (t % STAGES) * KV_TILE;
             wgmma_fence();
-            #pragma unroll
-            for (int product = 0; product < C::PRODUCTS; ++product) {
-                const E* q = sQ + (product == 2) * C::Q_ELEMS;
-                const E* k = sKb + (product == 1) * C::KV_ELEMS;
+            for_each_product<C::PRODUCTS>([&](int pa, int pb, bool first) {
+                const E* q = sQ + pa * C::Q_ELEMS;
+                const E* k = sKb + pb * C::KV_ELEMS;
                 #pragma unroll
                 for (int ks = 0; ks < C::KSTEPS; ++ks) {
                     const u64 a = kmajor_desc<E, BLOCK_M>(q, wg_row0, ks), b = kmajor_desc<E, BLOCK_N>(k, 0, ks);
-                    if (product == 0 && ks == 0)
+                    if (first && ks == 0)
                         Wgmma<E, BLOCK_N>::template ss<false>(s[0], a, b);
                     else
                         Wgmma<E, BLOCK_N>::template ss<true>(s[0], a, b);
                 }
-            }
+            });
             wgmma_commit();
         };
         // S once its product has landed (fp32: unscaled).
@@ -468,18 +461,17 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
             const E* sVb = sV + (t % STAGES) * KV_TILE;
             wgmma_fence();
             if constexpr (SPLIT) {
-                #pragma unroll
-                for (int product = 0; product < C::PRODUCTS; ++product) {
-                    const E* v = sVb + (product == 1) * C::KV_ELEMS;
+                for_each_product<C::PRODUCTS>([&](int pa, int pb, bool first) {
+                    const E* v = sVb + pb * C::KV_ELEMS;
                     #pragma unroll
                     for (int ks = 0; ks < C::PSTEPS; ++ks) {
-                        const u32 (&a)[4] = product == 2 ? p_low[ks] : p_frag[ks];
-                        if (product == 0 && ks == 0)
+                        const u32 (&a)[4] = pa ? p_low[ks] : p_frag[ks];
+                        if (first && ks == 0)
                             Wgmma<E, D>::template rs<false>(o_tile[0], a, mnmajor_desc<E, BLOCK_N>(v, ks));
                         else
                             Wgmma<E, D>::template rs<true>(o_tile[0], a, mnmajor_desc<E, BLOCK_N>(v, ks));
                     }
-                }
+                });
             } else {
                 #pragma unroll
                 for (int ks = 0; ks < C::PSTEPS; ++ks)

@@ -36,6 +36,15 @@ __device__ __forceinline__ float halves_scale(u32 max_bits) {
     return __uint_as_float(u32(14 - halves_exponent(max_bits) + 127) << 23);
 }
 
+// A product over halves as PRODUCTS fp16 products (3, or 1: 16-bit inputs, the forward's
+// precision="tf32"): f(a_plane, b_plane, first) for (high, high), then (high, low) and
+// (low, high).
+template <int PRODUCTS, typename F>
+__device__ __forceinline__ void for_each_product(F&& f) {
+    #pragma unroll
+    for (int product = 0; product < PRODUCTS; ++product) f(int(product == 2), int(product == 1), product == 0);
+}
+
 // The elements of a row of halves for rows of `cols`: whole 16 bytes, which TMA needs of a
 // row's stride (cupyflash/_cuda.py allocates them so).
 __host__ __device__ constexpr int halves_row(int cols) { return (cols + 7) / 8 * 8; }

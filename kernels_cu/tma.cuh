@@ -98,6 +98,21 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const TmaMap& map, u64* b
                  : "memory");
 }
 
+// A tile of `rows` rows of D columns from row0 on (the map's coordinates) into `dst`, in
+// boxes of PANEL columns, panel after panel, each PLANES times: plane p of head `head` is
+// head head + p heads of the map (fp32's fp16 halves, split_f32.cu: the low plane after the
+// high one), and lands after plane p - 1's panels.
+template <int PLANES, int D, int PANEL, typename E>
+__device__ __forceinline__ void tma_load_planes(E* dst, const TmaMap& map, u64* bar, int rows, int row0, int head,
+                                                int heads, int batch) {
+    #pragma unroll
+    for (int plane = 0; plane < PLANES; ++plane)
+        #pragma unroll
+        for (int panel = 0; panel < D / PANEL; ++panel)
+            tma_load_4d(dst + (plane * D / PANEL + panel) * rows * PANEL, map, bar, panel * PANEL, row0,
+                        head + plane * heads, batch);
+}
+
 // Register budgets of warp-specialised kernels (sm_90a): the producer warpgroup gives
 // registers back, the consumers take them. Both need the kernel's launch bound with one
 // CTA per SM (__launch_bounds__(threads, 1)), and every warp of a warpgroup executes them.
