@@ -366,11 +366,9 @@ def attention_forward(q, k, v, o, lse, *, scale: float, causal: bool, mods=_mods
     if plan.halves:
         # Kept alive until the forward is queued (a buffer freed before would be the next
         # allocation's, the work counter's below).
-        halves, largest = _halves_of(plan.halves, 1 if plan.variant.mode & MODE_TF32 else 2, params, (q, k, v))
-        specs = _map_specs((halves[0], plan.variant.block_m), *((x, plan.variant.tile[0]) for x in halves[1:]))
-        if specs is None:
-            raise RuntimeError("the driver refused a tensor map of fp16 halves")
-        params.set(**_tensor_maps(specs, halves, ("q_map", "k_map", "v_map")))
+        block_n = plan.variant.tile[0]
+        halves = _halves_maps(plan.halves, 1 if plan.variant.mode & MODE_TF32 else 2, params,
+                              {"q_map": (q, plan.variant.block_m), "k_map": (k, block_n), "v_map": (v, block_n)})
     if plan.map_specs is not None:
         specs = plan.map_specs + (() if plan.bias_spec is None else (plan.bias_spec,))
         params.set(**_tensor_maps(specs, (q, k, v, mods.bias), ("q_map", "k_map", "v_map", "bias_map")))
@@ -380,6 +378,20 @@ def attention_forward(q, k, v, o, lse, *, scale: float, causal: bool, mods=_mods
         counter = cupy.zeros(1, cupy.int32)   # freed to the pool, reused only after the launch (same stream)
         params.set(work_counter=counter.data.ptr)
     _launch(plan.variant, plan.grid, q.device.id, params)
+
+
+def _halves_maps(passes, planes: int, params: _params.Params, boxes: dict) -> tuple:
+    """fp32 on the Hopper kernels: the tensors of ``boxes`` ({map field: (q, k, v or dO,
+    box rows)}, in that order) as fp16 halves (`_halves_of`), and the map fields of
+    ``params`` set to describe them. Returns what the caller keeps until its kernel is
+    queued."""
+    tensors, rows = zip(*boxes.values())
+    halves, largest = _halves_of(passes, planes, params, tensors)
+    specs = _map_specs(*zip(halves, rows))
+    if specs is None:
+        raise RuntimeError("the driver refused a tensor map of fp16 halves")
+    params.set(**_tensor_maps(specs, halves, tuple(boxes)))
+    return halves, largest
 
 
 def _halves_of(passes, planes: int, params: _params.Params, tensors) -> tuple:
@@ -644,17 +656,16 @@ def attention_backward(do, q, k, v, o, lse, dq, dk, dv, *, scale, causal, determ
                    dbias=_params.address(dbias if variant.grads & GRAD_DK else None),
                    work_counter=_params.address(work_counter if bwd_sm90_persistent(variant) else None),
                    kv_partial=_params.address(kv_partial))
-        maps_of = (q, do, k, v, mods.bias)
         if specs is HALVES:
             # Kept alive until the kernel is queued (a buffer freed before would be the next
             # allocation's).
-            halves, largest = _halves_of(plan.halves, 2, params, (q, k, v, do))
-            maps_of = (halves[0], halves[3], halves[1], halves[2])
-            specs = _map_specs(*((x, rows) for x, rows in zip(maps_of, (variant.tile[0],) * 2 + (variant.block_m,) * 2)))
-            if specs is None:
-                raise RuntimeError("the driver refused a tensor map of fp16 halves")
+            block_m, block_n = variant.tile[0], variant.block_m
+            halves = _halves_maps(plan.halves, 2, params, {"q_map": (q, block_m), "k_map": (k, block_n),
+                                                           "v_map": (v, block_n), "dout_map": (do, block_m)})
+        elif specs is not None:
+            params.set(**_tensor_maps(specs, (q, do, k, v, mods.bias),
+                                      ("q_map", "dout_map", "k_map", "v_map", "bias_map")))
         if specs is not None:
-            params.set(**_tensor_maps(specs, maps_of, ("q_map", "dout_map", "k_map", "v_map", "bias_map")))
             rows_map = _tma.rows_map(rows, sm90_rows_box(variant.tile[0]))
             if rows_map is None:
                 raise RuntimeError("the CUDA driver refused the tensor map of the backward's row workspaces")
