@@ -526,10 +526,10 @@ BWD_SM90_F32_KV_TILES = {
 
 
 def bwd_sm90_roles(variant: "Variant") -> bool:
-    """Whether a bwd_sm90.cu kernel runs its warpgroups in the roles (Sm90BwdKVTile::ROLES):
-    from BWD_SM90_ROLES_MIN_HEAD_DIM, and fp32 (its first template argument) at every one."""
-    return variant.head_dim >= BWD_SM90_ROLES_MIN_HEAD_DIM or variant.name_expression.startswith(
-        "flash_bwd_dkdv_sm90<float,")
+    """Whether a bwd_sm90.cu kernel runs its warpgroups in the roles (Sm90BwdKVTile::ROLES:
+    from BWD_SM90_ROLES_MIN_HEAD_DIM, and fp32 at every head dim): its key block (the
+    variant's block_m) is 64 keys shared, not 64 a warpgroup."""
+    return variant.family is BWD_SM90 and variant.block_m < 64 * variant.tile[1]
 
 
 def _sm90_bwd_tile(D: int, tile) -> tuple[int, int]:
