@@ -49,7 +49,7 @@
 // computes S^T, P^T and dV, the other dP^T, dS^T and dK, P^T passing between them through
 // shared memory; each finishes a tile's dQ product of its columns before the next tile's
 // products, so one dS^T buffer serves, and d = 256 fits one Q/dO stage.
-// fp32 (T = float, the dense path alone: MODE_DENSE and MODE_BAND) runs on fp16 halves, as
+// fp32 (T = float, the dense path alone: MODE_DENSE, MODE_BAND and its one term) runs on fp16 halves, as
 // fwd_sm90.cu does (halves.cuh: q, k, v and dO scaled by powers of two and split by
 // split_f32.cu into high and low planes, which TMA brings as the planes of each tile), each
 // product as three fp16 products, in the roles at every head dim (a warpgroup's dV or dK
@@ -313,7 +313,7 @@ struct Sm90BwdKVTile {
     static_assert(2 * BLOCK_M <= CONSUMER_THREADS, "a consumer thread fetches one word of a tile's rows");
     static_assert(F32 || DQ_FLOATS * sizeof(float) >= (ROLES ? 2 : 1) * BLOCK_N * SmemTile<T, D>::stride * sizeof(T),
                   "epilogue staging in the dQ tile (with the roles, dV and dK at once; fp32 stores from registers)");
-    static_assert(!F32 || (MODE & ~MODE_BAND) == 0, "fp32: the dense path without a score term or dropout");
+    static_assert(!F32 || LEAN, "fp32: the dense path (its terms too)");
 };
 
 // The kernel's work: a unit is (key block, kv head, batch entry), numbered with the key
@@ -742,19 +742,23 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
     };
     auto consumer_sync = [] { named_barrier(C::CONSUMER_BARRIER, C::CONSUMER_THREADS); };
     // fp32: what undoes the halves' scales s_x = 2^(14 - e_x) (powers of two, exact). S^T's
-    // product carries s_q s_k, dP^T's s_dO s_v; P^T goes in times P_SCALE and dS^T times
-    // ds_mul (ds_scale), so dV carries P_SCALE s_dO, dK ds_mul s_q and dQ ds_mul s_k. Each
-    // from its exponent (ldexpf): a product of the scales themselves overflows where a
-    // tensor's largest magnitude is tiny (an all-zero dO: s_dO = 2^126).
-    [[maybe_unused]] float s_unscale = 1.f, dp_unscale = 1.f, ds_mul = 1.f;
+    // product carries s_q s_k, dP^T's s_dO s_v; P^T goes in times p_mul and dS^T times
+    // ds_mul, so dV carries p_mul s_dO, dK ds_mul s_q and dQ ds_mul s_k. p_mul is P_SCALE
+    // and ds_mul ds_scale, but with dropout, whose kept P and dS carry its scale 1 / (1 -
+    // p) (bwd.cuh: the rows), each less the power of two at or above that scale. Each
+    // unscale from its exponent (ldexpf): a product of the scales themselves overflows
+    // where a tensor's largest magnitude is tiny (an all-zero dO: s_dO = 2^126).
+    [[maybe_unused]] float s_unscale = 1.f, dp_unscale = 1.f, p_mul = 1.f, ds_mul = 1.f;
     [[maybe_unused]] float dv_unscale = 1.f, dk_unscale = 1.f, dq_unscale = 1.f;
     if constexpr (C::F32) {
         const int eq = halves_exponent(p.halves_max[HALVES_Q]), ek = halves_exponent(p.halves_max[HALVES_K]);
         const int ev = halves_exponent(p.halves_max[HALVES_V]), edo = halves_exponent(p.halves_max[HALVES_DO]);
-        ds_mul = ds_scale<D>(p.halves_max[HALVES_DO], p.halves_max[HALVES_V]);
+        const float drop = C::LEAN_DROPOUT ? pow2_at_least(float(p.mods.drop_scale)) : 1.f;
+        p_mul = C::P_SCALE / drop;
+        ds_mul = ds_scale<D>(p.halves_max[HALVES_DO], p.halves_max[HALVES_V]) / drop;
         s_unscale = ldexpf(1.f, eq + ek - 28);
         dp_unscale = ldexpf(1.f, edo + ev - 28);
-        dv_unscale = ldexpf(1.f / C::P_SCALE, edo - 14);
+        dv_unscale = ldexpf(1.f / p_mul, edo - 14);
         dk_unscale = ldexpf(1.f / ds_mul, eq - 14);
         dq_unscale = ldexpf(1.f / ds_mul, ek - 14);
     }
@@ -1023,9 +1027,15 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                                 recompute_p<MODE, true>(s, unused_dtanh, mods, mods.at_head(h), kr0, qc0, lse2_at,
                                                         scale_log2 * s_unscale, false);
                             if constexpr (!R::DP && !C::LEAN_SOFTCAP) send_trade(s[0]);   // P^T to the dK role (its last reads were before the last tile's barrier)
+                            // fp32: dropout's dropped scores out of the P that multiplies dO before
+                            // the split (kept_a_frag's selects; the trade above took P whole).
+                            if constexpr (C::F32 && C::LEAN_DROPOUT)
+                                for_each_score<true>(s, 0, 0, [&](float& x, int, int, int, int nt, int e) {
+                                    if (!((keep >> (4 * nt + e)) & 1)) x = 0.f;
+                                });
                             #pragma unroll
                             for (int ks = 0; ks < C::QSTEPS; ++ks) {
-                                if constexpr (C::F32) c_to_split_a_frags(p_frag[ks], p_low[ks], s, 0, ks, C::P_SCALE);
+                                if constexpr (C::F32) c_to_split_a_frags(p_frag[ks], p_low[ks], s, 0, ks, p_mul);
                                 else kept_a_frag<T, C::LEAN_DROPOUT>(p_frag[ks], s, ks, keep);
                             }
                         }
@@ -1033,26 +1043,32 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                             if constexpr (!R::S && C::LEAN_SOFTCAP) receive_trade(s[0]);   // S^T, while dP^T runs
                             wgmma_wait<0>();
                             reg_fence(dp[0]);
+                            // fp32: dP^T unscaled (S^T's scale rides in the passes' scale).
+                            if constexpr (C::F32) for_each_score<true>(dp, 0, 0, [&](float& x, int, int, int, int, int) {
+                                x *= dp_unscale;
+                            });
                             if constexpr (C::LEAN_SOFTCAP) {
                                 reg_fence(s[0]);
                                 const auto hm = mods.at_head(h);
                                 NoBias no_bias;
                                 if (needs_mask)
                                     capped_p_and_grad<false, true, true>(s, dp, hm, kr0, qc0, lse2_at, delta_at, no_bias,
-                                                                         visible, ~0u, scale_log2);
+                                                                         visible, ~0u, scale_log2 * s_unscale);
                                 else
                                     capped_p_and_grad<false, false, true>(s, dp, hm, kr0, qc0, lse2_at, delta_at, no_bias,
-                                                                          ~0u, ~0u, scale_log2);
+                                                                          ~0u, ~0u, scale_log2 * s_unscale);
                                 #pragma unroll
                                 for (int ks = 0; ks < C::QSTEPS; ++ks) {
-                                    if constexpr (R::S) c_to_a_frag<T>(p_frag[ks], s, 0, ks);
-                                    c_to_a_frag<T>(ds_frag[ks], dp, 0, ks);
+                                    if constexpr (C::F32) {
+                                        if constexpr (R::S) c_to_split_a_frags(p_frag[ks], p_low[ks], s, 0, ks, p_mul);
+                                        c_to_split_a_frags(ds_frag[ks], ds_low[ks], dp, 0, ks, ds_mul);
+                                    } else {
+                                        if constexpr (R::S) c_to_a_frag<T>(p_frag[ks], s, 0, ks);
+                                        c_to_a_frag<T>(ds_frag[ks], dp, 0, ks);
+                                    }
                                 }
                             } else {
                                 if constexpr (!R::S) receive_trade(s[0]);   // P^T from the dV role
-                                if constexpr (C::F32) for_each_score<true>(dp, 0, 0, [&](float& x, int, int, int, int, int) {
-                                    x *= dp_unscale;
-                                });
                                 grad_pass<C::LEAN_DROPOUT, true>(s, dp, kr0, qc0, delta_at, keep);
                                 #pragma unroll
                                 for (int ks = 0; ks < C::QSTEPS; ++ks) {

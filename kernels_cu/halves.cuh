@@ -45,6 +45,13 @@ __device__ __forceinline__ void for_each_product(F&& f) {
     for (int product = 0; product < PRODUCTS; ++product) f(int(product == 2), int(product == 1), product == 0);
 }
 
+// The smallest power of two at or above x >= 1 (a finite float): its exponent's, and the
+// next where x has mantissa bits.
+__device__ __forceinline__ float pow2_at_least(float x) {
+    const u32 bits = __float_as_uint(x);
+    return __uint_as_float(((bits >> 23) + ((bits & 0x7fffffu) != 0)) << 23);
+}
+
 // The elements of a row of halves for rows of `cols`: whole 16 bytes, which TMA needs of a
 // row's stride (cupyflash/_cuda.py allocates them so).
 __host__ __device__ constexpr int halves_row(int cols) { return (cols + 7) / 8 * 8; }

@@ -814,22 +814,31 @@ def test_hopper_fp32_forward_on_fp16_halves(rng, monkeypatch, d, nq, nk, layout,
                       + ["f32_halves_max", "f32_halves<2>"] * hopper_backward), passes
 
 
-@pytest.mark.parametrize("d,nq,nk,causal,window,deterministic,magnitudes", [
-    pytest.param(d, nq, nk, causal, window, det, mags,
-                 id=f"d{d}-{nq}x{nk}{'-causal' if causal else ''}{'-window' if window else ''}"
+# The fp32 backward's cases on the Hopper dense path: (d, nq, nk, causal, options).
+FP32_DENSE_PATH_CASES = (
+    (64, 300, 300, False, {}), (128, 257, 513, True, {}), (40, 129, 200, False, {}),
+    (104, 200, 129, True, {}), (64, 1000, 1000, False, dict(window=(100, 20))), (128, 70, 333, False, {}),
+    (64, 257, 300, True, dict(alibi_slopes=_slopes((4,)))), (128, 200, 129, False, dict(softcap=2.0, window=(64, 16))),
+    (64, 129, 333, False, dict(dropout_p=0.2, seed=7)), (128, 300, 257, True, dict(dropout_p=0.1, seed=3)),
+    # dropout's scale 1 / (1 - p) = 10 on the kept P and dS (their multipliers give up 16)
+    (64, 200, 300, False, dict(dropout_p=0.9, seed=11)))
+
+
+@pytest.mark.parametrize("d,nq,nk,causal,options,deterministic,magnitudes", [
+    pytest.param(d, nq, nk, causal, options, det, mags,
+                 id=f"d{d}-{nq}x{nk}{'-causal' if causal else ''}{''.join('-' + k for k in options if k != 'seed')}"
                     f"-{'det' if det else 'atomic'}{'-far-from-fp16' if mags != (1, 1, 1, 1) else ''}")
-    for i, (d, nq, nk, causal, window) in enumerate((
-        (64, 300, 300, False, None), (128, 257, 513, True, None), (40, 129, 200, False, None),
-        (104, 200, 129, True, None), (64, 1000, 1000, False, (100, 20)), (128, 70, 333, False, None)))
+    for i, (d, nq, nk, causal, options) in enumerate(FP32_DENSE_PATH_CASES)
     for det in (False, True)
     for mags in ((1, 1, 1, 1), (3e-21, 3e20, 1e-9, 1e5))[:1 + (i % 2 == det)]])
-def test_hopper_fp32_backward_on_fp16_halves(rng, monkeypatch, d, nq, nk, causal, window, deterministic, magnitudes):
+def test_hopper_fp32_backward_on_fp16_halves(rng, monkeypatch, d, nq, nk, causal, options, deterministic, magnitudes):
     """The fp32 backward on Hopper's 16-bit warpgroup MMA (bwd_sm90.cu in the roles over the
     fp16 halves of q, k, v and dO that split_f32.cu writes, kernels_cu/halves.cuh) against
-    the float64 reference at fp32's tolerance: dense and with a window (MODE_BAND), GQA
-    2:1, partial key blocks and query tiles, both modes; q, k, v and dO far outside fp16's
-    range (q k^T of order 1) check the halves' scales and dS's. The backward must take
-    that kernel after the four-tensor passes."""
+    the float64 reference at fp32's tolerance: dense, with a window (MODE_BAND) and with
+    its one term (ALiBi, softcap, dropout), GQA 2:1, partial key blocks and query tiles,
+    both modes; q, k, v and dO far outside fp16's range (q k^T of order 1) check the
+    halves' scales and dS's. The backward must take that kernel after the four-tensor
+    passes."""
     if DRY_RUN:
         pytest.skip("pins a GPU kernel")
     import cupy as cp
@@ -838,7 +847,7 @@ def test_hopper_fp32_backward_on_fp16_halves(rng, monkeypatch, d, nq, nk, causal
         pytest.skip("not a Hopper GPU")
     host = _qkv(rng, "float32", d, nq, nk, 2, "bhsd")
     host = [x * np.float32(m) for x, m in zip(host, magnitudes)]
-    opts = dict(causal=causal, deterministic=deterministic, **({"window": window} if window else {}))
+    opts = dict(causal=causal, deterministic=deterministic, **options)
     launched = []
     launch = _cuda._launch
     monkeypatch.setattr(_cuda, "_launch", lambda variant, *a: (launched.append(variant), launch(variant, *a)))

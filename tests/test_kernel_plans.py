@@ -60,13 +60,15 @@ def test_wide_backward_is_one_launch_at_every_head_dim(dtype, deterministic):
 @pytest.mark.parametrize("D", [32, 64, 96, 128, 192])
 def test_fp32_backward_on_hopper_takes_the_dense_path(D, deterministic):
     # fp32 runs bwd_sm90.cu over fp16 halves in the roles (dQ added in both modes, in turns
-    # when deterministic) for the dense path up to d = 128, ahead of bwd_wide.cu; with a
-    # score term or the options, and from d = 192, bwd_wide.cu alone.
+    # when deterministic) for the dense path up to d = 128 (with its one term: ALiBi,
+    # softcap or dropout), ahead of bwd_wide.cu; with the other options (MODE_EXT), and
+    # from d = 192, bwd_wide.cu alone.
     G = _kernels
-    for mode in (G.MODE_DENSE, G.MODE_BAND, G.MODE_BAND | G.MODE_ALIBI, G.MODE_EXT):
+    lean = (G.MODE_DENSE, G.MODE_BAND, *(G.MODE_BAND | term for term in G.DENSE_PATH_TERMS.values()))
+    for mode in (*lean, G.MODE_EXT):
         (grads, candidates), = G.backward_plan("float32", D, deterministic, mode).kv
         hopper = [v for v in candidates if v.family is G.BWD_SM90]
-        if D <= 128 and mode in (G.MODE_DENSE, G.MODE_BAND):
+        if D <= 128 and mode in lean:
             assert candidates[0] is hopper[0] and len(hopper) == 1 and G.bwd_sm90_roles(hopper[0])
             assert hopper[0].grads == G.GRAD_DV | G.GRAD_DK | G.GRAD_DQ | (G.GRAD_DQ_ORDERED if deterministic else 0)
             assert hopper[0].name_expression.startswith(f"flash_bwd_dkdv_sm90<float, {64 if D <= 64 else 128}, 64, 2, ")
