@@ -6,14 +6,15 @@
 # backward at N = 16k (MODS= leaves them out). Before the A/B, to land a branch in the same
 # call: TESTS="<pytest -k expression>" runs those GPU tests of the backward and option
 # files, SANITIZE="<sanitize_cases.py arguments>" racecheck and memcheck on those cases.
+# DTYPE (default the 16-bit pair, with torch's peers) picks one dtype, e.g. float32.
 # Usage: OPTIONS="dropout softcap" COMMIT=<sha> bash bench/ab_backward_session.sh
 # (options: bench/ab_versions.py OPTIONS, "dense" for the dense call beside torch's peers)
 source "$(dirname "$0")/ab_session_common.sh"
-precompile_both "['bfloat16', 'float16']"
+if [ -n "${DTYPE:-}" ]; then precompile_both "['$DTYPE']"; else precompile_both "['bfloat16', 'float16']"; fi
 gpu_tests tests/test_gpu_backward.py tests/test_gpu_mods.py
 sanitize
 for option in ${OPTIONS:-dropout}; do
-    timeout 150 python3 bench/ab_versions.py "$OLD" --backward --option "$option" --head-dims $HEAD_DIMS \
+    timeout 150 python3 bench/ab_versions.py "$OLD" --backward --option "$option" ${DTYPE:+--dtype $DTYPE} --head-dims $HEAD_DIMS \
         --seqlens ${SEQLENS:-4096 16384} > "$OUT/ab-$option.log" 2>&1; echo "ab $option rc=$?"; cat "$OUT/ab-$option.log"
 done
 [ -n "${MODS-1}" ] && { timeout 200 python3 -m cupyflash.bench --mods --passes bwd --mods-seqlens 16384 ${COMMIT:+--commit "$COMMIT"} \
