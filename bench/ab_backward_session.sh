@@ -15,7 +15,7 @@ gpu_tests tests/test_gpu_backward.py tests/test_gpu_mods.py
 sanitize
 for option in ${OPTIONS:-dropout}; do
     timeout 150 python3 bench/ab_versions.py "$OLD" --backward --option "$option" ${DTYPE:+--dtype $DTYPE} --head-dims $HEAD_DIMS \
-        --seqlens ${SEQLENS:-4096 16384} > "$OUT/ab-$option.log" 2>&1; echo "ab $option rc=$?"; cat "$OUT/ab-$option.log"
+        --seqlens ${SEQLENS:-4096 16384} > "$OUT/ab-${option//+/_}.log" 2>&1; echo "ab $option rc=$?"; cat "$OUT/ab-${option//+/_}.log"
 done
 [ -n "${MODS-1}" ] && { timeout 200 python3 -m cupyflash.bench --mods --passes bwd --mods-seqlens 16384 ${COMMIT:+--commit "$COMMIT"} \
     --out "$OUT/mods-bwd.json" > "$OUT/mods-bwd.log" 2>&1; echo "mods rc=$?"; sed -n '/^pass /,$p' "$OUT/mods-bwd.log"; }

@@ -39,10 +39,13 @@ def load_version(root: Path, name: str = "cupyflash_old"):
 
 
 def _option_kwargs(option, q):
-    """The keyword arguments of an option, as `python -m cupyflash.bench --mods` passes it."""
+    """The keyword arguments of an option, as `python -m cupyflash.bench --mods` passes it;
+    of options joined by "+" (e.g. "softcap+dropout": the option kernels), all of them."""
     import cupy as cp
     import numpy as np
 
+    if "+" in option:
+        return {k: v for part in option.split("+") for k, v in _option_kwargs(part, q).items()}
     H, N = q.shape[1], q.shape[2]
     if option == "softcap":
         return dict(softcap=bench.MOD_SOFTCAP)
@@ -68,6 +71,14 @@ def _option_kwargs(option, q):
 
 OPTIONS = ("dense", "softcap", "alibi", "bias", "window2048", "window256", "dropout", "deterministic", "block1",
            "block8", "seqlens_k", "varlen")
+
+
+def _option_name(name: str) -> str:
+    """--option: one of OPTIONS, or several joined by "+" (varlen alone)."""
+    parts = name.split("+")
+    if any(p not in OPTIONS for p in parts) or (len(parts) > 1 and "varlen" in parts):
+        raise argparse.ArgumentTypeError(f"{name!r}: one of {', '.join(OPTIONS)}, or several joined by '+' (not varlen)")
+    return name
 
 
 def _varlen_runs(module, q, k, v, do, causal, backward, options):
@@ -100,7 +111,7 @@ def main(argv):
     p.add_argument("--backward", action="store_true")
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     p.add_argument("--seqlens", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
-    p.add_argument("--option", choices=OPTIONS, default="dense")
+    p.add_argument("--option", type=_option_name, default="dense")
     p.add_argument("--dtype", default="bfloat16", help="fp32/fp64: no peers (torch's flash and cuDNN take 16-bit)")
     p.add_argument("--precision", default="highest", help='fp32: "tf32" for one TF32 product (the forward)')
     a = p.parse_args(argv)

@@ -513,8 +513,8 @@ BWD_SM90_KV_TILES = {
 # From this head dim bwd_sm90.cu's warpgroups take the roles (Sm90BwdKVTile::ROLES).
 BWD_SM90_ROLES_MIN_HEAD_DIM = 192
 # fp32 in the same kernel on fp16 halves (kernels_cu/halves.cuh; split_f32.cu writes q, k, v
-# and dO as high and low planes first), the dense path alone (MODE_DENSE, MODE_BAND and its
-# one term: ALiBi, softcap or dropout), in
+# and dO as high and low planes first), every mode but the bias (the roles have no bias
+# stage; such calls run bwd_wide.cu), in
 # the roles at every head dim: a warpgroup's dV or dK beside its query tile's sum (the
 # tensor cores truncate as they accumulate, so each tile's products are added in the
 # FPU). H200, N = 1k / 4k, against bwd_wide.cu (3xTF32 on mma.sync) in one process
@@ -812,10 +812,10 @@ def backward_plan(dtype_name: str, D: int, deterministic: bool, mode: int = MODE
         dq = [_sm80_dq(dtype_name, D, t, mode) for t in q_tiles] if dq_kernel else None
     elif D in BWD_WIDE_KV_TILES[dtype_name] and not cuda_cores:
         grads = GRAD_DV | GRAD_DK | dq_bit
-        # fp32 on Hopper's dense path: bwd_sm90.cu over fp16 halves first (it adds dQ in
+        # fp32 on Hopper without a bias: bwd_sm90.cu over fp16 halves first (it adds dQ in
         # both modes, as for 16-bit inputs).
         E = sm90_head_dim(D, BWD_SM90_F32_KV_TILES) if dtype_name == "float32" else None
-        hopper = E is not None and lean_mode(hopper_mode)
+        hopper = E is not None and not hopper_mode & MODE_BIAS
         kv = ((grads, [*(_sm90_dkdv(dtype_name, E, t, GRAD_DV | GRAD_DK | sm90_dq_bits, hopper_mode)
                          for t in (BWD_SM90_F32_KV_TILES[E] if hopper else ())),
                        *(_wide_dkdv(dtype_name, D, t, grads, mode) for t in BWD_WIDE_KV_TILES[dtype_name][D])]),)

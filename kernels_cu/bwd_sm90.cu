@@ -49,7 +49,7 @@
 // computes S^T, P^T and dV, the other dP^T, dS^T and dK, P^T passing between them through
 // shared memory; each finishes a tile's dQ product of its columns before the next tile's
 // products, so one dS^T buffer serves, and d = 256 fits one Q/dO stage.
-// fp32 (T = float, the dense path alone: MODE_DENSE, MODE_BAND and its one term) runs on fp16 halves, as
+// fp32 (T = float, every mode but the bias: the roles have no bias stage) runs on fp16 halves, as
 // fwd_sm90.cu does (halves.cuh: q, k, v and dO scaled by powers of two and split by
 // split_f32.cu into high and low planes, which TMA brings as the planes of each tile), each
 // product as three fp16 products, in the roles at every head dim (a warpgroup's dV or dK
@@ -313,7 +313,7 @@ struct Sm90BwdKVTile {
     static_assert(2 * BLOCK_M <= CONSUMER_THREADS, "a consumer thread fetches one word of a tile's rows");
     static_assert(F32 || DQ_FLOATS * sizeof(float) >= (ROLES ? 2 : 1) * BLOCK_N * SmemTile<T, D>::stride * sizeof(T),
                   "epilogue staging in the dQ tile (with the roles, dV and dK at once; fp32 stores from registers)");
-    static_assert(!F32 || LEAN, "fp32: the dense path (its terms too)");
+    static_assert(!F32 || !BIAS, "fp32: the roles, which have no bias stage");
 };
 
 // The kernel's work: a unit is (key block, kv head, batch entry), numbered with the key
@@ -744,8 +744,8 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
     // fp32: what undoes the halves' scales s_x = 2^(14 - e_x) (powers of two, exact). S^T's
     // product carries s_q s_k, dP^T's s_dO s_v; P^T goes in times p_mul and dS^T times
     // ds_mul, so dV carries p_mul s_dO, dK ds_mul s_q and dQ ds_mul s_k. p_mul is P_SCALE
-    // and ds_mul ds_scale, but with dropout, whose kept P and dS carry its scale 1 / (1 -
-    // p) (bwd.cuh: the rows), each less the power of two at or above that scale. Each
+    // and ds_mul ds_scale, each less the power of two at or above dropout's scale 1 / (1 -
+    // p), which the kept P and dS carry (bwd.cuh: the rows; 1 without dropout). Each
     // unscale from its exponent (ldexpf): a product of the scales themselves overflows
     // where a tensor's largest magnitude is tiny (an all-zero dO: s_dO = 2^126).
     [[maybe_unused]] float s_unscale = 1.f, dp_unscale = 1.f, p_mul = 1.f, ds_mul = 1.f;
@@ -753,7 +753,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
     if constexpr (C::F32) {
         const int eq = halves_exponent(p.halves_max[HALVES_Q]), ek = halves_exponent(p.halves_max[HALVES_K]);
         const int ev = halves_exponent(p.halves_max[HALVES_V]), edo = halves_exponent(p.halves_max[HALVES_DO]);
-        const float drop = C::LEAN_DROPOUT ? pow2_at_least(float(p.mods.drop_scale)) : 1.f;
+        const float drop = pow2_at_least(float(p.mods.drop_scale));
         p_mul = C::P_SCALE / drop;
         ds_mul = ds_scale<D>(p.halves_max[HALVES_DO], p.halves_max[HALVES_V]) / drop;
         s_unscale = ldexpf(1.f, eq + ek - 28);
@@ -992,6 +992,24 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                     };
                     u32 p_frag[C::QSTEPS][4], ds_frag[C::QSTEPS][4];
                     [[maybe_unused]] u32 p_low[C::F32 ? C::QSTEPS : 1][4], ds_low[C::F32 ? C::QSTEPS : 1][4];   // fp32's low halves
+                    // The A fragments of k-step ks: of the P that multiplies dO (from s, a score
+                    // whose bit of `kept` is clear as 0: with a constant ~0u the selects fold
+                    // away), of dS (from `c`); fp32's as high and low halves, times p_mul and ds_mul.
+                    auto kept_p_frags = [&](int ks, u32 kept) {
+                        if constexpr (C::F32) c_to_split_a_frags(p_frag[ks], p_low[ks], s, 0, ks, p_mul, kept);
+                        else kept_a_frag<T, true>(p_frag[ks], s, ks, kept);
+                    };
+                    auto ds_frags = [&](const float (&c)[1][QT][4], int ks) {
+                        if constexpr (C::F32) c_to_split_a_frags(ds_frag[ks], ds_low[ks], c, 0, ks, ds_mul);
+                        else c_to_a_frag<T>(ds_frag[ks], c, 0, ks);
+                    };
+                    // fp32: dP^T unscaled once it is in (S^T's scale rides in the passes' scale).
+                    auto unscale_dp = [&] {
+                        if constexpr (C::F32) for_each_score<true>(dp, 0, 0, [&](float& x, int, int, int, int, int) {
+                            x *= dp_unscale;
+                        });
+                    };
+                    const float pass_scale_log2 = scale_log2 * s_unscale;
                     const int kr0 = k0 + warp_row0, qc0 = q0 + r0;   // the warp's first key, the sub-tile's first query
                     // Dropout's keep bits of the warp's scores, the warps of a pair splitting each
                     // Philox call through this sub-tile's slots (DROP_PAIR_BARRIER0).
@@ -1022,59 +1040,39 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                             // that no mask touches, ncu at 7f8a6b4).
                             if (needs_mask)
                                 recompute_p<MODE, true>(s, unused_dtanh, mods, mods.at_head(h), kr0, qc0, lse2_at,
-                                                        scale_log2 * s_unscale, true);
+                                                        pass_scale_log2, true);
                             else
                                 recompute_p<MODE, true>(s, unused_dtanh, mods, mods.at_head(h), kr0, qc0, lse2_at,
-                                                        scale_log2 * s_unscale, false);
+                                                        pass_scale_log2, false);
                             if constexpr (!R::DP && !C::LEAN_SOFTCAP) send_trade(s[0]);   // P^T to the dK role (its last reads were before the last tile's barrier)
-                            // fp32: dropout's dropped scores out of the P that multiplies dO before
-                            // the split (kept_a_frag's selects; the trade above took P whole).
-                            if constexpr (C::F32 && C::LEAN_DROPOUT)
-                                for_each_score<true>(s, 0, 0, [&](float& x, int, int, int, int nt, int e) {
-                                    if (!((keep >> (4 * nt + e)) & 1)) x = 0.f;
-                                });
                             #pragma unroll
-                            for (int ks = 0; ks < C::QSTEPS; ++ks) {
-                                if constexpr (C::F32) c_to_split_a_frags(p_frag[ks], p_low[ks], s, 0, ks, p_mul);
-                                else kept_a_frag<T, C::LEAN_DROPOUT>(p_frag[ks], s, ks, keep);
-                            }
+                            for (int ks = 0; ks < C::QSTEPS; ++ks) kept_p_frags(ks, C::LEAN_DROPOUT ? keep : ~0u);
                         }
                         if constexpr (R::DP) {
                             if constexpr (!R::S && C::LEAN_SOFTCAP) receive_trade(s[0]);   // S^T, while dP^T runs
                             wgmma_wait<0>();
                             reg_fence(dp[0]);
-                            // fp32: dP^T unscaled (S^T's scale rides in the passes' scale).
-                            if constexpr (C::F32) for_each_score<true>(dp, 0, 0, [&](float& x, int, int, int, int, int) {
-                                x *= dp_unscale;
-                            });
+                            unscale_dp();
                             if constexpr (C::LEAN_SOFTCAP) {
                                 reg_fence(s[0]);
                                 const auto hm = mods.at_head(h);
                                 NoBias no_bias;
                                 if (needs_mask)
                                     capped_p_and_grad<false, true, true>(s, dp, hm, kr0, qc0, lse2_at, delta_at, no_bias,
-                                                                         visible, ~0u, scale_log2 * s_unscale);
+                                                                         visible, ~0u, pass_scale_log2);
                                 else
                                     capped_p_and_grad<false, false, true>(s, dp, hm, kr0, qc0, lse2_at, delta_at, no_bias,
-                                                                          ~0u, ~0u, scale_log2 * s_unscale);
+                                                                          ~0u, ~0u, pass_scale_log2);
                                 #pragma unroll
                                 for (int ks = 0; ks < C::QSTEPS; ++ks) {
-                                    if constexpr (C::F32) {
-                                        if constexpr (R::S) c_to_split_a_frags(p_frag[ks], p_low[ks], s, 0, ks, p_mul);
-                                        c_to_split_a_frags(ds_frag[ks], ds_low[ks], dp, 0, ks, ds_mul);
-                                    } else {
-                                        if constexpr (R::S) c_to_a_frag<T>(p_frag[ks], s, 0, ks);
-                                        c_to_a_frag<T>(ds_frag[ks], dp, 0, ks);
-                                    }
+                                    if constexpr (R::S) kept_p_frags(ks, ~0u);
+                                    ds_frags(dp, ks);
                                 }
                             } else {
                                 if constexpr (!R::S) receive_trade(s[0]);   // P^T from the dV role
                                 grad_pass<C::LEAN_DROPOUT, true>(s, dp, kr0, qc0, delta_at, keep);
                                 #pragma unroll
-                                for (int ks = 0; ks < C::QSTEPS; ++ks) {
-                                    if constexpr (C::F32) c_to_split_a_frags(ds_frag[ks], ds_low[ks], s, 0, ks, ds_mul);
-                                    else c_to_a_frag<T>(ds_frag[ks], s, 0, ks);
-                                }
+                                for (int ks = 0; ks < C::QSTEPS; ++ks) ds_frags(s, ks);
                             }
                         }
                     } else {
@@ -1110,25 +1108,26 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                 wgmma_wait<0>();                                                                                    \
                 reg_fence(s[0]);                                                                                    \
                 reg_fence(dp[0]);                                                                                   \
+                unscale_dp();                                                                                       \
                 if (alibi) capped_p_and_grad<true, BITS, true>(s, dp, hm, kr0, qc0, lse2_at, delta_at, bias, visible, keep, \
-                                                               scale_log2);                                         \
+                                                               pass_scale_log2);                                    \
                 else capped_p_and_grad<false, BITS, true>(s, dp, hm, kr0, qc0, lse2_at, delta_at, bias, visible,    \
-                                                          keep, scale_log2);                                        \
+                                                          keep, pass_scale_log2);                                   \
                 _Pragma("unroll") for (int ks = 0; ks < C::QSTEPS; ++ks) {                                          \
-                    c_to_a_frag<T>(p_frag[ks], s, 0, ks);                                                           \
-                    c_to_a_frag<T>(ds_frag[ks], dp, 0, ks);                                                         \
+                    kept_p_frags(ks, ~0u);                                                                          \
+                    ds_frags(dp, ks);                                                                               \
                 }                                                                                                   \
             } else {                                                                                                \
                 wgmma_wait<1>();                                                                                    \
                 reg_fence(s[0]);                                                                                    \
-                if (alibi) p_pass<true, BITS, true>(s, hm, kr0, qc0, lse2_at, visible, scale_log2);                 \
-                else p_pass<false, BITS, true>(s, hm, kr0, qc0, lse2_at, visible, scale_log2);                      \
-                _Pragma("unroll") for (int ks = 0; ks < C::QSTEPS; ++ks)                                            \
-                    kept_a_frag<T, BITS>(p_frag[ks], s, ks, keep);                                                  \
+                if (alibi) p_pass<true, BITS, true>(s, hm, kr0, qc0, lse2_at, visible, pass_scale_log2);            \
+                else p_pass<false, BITS, true>(s, hm, kr0, qc0, lse2_at, visible, pass_scale_log2);                 \
+                _Pragma("unroll") for (int ks = 0; ks < C::QSTEPS; ++ks) kept_p_frags(ks, BITS ? keep : ~0u);       \
                 wgmma_wait<0>();                                                                                    \
                 reg_fence(dp[0]);                                                                                   \
+                unscale_dp();                                                                                       \
                 grad_pass<BITS, true>(s, dp, kr0, qc0, delta_at, keep);                                             \
-                _Pragma("unroll") for (int ks = 0; ks < C::QSTEPS; ++ks) c_to_a_frag<T>(ds_frag[ks], s, 0, ks);     \
+                _Pragma("unroll") for (int ks = 0; ks < C::QSTEPS; ++ks) ds_frags(s, ks);                           \
             }
                         if (C::SELECT_FREE_TILES && !needs_mask && !hm.dropout()) {
                             CUPYFLASH_OPTION_SCORES(false)

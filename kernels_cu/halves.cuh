@@ -72,13 +72,15 @@ __device__ __forceinline__ void split_pack2(float a, float b, u32& hi, u32& lo) 
 }
 
 // warp_mm.cuh c_to_a_frag for a split operand: the C fragments of n-tiles 2 ks and 2 ks + 1
-// times `mul`, as the A fragments of k-step ks in high and low halves.
+// times `mul`, as the A fragments of k-step ks in high and low halves; a score whose bit
+// 4 nt + e of `kept` is clear as 0 (bwd.cuh kept_a_frag: dropout's dropped scores).
 template <int MT, int KT>
 __device__ __forceinline__ void c_to_split_a_frags(u32 (&hi)[4], u32 (&lo)[4], const float (&x)[MT][KT][4], int mt,
-                                                   int ks, float mul) {
+                                                   int ks, float mul, u32 kept = ~0u) {
     #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        const float* c = x[mt][2 * ks + i / 2];
-        split_pack2(c[2 * (i % 2)] * mul, c[2 * (i % 2) + 1] * mul, hi[i], lo[i]);
+        const int nt = 2 * ks + i / 2, e0 = 2 * (i % 2);
+        auto k = [&](int e) { return (kept >> (4 * nt + e)) & 1 ? x[mt][nt][e] * mul : 0.f; };
+        split_pack2(k(e0), k(e0 + 1), hi[i], lo[i]);
     }
 }

@@ -814,28 +814,36 @@ def test_hopper_fp32_forward_on_fp16_halves(rng, monkeypatch, d, nq, nk, layout,
                       + ["f32_halves_max", "f32_halves<2>"] * hopper_backward), passes
 
 
-# The fp32 backward's cases on the Hopper dense path: (d, nq, nk, causal, options).
-FP32_DENSE_PATH_CASES = (
+# The fp32 backward's cases on Hopper: (d, nq, nk, causal, options); the dense path (MODE_BAND
+# and its one term), then the option kernels (MODE_EXT: two terms, key lengths, a block mask
+# of blocks smaller than a tile).
+FP32_HOPPER_BACKWARD_CASES = (
     (64, 300, 300, False, {}), (128, 257, 513, True, {}), (40, 129, 200, False, {}),
     (104, 200, 129, True, {}), (64, 1000, 1000, False, dict(window=(100, 20))), (128, 70, 333, False, {}),
     (64, 257, 300, True, dict(alibi_slopes=_slopes((4,)))), (128, 200, 129, False, dict(softcap=2.0, window=(64, 16))),
     (64, 129, 333, False, dict(dropout_p=0.2, seed=7)), (128, 300, 257, True, dict(dropout_p=0.1, seed=3)),
     # dropout's scale 1 / (1 - p) = 10 on the kept P and dS (their multipliers give up 16)
-    (64, 200, 300, False, dict(dropout_p=0.9, seed=11)))
+    (64, 200, 300, False, dict(dropout_p=0.9, seed=11)),
+    (64, 257, 300, False, dict(alibi_slopes=_slopes((4,)), softcap=3.0)),
+    (128, 300, 200, True, dict(softcap=2.0, dropout_p=0.3, seed=5, window=(90, 30))),
+    (64, 300, 333, False, dict(seqlens_k=np.array([333, 150], np.int32), alibi_slopes=_slopes((2, 4)))),
+    (128, 129, 257, True, dict(block_mask=_block_mask(np.random.default_rng(5), (), 129, 257, 16), block_size=16,
+                               dropout_p=0.2, seed=9)))
 
 
 @pytest.mark.parametrize("d,nq,nk,causal,options,deterministic,magnitudes", [
     pytest.param(d, nq, nk, causal, options, det, mags,
                  id=f"d{d}-{nq}x{nk}{'-causal' if causal else ''}{''.join('-' + k for k in options if k != 'seed')}"
                     f"-{'det' if det else 'atomic'}{'-far-from-fp16' if mags != (1, 1, 1, 1) else ''}")
-    for i, (d, nq, nk, causal, options) in enumerate(FP32_DENSE_PATH_CASES)
+    for i, (d, nq, nk, causal, options) in enumerate(FP32_HOPPER_BACKWARD_CASES)
     for det in (False, True)
     for mags in ((1, 1, 1, 1), (3e-21, 3e20, 1e-9, 1e5))[:1 + (i % 2 == det)]])
 def test_hopper_fp32_backward_on_fp16_halves(rng, monkeypatch, d, nq, nk, causal, options, deterministic, magnitudes):
     """The fp32 backward on Hopper's 16-bit warpgroup MMA (bwd_sm90.cu in the roles over the
     fp16 halves of q, k, v and dO that split_f32.cu writes, kernels_cu/halves.cuh) against
     the float64 reference at fp32's tolerance: dense, with a window (MODE_BAND) and with
-    its one term (ALiBi, softcap, dropout), GQA 2:1, partial key blocks and query tiles,
+    its one term (ALiBi, softcap, dropout), with the options' kernels (MODE_EXT: two terms,
+    key lengths, small blocks of a block mask), GQA 2:1, partial key blocks and query tiles,
     both modes; q, k, v and dO far outside fp16's range (q k^T of order 1) check the
     halves' scales and dS's. The backward must take that kernel after the four-tensor
     passes."""

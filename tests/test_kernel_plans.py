@@ -58,18 +58,18 @@ def test_wide_backward_is_one_launch_at_every_head_dim(dtype, deterministic):
 
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("D", [32, 64, 96, 128, 192])
-def test_fp32_backward_on_hopper_takes_the_dense_path(D, deterministic):
+def test_fp32_backward_on_hopper_takes_bwd_sm90_but_for_a_bias(D, deterministic):
     # fp32 runs bwd_sm90.cu over fp16 halves in the roles (dQ added in both modes, in turns
-    # when deterministic) for the dense path up to d = 128 (with its one term: ALiBi,
-    # softcap or dropout), ahead of bwd_wide.cu; with the other options (MODE_EXT), and
-    # from d = 192, bwd_wide.cu alone.
+    # when deterministic) up to d = 128, ahead of bwd_wide.cu, in every mode but the bias's
+    # (the roles have no bias stage); with a bias, and from d = 192, bwd_wide.cu alone.
     G = _kernels
     lean = (G.MODE_DENSE, G.MODE_BAND, *(G.MODE_BAND | term for term in G.DENSE_PATH_TERMS.values()))
-    for mode in (*lean, G.MODE_EXT):
+    for mode in (*lean, G.MODE_EXT, G.MODE_EXT | G.MODE_BIAS):
         (grads, candidates), = G.backward_plan("float32", D, deterministic, mode).kv
         hopper = [v for v in candidates if v.family is G.BWD_SM90]
-        if D <= 128 and mode in lean:
+        if D <= 128 and not mode & G.MODE_BIAS:
             assert candidates[0] is hopper[0] and len(hopper) == 1 and G.bwd_sm90_roles(hopper[0])
+            assert hopper[0].mode == mode
             assert hopper[0].grads == G.GRAD_DV | G.GRAD_DK | G.GRAD_DQ | (G.GRAD_DQ_ORDERED if deterministic else 0)
             assert hopper[0].name_expression.startswith(f"flash_bwd_dkdv_sm90<float, {64 if D <= 64 else 128}, 64, 2, ")
             assert not G.bwd_sm90_splits_units(hopper[0])
@@ -267,12 +267,13 @@ def test_band_options_run_the_hopper_backward_dense_path(monkeypatch, arch, dete
         else:
             assert chosen.source == "bwd_sm80.cu" and chosen.mode == _kernels.MODE_EXT
     # fp64 has no Hopper backward: its plan is the option kernels'; fp32's is the same past
-    # its Hopper kernel (test_fp32_backward_on_hopper_takes_the_dense_path).
+    # its Hopper kernel of the mode (test_fp32_backward_on_hopper_takes_bwd_sm90_but_for_a_bias).
     assert _kernels.backward_plan("float64", 64, deterministic, _kernels.MODE_BAND) == _kernels.backward_plan(
         "float64", 64, deterministic, _kernels.MODE_EXT)
     (_, band), = _kernels.backward_plan("float32", 64, deterministic, _kernels.MODE_BAND).kv
     (_, ext), = _kernels.backward_plan("float32", 64, deterministic, _kernels.MODE_EXT).kv
-    assert band[0].family is _kernels.BWD_SM90 and band[1:] == ext
+    assert band[0].family is ext[0].family is _kernels.BWD_SM90 and band[0].mode == _kernels.MODE_BAND
+    assert band[1:] == ext[1:]
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
@@ -303,7 +304,7 @@ def test_hopper_backward_bias_calls_it_cannot_serve_take_the_next_kernel(monkeyp
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_wide_backward_runs_on_the_tensor_cores_where_it_fits(dtype):
-    # Every head dim's key-block kernel is bwd_wide.cu's (3xTF32 / DMMA; fp32's dense path
+    # Every head dim's key-block kernel is bwd_wide.cu's (3xTF32 / DMMA; fp32 without a bias
     # has bwd_sm90.cu's ahead of it up to d = 128, the test above), and so is the
     # deterministic dQ kernel but fp64's from d = 192, whose 16 query rows of dQ a warp
     # exceed the registers: that one runs on the CUDA cores.
@@ -311,7 +312,7 @@ def test_wide_backward_runs_on_the_tensor_cores_where_it_fits(dtype):
         for deterministic in (False, True):
             for mode in (_kernels.MODE_DENSE, _kernels.MODE_EXT):
                 plan = _kernels.backward_plan(dtype, D, deterministic, mode)
-                hopper = {"bwd_sm90.cu"} if dtype == "float32" and D <= 128 and mode == _kernels.MODE_DENSE else set()
+                hopper = {"bwd_sm90.cu"} if dtype == "float32" and D <= 128 else set()
                 assert {v.source for _, c in plan.kv for v in c} == {"bwd_wide.cu"} | hopper, (D, deterministic, mode)
                 wide_dq = dtype == "float32" or D <= 128
                 assert {v.source for v in plan.dq or ()} <= {"bwd_wide.cu" if wide_dq else "bwd_simt.cu"}
