@@ -421,8 +421,12 @@ def _halves_of(passes, planes: int, params: _params.Params, tensors) -> tuple:
     return halves, largest
 
 
-# A key-block launch whose tensor maps describe fp16 halves made per call (`_halves_of`).
-HALVES = "halves"
+@dataclasses.dataclass(frozen=True)
+class HalvesMaps:
+    """A key-block launch's map specs where its tensor maps describe fp16 halves made per
+    call (`_halves_of`): the bias's (`_tma.map_spec`, one) where it reads a bias
+    (MODE_BIAS), which it reads as it lies in memory."""
+    bias: tuple | None = None
 
 
 def _tensor_maps(specs, arrays, names) -> dict:
@@ -530,7 +534,8 @@ def _plan_backward(do, q, k, v, o, dq, dk, dv, *, scale, causal, deterministic, 
     device (the Hopper key-block kernel where its tensor maps can be made), their grids and
     the scalar fields. ``lse_grad``: the call passes a dlse, which fp32's Hopper kernel does
     not take (its dS scale is bounded by dO and V alone: kernels_cu/bwd_sm90.cu ds_scale),
-    so such calls run the next kernel in line."""
+    so such calls run the next kernel in line, as do bias calls that its kernel does not
+    serve (`_sm90_bias_box`)."""
     B, Hq, Nq, d = q.shape
     Hk, dim_v = k.shape[1], v.shape[3]
     device_id = q.device.id
@@ -546,10 +551,18 @@ def _plan_backward(do, q, k, v, o, dq, dk, dv, *, scale, causal, deterministic, 
     split = (0, 0)
     for _, candidates in plan.kv:
         variant, specs = _choose(candidates, device_id), None
-        if variant.family.tensor_maps and q.dtype == np.float32 and lse_grad:
-            variant = _choose([c for c in candidates if not c.family.tensor_maps], device_id)
-        elif variant.family.tensor_maps and q.dtype == np.float32:
-            specs = HALVES   # its maps describe the halves, made per call
+        if variant.family.tensor_maps and q.dtype == np.float32:
+            # Its maps describe the halves, made per call, and the bias as it lies (MODE_BIAS).
+            bias = None
+            if variant.mode & MODE_BIAS:
+                box = _sm90_bias_box(variant, q, k, mods, dbias)
+                bias = _map_specs(box) if box is not None else None
+            if lse_grad or (variant.mode & MODE_BIAS and bias is None):   # the next kernel in line
+                variant = _choose([c for c in candidates if not c.family.tensor_maps], device_id)
+            else:
+                specs = HalvesMaps(bias)
+                if bias is not None:
+                    params.mods(bias_tma=1)
         elif variant.family.tensor_maps:
             specs = _sm90_backward_map_specs(variant, q, k, v, do, mods, dbias)
             if specs is None:   # the next kernel in line
@@ -587,7 +600,7 @@ def _plan_backward(do, q, k, v, o, dq, dk, dv, *, scale, causal, deterministic, 
         finish = (plan.convert, (math.ceil(Nq * d / plan.convert.block_m), Hq, B))
     prep = (plan.prep, (nq_pad // plan.prep.block_m, Hq, B))
     work_counter = any(bwd_sm90_persistent(variant) for variant, _, _ in kv)
-    halves = halves_passes(MODE_DENSE) if any(specs is HALVES for _, _, specs in kv) else ()
+    halves = halves_passes(MODE_DENSE) if any(isinstance(specs, HalvesMaps) for _, _, specs in kv) else ()
     return _BackwardLaunchPlan(prep, tuple(kv), finish, nq_pad, dq_ld, dq_turns, work_counter, halves, *split, params)
 
 
@@ -656,12 +669,14 @@ def attention_backward(do, q, k, v, o, lse, dq, dk, dv, *, scale, causal, determ
                    dbias=_params.address(dbias if variant.grads & GRAD_DK else None),
                    work_counter=_params.address(work_counter if bwd_sm90_persistent(variant) else None),
                    kv_partial=_params.address(kv_partial))
-        if specs is HALVES:
+        if isinstance(specs, HalvesMaps):
             # Kept alive until the kernel is queued (a buffer freed before would be the next
             # allocation's).
             block_m, block_n = variant.tile[0], variant.block_m
             halves = _halves_maps(plan.halves, 2, params, {"q_map": (q, block_m), "k_map": (k, block_n),
                                                            "v_map": (v, block_n), "dout_map": (do, block_m)})
+            if specs.bias is not None:
+                params.set(**_tensor_maps(specs.bias, (mods.bias,), ("bias_map",)))
         elif specs is not None:
             params.set(**_tensor_maps(specs, (q, do, k, v, mods.bias),
                                       ("q_map", "dout_map", "k_map", "v_map", "bias_map")))
@@ -677,21 +692,29 @@ def attention_backward(do, q, k, v, o, lse, dq, dk, dv, *, scale, causal, determ
 
 def _sm90_backward_map_specs(variant: Variant, q, k, v, do, mods, dbias):
     """bwd_sm90.cu's tensor-map specs of q and dO (boxes of its query tile's rows), of k
-    and v (its key block's) and with MODE_BIAS of the bias (a query sub-tile's rows); None
-    where a map of one of them cannot be made, or for a bias call it does not serve: a
-    bias without whole (Nq, Nk) rows, one whose gradient is asked for (the sm80 kernels
-    add dbias with atomics), or softcap beside it in the deterministic kernels
-    (Sm90BwdKVTile::SOFTCAP_BIAS)."""
+    and v (its key block's) and with MODE_BIAS of the bias (`_sm90_bias_box`); None where
+    a map of one of them cannot be made, or for a bias call it does not serve."""
     block_m, block_n = variant.tile[0], variant.block_m
     boxes = [(q, block_m), (do, block_m), (k, block_n), (v, block_n)]
     if variant.mode & MODE_BIAS:
-        bias = mods.bias
-        whole_rows = tuple(bias.shape[2:]) == (q.shape[2], k.shape[2])
-        softcap_unserved = mods.softcap > 0 and variant.grads & GRAD_DQ_ORDERED
-        if dbias is not None or not whole_rows or softcap_unserved:
+        bias = _sm90_bias_box(variant, q, k, mods, dbias)
+        if bias is None:
             return None
-        boxes.append((bias, BWD_SM90_SUB_M))
+        boxes.append(bias)
     return _map_specs(*boxes)
+
+
+def _sm90_bias_box(variant: Variant, q, k, mods, dbias):
+    """The box of bwd_sm90.cu's bias map (the bias, a query sub-tile's rows), or None for a
+    bias call that the kernel does not serve: a bias without whole (Nq, Nk) rows, one whose
+    gradient is asked for (the sm80 and wide kernels add dbias with atomics), or softcap
+    beside it in the deterministic kernels (Sm90BwdKVTile::SOFTCAP_BIAS)."""
+    bias = mods.bias
+    whole_rows = tuple(bias.shape[2:]) == (q.shape[2], k.shape[2])
+    softcap_unserved = mods.softcap > 0 and variant.grads & GRAD_DQ_ORDERED
+    if dbias is not None or not whole_rows or softcap_unserved:
+        return None
+    return bias, BWD_SM90_SUB_M
 
 
 def _launch(variant: Variant, grid: tuple, device_id: int, params: _params.Params) -> None:

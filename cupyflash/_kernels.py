@@ -513,8 +513,8 @@ BWD_SM90_KV_TILES = {
 # From this head dim bwd_sm90.cu's warpgroups take the roles (Sm90BwdKVTile::ROLES).
 BWD_SM90_ROLES_MIN_HEAD_DIM = 192
 # fp32 in the same kernel on fp16 halves (kernels_cu/halves.cuh; split_f32.cu writes q, k, v
-# and dO as high and low planes first), every mode but the bias (the roles have no bias
-# stage; such calls run bwd_wide.cu), in
+# and dO as high and low planes first), every mode (the bias in the passes: Sm90BwdKVTile::
+# BIAS_IN_ACC), in
 # the roles at every head dim: a warpgroup's dV or dK beside its query tile's sum (the
 # tensor cores truncate as they accumulate, so each tile's products are added in the
 # FPU). H200, N = 1k / 4k, against bwd_wide.cu (3xTF32 on mma.sync) in one process
@@ -708,19 +708,20 @@ def _sm90_dkdv(dtype_name: str, D: int, tile, grads: int, mode: int) -> Variant:
     roles = D >= BWD_SM90_ROLES_MIN_HEAD_DIM or f32
     block_m, block_n = tile[0], 64 if roles else 64 * consumers
     assert grads & GRAD_DQ, "bwd_sm90.cu adds dQ in both modes"
-    assert not roles or not mode & MODE_BIAS, "the roles have no bias stage"
+    assert f32 or not roles or not mode & MODE_BIAS, "the 16-bit roles have no bias stage"
     stages = 1 if roles and (D > 192 or (f32 and D > 64)) else 2
     ds_buffers, trade = (1, block_n * BWD_SM90_SUB_M) if roles else (2, 0)
     # bwd_sm90.cu Sm90BwdKVTile: K, V, Q and dO per stage, dS^T (DS_BUFFERS), the bias of
-    # a sub-tile of BWD_SM90_SUB_M queries (MODE_BIAS), swizzled; the staged fp32 dQ tile
-    # with rows of D + 8; the roles' fp32 P^T; a tile's lse2 and delta rows a stage; the
+    # a sub-tile of BWD_SM90_SUB_M queries (MODE_BIAS, in the inputs' dtype), swizzled; the
+    # staged fp32 dQ tile with rows of D + 8; the roles' fp32 P^T; a tile's lse2 and delta
+    # rows a stage; the
     # dropout exchange (two words a consumer thread, DROP_PAIR_WORDS; with dropout); 1024
     # bytes to align the tiles; Sm90BwdBarriers (11 + 2 STAGES mbarriers of 8 bytes, two
     # unit words, a 16-byte Sm90BwdTileInfo a stage; the walk's ring: two mbarriers and a
     # tile info a slot, Sm90BwdKVTile::WALK_SLOTS; the consumers' split unit and a pad word).
-    bias = BWD_SM90_SUB_M * block_n if mode & MODE_BIAS else 0
+    bias_bytes = BWD_SM90_SUB_M * block_n * (4 if f32 else 2) if mode & MODE_BIAS else 0
     drop_pairs = 0 if lean_mode(mode) and not mode & MODE_DROPOUT else 2 * consumers * 128
-    smem = (((2 * block_n * D + 2 * stages * block_m * D + ds_buffers * block_n * block_m) * planes + bias) * 2
+    smem = ((2 * block_n * D + 2 * stages * block_m * D + ds_buffers * block_n * block_m) * planes * 2 + bias_bytes
             + (block_m * (D + 8) + trade + 2 * stages * _sm90_rows_ld(block_m) + drop_pairs) * 4 + 1024 + 8 * (12 + 2 * stages)
             + 16 * stages + (2 * 8 + 16) * BWD_SM90_WALK_SLOTS + 8)
     expr = f"flash_bwd_dkdv_sm90<{CPP_TYPE[dtype_name]}, {D}, {block_m}, {consumers}, {grads}, {mode}, {smem}>"
@@ -812,10 +813,10 @@ def backward_plan(dtype_name: str, D: int, deterministic: bool, mode: int = MODE
         dq = [_sm80_dq(dtype_name, D, t, mode) for t in q_tiles] if dq_kernel else None
     elif D in BWD_WIDE_KV_TILES[dtype_name] and not cuda_cores:
         grads = GRAD_DV | GRAD_DK | dq_bit
-        # fp32 on Hopper without a bias: bwd_sm90.cu over fp16 halves first (it adds dQ in
-        # both modes, as for 16-bit inputs).
+        # fp32 on Hopper: bwd_sm90.cu over fp16 halves first (it adds dQ in both modes, as
+        # for 16-bit inputs).
         E = sm90_head_dim(D, BWD_SM90_F32_KV_TILES) if dtype_name == "float32" else None
-        hopper = E is not None and not hopper_mode & MODE_BIAS
+        hopper = E is not None
         kv = ((grads, [*(_sm90_dkdv(dtype_name, E, t, GRAD_DV | GRAD_DK | sm90_dq_bits, hopper_mode)
                          for t in (BWD_SM90_F32_KV_TILES[E] if hopper else ())),
                        *(_wide_dkdv(dtype_name, D, t, grads, mode) for t in BWD_WIDE_KV_TILES[dtype_name][D])]),)

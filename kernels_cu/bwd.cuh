@@ -249,8 +249,9 @@ __device__ __forceinline__ void grad_scores(Acc (&s)[MT][NT][4], const Acc (&dp)
     });
 }
 
-// The bias term of capped_p_and_grad below (bwd_sm90.cu's softcap pass; without softcap
-// the bias rides in S^T's accumulator): `at(nt, e)` is the bias of element e of n-tile nt,
+// The bias term of p_pass and capped_p_and_grad below (bwd_sm90.cu's softcap pass, and
+// fp32's passes; otherwise the bias rides in S^T's accumulator): `at(nt, e)` is the bias of
+// element e of n-tile nt,
 // added in log2 units after softcap and before ALiBi (HeadMods::score_log2's order).
 // NoBias leaves the term out of the code. KeyRowBias reads it, for the key-row layout of
 // bwd_sm90.cu's consumers, from a shared-memory stage that TMA filled as the bias lies in
@@ -287,6 +288,27 @@ struct KeyRowBias {
     }
 };
 
+// KeyRowBias of an fp32 bias: panels of 32 keys (128 bytes) with the 128-byte swizzle (16-byte
+// chunk c of row q at c ^ (q % 8)), each element by its own load (no ldmatrix for 32-bit
+// elements; the key-row layout wants no two of a lane's scores side by side in a row). A
+// warp's 32 loads of one (nt, e) read 8 chunks whose banks are all distinct: conflict-free.
+template <int ROWS>
+struct KeyRowBias<float, ROWS> {
+    static constexpr bool ON = true;
+    static constexpr int PANEL = 32;   // keys per 128-byte swizzled row
+    const float* lane_at[4];           // element e of n-tile 0 (n-tile nt: 8 nt rows further)
+
+    __device__ __forceinline__ KeyRowBias(const float* stage, int key0) {
+        const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int q = 2 * t + e % 2, key = key0 + g + 8 * (e / 2);
+            lane_at[e] = stage + (key / PANEL) * (ROWS * PANEL) + q * PANEL + (((key % PANEL) / 4) ^ (q % 8)) * 4 + key % 4;
+        }
+    }
+    __device__ __forceinline__ float at(int nt, int e) { return lane_at[e][nt * 8 * PANEL]; }
+};
+
 // The options on bwd_sm90.cu's consumers (MODE_EXT, with MODE_BIAS its bias), whose scores come one
 // m-tile of C fragments at a time (bit 4 nt + e of `visible` and `kept` for element e of
 // n-tile nt: which scores the mask shows and dropout keeps, worked out while the products
@@ -299,11 +321,12 @@ struct KeyRowBias {
 // Without softcap, the dense kernels' two steps: p_pass turns S into P (0 where hidden)
 // while dP's product still runs, kept_a_frag packs the P that multiplies dO (dropped
 // scores 0), and grad_pass turns P into dS once dP is in.
-template <bool ALIBI, bool BITS, bool KEY_ROWS, int NT, typename Acc, typename H, typename L>
+template <bool ALIBI, bool BITS, bool KEY_ROWS, int NT, typename Acc, typename H, typename L, typename Bias>
 __device__ __forceinline__ void p_pass(Acc (&s)[1][NT][4], const H& hm, int r0, int c0, L&& lse2_at, u32 visible,
-                                       Acc scale_log2) {
+                                       Acc scale_log2, Bias& bias) {
     for_each_score<KEY_ROWS>(s, r0, c0, [&](Acc& x, int i, int j, int mt, int nt, int e) {
         Acc score = x * scale_log2;
+        if constexpr (Bias::ON) score = fma(bias.at(nt, e), Acc(LOG2E_D), score);
         if constexpr (ALIBI) score -= hm.alibi(i, j);
         const Acc p = exp2_fast(score - lse2_at(mt, nt, e));
         x = !BITS || (visible >> (4 * nt + e)) & 1 ? p : Acc(0);

@@ -49,7 +49,7 @@
 // computes S^T, P^T and dV, the other dP^T, dS^T and dK, P^T passing between them through
 // shared memory; each finishes a tile's dQ product of its columns before the next tile's
 // products, so one dS^T buffer serves, and d = 256 fits one Q/dO stage.
-// fp32 (T = float, every mode but the bias: the roles have no bias stage) runs on fp16 halves, as
+// fp32 (T = float, every mode; the passes add the bias: BIAS_IN_ACC) runs on fp16 halves, as
 // fwd_sm90.cu does (halves.cuh: q, k, v and dO scaled by powers of two and split by
 // split_f32.cu into high and low planes, which TMA brings as the planes of each tile), each
 // product as three fp16 products, in the roles at every head dim (a warpgroup's dV or dK
@@ -139,7 +139,8 @@ struct Sm90BwdKVTile {
     // (Sm90BwdRole). The dV role computes S^T, P^T and dV += P^T dO; the dK role dP^T,
     // dS^T (with P^T from the dV role, traded through shared memory in fp32) and dK +=
     // dS^T Q; each adds its columns of dQ. So every product is still computed once. With
-    // the options (not the bias: its stage does not fit beside the trade) the dV role
+    // the options (16-bit: not the bias, whose stage does not fit beside the trade at d =
+    // 192 and 256; fp32, d <= 128, has the room) the dV role
     // trades S^T as computed, and each role runs the options' passes on it: the dV role
     // for the P that multiplies dO, the dK role for dS (softcap's derivative needs S).
     // fp32 (above): fp16 halves in PLANES planes, PRODUCTS products a product, the roles at
@@ -245,6 +246,11 @@ struct Sm90BwdKVTile {
     static constexpr int DROP_PAIR_WORDS = LEAN && !LEAN_DROPOUT ? 0 : 2 * CONSUMER_THREADS;   // two slots (DROP_PAIR_BARRIER0)
     static constexpr int BIAS_ELEMS = BIAS ? SUB_M * BLOCK_N : 0;
     static constexpr u32 BIAS_BYTES = BIAS_ELEMS * sizeof(T);
+    static constexpr int BIAS_PANEL = 128 / sizeof(T);   // keys per swizzled row of the bias stage
+    // S^T's accumulator starts at the bias (16-bit, without softcap). fp32's passes add it
+    // instead: its S^T is a sum of the halves' products, scaled by s_q s_k, and the bias
+    // over those scales could overflow.
+    static constexpr bool BIAS_IN_ACC = BIAS && !F32;
     static constexpr int DQ_FLOATS = BLOCK_M * DQ_LD;
     static constexpr u32 KV_BYTES = 2 * PLANES * KV_ELEMS * sizeof(E);   // K and V
     static constexpr u32 QO_BYTES = 2 * PLANES * QO_ELEMS * sizeof(E);   // Q and dO of a stage
@@ -254,7 +260,7 @@ struct Sm90BwdKVTile {
     static constexpr int ROWS_BOX = BLOCK_M + 4, ROWS_LD = (ROWS_BOX + 31) / 32 * 32;
     static constexpr u32 ROWS_BYTES = 2 * ROWS_BOX * sizeof(float);   // lse2 and delta of a stage
     static constexpr int ALIGN = 1024;
-    static constexpr int TILE_BYTES = (PLANES * (2 * KV_ELEMS + 2 * STAGES * QO_ELEMS + DS_BUFFERS * DS_ELEMS) + BIAS_ELEMS) * sizeof(E) +
+    static constexpr int TILE_BYTES = PLANES * (2 * KV_ELEMS + 2 * STAGES * QO_ELEMS + DS_BUFFERS * DS_ELEMS) * sizeof(E) + BIAS_BYTES +
                                       (DQ_FLOATS + TRADE_FLOATS + STAGES * 2 * ROWS_LD) * sizeof(float) +
                                       DROP_PAIR_WORDS * sizeof(u32);
     // The walk's ring (Sm90BwdTileInfo): the loader runs up to STAGES tiles ahead of the
@@ -307,13 +313,13 @@ struct Sm90BwdKVTile {
     static_assert((GRADS & GRAD_DQ) != 0, "bwd_sm90.cu adds dQ");
     static_assert(D % PANEL == 0 && D <= 256 && BLOCK_M % 64 == 0 && BLOCK_M <= 128, "tile shape");
     static_assert(ROLES || (DQ_N % 64 == 0 && D % DQ_N == 0 && (BLOCK_M / 64) * DQ_COLS == CONSUMERS), "dQ pieces");
-    static_assert(!ROLES || (!BIAS && CONSUMERS == 2 && BLOCK_M == SUB_M), "the roles: two warpgroups, no bias stage, one sub-tile");
+    static_assert(!ROLES || ((!BIAS || F32) && CONSUMERS == 2 && BLOCK_M == SUB_M),
+                  "the roles: two warpgroups, one sub-tile, a bias stage only with fp32 (16-bit: no room beside the trade)");
     static_assert(DROP_PAIR_BARRIER0 + CONSUMERS * 2 <= 16, "named barriers");
     static_assert(BWD_ROW_PAD % BLOCK_M == 0, "query tiles read the padded row workspaces whole");
     static_assert(2 * BLOCK_M <= CONSUMER_THREADS, "a consumer thread fetches one word of a tile's rows");
     static_assert(F32 || DQ_FLOATS * sizeof(float) >= (ROLES ? 2 : 1) * BLOCK_N * SmemTile<T, D>::stride * sizeof(T),
                   "epilogue staging in the dQ tile (with the roles, dV and dK at once; fp32 stores from registers)");
-    static_assert(!F32 || !BIAS, "fp32: the roles, which have no bias stage");
 };
 
 // The kernel's work: a unit is (key block, kv head, batch entry), numbered with the key
@@ -690,9 +696,9 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                         if (lane == 0) {
                             mbar_arrive_expect_tx(&bars.bias_full, C::BIAS_BYTES);
                             #pragma unroll
-                            for (int panel = 0; panel < BLOCK_N / C::PANEL; ++panel)
-                                tma_load_4d(sBias + panel * C::SUB_M * C::PANEL, p.bias_map, &bars.bias_full,
-                                            w.k0 + panel * C::PANEL, q0 + sub * C::SUB_M, p.mods.bias_sh != 0 ? h : 0,
+                            for (int panel = 0; panel < BLOCK_N / C::BIAS_PANEL; ++panel)
+                                tma_load_4d(sBias + panel * C::SUB_M * C::BIAS_PANEL, p.bias_map, &bars.bias_full,
+                                            w.k0 + panel * C::BIAS_PANEL, q0 + sub * C::SUB_M, p.mods.bias_sh != 0 ? h : 0,
                                             p.mods.bias_sb != 0 ? w.unit.b : 0);
                         }
                         __syncwarp();
@@ -799,6 +805,8 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
             const int k0 = w.k0;
             // Whether this unit's call caps its scores (the kernels without softcap compile it out).
             auto capped = [&] { return C::SOFTCAP && mods.softcap > 0.f; };
+            // Whether the passes add the bias from its stage (then it goes back after them).
+            auto bias_in_pass = [&] { return C::BIAS && (!C::BIAS_IN_ACC || capped()); };
             // The walker walks the pairs and the loader passes each tile's record on in its
             // stage (Sm90BwdTileInfo); the consumers only ask whether the unit has a tile.
             const bool has_tiles = w.first() < w.count();
@@ -915,16 +923,18 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                         // S^T's accumulator starts at bias^T / scale, so that the P pass's
                         // S^T scale log2 e has the bias term in log2 units (HeadMods::score_log2)
                         // at no cost per score. Softcap caps the product alone: then it starts at
-                        // 0 and the pass adds the bias.
+                        // 0 and the pass adds the bias, as fp32's passes do (BIAS_IN_ACC).
                         mbar_wait(&bars.bias_full, (step * C::SUBTILES + sub) & 1);
-                        if (capped()) {
-                            zero_frags(s);
-                        } else {
-                            KeyRowBias<T, C::SUB_M> bias(sBias, warp_row0);
-                            const float weight = 1.f / scale;
-                            for_each_score<true>(s, 0, 0, [&](float& x, int, int, int, int nt, int e) {
-                                x = bias.at(nt, e) * weight;
-                            });
+                        if constexpr (C::BIAS_IN_ACC) {
+                            if (capped()) {
+                                zero_frags(s);
+                            } else {
+                                KeyRowBias<T, C::SUB_M> bias(sBias, warp_row0);
+                                const float weight = 1.f / scale;
+                                for_each_score<true>(s, 0, 0, [&](float& x, int, int, int, int nt, int e) {
+                                    x = bias.at(nt, e) * weight;
+                                });
+                            }
                         }
                     }
                     wgmma_fence();
@@ -937,7 +947,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                             for (int ks = 0; ks < C::KSTEPS; ++ks) {
                                 const u64 a = kmajor_desc<E, BLOCK_N>(sK + pa * C::KV_ELEMS, R::SHARED_KEYS ? 0 : wg * 64, ks);
                                 const u64 b = kmajor_desc<E, BLOCK_M>(sQb + pb * C::QO_ELEMS, r0, ks);
-                                if (first && ks == 0) Wgmma<E, C::SUB_M>::template ss<C::BIAS>(s[0], a, b);
+                                if (first && ks == 0) Wgmma<E, C::SUB_M>::template ss<C::BIAS_IN_ACC>(s[0], a, b);
                                 else Wgmma<E, C::SUB_M>::template ss<true>(s[0], a, b);
                             }
                         });
@@ -949,7 +959,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                     // barrier alone (the d = 64 kernels gave wrong gradients when the stage went
                     // back right after the loads). Here S^T's product, issued on the registers
                     // they fed, has taken them; with softcap, below, once the passes are done.
-                    if (C::BIAS && !capped()) release(&bars.bias_empty);
+                    if (C::BIAS && !bias_in_pass()) release(&bars.bias_empty);
                     if constexpr (!R::SHARED_KEYS) {
                         if (sub == 0) {
                             wgmma_wait<1>();   // the last tile's dQ, dV and dK (S^T runs on)
@@ -1094,11 +1104,17 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                                 receive_trade(s[0]);
                             }
                         }
-                        // MODE_BIAS with softcap: the bias from its stage in the one pass (above it
-                        // rode in S^T's accumulator).
+                        // MODE_BIAS with softcap, and fp32's: the bias from its stage in the passes
+                        // (softcap's one pass; fp32's P pass too); otherwise it rode in S^T's
+                        // accumulator.
                         auto bias = [&] {
-                            if constexpr (C::SOFTCAP_BIAS) return KeyRowBias<T, C::SUB_M>(sBias, warp_row0);
+                            if constexpr (C::SOFTCAP_BIAS || (C::BIAS && !C::BIAS_IN_ACC)) return KeyRowBias<T, C::SUB_M>(sBias, warp_row0);
                             else return NoBias();
+                        }();
+                        [[maybe_unused]] NoBias no_bias;
+                        auto& p_pass_bias = [&]() -> auto& {
+                            if constexpr (C::BIAS_IN_ACC) return no_bias;
+                            else return bias;
                         }();
                         // BITS: whether the passes select by the bits; false where every score is
                         // shown and kept (bwd.cuh). The choice must be the same for the whole
@@ -1120,8 +1136,8 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
             } else {                                                                                                \
                 wgmma_wait<1>();                                                                                    \
                 reg_fence(s[0]);                                                                                    \
-                if (alibi) p_pass<true, BITS, true>(s, hm, kr0, qc0, lse2_at, visible, pass_scale_log2);            \
-                else p_pass<false, BITS, true>(s, hm, kr0, qc0, lse2_at, visible, pass_scale_log2);                 \
+                if (alibi) p_pass<true, BITS, true>(s, hm, kr0, qc0, lse2_at, visible, pass_scale_log2, p_pass_bias); \
+                else p_pass<false, BITS, true>(s, hm, kr0, qc0, lse2_at, visible, pass_scale_log2, p_pass_bias);    \
                 _Pragma("unroll") for (int ks = 0; ks < C::QSTEPS; ++ks) kept_p_frags(ks, BITS ? keep : ~0u);       \
                 wgmma_wait<0>();                                                                                    \
                 reg_fence(dp[0]);                                                                                   \
@@ -1154,7 +1170,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                     if constexpr (R::S) add_product(dv_sum, p_frag, p_low, sdOb);
                     if constexpr (R::DP) add_product(dk_sum, ds_frag, ds_low, sQb);
                     wgmma_commit();
-                    if (C::BIAS && capped()) release(&bars.bias_empty);   // see above
+                    if (bias_in_pass()) release(&bars.bias_empty);   // see above
 
                     // dS^T into shared memory for dQ: each k-step's A fragment with one stmatrix
                     // (quarter lane / 8 of the fragment at lane % 8's row).

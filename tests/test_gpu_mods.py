@@ -816,7 +816,8 @@ def test_hopper_fp32_forward_on_fp16_halves(rng, monkeypatch, d, nq, nk, layout,
 
 # The fp32 backward's cases on Hopper: (d, nq, nk, causal, options); the dense path (MODE_BAND
 # and its one term), then the option kernels (MODE_EXT: two terms, key lengths, a block mask
-# of blocks smaller than a tile).
+# of blocks smaller than a tile; MODE_BIAS: a bias, whole or broadcast over the batch, with
+# other options).
 FP32_HOPPER_BACKWARD_CASES = (
     (64, 300, 300, False, {}), (128, 257, 513, True, {}), (40, 129, 200, False, {}),
     (104, 200, 129, True, {}), (64, 1000, 1000, False, dict(window=(100, 20))), (128, 70, 333, False, {}),
@@ -828,7 +829,13 @@ FP32_HOPPER_BACKWARD_CASES = (
     (128, 300, 200, True, dict(softcap=2.0, dropout_p=0.3, seed=5, window=(90, 30))),
     (64, 300, 333, False, dict(seqlens_k=np.array([333, 150], np.int32), alibi_slopes=_slopes((2, 4)))),
     (128, 129, 257, True, dict(block_mask=_block_mask(np.random.default_rng(5), (), 129, 257, 16), block_size=16,
-                               dropout_p=0.2, seed=9)))
+                               dropout_p=0.2, seed=9)),
+    (64, 257, 300, False, dict(bias=_bias(np.random.default_rng(6), (2, 4, 257, 300), "float32"))),
+    # (the bias's rows 16-byte aligned, as its tensor map needs: Nk % 4 == 0 for fp32)
+    (128, 200, 132, True, dict(bias=_bias(np.random.default_rng(7), (4, 200, 132), "float32"),
+                               alibi_slopes=_slopes((4,)), dropout_p=0.2, seed=4)),
+    # softcap beside a bias: the deterministic calls take bwd_wide.cu (Sm90BwdKVTile::SOFTCAP_BIAS)
+    (64, 129, 200, False, dict(bias=_bias(np.random.default_rng(8), (2, 1, 129, 200), "float32"), softcap=2.5)))
 
 
 @pytest.mark.parametrize("d,nq,nk,causal,options,deterministic,magnitudes", [
@@ -843,10 +850,11 @@ def test_hopper_fp32_backward_on_fp16_halves(rng, monkeypatch, d, nq, nk, causal
     fp16 halves of q, k, v and dO that split_f32.cu writes, kernels_cu/halves.cuh) against
     the float64 reference at fp32's tolerance: dense, with a window (MODE_BAND) and with
     its one term (ALiBi, softcap, dropout), with the options' kernels (MODE_EXT: two terms,
-    key lengths, small blocks of a block mask), GQA 2:1, partial key blocks and query tiles,
-    both modes; q, k, v and dO far outside fp16's range (q k^T of order 1) check the
-    halves' scales and dS's. The backward must take that kernel after the four-tensor
-    passes."""
+    key lengths, small blocks of a block mask; MODE_BIAS: a bias, without its gradient),
+    GQA 2:1, partial key blocks and query tiles, both modes; q, k, v and dO far outside
+    fp16's range (q k^T of order 1) check the halves' scales and dS's. The backward must
+    take that kernel after the four-tensor passes, but for softcap beside a bias in the
+    deterministic mode, which takes bwd_wide.cu."""
     if DRY_RUN:
         pytest.skip("pins a GPU kernel")
     import cupy as cp
@@ -859,13 +867,18 @@ def test_hopper_fp32_backward_on_fp16_halves(rng, monkeypatch, d, nq, nk, causal
     launched = []
     launch = _cuda._launch
     monkeypatch.setattr(_cuda, "_launch", lambda variant, *a: (launched.append(variant), launch(variant, *a)))
-    got, ref = _run_both(cupyflash.attention_forward, host, opts)
+    got, ref = _run_both(cupyflash.attention_forward, host, opts, dbias=False)
     _check(got, ref, "float32")
     backward = [v for v in launched if v.family is _kernels.BWD_SM90]
+    passes = [v.name_expression for v in launched if v.family is _kernels.SPLIT_F32]
+    if deterministic and "bias" in options and "softcap" in options:
+        assert not backward and any(v.family is _kernels.BWD_WIDE for v in launched), [v.name_expression for v in launched]
+        assert passes == ["f32_halves_max", "f32_halves<2>"], passes   # the forward's
+        return
     assert len(backward) == 1 and backward[0].name_expression.startswith("flash_bwd_dkdv_sm90<float,"), \
         [v.name_expression for v in launched]
     assert bool(backward[0].grads & _kernels.GRAD_DQ_ORDERED) == deterministic
-    passes = [v.name_expression for v in launched if v.family is _kernels.SPLIT_F32]
+    assert bool(backward[0].mode & _kernels.MODE_BIAS) == ("bias" in options)
     assert passes == ["f32_halves_max", "f32_halves<2>"] * 2, passes   # the forward's, then the backward's
 
 

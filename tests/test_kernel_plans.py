@@ -58,16 +58,16 @@ def test_wide_backward_is_one_launch_at_every_head_dim(dtype, deterministic):
 
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("D", [32, 64, 96, 128, 192])
-def test_fp32_backward_on_hopper_takes_bwd_sm90_but_for_a_bias(D, deterministic):
+def test_fp32_backward_on_hopper_takes_bwd_sm90(D, deterministic):
     # fp32 runs bwd_sm90.cu over fp16 halves in the roles (dQ added in both modes, in turns
-    # when deterministic) up to d = 128, ahead of bwd_wide.cu, in every mode but the bias's
-    # (the roles have no bias stage); with a bias, and from d = 192, bwd_wide.cu alone.
+    # when deterministic) up to d = 128, ahead of bwd_wide.cu, in every mode (the bias read
+    # by the passes); from d = 192 bwd_wide.cu alone.
     G = _kernels
     lean = (G.MODE_DENSE, G.MODE_BAND, *(G.MODE_BAND | term for term in G.DENSE_PATH_TERMS.values()))
     for mode in (*lean, G.MODE_EXT, G.MODE_EXT | G.MODE_BIAS):
         (grads, candidates), = G.backward_plan("float32", D, deterministic, mode).kv
         hopper = [v for v in candidates if v.family is G.BWD_SM90]
-        if D <= 128 and not mode & G.MODE_BIAS:
+        if D <= 128:
             assert candidates[0] is hopper[0] and len(hopper) == 1 and G.bwd_sm90_roles(hopper[0])
             assert hopper[0].mode == mode
             assert hopper[0].grads == G.GRAD_DV | G.GRAD_DK | G.GRAD_DQ | (G.GRAD_DQ_ORDERED if deterministic else 0)
@@ -267,7 +267,7 @@ def test_band_options_run_the_hopper_backward_dense_path(monkeypatch, arch, dete
         else:
             assert chosen.source == "bwd_sm80.cu" and chosen.mode == _kernels.MODE_EXT
     # fp64 has no Hopper backward: its plan is the option kernels'; fp32's is the same past
-    # its Hopper kernel of the mode (test_fp32_backward_on_hopper_takes_bwd_sm90_but_for_a_bias).
+    # its Hopper kernel of the mode (test_fp32_backward_on_hopper_takes_bwd_sm90).
     assert _kernels.backward_plan("float64", 64, deterministic, _kernels.MODE_BAND) == _kernels.backward_plan(
         "float64", 64, deterministic, _kernels.MODE_EXT)
     (_, band), = _kernels.backward_plan("float32", 64, deterministic, _kernels.MODE_BAND).kv
@@ -304,8 +304,8 @@ def test_hopper_backward_bias_calls_it_cannot_serve_take_the_next_kernel(monkeyp
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_wide_backward_runs_on_the_tensor_cores_where_it_fits(dtype):
-    # Every head dim's key-block kernel is bwd_wide.cu's (3xTF32 / DMMA; fp32 without a bias
-    # has bwd_sm90.cu's ahead of it up to d = 128, the test above), and so is the
+    # Every head dim's key-block kernel is bwd_wide.cu's (3xTF32 / DMMA; fp32 has
+    # bwd_sm90.cu's ahead of it up to d = 128, the test above), and so is the
     # deterministic dQ kernel but fp64's from d = 192, whose 16 query rows of dQ a warp
     # exceed the registers: that one runs on the CUDA cores.
     for D in _kernels.HEAD_DIMS:
