@@ -51,7 +51,7 @@ def _option_kwargs(option, q):
         return dict(softcap=bench.MOD_SOFTCAP)
     if option == "alibi":
         return dict(alibi_slopes=cp.asarray((2.0 ** (-8.0 * (np.arange(H) + 1) / H)).astype(np.float32)))
-    if option == "bias":
+    if option in ("bias", "dbias"):   # dbias: the bias's gradient asked for too (_runs)
         return dict(bias=cp.random.default_rng(N).standard_normal((N, N), dtype=cp.float32).astype(q.dtype))
     if option in ("window2048", "window256"):
         return dict(window=(int(option[len("window"):]), 0))
@@ -69,15 +69,16 @@ def _option_kwargs(option, q):
     return {}
 
 
-OPTIONS = ("dense", "softcap", "alibi", "bias", "window2048", "window256", "dropout", "deterministic", "block1",
-           "block8", "seqlens_k", "varlen")
+OPTIONS = ("dense", "softcap", "alibi", "bias", "dbias", "window2048", "window256", "dropout", "deterministic",
+           "block1", "block8", "seqlens_k", "varlen")
 
 
 def _option_name(name: str) -> str:
     """--option: one of OPTIONS, or several joined by "+" (varlen alone)."""
     parts = name.split("+")
     if any(p not in OPTIONS for p in parts) or (len(parts) > 1 and "varlen" in parts):
-        raise argparse.ArgumentTypeError(f"{name!r}: one of {', '.join(OPTIONS)}, or several joined by '+' (not varlen)")
+        raise argparse.ArgumentTypeError(
+            f"{name!r}: one of {', '.join(OPTIONS)}, or several joined by '+' (not varlen)")
     return name
 
 
@@ -102,7 +103,8 @@ def _runs(module, q, k, v, do, causal, backward, options, option="dense"):
     if not backward:
         return lambda: module.attention(q, k, v, causal=causal, **options)
     _, ctx = module.attention_forward(q, k, v, causal=causal, **options)
-    return lambda: module.attention_backward(do, ctx)
+    return_dbias = "dbias" in option.split("+")
+    return lambda: module.attention_backward(do, ctx, return_dbias=return_dbias)
 
 
 def main(argv):

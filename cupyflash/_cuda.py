@@ -706,13 +706,13 @@ def _sm90_backward_map_specs(variant: Variant, q, k, v, do, mods, dbias):
 
 def _sm90_bias_box(variant: Variant, q, k, mods, dbias):
     """The box of bwd_sm90.cu's bias map (the bias, a query sub-tile's rows), or None for a
-    bias call that the kernel does not serve: a bias without whole (Nq, Nk) rows, one whose
-    gradient is asked for (the sm80 and wide kernels add dbias with atomics), or softcap
-    beside it in the deterministic kernels (Sm90BwdKVTile::SOFTCAP_BIAS)."""
+    bias call that the kernel does not serve: a bias without whole (Nq, Nk) rows, or softcap
+    beside it in the deterministic kernels (Sm90BwdKVTile::SOFTCAP_BIAS) or with the bias's
+    gradient asked for (the kernel adds dS into dbias outside softcap's pass)."""
     bias = mods.bias
     whole_rows = tuple(bias.shape[2:]) == (q.shape[2], k.shape[2])
-    softcap_unserved = mods.softcap > 0 and variant.grads & GRAD_DQ_ORDERED
-    if dbias is not None or not whole_rows or softcap_unserved:
+    softcap_unserved = mods.softcap > 0 and (variant.grads & GRAD_DQ_ORDERED or dbias is not None)
+    if not whole_rows or softcap_unserved:
         return None
     return bias, BWD_SM90_SUB_M
 

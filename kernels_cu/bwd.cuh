@@ -249,6 +249,17 @@ __device__ __forceinline__ void grad_scores(Acc (&s)[MT][NT][4], const Acc (&dp)
     });
 }
 
+// The bias gradient on bwd_sm90.cu's consumers: dS (grad_pass's, that of the biased score)
+// added into dbias_b, this batch entry's accumulator, at the scores inside the (nq, nk)
+// problem (grad_scores' atomics, in a pass of their own after grad_pass).
+template <bool KEY_ROWS, int NT, typename M>
+__device__ __forceinline__ void add_dbias(float (&ds)[1][NT][4], int r0, int c0, const M& mods, int h, float* dbias_b,
+                                          i64 dbias_sh, i64 dbias_sq, i64 dbias_sk) {
+    for_each_score<KEY_ROWS>(ds, r0, c0, [&](float& x, int i, int j, int, int, int) {
+        if (i < mods.mask.nq && j < mods.mask.nk) atomicAdd(dbias_b + h * dbias_sh + i * dbias_sq + j * dbias_sk, x);
+    });
+}
+
 // The bias term of p_pass and capped_p_and_grad below (bwd_sm90.cu's softcap pass, and
 // fp32's passes; otherwise the bias rides in S^T's accumulator): `at(nt, e)` is the bias of
 // element e of n-tile nt,

@@ -685,7 +685,8 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
             // Each sub-tile's bias, in the consumers' order, once they gave the stage back.
             // The host makes the bias map only for a bias with whole rows (Nq, Nk); axes
             // it broadcasts over (stride 0) are read at 0.
-            if (!p.mods.bias_tma || (!C::SOFTCAP && p.mods.softcap > 0)) __trap();   // a host that drifted from this contract
+            if (!p.mods.bias_tma || (!C::SOFTCAP && p.mods.softcap > 0) || (p.dbias != nullptr && p.mods.softcap > 0))
+                __trap();   // a host that drifted from this contract
             int n = 0;   // sub-tiles loaded, over every unit
             int e = 0;   // walked tiles read
             each_unit(read_unit, [&](const UnitState& w) {
@@ -1116,6 +1117,15 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                             if constexpr (C::BIAS_IN_ACC) return no_bias;
                             else return bias;
                         }();
+                        // MODE_BIAS: the bias gradient where the call asks for it (not beside softcap:
+                        // the host sends those calls on), from the dK role's dS.
+                        auto add_dbias_if_asked = [&] {
+                            if constexpr (C::BIAS && R::DP) {
+                                if (p.dbias != nullptr)
+                                    add_dbias<true>(s, kr0, qc0, mods, h, static_cast<float*>(p.dbias) + w.unit.b * p.dbias_sb,
+                                                    p.dbias_sh, p.dbias_sq, p.dbias_sk);
+                            }
+                        };
                         // BITS: whether the passes select by the bits; false where every score is
                         // shown and kept (bwd.cuh). The choice must be the same for the whole
                         // warpgroup (its wgmma waits are inside): from the tile and the call.
@@ -1143,6 +1153,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                 reg_fence(dp[0]);                                                                                   \
                 unscale_dp();                                                                                       \
                 grad_pass<BITS, true>(s, dp, kr0, qc0, delta_at, keep);                                             \
+                add_dbias_if_asked();                                                                               \
                 _Pragma("unroll") for (int ks = 0; ks < C::QSTEPS; ++ks) ds_frags(s, ks);                           \
             }
                         if (C::SELECT_FREE_TILES && !needs_mask && !hm.dropout()) {

@@ -714,8 +714,9 @@ def test_hopper_path_with_options(rng, monkeypatch, dtype, d, nq, nk, layout, ca
     """The options as policies of the Hopper kernels against the float64 reference: the
     forward (fwd_sm90.cu, MODE_EXT and MODE_BIAS instantiations, with persistent CTAs or
     one CTA per work tile) and the backward (bwd_sm90.cu's MODE_EXT; with a bias, whose
-    gradient these calls ask for, the mma.sync kernels). The call must take those
-    kernels."""
+    gradient these calls ask for, its MODE_BIAS kernel where TMA can read the bias's rows,
+    else the mma.sync kernels: test_hopper_backward_with_a_bias pins which). The call
+    must take those kernels."""
     if DRY_RUN:
         pytest.skip("pins a GPU kernel")
     import cupy as cp
@@ -739,7 +740,7 @@ def test_hopper_path_with_options(rng, monkeypatch, dtype, d, nq, nk, layout, ca
     got, ref = _run_both(cupyflash.attention_forward, host, opts)
     _check(got, ref, dtype)
     hopper_backward = any(v.family is _kernels.BWD_SM90 for v in launched)
-    assert hopper_backward == ("bias" not in mods), [v.name_expression for v in launched]
+    assert hopper_backward or "bias" in mods, [v.name_expression for v in launched]
 
 
 def _fp32_hopper_params():
@@ -872,7 +873,8 @@ def test_hopper_fp32_backward_on_fp16_halves(rng, monkeypatch, d, nq, nk, causal
     backward = [v for v in launched if v.family is _kernels.BWD_SM90]
     passes = [v.name_expression for v in launched if v.family is _kernels.SPLIT_F32]
     if deterministic and "bias" in options and "softcap" in options:
-        assert not backward and any(v.family is _kernels.BWD_WIDE for v in launched), [v.name_expression for v in launched]
+        names = [v.name_expression for v in launched]
+        assert not backward and any(v.family is _kernels.BWD_WIDE for v in launched), names
         assert passes == ["f32_halves_max", "f32_halves<2>"], passes   # the forward's
         return
     assert len(backward) == 1 and backward[0].name_expression.startswith("flash_bwd_dkdv_sm90<float,"), \
@@ -1131,10 +1133,10 @@ HOPPER_BIAS_CASES = (
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("name,sizes,d,causal,build", HOPPER_BIAS_CASES, ids=[c[0] for c in HOPPER_BIAS_CASES])
 def test_hopper_backward_with_a_bias(rng, monkeypatch, name, sizes, d, causal, build, deterministic, dbias):
-    """dq, dk and dv of a call with a bias from bwd_sm90.cu's MODE_BIAS kernel against the
-    float64 reference; a call asking for dbias, and softcap beside a bias in the
-    deterministic mode, take the sm80 kernels (_cuda._sm90_backward_map_specs), checked
-    against the reference too."""
+    """dq, dk, dv (and dbias where asked for) of a call with a bias from bwd_sm90.cu's
+    MODE_BIAS kernel against the float64 reference; softcap beside a bias in the
+    deterministic mode or with dbias asked for takes the sm80 kernels
+    (_cuda._sm90_bias_box), checked against the reference too."""
     if DRY_RUN:
         pytest.skip("pins a GPU kernel")
     import cupy as cp
@@ -1153,8 +1155,8 @@ def test_hopper_backward_with_a_bias(rng, monkeypatch, name, sizes, d, causal, b
     got, ref = _run_both(cupyflash.attention_forward, host, opts, dbias=dbias)
     _check(got, ref, dtype)
     hopper = [v for v in launched if v.family is _kernels.BWD_SM90]
-    if dbias or (deterministic and "softcap" in opts):
-        assert not hopper, "dbias, or softcap with a bias in the deterministic mode: the sm80 kernels"
+    if "softcap" in opts and (dbias or deterministic):
+        assert not hopper, "softcap with a bias in the deterministic mode or with dbias: the sm80 kernels"
     else:
         assert hopper and all(v.mode & _kernels.MODE_BIAS for v in hopper), [v.name_expression for v in launched]
 

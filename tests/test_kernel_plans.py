@@ -279,9 +279,9 @@ def test_band_options_run_the_hopper_backward_dense_path(monkeypatch, arch, dete
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_hopper_backward_bias_calls_it_cannot_serve_take_the_next_kernel(monkeypatch, deterministic):
     # bwd_sm90.cu's MODE_BIAS kernel reads the bias through a tensor map of whole (Nq, Nk)
-    # rows (boxes of BWD_SM90_SUB_M queries). A call asking for dbias, a bias broadcast
-    # over queries or keys, and softcap beside a bias in the deterministic kernel get no
-    # specs, so _plan_backward takes the sm80 kernels.
+    # rows (boxes of BWD_SM90_SUB_M queries) and adds dbias where asked. A bias broadcast
+    # over queries or keys, and softcap beside a bias in the deterministic kernel or with
+    # dbias asked for get no specs, so _plan_backward takes the sm80 kernels.
     from types import SimpleNamespace
     monkeypatch.setattr(_cuda, "_map_specs", lambda *boxes: tuple(rows for _, rows in boxes))
     (_, candidates), = _kernels.backward_plan("bfloat16", 128, deterministic,
@@ -298,8 +298,9 @@ def test_hopper_backward_bias_calls_it_cannot_serve_take_the_next_kernel(monkeyp
     assert specs((1, 1, 100, 64)) == (64, 64, 128, 128, _kernels.BWD_SM90_SUB_M)
     assert specs((2, 4, 100, 64)) is not None
     assert specs((1, 1, 1, 64)) is None and specs((1, 1, 100, 1)) is None   # broadcast rows
-    assert specs((1, 1, 100, 64), dbias=np.zeros((1, 1, 100, 64))) is None
+    assert specs((1, 1, 100, 64), dbias=np.zeros((1, 1, 100, 64))) is not None
     assert (specs((1, 1, 100, 64), softcap=30.0) is None) == deterministic
+    assert specs((1, 1, 100, 64), softcap=30.0, dbias=np.zeros((1, 1, 100, 64))) is None
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
