@@ -20,9 +20,9 @@ import numpy as np
 from . import _arrays, _mods, _nvrtc, _params, _philox, _tma
 from ._kernels import (BACKWARD_MODES, BWD_ROW_PAD, BWD_SM90, BWD_SM90_SUB_M, CPP_TYPE, FWD_SM90, GRAD_DK, GRAD_DQ,
                        GRAD_DQ_ORDERED, HEAD_DIMS, MIN_COMPUTE_CAPABILITY, MODE_BIAS, MODE_DENSE, MODE_TF32, MODES,
-                       BackwardPlan, Variant, backward_mode, backward_plan, bwd_sm90_persistent, bwd_sm90_splits_units,
-                       forward_variants, forward_variants_for, halves_passes, padded_head_dim, sm90_rows_box,
-                       sm90_unit_split)
+                       BackwardPlan, Variant, backward_mode, backward_plan, bwd_sm90_persistent, bwd_sm90_softcap_dbias,
+                       bwd_sm90_splits_units, forward_variants, forward_variants_for, halves_passes, padded_head_dim,
+                       sm90_rows_box, sm90_unit_split)
 from ._validate import check_flag
 
 MAX_GRID_YZ = 65535   # grid y (heads) and z (batch) extents
@@ -707,11 +707,13 @@ def _sm90_backward_map_specs(variant: Variant, q, k, v, do, mods, dbias):
 def _sm90_bias_box(variant: Variant, q, k, mods, dbias):
     """The box of bwd_sm90.cu's bias map (the bias, a query sub-tile's rows), or None for a
     bias call that the kernel does not serve: a bias without whole (Nq, Nk) rows, or softcap
-    beside it in the deterministic kernels (Sm90BwdKVTile::SOFTCAP_BIAS) or with the bias's
-    gradient asked for (the kernel adds dS into dbias outside softcap's pass)."""
+    beside it in the deterministic kernels (Sm90BwdKVTile::SOFTCAP_BIAS), or beside the
+    bias's gradient (``dbias`` not None, which the kernel adds) where the kernel cannot add
+    that in softcap's pass (`bwd_sm90_softcap_dbias`)."""
     bias = mods.bias
     whole_rows = tuple(bias.shape[2:]) == (q.shape[2], k.shape[2])
-    softcap_unserved = mods.softcap > 0 and (variant.grads & GRAD_DQ_ORDERED or dbias is not None)
+    softcap_unserved = mods.softcap > 0 and (variant.grads & GRAD_DQ_ORDERED or
+                                             (dbias is not None and not bwd_sm90_softcap_dbias(variant)))
     if not whole_rows or softcap_unserved:
         return None
     return bias, BWD_SM90_SUB_M

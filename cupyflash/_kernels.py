@@ -533,6 +533,13 @@ def bwd_sm90_roles(variant: "Variant") -> bool:
     return variant.family is BWD_SM90 and variant.block_m < 64 * variant.tile[1]
 
 
+def bwd_sm90_softcap_dbias(variant: "Variant") -> bool:
+    """Whether a bwd_sm90.cu kernel with the bias adds the bias's gradient beside softcap
+    (Sm90BwdKVTile::SOFTCAP_DBIAS: in the roles and up to d = 64; where one warpgroup holds
+    dK and dV at d = 128 it would spill)."""
+    return bwd_sm90_roles(variant) or variant.head_dim <= 64
+
+
 def _sm90_bwd_tile(D: int, tile) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_N) of a BWD_SM90_KV_TILES entry at head dim D: the query tile and
     the key block (64 keys a consumer warpgroup, or with the roles 64 shared)."""

@@ -249,15 +249,27 @@ __device__ __forceinline__ void grad_scores(Acc (&s)[MT][NT][4], const Acc (&dp)
     });
 }
 
-// The bias gradient on bwd_sm90.cu's consumers: dS (grad_pass's, that of the biased score)
-// added into dbias_b, this batch entry's accumulator, at the scores inside the (nq, nk)
-// problem (grad_scores' atomics, in a pass of their own after grad_pass).
-template <bool KEY_ROWS, int NT, typename M>
-__device__ __forceinline__ void add_dbias(float (&ds)[1][NT][4], int r0, int c0, const M& mods, int h, float* dbias_b,
-                                          i64 dbias_sh, i64 dbias_sq, i64 dbias_sk) {
-    for_each_score<KEY_ROWS>(ds, r0, c0, [&](float& x, int i, int j, int, int, int) {
-        if (i < mods.mask.nq && j < mods.mask.nk) atomicAdd(dbias_b + h * dbias_sh + i * dbias_sq + j * dbias_sk, x);
-    });
+// The bias gradient on bwd_sm90.cu's consumers: the dS of the biased score (query i, key j)
+// added into `head`, the (batch entry, head)'s rows of the accumulator (null: not asked
+// for), at the scores inside the (nq, nk) problem (grad_scores' atomics). The rows are
+// whole (the kernel's bias has whole rows): key j at j.
+struct DbiasAdder {
+    static constexpr bool ON = true;
+    float* head;
+    int sq, nq, nk;   // the row stride, the problem
+    __device__ __forceinline__ void operator()(int i, int j, float ds) const {
+        if (head != nullptr && i < nq && j < nk) atomicAdd(head + i * sq + j, ds);
+    }
+};
+struct NoDbias {
+    static constexpr bool ON = false;
+    __device__ __forceinline__ void operator()(int, int, float) const {}
+};
+
+// dbias over the dS of grad_pass (below), in a pass of its own.
+template <bool KEY_ROWS, int NT>
+__device__ __forceinline__ void add_dbias(float (&ds)[1][NT][4], int r0, int c0, const DbiasAdder& dbias) {
+    for_each_score<KEY_ROWS>(ds, r0, c0, [&](float& x, int i, int j, int, int, int) { dbias(i, j, x); });
 }
 
 // The bias term of p_pass and capped_p_and_grad below (bwd_sm90.cu's softcap pass, and
@@ -364,12 +376,13 @@ __device__ __forceinline__ void grad_pass(Acc (&s)[1][NT][4], const Acc (&dp)[1]
 
 // With softcap, one pass once both products are in: there are no registers for the
 // derivative 1 - tanh^2 to wait in between, so per score it lives only between its two
-// uses. s becomes the P that multiplies dO (kept_a_frag's values) and dp becomes dS.
+// uses. s becomes the P that multiplies dO (kept_a_frag's values) and dp becomes dS;
+// `dbias` takes the dS of the biased score, before softcap's derivative.
 template <bool ALIBI, bool BITS, bool KEY_ROWS, int NT, typename Acc, typename H, typename L, typename Dl,
-          typename Bias>
+          typename Bias, typename Dbias = NoDbias>
 __device__ __forceinline__ void capped_p_and_grad(Acc (&s)[1][NT][4], Acc (&dp)[1][NT][4], const H& hm, int r0, int c0,
                                                   L&& lse2_at, Dl&& delta_at, Bias& bias, u32 visible, u32 kept,
-                                                  Acc scale_log2) {
+                                                  Acc scale_log2, const Dbias& dbias = Dbias()) {
     const Acc to_tanh = hm.tanh_arg(scale_log2), cap = hm.cap_log2();
     for_each_score<KEY_ROWS>(s, r0, c0, [&](Acc& x, int i, int j, int mt, int nt, int e) {
         Acc dtanh;
@@ -381,11 +394,16 @@ __device__ __forceinline__ void capped_p_and_grad(Acc (&s)[1][NT][4], Acc (&dp)[
         const Acc p = exp2_fast(fma(th, cap, rest));
         if constexpr (BITS) {
             const bool shown = (visible >> (4 * nt + e)) & 1, keep = (kept >> (4 * nt + e)) & 1;
-            const Acc grad = p * ((keep ? dp[mt][nt][e] : Acc(0)) - delta_at(mt, nt, e)) * dtanh;
-            dp[mt][nt][e] = shown ? grad : Acc(0);
+            const Acc ds = p * ((keep ? dp[mt][nt][e] : Acc(0)) - delta_at(mt, nt, e));
+            if constexpr (Dbias::ON) {
+                if (shown) dbias(i, j, ds);
+            }
+            dp[mt][nt][e] = shown ? ds * dtanh : Acc(0);
             x = shown && keep ? p : Acc(0);
         } else {
-            dp[mt][nt][e] = p * (dp[mt][nt][e] - delta_at(mt, nt, e)) * dtanh;
+            const Acc ds = p * (dp[mt][nt][e] - delta_at(mt, nt, e));
+            if constexpr (Dbias::ON) dbias(i, j, ds);
+            dp[mt][nt][e] = ds * dtanh;
             x = p;
         }
     });

@@ -209,6 +209,10 @@ struct Sm90BwdKVTile {
     // deterministic bias kernels, which never get it (their consumers spilled in it at
     // d = 128 once the producer described the tiles: 24 bytes, build check).
     static constexpr bool SOFTCAP = !BIAS || SOFTCAP_BIAS;
+    // The bias gradient within softcap's pass (bwd.cuh DbiasAdder): not where one warpgroup
+    // holds dK and dV at d = 128, whose consumers then spilled 216 bytes (build check); the
+    // host sends such calls to the sm80 kernels (cupyflash/_kernels.py bwd_sm90_softcap_dbias).
+    static constexpr bool SOFTCAP_DBIAS = SOFTCAP_BIAS && (ROLES || D <= 64);
     // With the options, tiles that no mask or dropout touches take passes without the
     // selects (bwd.cuh BITS), but in the d = 128 kernels with the bias, where the second
     // copy of the passes spills (deterministic: 48 bytes; since the producer describes
@@ -685,8 +689,10 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
             // Each sub-tile's bias, in the consumers' order, once they gave the stage back.
             // The host makes the bias map only for a bias with whole rows (Nq, Nk); axes
             // it broadcasts over (stride 0) are read at 0.
-            if (!p.mods.bias_tma || (!C::SOFTCAP && p.mods.softcap > 0) || (p.dbias != nullptr && p.mods.softcap > 0))
-                __trap();   // a host that drifted from this contract
+            // a host that drifted from this contract (dbias: whole rows, as the bias's)
+            if (!p.mods.bias_tma || (!C::SOFTCAP && p.mods.softcap > 0) || p.dbias_sk > 1 ||
+                (!C::SOFTCAP_DBIAS && p.mods.softcap > 0 && p.dbias != nullptr))
+                __trap();
             int n = 0;   // sub-tiles loaded, over every unit
             int e = 0;   // walked tiles read
             each_unit(read_unit, [&](const UnitState& w) {
@@ -1117,15 +1123,27 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                             if constexpr (C::BIAS_IN_ACC) return no_bias;
                             else return bias;
                         }();
-                        // MODE_BIAS: the bias gradient where the call asks for it (not beside softcap:
-                        // the host sends those calls on), from the dK role's dS.
+                        // MODE_BIAS: the bias gradient where the call asks for it (p.dbias), from the
+                        // dK role's dS: after grad_pass, or within softcap's pass (before its
+                        // derivative).
+                        [[maybe_unused]] NoDbias no_dbias;
+                        auto dbias = [&] {
+                            if constexpr (C::BIAS && R::DP)
+                                return DbiasAdder{p.dbias == nullptr ? nullptr
+                                                                     : static_cast<float*>(p.dbias) + w.unit.b * p.dbias_sb + h * p.dbias_sh,
+                                                  int(p.dbias_sq), mask.nq, mask.nk};
+                            else
+                                return NoDbias();
+                        }();
                         auto add_dbias_if_asked = [&] {
-                            if constexpr (C::BIAS && R::DP) {
-                                if (p.dbias != nullptr)
-                                    add_dbias<true>(s, kr0, qc0, mods, h, static_cast<float*>(p.dbias) + w.unit.b * p.dbias_sb,
-                                                    p.dbias_sh, p.dbias_sq, p.dbias_sk);
+                            if constexpr (decltype(dbias)::ON) {
+                                if (dbias.head != nullptr) add_dbias<true>(s, kr0, qc0, dbias);
                             }
                         };
+                        auto& capped_dbias = [&]() -> auto& {
+                            if constexpr (C::SOFTCAP_DBIAS) return dbias;
+                            else return no_dbias;
+                        }();
                         // BITS: whether the passes select by the bits; false where every score is
                         // shown and kept (bwd.cuh). The choice must be the same for the whole
                         // warpgroup (its wgmma waits are inside): from the tile and the call.
@@ -1136,9 +1154,9 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                 reg_fence(dp[0]);                                                                                   \
                 unscale_dp();                                                                                       \
                 if (alibi) capped_p_and_grad<true, BITS, true>(s, dp, hm, kr0, qc0, lse2_at, delta_at, bias, visible, keep, \
-                                                               pass_scale_log2);                                    \
+                                                               pass_scale_log2, capped_dbias);                      \
                 else capped_p_and_grad<false, BITS, true>(s, dp, hm, kr0, qc0, lse2_at, delta_at, bias, visible,    \
-                                                          keep, pass_scale_log2);                                   \
+                                                          keep, pass_scale_log2, capped_dbias);                     \
                 _Pragma("unroll") for (int ks = 0; ks < C::QSTEPS; ++ks) {                                          \
                     kept_p_frags(ks, ~0u);                                                                          \
                     ds_frags(dp, ks);                                                                               \

@@ -91,9 +91,8 @@ def main():
                       f"deterministic={deterministic}", flush=True)
                 o, vjp = cupyflash.attention_vjp(q, k, v, causal=causal, deterministic=deterministic,
                                                  backend="cuda", **extra)
-                # The "bias" case asks for dbias (the Hopper kernel adds it; "all" has softcap
-                # beside the bias, whose dbias the sm80 kernels add).
-                grads = vjp(cp.asarray(rng.standard_normal(o.shape).astype(dtype)), return_dbias=options == "bias")
+                # The bias's cases ask for dbias ("all": within softcap's pass).
+                grads = vjp(cp.asarray(rng.standard_normal(o.shape).astype(dtype)), return_dbias="bias" in extra)
                 for x in (o, *grads):
                     bad += bool(cp.isnan(x.astype(np.float32)).any())
         # varlen: sequences of 5, 0 and 37 queries over 9, 3 and 40 keys (d = 64: the

@@ -280,8 +280,8 @@ def test_band_options_run_the_hopper_backward_dense_path(monkeypatch, arch, dete
 def test_hopper_backward_bias_calls_it_cannot_serve_take_the_next_kernel(monkeypatch, deterministic):
     # bwd_sm90.cu's MODE_BIAS kernel reads the bias through a tensor map of whole (Nq, Nk)
     # rows (boxes of BWD_SM90_SUB_M queries) and adds dbias where asked. A bias broadcast
-    # over queries or keys, and softcap beside a bias in the deterministic kernel or with
-    # dbias asked for get no specs, so _plan_backward takes the sm80 kernels.
+    # over queries or keys, and softcap beside a bias in the deterministic kernel or (at d =
+    # 128, 16-bit) beside dbias get no specs, so _plan_backward takes the sm80 kernels.
     from types import SimpleNamespace
     monkeypatch.setattr(_cuda, "_map_specs", lambda *boxes: tuple(rows for _, rows in boxes))
     (_, candidates), = _kernels.backward_plan("bfloat16", 128, deterministic,
@@ -291,16 +291,20 @@ def test_hopper_backward_bias_calls_it_cannot_serve_take_the_next_kernel(monkeyp
     q = do = np.zeros((2, 4, 100, 128))
     k = v = np.zeros((2, 2, 64, 128))
 
-    def specs(bias_shape, softcap=0.0, dbias=None):
+    def specs(bias_shape, softcap=0.0, dbias=None, kernel=hopper):
         mods = SimpleNamespace(bias=np.zeros(bias_shape), softcap=softcap)
-        return _cuda._sm90_backward_map_specs(hopper, q, k, v, do, mods, dbias)
+        return _cuda._sm90_backward_map_specs(kernel, q, k, v, do, mods, dbias)
 
     assert specs((1, 1, 100, 64)) == (64, 64, 128, 128, _kernels.BWD_SM90_SUB_M)
     assert specs((2, 4, 100, 64)) is not None
     assert specs((1, 1, 1, 64)) is None and specs((1, 1, 100, 1)) is None   # broadcast rows
-    assert specs((1, 1, 100, 64), dbias=np.zeros((1, 1, 100, 64))) is not None
     assert (specs((1, 1, 100, 64), softcap=30.0) is None) == deterministic
-    assert specs((1, 1, 100, 64), softcap=30.0, dbias=np.zeros((1, 1, 100, 64))) is None
+    dbias = np.zeros((1, 1, 100, 64))
+    assert specs((1, 1, 100, 64), dbias=dbias) is not None
+    assert specs((1, 1, 100, 64), softcap=30.0, dbias=dbias) is None   # d = 128: not in softcap's pass
+    (_, candidates), = _kernels.backward_plan("bfloat16", 64, deterministic, _kernels.MODE_EXT | _kernels.MODE_BIAS).kv
+    assert _kernels.bwd_sm90_softcap_dbias(candidates[0]) and not _kernels.bwd_sm90_softcap_dbias(hopper)
+    assert (specs((1, 1, 100, 64), softcap=30.0, dbias=dbias, kernel=candidates[0]) is None) == deterministic
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
