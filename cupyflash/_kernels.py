@@ -513,13 +513,13 @@ BWD_SM90_KV_TILES = {
 # From this head dim bwd_sm90.cu's warpgroups take the roles (Sm90BwdKVTile::ROLES).
 BWD_SM90_ROLES_MIN_HEAD_DIM = 192
 # fp32 in the same kernel on fp16 halves (kernels_cu/halves.cuh; split_f32.cu writes q, k, v
-# and dO as high and low planes first), every mode (the bias in the passes: Sm90BwdKVTile::
-# BIAS_IN_ACC), in
-# the roles at every head dim: a warpgroup's dV or dK beside its query tile's sum (the
-# tensor cores truncate as they accumulate, so each tile's products are added in the
-# FPU). H200, N = 1k / 4k, against bwd_wide.cu (3xTF32 on mma.sync) in one process
-# (bench/results/h200-2026-11-29-e71a374-ab-fp32-bwd-halves-vs-c5f2190.log): d = 64 122 /
-# 152 TFLOP/s (2.6 / 3.1x), causal 88 / 135; d = 128 144 / 178 (3.7 / 4.4x), causal 104 / 163.
+# and dO as high and low planes first), every mode (the bias added in the passes:
+# Sm90BwdKVTile::BIAS_IN_ACC), in the roles at every head dim: a warpgroup's dV or dK
+# beside its query tile's sum (the tensor cores truncate as they accumulate, so each
+# tile's products are added in the FPU). H200, N = 1k / 4k, against bwd_wide.cu (3xTF32
+# on mma.sync) in one process (bench/results/h200-2026-11-29-e71a374-ab-fp32-bwd-halves-vs-c5f2190.log):
+# d = 64 122 / 152 TFLOP/s (2.6 / 3.1x), causal 88 / 135; d = 128 144 / 178 (3.7 / 4.4x),
+# causal 104 / 163; with the options 1.3-5.3x (bench/results/h200-2026-11-30-*-ab-fp32-bwd-*).
 BWD_SM90_F32_KV_TILES = {
     64: ((64, 2),),
     128: ((64, 2),),
@@ -721,9 +721,8 @@ def _sm90_dkdv(dtype_name: str, D: int, tile, grads: int, mode: int) -> Variant:
     # bwd_sm90.cu Sm90BwdKVTile: K, V, Q and dO per stage, dS^T (DS_BUFFERS), the bias of
     # a sub-tile of BWD_SM90_SUB_M queries (MODE_BIAS, in the inputs' dtype), swizzled; the
     # staged fp32 dQ tile with rows of D + 8; the roles' fp32 P^T; a tile's lse2 and delta
-    # rows a stage; the
-    # dropout exchange (two words a consumer thread, DROP_PAIR_WORDS; with dropout); 1024
-    # bytes to align the tiles; Sm90BwdBarriers (11 + 2 STAGES mbarriers of 8 bytes, two
+    # rows a stage; the dropout exchange (two words a consumer thread, DROP_PAIR_WORDS;
+    # with dropout); 1024 bytes to align the tiles; Sm90BwdBarriers (11 + 2 STAGES mbarriers of 8 bytes, two
     # unit words, a 16-byte Sm90BwdTileInfo a stage; the walk's ring: two mbarriers and a
     # tile info a slot, Sm90BwdKVTile::WALK_SLOTS; the consumers' split unit and a pad word).
     bias_bytes = BWD_SM90_SUB_M * block_n * (4 if f32 else 2) if mode & MODE_BIAS else 0

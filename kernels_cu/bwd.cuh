@@ -274,8 +274,8 @@ __device__ __forceinline__ void add_dbias(float (&ds)[1][NT][4], int r0, int c0,
 
 // The bias term of p_pass and capped_p_and_grad below (bwd_sm90.cu's softcap pass, and
 // fp32's passes; otherwise the bias rides in S^T's accumulator): `at(nt, e)` is the bias of
-// element e of n-tile nt,
-// added in log2 units after softcap and before ALiBi (HeadMods::score_log2's order).
+// element e of n-tile nt, added in log2 units after softcap and before ALiBi
+// (HeadMods::score_log2's order).
 // NoBias leaves the term out of the code. KeyRowBias reads it, for the key-row layout of
 // bwd_sm90.cu's consumers, from a shared-memory stage that TMA filled as the bias lies in
 // memory: ROWS queries, panels of 64 keys with the 128-byte swizzle (wgmma.cuh
