@@ -512,6 +512,9 @@ BWD_SM90_KV_TILES = {
 }
 # From this head dim bwd_sm90.cu's warpgroups take the roles (Sm90BwdKVTile::ROLES).
 BWD_SM90_ROLES_MIN_HEAD_DIM = 192
+# Up to this head dim bwd_sm90.cu has a bias stage (at d = 192 with one Q/dO stage; at 256
+# it does not fit beside the roles' trade: such calls run the sm80 kernels).
+BWD_SM90_BIAS_MAX_HEAD_DIM = 192
 # fp32 in the same kernel on fp16 halves (kernels_cu/halves.cuh; split_f32.cu writes q, k, v
 # and dO as high and low planes first), every mode (the bias added in the passes:
 # Sm90BwdKVTile::BIAS_IN_ACC), in the roles at every head dim: a warpgroup's dV or dK
@@ -715,8 +718,9 @@ def _sm90_dkdv(dtype_name: str, D: int, tile, grads: int, mode: int) -> Variant:
     roles = D >= BWD_SM90_ROLES_MIN_HEAD_DIM or f32
     block_m, block_n = tile[0], 64 if roles else 64 * consumers
     assert grads & GRAD_DQ, "bwd_sm90.cu adds dQ in both modes"
-    assert f32 or not roles or not mode & MODE_BIAS, "the 16-bit roles have no bias stage"
-    stages = 1 if roles and (D > 192 or (f32 and D > 64)) else 2
+    bias = bool(mode & MODE_BIAS)
+    assert not bias or D <= BWD_SM90_BIAS_MAX_HEAD_DIM, "no bias stage at d = 256"
+    stages = 1 if roles and (D > 192 or (f32 and D > 64) or (bias and D > 128)) else 2
     ds_buffers, trade = (1, block_n * BWD_SM90_SUB_M) if roles else (2, 0)
     # bwd_sm90.cu Sm90BwdKVTile: K, V, Q and dO per stage, dS^T (DS_BUFFERS), the bias of
     # a sub-tile of BWD_SM90_SUB_M queries (MODE_BIAS, in the inputs' dtype), swizzled; the
@@ -725,7 +729,7 @@ def _sm90_dkdv(dtype_name: str, D: int, tile, grads: int, mode: int) -> Variant:
     # with dropout); 1024 bytes to align the tiles; Sm90BwdBarriers (11 + 2 STAGES mbarriers of 8 bytes, two
     # unit words, a 16-byte Sm90BwdTileInfo a stage; the walk's ring: two mbarriers and a
     # tile info a slot, Sm90BwdKVTile::WALK_SLOTS; the consumers' split unit and a pad word).
-    bias_bytes = BWD_SM90_SUB_M * block_n * (4 if f32 else 2) if mode & MODE_BIAS else 0
+    bias_bytes = BWD_SM90_SUB_M * block_n * (4 if f32 else 2) if bias else 0
     drop_pairs = 0 if lean_mode(mode) and not mode & MODE_DROPOUT else 2 * consumers * 128
     smem = ((2 * block_n * D + 2 * stages * block_m * D + ds_buffers * block_n * block_m) * planes * 2 + bias_bytes
             + (block_m * (D + 8) + trade + 2 * stages * _sm90_rows_ld(block_m) + drop_pairs) * 4 + 1024 + 8 * (12 + 2 * stages)
@@ -811,7 +815,7 @@ def backward_plan(dtype_name: str, D: int, deterministic: bool, mode: int = MODE
         grads = GRAD_DV | GRAD_DK | (0 if dq_kernel else GRAD_DQ)
         E = sm90_head_dim(D, BWD_SM90_KV_TILES)
         tiles = (BWD_SM80_EXT_KV_TILES if mode else BWD_SM80_KV_TILES)[D]
-        hopper = E is not None and (E < BWD_SM90_ROLES_MIN_HEAD_DIM or not hopper_mode & MODE_BIAS)
+        hopper = E is not None and (E <= BWD_SM90_BIAS_MAX_HEAD_DIM or not hopper_mode & MODE_BIAS)
         kv = ((grads, [*(_sm90_dkdv(dtype_name, E, t, grads | sm90_dq_bits, hopper_mode)
                          for t in (BWD_SM90_KV_TILES[E] if hopper else ())),
                        *(_sm80_dkdv(dtype_name, D, t, grads, mode) for t in tiles)]),)

@@ -139,8 +139,8 @@ struct Sm90BwdKVTile {
     // (Sm90BwdRole). The dV role computes S^T, P^T and dV += P^T dO; the dK role dP^T,
     // dS^T (with P^T from the dV role, traded through shared memory in fp32) and dK +=
     // dS^T Q; each adds its columns of dQ. So every product is still computed once. With
-    // the options (16-bit: not the bias, whose stage does not fit beside the trade at d =
-    // 192 and 256; fp32, d <= 128, has the room) the dV role
+    // the options (the bias up to d = 192, with one Q/dO stage there: at d = 256 its stage
+    // does not fit beside the trade) the dV role
     // trades S^T as computed, and each role runs the options' passes on it: the dV role
     // for the P that multiplies dO, the dK role for dS (softcap's derivative needs S).
     // fp32 (above): fp16 halves in PLANES planes, PRODUCTS products a product, the roles at
@@ -151,8 +151,9 @@ struct Sm90BwdKVTile {
     static constexpr bool ROLES = D > 128 || F32;
     // Q and dO stages: at d = 256 one (the tiles, the trade and the dQ tile take the rest:
     // FlashAttention-3 keeps one there too), its next tile loading while the consumers'
-    // dQ products run; fp32's two planes from d = 128 one too.
-    static constexpr int STAGES = ROLES && (D > 192 || (F32 && D > 64)) ? 1 : 2;
+    // dQ products run; fp32's two planes from d = 128 one too, and d = 192 with the bias
+    // (its stage beside the trade; at d = 256 there is no room for it).
+    static constexpr int STAGES = ROLES && (D > 192 || (F32 && D > 64) || ((MODE & MODE_BIAS) && D > 128)) ? 1 : 2;
     // fp32: P^T's scale before it is split (P <= 1 from the exact LSE; 2^13 leaves room for
     // the forward's rounding) and dS^T's (ds_scale).
     static constexpr float P_SCALE = F32 ? 8192.f : 1.f;
@@ -317,8 +318,8 @@ struct Sm90BwdKVTile {
     static_assert((GRADS & GRAD_DQ) != 0, "bwd_sm90.cu adds dQ");
     static_assert(D % PANEL == 0 && D <= 256 && BLOCK_M % 64 == 0 && BLOCK_M <= 128, "tile shape");
     static_assert(ROLES || (DQ_N % 64 == 0 && D % DQ_N == 0 && (BLOCK_M / 64) * DQ_COLS == CONSUMERS), "dQ pieces");
-    static_assert(!ROLES || ((!BIAS || F32) && CONSUMERS == 2 && BLOCK_M == SUB_M),
-                  "the roles: two warpgroups, one sub-tile, a bias stage only with fp32 (16-bit: no room beside the trade)");
+    static_assert(!ROLES || (CONSUMERS == 2 && BLOCK_M == SUB_M), "the roles: two warpgroups, one sub-tile");
+    static_assert(!BIAS || D <= 192, "a bias stage up to d = 192 (at 256 no room beside the trade)");
     static_assert(DROP_PAIR_BARRIER0 + CONSUMERS * 2 <= 16, "named barriers");
     static_assert(BWD_ROW_PAD % BLOCK_M == 0, "query tiles read the padded row workspaces whole");
     static_assert(2 * BLOCK_M <= CONSUMER_THREADS, "a consumer thread fetches one word of a tile's rows");
@@ -932,7 +933,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                         // at no cost per score. Softcap caps the product alone: then it starts at
                         // 0 and the pass adds the bias, as fp32's passes do (BIAS_IN_ACC).
                         mbar_wait(&bars.bias_full, (step * C::SUBTILES + sub) & 1);
-                        if constexpr (C::BIAS_IN_ACC) {
+                        if constexpr (C::BIAS_IN_ACC && R::S) {   // (with the roles the dK role receives S^T)
                             if (capped()) {
                                 zero_frags(s);
                             } else {

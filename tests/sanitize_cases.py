@@ -24,9 +24,10 @@ import cupyflash  # noqa: E402
 # (Nq, Nk, d); (129, 200, 64) has whole tiles that no mask touches, which the Hopper
 # backward at d = 64 runs without the selects when there is no dropout ("terms" below).
 # Where Nk % 8 == 0 (200, 136) the Hopper backward reads a bias by TMA. (70, 33, 192): the
-# key-block kernels whose warps share each key tile (d = 256 too), a partial query tile.
+# key-block kernels whose warps share each key tile (d = 256 too), a partial query tile;
+# (65, 136, 192): the bias by TMA in the Hopper roles (one Q/dO stage).
 SHAPES = ((1, 1, 32), (17, 33, 72), (33, 47, 64), (129, 65, 128), (65, 129, 256), (129, 200, 64),
-          (65, 136, 128), (70, 33, 192))
+          (65, 136, 128), (70, 33, 192), (65, 136, 192))
 
 
 def _options(kind, nq, nk, rng):

@@ -982,8 +982,9 @@ def test_backward_with_shared_key_tiles_from_d192(rng, monkeypatch, name, d, nq,
         assert key_block and all(_shares(v) > 1 for v in key_block), [v.name_expression for v in key_block]
 
 
-# Options on the Hopper backward's roles (d = 192 and 256, every option but a bias):
-# Gemma's softcap with a sliding window at d = 256, dropout, ALiBi, block masks, GQA.
+# Options on the Hopper backward's roles (d = 192 and 256; the bias at d = 192, its gradient
+# asked for): Gemma's softcap with a sliding window at d = 256, dropout, ALiBi, block masks,
+# GQA, a bias (with softcap: the sm80 kernels in the deterministic mode).
 HOPPER_ROLES_OPTION_CASES = (
     ("softcap+window-d256", 256, 300, 333, 2, True,
      lambda r, b, h, nq, nk, t: dict(softcap=50.0, window=(100, 0))),
@@ -994,6 +995,10 @@ HOPPER_ROLES_OPTION_CASES = (
     ("everything-d200", 200, 129, 65, 1, True,
      lambda r, b, h, nq, nk, t: dict(softcap=5.0, alibi_slopes=_slopes((h,)), dropout_p=0.1, seed=9,
                                      window=(40, 7), seqlens_k=_seqlens(r, b, nk))),
+    ("bias+dropout-d192", 192, 300, 264, 2, True,
+     lambda r, b, h, nq, nk, t: dict(bias=_bias(r, (b, h, nq, nk), t), dropout_p=0.2, seed=5)),
+    ("bias+softcap-d192", 192, 200, 136, 1, False,
+     lambda r, b, h, nq, nk, t: dict(bias=_bias(r, (nq, nk), t), softcap=30.0)),
 )
 
 
@@ -1003,12 +1008,15 @@ HOPPER_ROLES_OPTION_CASES = (
                          ids=[c[0] for c in HOPPER_ROLES_OPTION_CASES])
 def test_hopper_roles_with_options(rng, monkeypatch, name, d, nq, nk, group, causal, build, deterministic, dtype):
     """The options from d = 192 on the Hopper backward's roles (the dV role trading S^T as
-    computed, each role running the options' passes on it) against the float64 reference."""
+    computed, each role running the options' passes on it) against the float64 reference,
+    dbias included."""
     from cupyflash import _kernels
     if not _on_hopper():
         pytest.skip("not a Hopper GPU")
     key_block = _checked_key_block_launches(rng, monkeypatch, dtype, d, nq, nk, group, causal, build, deterministic)
-    if key_block is not None:
+    if key_block is not None and deterministic and name.startswith("bias+softcap"):
+        assert [v.family for v in key_block] == [_kernels.BWD_SM80], [v.name_expression for v in key_block]
+    elif key_block is not None:
         assert [v.family for v in key_block] == [_kernels.BWD_SM90], [v.name_expression for v in key_block]
         assert key_block[0].head_dim >= _kernels.BWD_SM90_ROLES_MIN_HEAD_DIM
 

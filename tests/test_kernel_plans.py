@@ -150,9 +150,9 @@ def test_hopper_forward_only_where_it_builds(monkeypatch, arch, source):
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_hopper_backward_only_where_it_builds(monkeypatch, arch, source, deterministic):
     # The key-block launch takes bwd_sm90.cu on Hopper at d = 64 and 128, with the options
-    # and the bias too (its dQ kernel stays bwd_sm80.cu's); at d = 192 and 256 it takes
-    # every call but a bias (its warpgroups in two roles), which runs bwd_sm80.cu (one
-    # launch, its warps sharing each key tile's columns, then the dQ kernel).
+    # and the bias too (its dQ kernel stays bwd_sm80.cu's); at d = 192 and 256 (its
+    # warpgroups in two roles) every call but a bias at d = 256, which runs bwd_sm80.cu
+    # (one launch, its warps sharing each key tile's columns, then the dQ kernel).
     monkeypatch.setattr(_cuda, "_device_info", lambda device_id: (arch, HOPPER_SMEM))
 
     def kv_sources(dtype, D, mode=_kernels.MODE_DENSE):
@@ -167,7 +167,8 @@ def test_hopper_backward_only_where_it_builds(monkeypatch, arch, source, determi
         assert kv_sources("float16", D) == [source]
         assert kv_sources("float16", D, _kernels.MODE_BAND) == [source]
         assert kv_sources("float16", D, _kernels.MODE_EXT) == [source]
-        assert kv_sources("float16", D, _kernels.MODE_EXT | _kernels.MODE_BIAS) == ["bwd_sm80.cu"]
+        bias_source = source if D <= _kernels.BWD_SM90_BIAS_MAX_HEAD_DIM else "bwd_sm80.cu"
+        assert kv_sources("float16", D, _kernels.MODE_EXT | _kernels.MODE_BIAS) == [bias_source]
     plan = _kernels.backward_plan("float16", 128, deterministic)
     assert plan.dq is None or _cuda._choose(plan.dq, 0).source == "bwd_sm80.cu"
 
