@@ -258,7 +258,7 @@ struct DbiasAdder {
     float* head;
     int sq, nq, nk;   // the row stride, the problem
     __device__ __forceinline__ void operator()(int i, int j, float ds) const {
-        if (head != nullptr && i < nq && j < nk) atomicAdd(head + i * sq + j, ds);
+        if (head != nullptr && i < nq && j < nk) atomicAdd(head + i64(i) * sq + j, ds);   // (nq nk may pass 2^31)
     }
 };
 struct NoDbias {

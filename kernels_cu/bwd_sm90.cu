@@ -43,7 +43,8 @@
 //     do not fit beside dS^T and dQ). The consumers start S^T's accumulator from it
 //     (bias^T / scale, read by ldmatrix.trans: bwd.cuh KeyRowBias) and give the stage
 //     back at once, so the next sub-tile's bias loads while this one's products run;
-//     with softcap, which caps the product alone, the pass adds it after the cap.
+//     with softcap, which caps the product alone, and for fp32 (BIAS_IN_ACC) the passes
+//     add it and give the stage back after them.
 // From d = 192, where one warpgroup's dK and dV do not fit its registers, the two consumer
 // warpgroups own the same 64 keys in two roles (Sm90BwdKVTile::ROLES, Sm90BwdRole): one
 // computes S^T, P^T and dV, the other dP^T, dS^T and dK, P^T passing between them through
@@ -58,7 +59,8 @@
 // set of registers). P^T goes in scaled by P_SCALE, dS^T by a power of two below its
 // bound 2 d max|dO| max|V| (ds_scale), both split in registers; dQ is unscaled before its
 // reduction, dK and dV as they are stored, from the registers.
-// So the consumers issue no atomics, no loads from global memory and no walk of the pairs:
+// So the consumers issue no atomics (but the bias gradient's, where a call asks for it), no
+// loads from global memory and no walk of the pairs:
 // the mainloop is their products and the softmax's gradient. In the deterministic mode (GRAD_DQ_ORDERED)
 // the key blocks take turns on each dQ tile in a fixed order (bwd.cuh DqTurns): the
 // dQ writer waits for the tile's turn and waits for its reduction to complete before it
