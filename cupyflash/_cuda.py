@@ -551,20 +551,11 @@ def _plan_backward(do, q, k, v, o, dq, dk, dv, *, scale, causal, deterministic, 
     split = (0, 0)
     for _, candidates in plan.kv:
         variant, specs = _choose(candidates, device_id), None
-        if variant.family.tensor_maps and q.dtype == np.float32:
-            # Its maps describe the halves, made per call, and the bias as it lies (MODE_BIAS).
-            bias = None
-            if variant.mode & MODE_BIAS:
-                box = _sm90_bias_box(variant, q, k, mods, dbias)
-                bias = _map_specs(box) if box is not None else None
-            if lse_grad or (variant.mode & MODE_BIAS and bias is None):   # the next kernel in line
-                variant = _choose([c for c in candidates if not c.family.tensor_maps], device_id)
+        if variant.family.tensor_maps:
+            if q.dtype == np.float32:
+                specs = None if lse_grad else _sm90_halves_specs(variant, q, k, mods, dbias)
             else:
-                specs = HalvesMaps(bias)
-                if bias is not None:
-                    params.mods(bias_tma=1)
-        elif variant.family.tensor_maps:
-            specs = _sm90_backward_map_specs(variant, q, k, v, do, mods, dbias)
+                specs = _sm90_backward_map_specs(variant, q, k, v, do, mods, dbias)
             if specs is None:   # the next kernel in line
                 variant = _choose([c for c in candidates if not c.family.tensor_maps], device_id)
             elif variant.mode & MODE_BIAS:
@@ -702,6 +693,17 @@ def _sm90_backward_map_specs(variant: Variant, q, k, v, do, mods, dbias):
             return None
         boxes.append(bias)
     return _map_specs(*boxes)
+
+
+def _sm90_halves_specs(variant: Variant, q, k, mods, dbias):
+    """fp32's bwd_sm90.cu specs: HalvesMaps (its q, k, v and dO maps describe the halves,
+    made per call, and with MODE_BIAS the bias's as it lies), or None where the bias's map
+    cannot be made or the kernel does not serve the bias call (`_sm90_bias_box`)."""
+    if not variant.mode & MODE_BIAS:
+        return HalvesMaps()
+    box = _sm90_bias_box(variant, q, k, mods, dbias)
+    bias = _map_specs(box) if box is not None else None
+    return None if bias is None else HalvesMaps(bias)
 
 
 def _sm90_bias_box(variant: Variant, q, k, mods, dbias):

@@ -306,6 +306,18 @@ def test_hopper_backward_bias_calls_it_cannot_serve_take_the_next_kernel(monkeyp
     (_, candidates), = _kernels.backward_plan("bfloat16", 64, deterministic, _kernels.MODE_EXT | _kernels.MODE_BIAS).kv
     assert _kernels.bwd_sm90_softcap_dbias(candidates[0]) and not _kernels.bwd_sm90_softcap_dbias(hopper)
     assert (specs((1, 1, 100, 64), softcap=30.0, dbias=dbias, kernel=candidates[0]) is None) == deterministic
+    # fp32's kernel: its maps describe the halves, made per call, and the bias's as above.
+    (_, candidates), = _kernels.backward_plan("float32", 128, deterministic, _kernels.MODE_EXT | _kernels.MODE_BIAS).kv
+    (_, plain), = _kernels.backward_plan("float32", 128, deterministic, _kernels.MODE_EXT).kv
+
+    def halves(bias_shape, kernel=candidates[0], softcap=0.0):
+        mods = SimpleNamespace(bias=np.zeros(bias_shape), softcap=softcap)
+        return _cuda._sm90_halves_specs(kernel, q, k, mods, dbias)
+
+    assert halves((1, 1, 100, 64)) == _cuda.HalvesMaps((_kernels.BWD_SM90_SUB_M,))
+    assert halves((1, 1, 100, 1)) is None   # broadcast rows
+    assert (halves((1, 1, 100, 64), softcap=30.0) is None) == deterministic   # fp32: the roles, softcap beside dbias
+    assert halves((1, 1, 100, 64), kernel=plain[0]) == _cuda.HalvesMaps()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
