@@ -19,7 +19,7 @@ import numpy as np
 
 from . import _arrays, _mods, _nvrtc, _params, _philox, _tma
 from ._kernels import (BACKWARD_MODES, BWD_ROW_PAD, BWD_SM90, BWD_SM90_SUB_M, CPP_TYPE, FWD_SM90, GRAD_DK, GRAD_DQ,
-                       GRAD_DQ_ORDERED, HEAD_DIMS, MIN_COMPUTE_CAPABILITY, MODE_BIAS, MODE_DENSE, MODE_TF32, MODES,
+                       GRAD_DQ_ORDERED, HALVES_MAX_COLS, HALVES_ROWS, HEAD_DIMS, MIN_COMPUTE_CAPABILITY, MODE_BIAS, MODE_DENSE, MODE_TF32, MODES,
                        BackwardPlan, Variant, backward_mode, backward_plan, bwd_sm90_persistent, bwd_sm90_softcap_dbias,
                        bwd_sm90_splits_units, forward_variants, forward_variants_for, halves_passes, padded_head_dim,
                        sm90_rows_box, sm90_unit_split)
@@ -168,7 +168,7 @@ def precompile(*, dtypes=None, head_dims=None, device=None, workers=None, option
                 # and the Hopper tiles a block mask may select (forward_variants_for)
                 chosen += [v for v in variants[1:] if v.family is FWD_SM90 and v.builds_for(arch)]
                 if name == "float32" and any(v.family is FWD_SM90 for v in chosen):
-                    chosen += halves_passes(mode)
+                    chosen += halves_passes(mode, chunked=True) + halves_passes(mode)   # and varlen's
             for mode in backward_modes:
                 for deterministic in (False, True):
                     plan = device_backward_plan(name, D, deterministic, mode, device_id)
@@ -341,8 +341,10 @@ def _plan_forward(q, k, v, o, *, scale: float, causal: bool, mods) -> _ForwardPl
     if bias_spec is not None:
         params.mods(bias_tma=1)
     grid = _work_grid(params, blocks, heads, batch, device_id)
+    # fp32's halves take a scale per chunk of rows but under varlen, whose tiles do not
+    # start at a chunk (kernels_cu/halves.cuh).
     return _ForwardPlan(variant, grid, params, specs, bias_spec, PERSISTENT_FORWARD,
-                        halves_passes(variant.mode) if halves else ())
+                        halves_passes(variant.mode, chunked=not mods.varlen) if halves else ())
 
 
 def attention_forward(q, k, v, o, lse, *, scale: float, causal: bool, mods=_mods.NONE) -> None:
@@ -368,7 +370,8 @@ def attention_forward(q, k, v, o, lse, *, scale: float, causal: bool, mods=_mods
         # allocation's, the work counter's below).
         block_n = plan.variant.tile[0]
         halves = _halves_maps(plan.halves, 1 if plan.variant.mode & MODE_TF32 else 2, params,
-                              {"q_map": (q, plan.variant.block_m), "k_map": (k, block_n), "v_map": (v, block_n)})
+                              {"q_map": (q, plan.variant.block_m), "k_map": (k, block_n), "v_map": (v, block_n)},
+                              chunk_words=True)
     if plan.map_specs is not None:
         specs = plan.map_specs + (() if plan.bias_spec is None else (plan.bias_spec,))
         params.set(**_tensor_maps(specs, (q, k, v, mods.bias), ("q_map", "k_map", "v_map", "bias_map")))
@@ -380,37 +383,49 @@ def attention_forward(q, k, v, o, lse, *, scale: float, causal: bool, mods=_mods
     _launch(plan.variant, plan.grid, q.device.id, params)
 
 
-def _halves_maps(passes, planes: int, params: _params.Params, boxes: dict) -> tuple:
+def _halves_maps(passes, planes: int, params: _params.Params, boxes: dict, *, chunk_words: bool = False) -> tuple:
     """fp32 on the Hopper kernels: the tensors of ``boxes`` ({map field: (q, k, v or dO,
     box rows)}, in that order) as fp16 halves (`_halves_of`), and the map fields of
     ``params`` set to describe them. Returns what the caller keeps until its kernel is
     queued."""
     tensors, rows = zip(*boxes.values())
-    halves, largest = _halves_of(passes, planes, params, tensors)
+    halves, words = _halves_of(passes, planes, params, tensors, chunk_words=chunk_words)
     specs = _map_specs(*zip(halves, rows))
     if specs is None:
         raise RuntimeError("the driver refused a tensor map of fp16 halves")
     params.set(**_tensor_maps(specs, halves, tuple(boxes)))
-    return halves, largest
+    return halves, words
 
 
-def _halves_of(passes, planes: int, params: _params.Params, tensors) -> tuple:
+def _halves_of(passes, planes: int, params: _params.Params, tensors, *, chunk_words: bool = False) -> tuple:
     """fp32 on the Hopper kernels: ``tensors`` (q, k, v, and for the backward dO) as fp16
     halves (kernels_cu/halves.cuh), written by ``passes`` (split_f32.cu) on the call's
-    stream, and their largest magnitudes' words set in ``params``. Returns (B, planes H, N,
-    d) views of the arrays (rows padded to 16 bytes, as TMA needs) and the words' array,
-    whose memory returns to CuPy's pool once the caller drops them: kernels that reuse it
-    later on this stream run after the caller's."""
+    stream, and the words of their scales set in ``params``: the tensors' largest
+    magnitudes (zeroed, for the passes that find them) and, with ``chunk_words`` (the
+    forward), each chunk's. Returns (B, planes H, N, d) views of the arrays (rows padded to
+    16 bytes, as TMA needs) and the words' arrays, whose memory returns to CuPy's pool once
+    the caller drops them: kernels that reuse it later on this stream run after the
+    caller's."""
     import cupy
 
     def halves_of(x):
         B, H, N, cols = x.shape
+        if cols > HALVES_MAX_COLS:
+            raise RuntimeError(f"fp16 halves take rows of at most {HALVES_MAX_COLS} elements, not {cols}")
         return cupy.empty((B, planes * H, N, -(-cols // 8) * 8), cupy.float16)[..., :cols]
 
     halves = tuple(halves_of(x) for x in tensors)
-    largest = cupy.zeros(4, cupy.uint32)   # HALVES_Q, _K, _V, _DO (halves.cuh)
-    params.set(halves_max=largest.data.ptr)
     q, k = tensors[:2]
+    words = []
+    if any(v.name_expression == "f32_halves_max" for v in passes):
+        words.append(cupy.zeros(4, cupy.uint32))   # HALVES_Q, _K, _V, _DO (halves.cuh)
+        params.set(halves_max=words[-1].data.ptr)
+    if chunk_words:
+        # halves.cuh halves_chunk_word: (batch entry, query head, tensor, chunk); the passes
+        # write every word the kernel reads, so none is zeroed
+        chunks = math.ceil(max(q.shape[2], k.shape[2]) / HALVES_ROWS)
+        words.append(cupy.empty(q.shape[0] * q.shape[1] * 4 * chunks, cupy.uint32))
+        params.set(halves_chunk_max=words[-1].data.ptr, halves_chunks=chunks)
     # The passes' grid (split_f32.cu): the arrays' own rows and batch (under varlen the
     # packed (1, H, total, d) arrays), a z-slice of the grid per tensor.
     passes_params = params.copy().set(**{f"halves_{name}": x.data.ptr for name, x in zip(("q", "k", "v", "do"), halves)},
@@ -418,7 +433,7 @@ def _halves_of(passes, planes: int, params: _params.Params, tensors) -> tuple:
     grid = (math.ceil(max(q.shape[2], k.shape[2]) / passes[0].block_m), q.shape[1], len(tensors) * q.shape[0])
     for variant in passes:
         _launch(variant, grid, q.device.id, passes_params)
-    return halves, largest
+    return halves, words
 
 
 @dataclasses.dataclass(frozen=True)

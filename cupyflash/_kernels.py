@@ -231,20 +231,25 @@ BWD_WIDE = Family("bwd_wide.cu", spill_free=False)
 BWD_SIMT = Family("bwd_simt.cu", spill_free=False)
 BWD_PREP = Family("bwd_prep.cu", spill_free=False)
 # The fp32 Hopper kernels' passes before them: q, k, v (the backward's dO too) as fp16
-# halves (split_f32.cu: HALVES_ROWS rows a CTA of HALVES_THREADS threads; a word a warp of
-# static shared memory).
-HALVES_ROWS = 64
-HALVES_THREADS = 256
+# halves (split_f32.cu: HALVES_ROWS rows a CTA of HALVES_THREADS threads, rows of at most
+# HALVES_MAX_COLS; a word a warp of static shared memory). A chunk of HALVES_ROWS rows takes
+# its own scale in the forward (kernels_cu/halves.cuh HALVES_CHUNK_ROWS).
+HALVES_ROWS = 128
+HALVES_THREADS = 512
+HALVES_MAX_COLS = 256
+HALVES_STAGED_BYTES = HALVES_ROWS * 128 * 4   # the one-pass split's staging (split_f32.cu)
 SPLIT_F32 = Family("split_f32.cu", static_smem=HALVES_THREADS // 32 * 4)
 
 
-def halves_passes(mode: int) -> tuple:
-    """The two launches before an fp32 Hopper kernel of ``mode`` (split_f32.cu): the
-    largest magnitudes, then the halves (both planes, or for the forward's
-    precision="tf32", MODE_TF32, the high one)."""
+def halves_passes(mode: int, *, chunked: bool = False) -> tuple:
+    """The launches before an fp32 Hopper kernel of ``mode`` (split_f32.cu) that write the
+    halves (both planes, or for the forward's precision="tf32", MODE_TF32, the high one):
+    ``chunked`` (the forward but under varlen), one pass that scales each chunk of rows on
+    its own; else the tensors' largest magnitudes, then the halves."""
     planes = 1 if mode & MODE_TF32 else 2
-    return (Variant(SPLIT_F32, "f32_halves_max", HALVES_THREADS, HALVES_ROWS, 0),
-            Variant(SPLIT_F32, f"f32_halves<{planes}>", HALVES_THREADS, HALVES_ROWS, 0))
+    split = Variant(SPLIT_F32, f"f32_halves<{planes}, {str(chunked).lower()}>", HALVES_THREADS, HALVES_ROWS,
+                    HALVES_STAGED_BYTES if chunked else 0)
+    return (split,) if chunked else (Variant(SPLIT_F32, "f32_halves_max", HALVES_THREADS, HALVES_ROWS, 0), split)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -326,11 +331,11 @@ def _sm90_forward(dtype_name: str, D: int, tile, mode: int) -> Variant:
     # elements (fp32: fp16 halves, two planes each, one with precision="tf32"), with the
     # bias a (block_m, block_n) bias tile per stage (fp32: none); 1024 bytes to align them;
     # then Sm90FwdBarriers (2 + 6 STAGES mbarriers of 8 bytes, then the schedule's STAGES +
-    # 1 ints, padded to 8 bytes).
+    # 1 ints and fp32's words, STAGES + 4 ints, padded to 8 bytes).
     planes = 2 if f32 and not mode & MODE_TF32 else 1
     bias = stages * block_m * block_n if mode & MODE_BIAS and not f32 else 0
     smem = ((planes * (block_m + 2 * stages * block_n) * D + bias) * 2 + 1024
-            + 8 * (2 + 6 * stages) + -(-4 * (stages + 1) // 8) * 8)
+            + 8 * (2 + 6 * stages) + -(-4 * (2 * stages + 5) // 8) * 8)
     expr = f"flash_fwd_sm90<{CPP_TYPE[dtype_name]}, {D}, {block_n}, {consumers}, {stages}, {mode}, {smem}>"
     return Variant(FWD_SM90, expr, (consumers + 1) * 128, block_m, smem, mode=mode, tile=tuple(tile), head_dim=D)
 
@@ -403,8 +408,9 @@ def all_variants() -> list[Variant]:
                 for v in forward_variants(name, D, mode):
                     unique.setdefault((v.source, v.name_expression), v)
     for mode in (MODE_DENSE, MODE_TF32):
-        for v in halves_passes(mode):
-            unique.setdefault((v.source, v.name_expression), v)
+        for chunked in (False, True):
+            for v in halves_passes(mode, chunked=chunked):
+                unique.setdefault((v.source, v.name_expression), v)
     return list(unique.values())
 
 

@@ -67,10 +67,13 @@
 // and writes each stage's tile before its "full" arrival (release; the consumers' wait
 // acquires): 4 tile, + 2 on the work tile's last, + 1 where it needs the element mask.
 // Beside Q's "full" arrival it writes the work word: 2 w, + 1 when the work tile visits
-// no key tile, or END when no work is left. The words are written and read with atomics:
-// the barriers order them, and compute-sanitizer's racecheck, which does not follow
-// mbarrier ordering, then sees no plain write racing the plain reads of a stage's
-// previous round.
+// no key tile, or END when no work is left. fp32: the halves' chunk words (halves.cuh) of
+// each consumer warpgroup's Q rows, and each stage's K and V exponents in one word
+// (TileExponents), written once their copies are issued and announced by a second arrival
+// on Q's and K's "full" barriers.
+// The words are written and read with atomics: the barriers order them, and
+// compute-sanitizer's racecheck, which does not follow mbarrier ordering, then sees no
+// plain write racing the plain reads of a stage's previous round.
 template <int STAGES>
 struct Sm90FwdBarriers {
     static constexpr int END = -1;
@@ -80,6 +83,18 @@ struct Sm90FwdBarriers {
     u64 bias_full[STAGES], bias_empty[STAGES];   // MODE_BIAS with the bias by TMA
     int tile[STAGES];
     int work;   // the work tile whose Q is in flight (END: none left)
+    int q_chunk[4];          // fp32: a word a consumer warpgroup
+    int kv_exps[STAGES];     // fp32: TileExponents
+};
+
+// fp32: a key tile's K and V halves' exponents (halves.cuh halves_exponent, -112 .. 127)
+// as one word, a byte each.
+struct TileExponents {
+    int k, v;
+    __device__ __forceinline__ static int pack(u32 k_chunk, u32 v_chunk) {
+        return (halves_exponent(k_chunk) + 128) | (halves_exponent(v_chunk) + 128) << 8;
+    }
+    __device__ __forceinline__ explicit TileExponents(int word) : k((word & 255) - 128), v((word >> 8) - 128) {}
 };
 
 // Work tiles (query block, head, batch entry) from their number w (params.cuh): the
@@ -190,6 +205,8 @@ struct Sm90FwdTile {
     static constexpr int CONSUMER_REGS = WarpgroupRegs<THREADS, PRODUCER_REGS>::CONSUMER;
     static_assert(D % PANEL == 0 && BLOCK_N % PANEL == 0 && BLOCK_N <= 256 && D <= 256 && BLOCK_M <= 256,
                   "tile shape (TMA boxes take at most 256 rows)");
+    static_assert(!F32 || (HALVES_CHUNK_ROWS % 64 == 0 && HALVES_CHUNK_ROWS % BLOCK_N == 0),
+                  "fp32: a key tile and a warpgroup's query rows lie within one chunk of the halves' scales");
 };
 
 template <typename T, int D, int BLOCK_N, int CONSUMERS, int STAGES, int MODE, int SMEM_BYTES>
@@ -226,12 +243,14 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
     // (a tensor map describes it), else each thread loads its scores' bias (bias_tile).
     const bool bias_in_smem = (MODE & MODE_BIAS) != 0 && !C::F32 && p.mods.bias_tma;
     const int work_tiles = p.grid_m * p.grid_heads * p.grid_batch;
+    // fp32: the producer's second arrival on Q's and K's "full" barriers (the chunk words).
+    constexpr int FULL_ARRIVALS = C::F32 ? 2 : 1;
     if (threadIdx.x == 0) {
-        mbar_init(&bars.q_full, 1);
+        mbar_init(&bars.q_full, FULL_ARRIVALS);
         mbar_init(&bars.q_empty, CONSUMERS * 4);
         #pragma unroll
         for (int s = 0; s < STAGES; ++s) {
-            mbar_init(&bars.k_full[s], 1);
+            mbar_init(&bars.k_full[s], FULL_ARRIVALS);
             mbar_init(&bars.v_full[s], 1);
             mbar_init(&bars.k_empty[s], CONSUMERS * 4);
             mbar_init(&bars.v_empty[s], CONSUMERS * 4);
@@ -280,10 +299,10 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
                     q_rows = min(BLOCK_M, mods.mask.nq - q0);
                     if (q_rows > 0) break;
                 }
-                if (w >= work_tiles) {   // a plain arrival completes the phase
+                if (w >= work_tiles) {   // plain arrivals complete the phase
                     if (leader) {
                         atomicExch(&bars.work, bars.END);
-                        mbar_arrive(&bars.q_full);
+                        for (int i = 0; i < FULL_ARRIVALS; ++i) mbar_arrive(&bars.q_full);
                     }
                     break;
                 }
@@ -332,10 +351,24 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
                     atomicExch(&bars.work, 2 * w + (k_pos >= walk_length));
                     mbar_arrive_expect_tx(&bars.q_full, PLANES * C::Q_BYTES);
                     load_tile(sQ, p.q_map, &bars.q_full, BLOCK_M, mods.q_base + q0, h, p.grid_heads);
+                    if constexpr (C::F32) {
+                        for (int wg = 0; wg < CONSUMERS; ++wg) {   // (a warpgroup past the rows: 0)
+                            const int r = q0 + 64 * wg;
+                            const u32 word = r < mods.mask.nq ? *halves_chunk_word(p, HALVES_Q, mods.tb, h, mods.q_base + r) : 0;
+                            atomicExch(&bars.q_chunk[wg], int(word));
+                        }
+                        mbar_arrive(&bars.q_full);
+                    }
                 }
                 for (; k_pos < walk_length; ++t) {
                     const int s = t % STAGES, j = tile_at(k_pos);
                     const u32 parity = ((t / STAGES) & 1) ^ 1;   // the consumers' release of the round before
+                    // fp32: the tile's chunk words, loaded before the wait for its stage
+                    u32 k_chunk = 0, v_chunk = 0;
+                    if (C::F32 && leader) {
+                        k_chunk = *halves_chunk_word(p, HALVES_K, mods.tb, hk, mods.k_base + (i64)j * BLOCK_N);
+                        v_chunk = *halves_chunk_word(p, HALVES_V, mods.tb, hk, mods.k_base + (i64)j * BLOCK_N);
+                    }
                     mbar_wait(&bars.k_empty[s], parity);
                     int next_state;
                     const int next = next_visited(k_pos + 1, next_state);
@@ -350,6 +383,10 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
                         mbar_arrive_expect_tx(&bars.k_full[s], PLANES * C::KV_BYTES);
                         load_tile(sK + s * KV_TILE, p.k_map, &bars.k_full[s], BLOCK_N, mods.k_base + (i64)j * BLOCK_N, hk,
                                   kv_heads);
+                        if constexpr (C::F32) {
+                            atomicExch(&bars.kv_exps[s], TileExponents::pack(k_chunk, v_chunk));
+                            mbar_arrive(&bars.k_full[s]);
+                        }
                     }
                     if (bias_in_smem) {
                         mbar_wait(&bars.bias_empty[s], parity);
@@ -389,12 +426,17 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
     auto wait_full = [&](u64* full, int t) { mbar_wait(&full[t % STAGES], (t / STAGES) & 1); };
     auto release = [&](u64* empty, int t) { release_bar(&empty[t % STAGES]); };
     const float scale_log2 = float(p.scale_log2);
-    // fp32: S's scale and O's in the halves (powers of two, so unscaling is exact).
-    float s_unscale = 1.f, o_unscale = 1.f;
-    if constexpr (C::F32) {
-        s_unscale = 1.f / (halves_scale(p.halves_max[HALVES_Q]) * halves_scale(p.halves_max[HALVES_K]));
-        o_unscale = 1.f / (C::P_SCALE * halves_scale(p.halves_max[HALVES_V]));
-    }
+    // fp32: the exponents e of the halves' chunk scales 2^(14 - e) (halves.cuh), all powers
+    // of two, so unscaling is exact. Q's is the work tile's; with each key tile's S, the
+    // tile's K and V exponents are read from its stage's words (S is unscaled as it lands
+    // by 2^(e_q + e_k - 28)); v_exp_next is V's of the tile whose P is formed next, for its
+    // P V: fp32's per-tile sum is unscaled as it is added (pv_unscale), while with one
+    // product P V accumulates across tiles, in the scale of V's largest exponent so far
+    // (o_exp: the accumulator is rescaled where a tile raises it, and a tile below it takes
+    // P times 2^(e_v - o_exp)).
+    constexpr int NO_PV = -(1 << 20);   // o_exp before a work tile's first P V
+    int q_exp = 0, v_exp_next = 0, o_exp = NO_PV;
+    float pv_unscale = 1.f;
 
     for (int k = 0;; ++k) {
         mbar_wait(&bars.q_full, k & 1);
@@ -402,6 +444,10 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
         if (work_word == bars.END) break;
         const Sm90Work work = Sm90Work::decode<HEADS_FIRST>(work_word >> 1, p);
         const int h = work.h;
+        if constexpr (C::F32) {
+            q_exp = halves_exponent(u32(read_word(&bars.q_chunk[warp / 4])));
+            o_exp = NO_PV;   // no P V yet
+        }
         // Every consumer thread is past the previous work tile (its reads of the state).
         named_barrier(C::CONSUMER_BARRIER, C::CONSUMER_THREADS);
         if (threadIdx.x == 0) {
@@ -445,14 +491,31 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
             });
             wgmma_commit();
         };
-        // S once its product has landed (fp32: unscaled).
+        // fp32: the t-th key tile's S unscale and V exponent, read from its stage's words
+        // while its S is computed (the stage goes back once S has landed).
+        float s_unscale = 1.f;
+        auto read_tile_scales = [&](int t) {
+            if constexpr (F32) {
+                const TileExponents e(read_word(&bars.kv_exps[t % STAGES]));
+                s_unscale = pow2(q_exp + e.k - 28);
+                v_exp_next = e.v;
+            }
+        };
+        // S once its product has landed (fp32: unscaled; in dense mode the unscale folds
+        // into the softmax's scale, dense_scale_log2: no product a score).
+        float dense_scale_log2 = scale_log2;
         auto land_s = [&]() {
             reg_fence(s[0]);
             if constexpr (F32) {
-                #pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
+                if constexpr (C::OPTIONS == MODE_DENSE) {
+                    // (kept positive, as softmax.cuh needs: a masked -inf stays -inf)
+                    dense_scale_log2 = fmaxf(scale_log2 * s_unscale, 1.17549435e-38f);
+                } else {
                     #pragma unroll
-                    for (int e = 0; e < 4; ++e) s[0][nt][e] *= s_unscale;
+                    for (int nt = 0; nt < NT; ++nt)
+                        #pragma unroll
+                        for (int e = 0; e < 4; ++e) s[0][nt][e] *= s_unscale;
+                }
             }
         };
         // O += P V of the t-th key tile, one batch, V read N-major. fp32 with the low
@@ -586,7 +649,7 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
                 if (head_mods.dropout()) drop(keep);
             } else {
                 if (masked) mask.apply(s, r0, k0, h);
-                grew = softmax.fold(s, scale_log2, alpha);
+                grew = softmax.fold(s, dense_scale_log2, alpha);
             }
             return grew;
         };
@@ -596,14 +659,32 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
                 #pragma unroll
                 for (int dt = 0; dt < DT; ++dt)
                     #pragma unroll
-                    for (int e = 0; e < 4; ++e) acc[0][dt][e] += o_tile[0][dt][e];
+                    for (int e = 0; e < 4; ++e) acc[0][dt][e] = fma(o_tile[0][dt][e], pv_unscale, acc[0][dt][e]);
             } else {
                 reg_fence(acc[0]);
             }
         };
-        // P into A fragments; p_frag must not change while a P V that reads it is in flight.
-        // fp32 with the low halves: P times P_SCALE in high and low halves.
+        // P into A fragments; p_frag must not change while a P V that reads it is in flight
+        // (and fp32's scale of its P V: any earlier one has landed). fp32 with the low
+        // halves: P times P_SCALE in high and low halves.
         auto round_p = [&]() {
+            if constexpr (SPLIT) pv_unscale = pow2(v_exp_next - 14) / C::P_SCALE;
+            if constexpr (C::ONE_PRODUCT) {
+                if (v_exp_next > o_exp) {
+                    if (o_exp != NO_PV) {
+                        float raise[1][2];
+                        raise[0][0] = raise[0][1] = pow2(o_exp - v_exp_next);
+                        softmax.rescale(acc, raise);
+                    }
+                    o_exp = v_exp_next;
+                } else if (v_exp_next < o_exp) {
+                    const float p_mul = pow2(v_exp_next - o_exp);
+                    #pragma unroll
+                    for (int nt = 0; nt < NT; ++nt)
+                        #pragma unroll
+                        for (int e = 0; e < 4; ++e) s[0][nt][e] *= p_mul;
+                }
+            }
             #pragma unroll
             for (int ks = 0; ks < C::PSTEPS; ++ks) {
                 if constexpr (SPLIT)
@@ -653,6 +734,7 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
                 visited(t, jt, masked, last);
                 wait_full(bars.k_full, t);
                 issue_s(t);
+                read_tile_scales(t);
                 const u64 keep = keep_bits(jt);
                 wgmma_wait<0>();
                 land_s();
@@ -676,6 +758,7 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
             visited(t, jt, masked, last);
             wait_full(bars.k_full, t);
             issue_s(t);
+            read_tile_scales(t);
             const u64 keep = keep_bits(jt);
             wgmma_wait<0>();
             land_s();
@@ -691,6 +774,7 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
                 wait_full(bars.v_full, t);
                 issue_s(t + 1);
                 issue_pv(t);
+                read_tile_scales(t + 1);
                 const u64 keep = keep_bits(jt);
                 wgmma_wait<1>();   // S of the next tile (P V may still run)
                 land_s();
@@ -717,6 +801,8 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
         }
 
         float row_lse[1][2];
+        // fp32 with one product: O in V's scale of o_exp (no P V at all: O is 0).
+        const float o_unscale = C::ONE_PRODUCT && o_exp != NO_PV ? pow2(o_exp - 14) : 1.f;
         softmax.finalize(acc, row_lse, (mods.dropout() ? mods.drop_scale : 1.f) * o_unscale);
 
         // Epilogue: O straight from the accumulators, a thread's two neighbouring columns

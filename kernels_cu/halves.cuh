@@ -17,8 +17,16 @@
 // orders as its bits do, so atomicMax on them finds it) and writes the halves; the kernels
 // that read them recompute s (or its exponent) from the same bits (halves_scale,
 // halves_exponent), so the host never waits.
+//
+// The forward takes a scale per chunk of HALVES_CHUNK_ROWS rows instead (of a tensor, head
+// and batch entry): one pass then finds a chunk's largest |x| and writes its halves, 6 bytes
+// an element (precision="tf32") where the two passes over the whole tensor move 10. Its
+// tiles lie within chunks, so S is unscaled per key tile and V's scale is undone per key
+// tile (fwd_sm90.cu). Under varlen a tile does not start at a chunk, and every chunk takes
+// its tensor's scale.
 #pragma once
 #include "elem.cuh"
+#include "params.cuh"
 
 // The elements a kernel's tiles hold for inputs of type T: T, or fp16 halves for fp32.
 template <typename T> struct HalvesOf { typedef T type; };
@@ -27,6 +35,21 @@ template <> struct HalvesOf<float> { typedef half_t type; };
 // The largest finite magnitudes' bits of q, k, v (and the backward's dO), in
 // AttnParams::halves_max.
 enum { HALVES_Q = 0, HALVES_K = 1, HALVES_V = 2, HALVES_DO = 3, HALVES_TENSORS = 4 };
+
+#define HALVES_CHUNK_ROWS 128
+
+// The word of halves_chunk_max that holds the chunk of `row` of tensor `which` (HALVES_Q,
+// _K, _V), head h (a kv head for k and v) and batch entry b of the halves arrays.
+__device__ __forceinline__ u32* halves_chunk_word(const AttnParams& p, int which, int b, int h, i64 row) {
+    return p.halves_chunk_max + (((i64)b * p.grid_heads + h) * HALVES_TENSORS + which) * p.halves_chunks +
+           row / HALVES_CHUNK_ROWS;
+}
+
+// 2^e as a float for any int e: 0 below the subnormals, infinity above the range (from the
+// exponent's bits where it is a normal float, a few instructions a key tile).
+__device__ __forceinline__ float pow2(int e) {
+    return e >= -126 && e <= 127 ? __uint_as_float(u32(e + 127) << 23) : ldexpf(1.f, e);
+}
 
 // The scale s = 2^(14 - e) of a tensor whose largest finite |x| is in [2^e, 2^(e + 1))
 // (its bits `max_bits`); e at least -112 so that s stays a normal float (an all-zero or

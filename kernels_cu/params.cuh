@@ -74,12 +74,16 @@ struct AttnParams {
     // fp32 on the Hopper kernels (fwd_sm90.cu, bwd_sm90.cu): q, k, v (and the backward's dO)
     // as fp16 halves (halves.cuh), each a contiguous (B, PLANES, H, N, d) array written by
     // split_f32.cu, and the bits of each tensor's largest finite |x| (HALVES_Q, _K, _V,
-    // _DO; zeroed by the host), which give the halves' scales; null elsewhere.
+    // _DO; zeroed by the host), which give the halves' scales; null elsewhere. The forward
+    // scales each chunk of HALVES_CHUNK_ROWS rows on its own: halves_chunk_max holds the
+    // bits of each chunk's largest finite |x| (halves.cuh halves_chunk_word: halves_chunks
+    // words a tensor, head and batch entry), or null (the backward).
     void* halves_q;
     void* halves_k;
     void* halves_v;
     void* halves_do;
     u32* halves_max;
+    u32* halves_chunk_max;
     double scale;                       // softmax scale
     double scale_log2;                  // scale * log2(e), > 0 (the host clamps it)
     int group;                          // query heads per kv head
@@ -89,6 +93,7 @@ struct AttnParams {
     int dq_ld;                          // row stride of dq_accum (d, or a Hopper kernel's padded rows)
     int causal;
     int vec;                            // every row 16-byte aligned: wide copies
+    int halves_chunks;                  // chunks of HALVES_CHUNK_ROWS rows of the longest fp32 halves array
     // A launch's query tiles, (query tile, head, batch entry): the Hopper forward's work
     // tiles, numbered in the order fwd_sm90.cu decodes: CTA i starts at tile i and, with a
     // (zeroed) work_counter, takes tile gridDim.x + atomicAdd(work_counter, 1) next

@@ -54,22 +54,38 @@ def matmul_halves(a_parts, b_parts, products=3):
     return c
 
 
-def attention_halves(q, k, v, scale, block_n=64, products=3, per_tile=True):
+def attention_halves(q, k, v, scale, block_n=64, products=3, per_tile=True, chunked=False):
     """fwd_sm90.cu's fp32 forward for one head over the halves: S unscaled as it lands, P
     times P_SCALE split in registers, P V per key tile from zero (per_tile) or straight
-    into the output accumulator, O unscaled at the end."""
-    sq, sk, sv = halves_scale(q), halves_scale(k), halves_scale(v)
+    into the output accumulator, O unscaled at the end. ``chunked``: the forward's scales,
+    one a chunk of rows (split_f32.cu), here a key tile's (block_n = HALVES_CHUNK_ROWS, q
+    one chunk): S unscaled per tile; a per-tile P V unscaled as it is added, else the
+    accumulator kept in the scale of the largest V tile so far (rescaled where a tile
+    raises it, P of a smaller tile times the ratio of the scales)."""
+    sq = halves_scale(q)
     qh = split(q, sq)
     p_scale = P_SCALE if products == 3 else np.float32(1)
+    state = dict(sv=halves_scale(v), out=None)   # V's scale of the tile and of the accumulator
 
     def scores(kt):
+        sk = halves_scale(kt) if chunked else halves_scale(k)
+        if chunked:
+            state["sv"] = halves_scale(v[state.setdefault("k0", 0):][:block_n])
+            state["k0"] += block_n
         return (matmul_halves(qh, split(kt, sk), products) / (sq * sk)).astype(np.float32)
 
     def add_pv(acc, p, vt):
+        sv = state["sv"]
+        if chunked and not per_tile:
+            if state["out"] is None or sv < state["out"]:
+                acc = acc * (sv / state["out"]) if state["out"] is not None else acc
+                state["out"] = sv
+            p = (p * (state["out"] / sv)).astype(np.float32)
         ph, pl = split(p, p_scale)
         vh, vl = split(vt.T.copy(), sv)
         if per_tile:
-            return (acc + matmul_halves((ph, pl), (vh, vl), products)).astype(np.float32)
+            tile = matmul_halves((ph, pl), (vh, vl), products)
+            return (acc + tile / p_scale / sv if chunked else acc + tile).astype(np.float32)
         for j in range(0, block_n, 16):
             js = slice(j, j + 16)
             for x, y in ((ph, vh), (ph, vl), (pl, vh))[:products]:
@@ -77,7 +93,9 @@ def attention_halves(q, k, v, scale, block_n=64, products=3, per_tile=True):
         return acc
 
     acc, row_sum = online_softmax_tiles(q, k, v, scale, block_n, scores, add_pv)
-    return acc / (row_sum[:, None] * p_scale * sv)
+    if chunked:
+        return acc / (row_sum[:, None] * (1 if per_tile else state["out"]))
+    return acc / (row_sum[:, None] * p_scale * state["sv"])
 
 
 def test_scale_puts_the_largest_magnitude_in_fp16_range(rng):
@@ -126,3 +144,25 @@ def test_attention_over_halves_meets_the_tolerances(rng):
     assert three < TOLERANCE["float32"] / 3
     assert one < TOLERANCE["tf32"] / 2
     assert across > 1.2 * three
+
+
+def test_attention_over_chunk_scales_meets_the_tolerances(rng):
+    """The forward's scales a chunk of rows: with k and v chunks whose magnitudes differ by
+    decades (v's by up to 10^16, a chunk of zeros), and with the magnitudes far from fp16's
+    above, three products stay inside fp32's 1e-5 and one (the accumulator following V's
+    largest tile) inside tf32's 3e-3."""
+    d, nq, nk, block = 64, 8, 1000 + 37, 128
+    scale = 1 / np.sqrt(d)
+    q, k, v = (rng.standard_normal((n, d)).astype(np.float32) for n in (nq, nk, nk))
+    chunks = -(-nk // block)
+    k_by_chunk = np.repeat(10.0 ** rng.uniform(-2, 0, chunks), block)[:nk, None]
+    v_by_chunk = np.repeat(10.0 ** rng.uniform(-8, 8, chunks), block)[:nk, None]
+    v_by_chunk[3 * block:4 * block] = 0
+    for k_, v_ in ((k * k_by_chunk, v * v_by_chunk), (k * np.float32(3e20), v * np.float32(1e-9))):
+        q_ = q * np.float32(3e-21) if k_.max() > 1e10 else q
+        k_, v_ = k_.astype(np.float32), v_.astype(np.float32)
+        ref = reference(q_, k_, v_, scale)
+        three = rel_err(attention_halves(q_, k_, v_, scale, block, chunked=True), ref)
+        one = rel_err(attention_halves(q_, k_, v_, scale, block, products=1, per_tile=False, chunked=True), ref)
+        assert three < TOLERANCE["float32"] / 3
+        assert one < TOLERANCE["tf32"] / 2

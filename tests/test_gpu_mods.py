@@ -745,6 +745,26 @@ def test_hopper_path_with_options(rng, monkeypatch, dtype, d, nq, nk, layout, ca
     assert hopper_backward or "bias" in mods, [v.name_expression for v in launched]
 
 
+def _check_fp32_at_precision(host, opts, precision):
+    """An fp32 case, forward and backward, against the float64 reference: at fp32's
+    tolerance, or with precision="tf32" at the documented TF32 tolerance (outputs that
+    are not finite in the same places)."""
+    if precision == "highest":
+        got, ref = _run_both(cupyflash.attention_forward, host, opts)
+        _check(got, ref, "float32")
+        return
+    *inputs, do = host
+    got = _forward_backward(cupyflash.attention_forward, [_dev(x) for x in inputs], _dev(do),
+                            {**{k: _dev(v) for k, v in opts.items()}, "precision": "tf32"}, backend=BACKEND)
+    ref = _forward_backward(cupyflash.attention_forward, [x.astype(np.float64) for x in inputs],
+                            do.astype(np.float64), _ref_options(opts), backend="numpy")
+    for name, r in ref.items():
+        g = got[name].astype(np.float64)
+        finite = np.isfinite(r)
+        assert np.array_equal(finite, np.isfinite(g)), name
+        assert rel_err(g[finite], r[finite]) < TOLERANCE["tf32"], name
+
+
 def _fp32_hopper_params():
     options = (("dense", False, lambda *a: {}), ("causal", True, lambda *a: {}), *HOPPER_OPTIONS,
                ("bias-per-head-causal", True, lambda r, b, h, nq, nk, t: dict(bias=_bias(r, (b, h, nq, nk), t))))
@@ -758,6 +778,10 @@ def _fp32_hopper_params():
 # q, k and v far outside fp16's range (the halves' scales), q k^T of order 1 and the
 # gradients (dq ~ |v| |k|, dk ~ |v| |q|) inside fp32's normal range.
 FAR_FROM_FP16 = (3e-21, 3e20, 1e-9)
+# The passes (split_f32.cu) of an fp32 call on Hopper: the forward's one, which scales each
+# chunk of rows on its own, and the backward's two, a scale a tensor.
+FORWARD_HALVES_PASSES = ("f32_halves<2, true>",)
+BACKWARD_HALVES_PASSES = ("f32_halves_max", "f32_halves<2, false>")
 
 
 @pytest.mark.parametrize("d,nq,nk,layout,causal,build,precision,magnitudes", [
@@ -791,30 +815,17 @@ def test_hopper_fp32_forward_on_fp16_halves(rng, monkeypatch, d, nq, nk, layout,
     launch = _cuda._launch
     monkeypatch.setattr(_cuda, "_launch", lambda variant, *a: (launched.append(variant), launch(variant, *a)))
     opts.update(causal=causal, layout=layout)
-    if precision == "highest":
-        got, ref = _run_both(cupyflash.attention_forward, host, opts)
-        _check(got, ref, "float32")
-    else:
-        *inputs, do = host
-        got = _forward_backward(cupyflash.attention_forward, [_dev(x) for x in inputs], _dev(do),
-                                {**{k: _dev(v) for k, v in opts.items()}, "precision": "tf32"}, backend=BACKEND)
-        ref = _forward_backward(cupyflash.attention_forward, [x.astype(np.float64) for x in inputs],
-                                do.astype(np.float64), _ref_options(opts), backend="numpy")
-        for name, r in ref.items():
-            g = got[name].astype(np.float64)
-            finite = np.isfinite(r)
-            assert np.array_equal(finite, np.isfinite(g)), name
-            assert rel_err(g[finite], r[finite]) < TOLERANCE["tf32"], name
+    _check_fp32_at_precision(host, opts, precision)
     forward = [v for v in launched if v.source.startswith("fwd")]
     tf32 = precision == "tf32"
     assert forward and all(v.family is _kernels.FWD_SM90 and "<float," in v.name_expression
                            and bool(v.mode & _kernels.MODE_TF32) == tf32 for v in forward), \
         [v.name_expression for v in launched]
-    # The forward's passes, then the backward's where it runs bwd_sm90.cu (the dense path).
+    # The forward's pass, then the backward's where it runs bwd_sm90.cu (the dense path).
     passes = [v.name_expression for v in launched if v.family is _kernels.SPLIT_F32]
     hopper_backward = any(v.family is _kernels.BWD_SM90 for v in launched)
-    assert passes == (["f32_halves_max", f"f32_halves<{1 if tf32 else 2}>"] * len(forward)
-                      + ["f32_halves_max", "f32_halves<2>"] * hopper_backward), passes
+    assert passes == ([f"f32_halves<{1 if tf32 else 2}, true>"] * len(forward)
+                      + list(BACKWARD_HALVES_PASSES) * hopper_backward), passes
 
 
 # The fp32 backward's cases on Hopper: (d, nq, nk, causal, options); the dense path (MODE_BAND
@@ -877,13 +888,13 @@ def test_hopper_fp32_backward_on_fp16_halves(rng, monkeypatch, d, nq, nk, causal
     if deterministic and "bias" in options and "softcap" in options:
         names = [v.name_expression for v in launched]
         assert not backward and any(v.family is _kernels.BWD_WIDE for v in launched), names
-        assert passes == ["f32_halves_max", "f32_halves<2>"], passes   # the forward's
+        assert passes == list(FORWARD_HALVES_PASSES), passes
         return
     assert len(backward) == 1 and backward[0].name_expression.startswith("flash_bwd_dkdv_sm90<float,"), \
         [v.name_expression for v in launched]
     assert bool(backward[0].grads & _kernels.GRAD_DQ_ORDERED) == deterministic
     assert bool(backward[0].mode & _kernels.MODE_BIAS) == ("bias" in options)
-    assert passes == ["f32_halves_max", "f32_halves<2>"] * 2, passes   # the forward's, then the backward's
+    assert passes == list(FORWARD_HALVES_PASSES + BACKWARD_HALVES_PASSES), passes
 
 
 @pytest.mark.parametrize("precision", ["highest", "tf32"])
@@ -907,6 +918,71 @@ def test_hopper_fp32_halves_pass_non_finite_inputs(rng, precision):
         assert np.array_equal(np.isfinite(got), finite)
         assert not finite.all() and rel_err(got[finite], want[finite]) < TOLERANCE[
             "float32" if precision == "highest" else "tf32"]
+
+
+def _scaled_by_chunk(rng, x, decades):
+    """x (B, H, N, d) with each chunk of HALVES_CHUNK_ROWS rows (kernels_cu/halves.cuh)
+    times its own 10^u, u uniform in ``decades``, and one chunk of zeros where there are
+    three or more."""
+    chunk = 128
+    chunks = -(-x.shape[2] // chunk)
+    factors = 10.0 ** rng.uniform(*decades, size=(x.shape[0], x.shape[1], chunks))
+    if chunks >= 3:
+        factors[:, :, chunks // 2] = 0
+    rows = np.repeat(factors, chunk, axis=2)[:, :, :x.shape[2], None]
+    return (x * rows).astype(np.float32)
+
+
+@pytest.mark.parametrize("precision", ["highest", "tf32"])
+@pytest.mark.parametrize("d,nq,nk,causal,options", [
+    (64, 700, 900, False, {}), (128, 513, 1000, True, {}), (104, 260, 700, False, {}),
+    # the option kernels walk the key tiles downwards
+    (64, 600, 777, False, dict(softcap=3.0, window=(300, 50))),
+    (128, 300, 640, True, dict(alibi_slopes=_slopes((4,)), dropout_p=0.1, seed=5))])
+def test_hopper_fp32_forward_scales_each_chunk(rng, monkeypatch, d, nq, nk, causal, options, precision):
+    """The fp32 forward on Hopper scales each chunk of 128 rows of q, k and v on its own
+    (split_f32.cu's one pass, kernels_cu/halves.cuh): with chunks whose magnitudes differ
+    by decades (q and k by up to 10^2, v by up to 10^6, a chunk of zeros), S is unscaled
+    per key tile and V per key tile, walked upwards (the dense kernels) and downwards (the
+    option kernels), at the precision's tolerance against float64, gradients included.
+    At fp32 also the forward alone with v's chunks up to 10^16 apart (the backward scales
+    a tensor as a whole, and loses the smallest chunks' digits there), and varlen, whose
+    tiles do not start at a chunk, on the two passes that give every chunk its tensor's
+    scale."""
+    if DRY_RUN:
+        pytest.skip("pins a GPU kernel")
+    import cupy as cp
+    from cupyflash import _cuda, _kernels
+    if _cuda._device_info(cp.cuda.Device().id)[0] != "sm_90a":
+        pytest.skip("not a Hopper GPU")
+    q, k, v, do = _qkv(rng, "float32", d, nq, nk, 2, "bhsd")
+    q, k = (_scaled_by_chunk(rng, x, (-2, 0)) for x in (q, k))
+    opts = dict(causal=causal, **options)
+    launched = []
+    launch = _cuda._launch
+    monkeypatch.setattr(_cuda, "_launch", lambda variant, *a: (launched.append(variant), launch(variant, *a)))
+    _check_fp32_at_precision([q, k, _scaled_by_chunk(rng, v, (-3, 3)), do], opts, precision)
+    assert any(v.family is _kernels.FWD_SM90 for v in launched), [v.name_expression for v in launched]
+    planes = 1 if precision == "tf32" else 2
+    assert [v.name_expression for v in launched if v.family is _kernels.SPLIT_F32][0] == f"f32_halves<{planes}, true>"
+    if precision == "tf32":
+        return
+    got, ref = _run_both(cupyflash.attention_forward, [q, k, _scaled_by_chunk(rng, v, (-8, 8)), do], opts,
+                         backward=False)
+    _check(got, ref, "float32")
+    # varlen: the same rows as two sequences packed, on the two passes
+    launched.clear()
+    packed = [np.ascontiguousarray(x.transpose(0, 2, 1, 3)).reshape(-1, *x.shape[1::2])
+              for x in (q, k, _scaled_by_chunk(rng, v, (-3, 3)), do)]
+    cu_q, cu_k = (np.array([0, n, 2 * n], np.int32) for n in (nq, nk))
+
+    def fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, **kw):
+        return cupyflash.varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, nq, nk, **kw)
+
+    got, ref = _run_varlen(fwd, packed, cu_q, cu_k, opts)
+    _check(got, ref, "float32")
+    passes = [v.name_expression for v in launched if v.family is _kernels.SPLIT_F32]
+    assert passes[:2] == ["f32_halves_max", "f32_halves<2, false>"], [v.name_expression for v in launched]
 
 
 # The bias on the Hopper backward (bwd_sm90.cu's MODE_BIAS kernels, whole (Nq, Nk) rows
