@@ -237,7 +237,8 @@ BWD_PREP = Family("bwd_prep.cu", spill_free=False)
 HALVES_ROWS = 128
 HALVES_THREADS = 512
 HALVES_MAX_COLS = 256
-HALVES_STAGED_BYTES = HALVES_ROWS * 128 * 4   # the one-pass split's staging (split_f32.cu)
+HALVES_STAGED_COLS = 128   # the one-pass split stages rows up to this wide (split_f32.cu)
+HALVES_STAGED_BYTES = HALVES_ROWS * HALVES_STAGED_COLS * 4
 SPLIT_F32 = Family("split_f32.cu", static_smem=HALVES_THREADS // 32 * 4)
 
 

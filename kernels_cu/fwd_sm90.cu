@@ -37,16 +37,18 @@
 //   - dropout zeroes P after the row sums took it; its keep bits (16 scores per Philox
 //     call) are drawn while S is on the tensor cores.
 // fp32 (T = float) runs on the 16-bit tensor cores at fp32 accuracy: split_f32.cu has
-// written q, k and v, each scaled by a power of two, as fp16 high and low halves
-// (halves.cuh), which TMA brings as two planes of every tile; a product is three fp16
-// products, a_h b_h + a_h b_l + a_l b_h (S = Q K^T over the planes of Q and K; P V from P
-// split in registers, scaled by P_SCALE, over V's planes read N-major as in the 16-bit
-// path). The consumers unscale S as it lands and O in the epilogue (powers of two, exact).
-// The tensor cores accumulate by truncation, so each key tile's P V is summed from zero
-// and added to O in the FPU, where rounding is to nearest; S, a few dozen k-steps, takes
-// the truncation. precision="tf32" (MODE_TF32) keeps the high halves' one product each,
-// S = Q K^T and O += P V, P rounded to fp16 as in the 16-bit path: 11 significant bits a
-// factor, TF32's precision, at the 16-bit rate (tests/TOLERANCES.md).
+// written q, k and v, each chunk of 128 rows scaled by its own power of two, as fp16 high
+// and low halves (halves.cuh), which TMA brings as two planes of every tile; a product is
+// three fp16 products, a_h b_h + a_h b_l + a_l b_h (S = Q K^T over the planes of Q and K;
+// P V from P split in registers, scaled by P_SCALE, over V's planes read N-major as in the
+// 16-bit path). The consumers unscale S as it lands, by the exponents of Q's and the key
+// tile's chunks (powers of two, exact). The tensor cores accumulate by truncation, so each
+// key tile's P V is summed from zero, unscaled and added to O in the FPU, where rounding
+// is to nearest; S, a few dozen k-steps, takes the truncation. precision="tf32"
+// (MODE_TF32) keeps the high halves' one product each, S = Q K^T and O += P V, P rounded
+// to fp16 as in the 16-bit path: 11 significant bits a factor, TF32's precision, at the
+// 16-bit rate (tests/TOLERANCES.md); O accumulates in the scale of the largest V chunk so
+// far and is unscaled in the epilogue.
 // Varlen reads (1, H, total, d) tensors at the sequence's row offset: rows past a
 // sequence's end belong to the next one (or are zero-filled past the tensor) and are
 // masked or never stored. Tensors TMA cannot describe (rows not 16-byte aligned) run in
@@ -366,8 +368,9 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
                     // fp32: the tile's chunk words, loaded before the wait for its stage
                     u32 k_chunk = 0, v_chunk = 0;
                     if (C::F32 && leader) {
-                        k_chunk = *halves_chunk_word(p, HALVES_K, mods.tb, hk, mods.k_base + (i64)j * BLOCK_N);
-                        v_chunk = *halves_chunk_word(p, HALVES_V, mods.tb, hk, mods.k_base + (i64)j * BLOCK_N);
+                        const u32* word = halves_chunk_word(p, HALVES_K, mods.tb, hk, mods.k_base + (i64)j * BLOCK_N);
+                        k_chunk = word[0];
+                        v_chunk = word[p.halves_chunks];   // HALVES_V's, the next tensor's
                     }
                     mbar_wait(&bars.k_empty[s], parity);
                     int next_state;
@@ -501,6 +504,12 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
                 v_exp_next = e.v;
             }
         };
+        auto scale_s = [&](float x) {
+            #pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+                #pragma unroll
+                for (int e = 0; e < 4; ++e) s[0][nt][e] *= x;
+        };
         // S once its product has landed (fp32: unscaled; in dense mode the unscale folds
         // into the softmax's scale, dense_scale_log2: no product a score).
         float dense_scale_log2 = scale_log2;
@@ -511,10 +520,7 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
                     // (kept positive, as softmax.cuh needs: a masked -inf stays -inf)
                     dense_scale_log2 = fmaxf(scale_log2 * s_unscale, 1.17549435e-38f);
                 } else {
-                    #pragma unroll
-                    for (int nt = 0; nt < NT; ++nt)
-                        #pragma unroll
-                        for (int e = 0; e < 4; ++e) s[0][nt][e] *= s_unscale;
+                    scale_s(s_unscale);
                 }
             }
         };
@@ -678,11 +684,7 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
                     }
                     o_exp = v_exp_next;
                 } else if (v_exp_next < o_exp) {
-                    const float p_mul = pow2(v_exp_next - o_exp);
-                    #pragma unroll
-                    for (int nt = 0; nt < NT; ++nt)
-                        #pragma unroll
-                        for (int e = 0; e < 4; ++e) s[0][nt][e] *= p_mul;
+                    scale_s(pow2(v_exp_next - o_exp));
                 }
             }
             #pragma unroll

@@ -8,22 +8,22 @@
 // ~2^-22 of it): on Hopper the 16-bit tensor-core rate is twice TF32's, and 16-bit wgmma
 // reads shared-memory operands in either major order, so V needs no transposed copy.
 // precision="tf32" keeps a_h b_h alone (11 significant bits a factor, TF32's precision).
-// The scale is one per tensor: an element far below the tensor's largest keeps its
-// absolute error (about 2^-40 of the largest in the low half's subnormals), so the error
-// norms the tests hold (tests/TOLERANCES.md) do not see it. Infinities and NaN are left
-// out of the largest element and pass through the halves as themselves.
-//
+// The backward's scale is one per tensor: an element far below the tensor's largest keeps
+// its absolute error (about 2^-40 of the largest in the low half's subnormals), so the
+// error norms the tests hold (tests/TOLERANCES.md) do not see it. Infinities and NaN are
+// left out of the largest element and pass through the halves as themselves.
 // split_f32.cu finds each tensor's largest finite |x| (as its bits: a non-negative float
 // orders as its bits do, so atomicMax on them finds it) and writes the halves; the kernels
 // that read them recompute s (or its exponent) from the same bits (halves_scale,
 // halves_exponent), so the host never waits.
 //
-// The forward takes a scale per chunk of HALVES_CHUNK_ROWS rows instead (of a tensor, head
-// and batch entry): one pass then finds a chunk's largest |x| and writes its halves, 6 bytes
-// an element (precision="tf32") where the two passes over the whole tensor move 10. Its
-// tiles lie within chunks, so S is unscaled per key tile and V's scale is undone per key
-// tile (fwd_sm90.cu). Under varlen a tile does not start at a chunk, and every chunk takes
-// its tensor's scale.
+// The forward takes a scale per chunk of HALVES_CHUNK_ROWS rows (of a tensor, head and
+// batch entry): one pass finds a chunk's largest |x|, writes its bits and the chunk's
+// halves, 6 bytes an element (precision="tf32") where the two passes over the whole tensor
+// move 10. Its tiles lie within chunks, so S is unscaled per key tile and V's scale is
+// undone per key tile (fwd_sm90.cu). Under varlen a tile does not start at a chunk, and
+// every chunk takes its tensor's scale (the two passes, the split writing every chunk's
+// word).
 #pragma once
 #include "elem.cuh"
 #include "params.cuh"

@@ -74,10 +74,11 @@ struct AttnParams {
     // fp32 on the Hopper kernels (fwd_sm90.cu, bwd_sm90.cu): q, k, v (and the backward's dO)
     // as fp16 halves (halves.cuh), each a contiguous (B, PLANES, H, N, d) array written by
     // split_f32.cu, and the bits of each tensor's largest finite |x| (HALVES_Q, _K, _V,
-    // _DO; zeroed by the host), which give the halves' scales; null elsewhere. The forward
-    // scales each chunk of HALVES_CHUNK_ROWS rows on its own: halves_chunk_max holds the
-    // bits of each chunk's largest finite |x| (halves.cuh halves_chunk_word: halves_chunks
-    // words a tensor, head and batch entry), or null (the backward).
+    // _DO; zeroed by the host), which give the halves' scales, where the passes find them
+    // (the backward, varlen); null elsewhere. The forward scales each chunk of
+    // HALVES_CHUNK_ROWS rows on its own: halves_chunk_max holds the bits of each chunk's
+    // largest finite |x| (halves.cuh halves_chunk_word: halves_chunks words a tensor, head
+    // and batch entry), or null (the backward).
     void* halves_q;
     void* halves_k;
     void* halves_v;

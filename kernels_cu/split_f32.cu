@@ -15,8 +15,7 @@
 // Grid (ceil(max(nq, nk) / HALVES_ROWS), Hq, 3 B, or 4 B with dO): blockIdx.z = tensor * B
 // + batch entry, the launch's nq and nk the arrays' rows (under varlen the packed total)
 // and grid_batch their batch; CTAs past a tensor's heads or rows return at once. A CTA's
-// rows are one chunk (HALVES_CHUNK_ROWS), each thread holding its elements in registers
-// between the chunk's largest |x| and the split: the chunk is read from HBM once.
+// rows are one chunk (HALVES_CHUNK_ROWS).
 #include "copy.cuh"
 #include "halves.cuh"
 #include "params.cuh"
@@ -61,8 +60,8 @@ struct HalvesSlice {
     // threads' runs neighbouring in each row. A thread's runs are HALVES_THREADS apart:
     // their rows and columns follow from the first's by a fixed step and a carry (no
     // division a run), unrolled UNROLL times so that the loads are in flight together
-    // (wholly where f indexes registers by slot; in part elsewhere, else the compiler
-    // keeps every run's address from one loop to the next, and spills).
+    // (wholly for the staging's copies; in part where the rows are read in place, else
+    // the compiler keeps every run's address from one loop to the next, and spills).
     template <int RUN, int SLOTS, int UNROLL, typename F>
     __device__ __forceinline__ void for_each_run(F&& f) const {
         const int per_row = cols / RUN;

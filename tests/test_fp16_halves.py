@@ -20,6 +20,8 @@ import numpy as np
 from gpu_cases import TOLERANCE
 from test_tf32_split import mma_step, online_softmax_tiles, reference, rel_err
 
+from cupyflash._kernels import HALVES_ROWS  # noqa: I001  (a chunk of rows with its own scale, split_f32.cu)
+
 P_SCALE = np.float32(64.0)   # fwd_sm90.cu Sm90FwdTile::P_SCALE
 RESCALE_SLACK = 8            # softmax.cuh: P <= 2^8 under a stale max
 
@@ -151,7 +153,7 @@ def test_attention_over_chunk_scales_meets_the_tolerances(rng):
     decades (v's by up to 10^16, a chunk of zeros), and with the magnitudes far from fp16's
     above, three products stay inside fp32's 1e-5 and one (the accumulator following V's
     largest tile) inside tf32's 3e-3."""
-    d, nq, nk, block = 64, 8, 1000 + 37, 128
+    d, nq, nk, block = 64, 8, 1000 + 37, HALVES_ROWS
     scale = 1 / np.sqrt(d)
     q, k, v = (rng.standard_normal((n, d)).astype(np.float32) for n in (nq, nk, nk))
     chunks = -(-nk // block)

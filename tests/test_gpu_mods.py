@@ -36,7 +36,7 @@ import pytest
 from gpu_cases import DTYPES, TOLERANCE, np_dtype, rel_err
 
 import cupyflash
-from cupyflash import _philox
+from cupyflash import _kernels, _philox
 
 DRY_RUN = os.environ.get("CUPYFLASH_MODS_DRYRUN") == "1"
 BACKEND = "numpy" if DRY_RUN else "cuda"
@@ -800,7 +800,7 @@ def test_hopper_fp32_forward_on_fp16_halves(rng, monkeypatch, d, nq, nk, layout,
     (three products), or with precision="tf32" (the high halves' one product, MODE_TF32)
     at the documented TF32 tolerance, gradients included (the backward is fp32-accurate
     from that forward's o and LSE). q, k and v far outside fp16's range (q k^T of order 1)
-    check the halves' scales. The forward must take that kernel after the two passes."""
+    check the halves' scales. The forward must take that kernel after its one pass."""
     if DRY_RUN:
         pytest.skip("pins a GPU kernel")
     import cupy as cp
@@ -921,10 +921,10 @@ def test_hopper_fp32_halves_pass_non_finite_inputs(rng, precision):
 
 
 def _scaled_by_chunk(rng, x, decades):
-    """x (B, H, N, d) with each chunk of HALVES_CHUNK_ROWS rows (kernels_cu/halves.cuh)
-    times its own 10^u, u uniform in ``decades``, and one chunk of zeros where there are
-    three or more."""
-    chunk = 128
+    """x (B, H, N, d) with each chunk of HALVES_ROWS rows (kernels_cu/halves.cuh
+    HALVES_CHUNK_ROWS) times its own 10^u, u uniform in ``decades``, and one chunk of zeros
+    where there are three or more."""
+    chunk = _kernels.HALVES_ROWS
     chunks = -(-x.shape[2] // chunk)
     factors = 10.0 ** rng.uniform(*decades, size=(x.shape[0], x.shape[1], chunks))
     if chunks >= 3:
@@ -933,12 +933,42 @@ def _scaled_by_chunk(rng, x, decades):
     return (x * rows).astype(np.float32)
 
 
-@pytest.mark.parametrize("precision", ["highest", "tf32"])
-@pytest.mark.parametrize("d,nq,nk,causal,options", [
-    (64, 700, 900, False, {}), (128, 513, 1000, True, {}), (104, 260, 700, False, {}),
+def _varlen_forward_at_precision(host, nq, nk, opts, precision):
+    """``host`` (q, k, v, do as (2, H, N, d)) packed as two sequences, forward and (at full
+    precision) backward at the precision's tolerance against float64."""
+    packed = [np.ascontiguousarray(x.transpose(0, 2, 1, 3)).reshape(-1, *x.shape[1::2]) for x in host]
+    cu_q, cu_k = (np.array([0, n, 2 * n], np.int32) for n in (nq, nk))
+
+    def fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, **kw):
+        return cupyflash.varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, nq, nk, **kw)
+
+    if precision == "highest":
+        got, ref = _run_varlen(fwd, packed, cu_q, cu_k, opts)
+        _check(got, ref, "float32")
+        return
+    q, k, v, _ = packed
+    o, _ = fwd(*(_dev(x) for x in (q, k, v, cu_q, cu_k)), precision=precision, backend=BACKEND,
+               **{k_: _dev(v_) for k_, v_ in opts.items()})
+    ref, _ = fwd(*(x.astype(np.float64) for x in (q, k, v)), cu_q, cu_k, backend="numpy", **_ref_options(opts))
+    assert rel_err(_host(o).astype(np.float64), ref) < TOLERANCE["tf32"]
+
+
+# (d, nq, nk, causal, options, precision): d = 30 reads rows that are not 16-byte aligned
+# (the pass's element-wise reads), d = 192 (precision="tf32" only on Hopper) rows wider than
+# the pass stages; d = 64 with precision="tf32" takes three consumer warpgroups.
+CHUNK_SCALE_CASES = [
+    *((64, 700, 900, False, {}, p) for p in ("highest", "tf32")),
+    *((128, 513, 1000, True, {}, p) for p in ("highest", "tf32")),
+    (104, 260, 700, False, {}, "highest"), (30, 300, 333, False, {}, "tf32"), (192, 300, 400, False, {}, "tf32"),
     # the option kernels walk the key tiles downwards
-    (64, 600, 777, False, dict(softcap=3.0, window=(300, 50))),
-    (128, 300, 640, True, dict(alibi_slopes=_slopes((4,)), dropout_p=0.1, seed=5))])
+    *((64, 600, 777, False, dict(softcap=3.0, window=(300, 50)), p) for p in ("highest", "tf32")),
+    (128, 300, 640, True, dict(alibi_slopes=_slopes((4,)), dropout_p=0.1, seed=5), "highest")]
+
+
+@pytest.mark.parametrize("d,nq,nk,causal,options,precision", [
+    pytest.param(*case, id=f"d{case[0]}-{case[1]}x{case[2]}{'-causal' if case[3] else ''}"
+                           f"{''.join('-' + k for k in case[4] if k != 'seed')}-{case[5]}")
+    for case in CHUNK_SCALE_CASES])
 def test_hopper_fp32_forward_scales_each_chunk(rng, monkeypatch, d, nq, nk, causal, options, precision):
     """The fp32 forward on Hopper scales each chunk of 128 rows of q, k and v on its own
     (split_f32.cu's one pass, kernels_cu/halves.cuh): with chunks whose magnitudes differ
@@ -947,13 +977,12 @@ def test_hopper_fp32_forward_scales_each_chunk(rng, monkeypatch, d, nq, nk, caus
     option kernels), at the precision's tolerance against float64, gradients included.
     At fp32 also the forward alone with v's chunks up to 10^16 apart (the backward scales
     a tensor as a whole: with v's chunks 10^6 apart its dq read 1.1e-5, past fp32's
-    tolerance, on an H200), and varlen, whose
-    tiles do not start at a chunk, on the two passes that give every chunk its tensor's
-    scale."""
+    tolerance, on an H200). Varlen, whose tiles do not start at a chunk, takes the two
+    passes that give every chunk its tensor's scale."""
     if DRY_RUN:
         pytest.skip("pins a GPU kernel")
     import cupy as cp
-    from cupyflash import _cuda, _kernels
+    from cupyflash import _cuda
     if _cuda._device_info(cp.cuda.Device().id)[0] != "sm_90a":
         pytest.skip("not a Hopper GPU")
     q, k, v, do = _qkv(rng, "float32", d, nq, nk, 2, "bhsd")
@@ -966,24 +995,14 @@ def test_hopper_fp32_forward_scales_each_chunk(rng, monkeypatch, d, nq, nk, caus
     assert any(v.family is _kernels.FWD_SM90 for v in launched), [v.name_expression for v in launched]
     planes = 1 if precision == "tf32" else 2
     assert [v.name_expression for v in launched if v.family is _kernels.SPLIT_F32][0] == f"f32_halves<{planes}, true>"
-    if precision == "tf32":
-        return
-    got, ref = _run_both(cupyflash.attention_forward, [q, k, _scaled_by_chunk(rng, v, (-8, 8)), do], opts,
-                         backward=False)
-    _check(got, ref, "float32")
-    # varlen: the same rows as two sequences packed, on the two passes
+    if precision == "highest":
+        got, ref = _run_both(cupyflash.attention_forward, [q, k, _scaled_by_chunk(rng, v, (-8, 8)), do], opts,
+                             backward=False)
+        _check(got, ref, "float32")
     launched.clear()
-    packed = [np.ascontiguousarray(x.transpose(0, 2, 1, 3)).reshape(-1, *x.shape[1::2])
-              for x in (q, k, _scaled_by_chunk(rng, v, (-1, 1)), do)]
-    cu_q, cu_k = (np.array([0, n, 2 * n], np.int32) for n in (nq, nk))
-
-    def fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, **kw):
-        return cupyflash.varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, nq, nk, **kw)
-
-    got, ref = _run_varlen(fwd, packed, cu_q, cu_k, opts)
-    _check(got, ref, "float32")
+    _varlen_forward_at_precision([q, k, _scaled_by_chunk(rng, v, (-1, 1)), do], nq, nk, opts, precision)
     passes = [v.name_expression for v in launched if v.family is _kernels.SPLIT_F32]
-    assert passes[:2] == ["f32_halves_max", "f32_halves<2, false>"], [v.name_expression for v in launched]
+    assert passes[:2] == ["f32_halves_max", f"f32_halves<{planes}, false>"], [v.name_expression for v in launched]
 
 
 # The bias on the Hopper backward (bwd_sm90.cu's MODE_BIAS kernels, whole (Nq, Nk) rows
