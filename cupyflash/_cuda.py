@@ -319,7 +319,8 @@ def _plan_forward(q, k, v, o, *, scale: float, causal: bool, mods) -> _ForwardPl
     and can read the arrays, its grid and its scalar fields."""
     d, dv = q.shape[3], v.shape[3]
     device_id = q.device.id
-    variants = forward_variants_for(q.dtype.name, padded_head_dim(d, dv), mods, causal=causal)
+    variants = forward_variants_for(q.dtype.name, padded_head_dim(d, dv), mods, causal=causal,
+                                    rows=0 if mods.varlen else q.shape[2])
     variant = _choose(variants, device_id)
     batch, rows, _ = _grid_extents(q, k, mods)
     heads = q.shape[1]

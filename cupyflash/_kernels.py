@@ -131,7 +131,14 @@ FWD_SM90_TF32_BIAS_TILES = {
     64: ((64, 2, 3),),
     128: ((64, 2, 2),),
 }
-FWD_SM90_TF32_TILES = {**FWD_SM90_TILES, 128: ((128, 2, 2),)}
+# At d = 64 also 256 query rows (four consumers, 64-key tiles) for lengths that the 16-bit
+# tile's 192 rows would pad (forward_variants_for, ROW_PADDING_SLACK): against it in one
+# process (H200, bench/results/h200-2026-12-04-5b0ce3a-ab-tf32-d64-256-row-tile-vs-192.log) 1.07-1.10x
+# at N = 1k (192 rows pad 1024 to 1152), 1.01x at 2k and 0.96-0.99x at 4k (3% padding).
+FWD_SM90_TF32_TILES = {**FWD_SM90_TILES, 64: ((128, 3, 2), (64, 4, 3)), 128: ((128, 2, 2),)}
+# A later Hopper tile of the same table goes first where the first would pad the call's
+# query rows by more than this fraction over it: the 256-row tile runs ~7% slower a row.
+ROW_PADDING_SLACK = 1.07
 _FWD_SM90_TF32_TABLES = {MODE_DENSE: FWD_SM90_TF32_TILES, MODE_EXT: FWD_SM90_EXT_TILES,
                          MODE_EXT | MODE_BIAS: FWD_SM90_TF32_BIAS_TILES}
 # The same with the options of _mods (window, dropout, bias, ...; the MODE_EXT kernels):
@@ -373,12 +380,19 @@ def forward_variants(dtype_name: str, D: int, mode: int = MODE_DENSE) -> list[Va
     return hopper + [_wide_forward(dtype_name, D, tile, mode) for tile in tiles]
 
 
-def forward_variants_for(dtype_name: str, D: int, mods, *, causal: bool) -> list[Variant]:
+def forward_variants_for(dtype_name: str, D: int, mods, *, causal: bool, rows: int = 0) -> list[Variant]:
     """forward_variants of the call's mode, less the Hopper option tiles that do not
     suit it: 192-row tiles (three consumers) under a causal or window band, and tiles
     whose query rows a block of the block mask would split (every tile would then need
-    the element mask: 192 rows and blocks of 128)."""
-    variants = forward_variants(dtype_name, D, kernel_mode(mods))
+    the element mask: 192 rows and blocks of 128). In dense mode, with the call's query
+    ``rows``, a second Hopper tile that pads them less goes first by ROW_PADDING_SLACK
+    (measured for precision="tf32" at d = 64; the option tiles keep their order)."""
+    mode = kernel_mode(mods)
+    variants = forward_variants(dtype_name, D, mode)
+    if rows and mode & ~MODE_TF32 == MODE_DENSE and len(variants) > 1 and variants[1].family is FWD_SM90:
+        padded = [-(-rows // v.block_m) * v.block_m for v in variants[:2]]
+        if padded[0] > ROW_PADDING_SLACK * padded[1]:
+            variants = [variants[1], variants[0], *variants[2:]]
 
     def suits(v: Variant) -> bool:
         if v.family is not FWD_SM90:

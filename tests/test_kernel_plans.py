@@ -366,6 +366,17 @@ def test_tf32_takes_the_16_bit_tiles(monkeypatch, D, causal):
         assert chosen.smem_bytes == half.smem_bytes
 
 
+@pytest.mark.parametrize("rows,block_m", [(1024, 256), (1000, 256), (2048, 192), (4096, 192), (768, 192), (0, 192)])
+def test_tf32_d64_tile_by_row_padding(monkeypatch, rows, block_m):
+    # precision="tf32" at d = 64: the 192-row tile, but 256 rows where 192 would pad the
+    # query rows by more than ROW_PADDING_SLACK over them (1024 -> 1152 against 1024;
+    # 2048 -> 2112 against 2048 keeps 192; 768 is whole in both); 0: rows unknown (varlen).
+    monkeypatch.setattr(_cuda, "_device_info", lambda device_id: ("sm_90a", HOPPER_SMEM))
+    variants = _kernels.forward_variants_for("float32", 64, _mods.Modifiers(tf32=True), causal=False, rows=rows)
+    assert _cuda._choose(variants, 0).block_m == block_m
+    assert {v.block_m for v in variants if v.family is _kernels.FWD_SM90} == {192, 256}
+
+
 @pytest.mark.parametrize("tf32", [False, True])
 @pytest.mark.parametrize("options", [False, True])
 @pytest.mark.parametrize("D", [64, 128])
