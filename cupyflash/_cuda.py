@@ -19,7 +19,8 @@ import numpy as np
 
 from . import _arrays, _mods, _nvrtc, _params, _philox, _tma
 from ._kernels import (BACKWARD_MODES, BWD_ROW_PAD, BWD_SM90, BWD_SM90_SUB_M, CPP_TYPE, FWD_SM90, GRAD_DK, GRAD_DQ,
-                       GRAD_DQ_ORDERED, HALVES_MAX_COLS, HALVES_ROWS, HEAD_DIMS, MIN_COMPUTE_CAPABILITY, MODE_BIAS, MODE_DENSE, MODE_TF32, MODES,
+                       GRAD_DQ_ORDERED, HALVES_MAX_COLS, HALVES_ROWS, HEAD_DIMS, MIN_COMPUTE_CAPABILITY, MODE_BIAS,
+                       MODE_DENSE, MODE_TF32, MODES,
                        BackwardPlan, Variant, backward_mode, backward_plan, bwd_sm90_persistent, bwd_sm90_softcap_dbias,
                        bwd_sm90_splits_units, forward_variants, forward_variants_for, halves_passes, padded_head_dim,
                        sm90_rows_box, sm90_unit_split)

@@ -133,8 +133,8 @@ FWD_SM90_TF32_BIAS_TILES = {
 }
 # At d = 64 also 256 query rows (four consumers, 64-key tiles) for lengths that the 16-bit
 # tile's 192 rows would pad (forward_variants_for, ROW_PADDING_SLACK): against it in one
-# process (H200, bench/results/h200-2026-12-04-5b0ce3a-ab-tf32-d64-256-row-tile-vs-192.log) 1.07-1.10x
-# at N = 1k (192 rows pad 1024 to 1152), 1.01x at 2k and 0.96-0.99x at 4k (3% padding).
+# process (H200, bench/results/h200-2026-12-04-5b0ce3a-ab-tf32-d64-256-row-tile-vs-192.log)
+# 1.07-1.10x at N = 1k (192 rows pad 1024 to 1152), 1.01x at 2k, 0.96-0.99x at 4k (3%).
 FWD_SM90_TF32_TILES = {**FWD_SM90_TILES, 64: ((128, 3, 2), (64, 4, 3)), 128: ((128, 2, 2),)}
 # A later Hopper tile of the same table goes first where the first would pad the call's
 # query rows by more than this fraction over it: the 256-row tile runs ~7% slower a row.
