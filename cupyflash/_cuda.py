@@ -19,7 +19,7 @@ import numpy as np
 
 from . import _arrays, _mods, _nvrtc, _params, _philox, _tma
 from ._kernels import (BACKWARD_MODES, BWD_ROW_PAD, BWD_SM90, BWD_SM90_SUB_M, CPP_TYPE, FWD_SM90, GRAD_DK, GRAD_DQ,
-                       GRAD_DQ_ORDERED, HALVES_MAX_COLS, HALVES_ROWS, HEAD_DIMS, MIN_COMPUTE_CAPABILITY, MODE_BIAS,
+                       GRAD_DQ_ORDERED, HALVES_MAX_COLS, HALVES_MAX_PASS, HALVES_ROWS, HEAD_DIMS, MIN_COMPUTE_CAPABILITY, MODE_BIAS,
                        MODE_DENSE, MODE_TF32, MODES,
                        BackwardPlan, Variant, backward_mode, backward_plan, bwd_sm90_persistent, bwd_sm90_softcap_dbias,
                        bwd_sm90_splits_units, forward_variants, forward_variants_for, halves_passes, padded_head_dim,
@@ -418,21 +418,21 @@ def _halves_of(passes, planes: int, params: _params.Params, tensors, *, chunk_wo
 
     halves = tuple(halves_of(x) for x in tensors)
     q, k = tensors[:2]
+    chunks = math.ceil(max(q.shape[2], k.shape[2]) / HALVES_ROWS)   # a CTA of the passes each
     words = []
-    if any(v.name_expression == "f32_halves_max" for v in passes):
+    if any(v.name_expression == HALVES_MAX_PASS for v in passes):
         words.append(cupy.zeros(4, cupy.uint32))   # HALVES_Q, _K, _V, _DO (halves.cuh)
         params.set(halves_max=words[-1].data.ptr)
     if chunk_words:
         # halves.cuh halves_chunk_word: (batch entry, query head, tensor, chunk); the passes
         # write every word the kernel reads, so none is zeroed
-        chunks = math.ceil(max(q.shape[2], k.shape[2]) / HALVES_ROWS)
         words.append(cupy.empty(q.shape[0] * q.shape[1] * 4 * chunks, cupy.uint32))
         params.set(halves_chunk_max=words[-1].data.ptr, halves_chunks=chunks)
     # The passes' grid (split_f32.cu): the arrays' own rows and batch (under varlen the
     # packed (1, H, total, d) arrays), a z-slice of the grid per tensor.
     passes_params = params.copy().set(**{f"halves_{name}": x.data.ptr for name, x in zip(("q", "k", "v", "do"), halves)},
                                       nq=q.shape[2], nk=k.shape[2], grid_heads=q.shape[1], grid_batch=q.shape[0])
-    grid = (math.ceil(max(q.shape[2], k.shape[2]) / passes[0].block_m), q.shape[1], len(tensors) * q.shape[0])
+    grid = (chunks, q.shape[1], len(tensors) * q.shape[0])
     for variant in passes:
         _launch(variant, grid, q.device.id, passes_params)
     return halves, words

@@ -247,6 +247,7 @@ HALVES_MAX_COLS = 256
 HALVES_STAGED_COLS = 128   # the one-pass split stages rows up to this wide (split_f32.cu)
 HALVES_STAGED_BYTES = HALVES_ROWS * HALVES_STAGED_COLS * 4
 SPLIT_F32 = Family("split_f32.cu", static_smem=HALVES_THREADS // 32 * 4)
+HALVES_MAX_PASS = "f32_halves_max"   # the tensors' largest magnitudes (not for chunked scales)
 
 
 def halves_passes(mode: int, *, chunked: bool = False) -> tuple:
@@ -257,7 +258,7 @@ def halves_passes(mode: int, *, chunked: bool = False) -> tuple:
     planes = 1 if mode & MODE_TF32 else 2
     split = Variant(SPLIT_F32, f"f32_halves<{planes}, {str(chunked).lower()}>", HALVES_THREADS, HALVES_ROWS,
                     HALVES_STAGED_BYTES if chunked else 0)
-    return (split,) if chunked else (Variant(SPLIT_F32, "f32_halves_max", HALVES_THREADS, HALVES_ROWS, 0), split)
+    return (split,) if chunked else (Variant(SPLIT_F32, HALVES_MAX_PASS, HALVES_THREADS, HALVES_ROWS, 0), split)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -517,8 +517,7 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
             reg_fence(s[0]);
             if constexpr (F32) {
                 if constexpr (C::OPTIONS == MODE_DENSE) {
-                    // (kept positive, as softmax.cuh needs: a masked -inf stays -inf)
-                    dense_scale_log2 = fmaxf(scale_log2 * s_unscale, 1.17549435e-38f);
+                    dense_scale_log2 = fmaxf(scale_log2 * s_unscale, MIN_SCALE_LOG2);
                 } else {
                     scale_s(s_unscale);
                 }

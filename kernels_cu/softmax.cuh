@@ -5,11 +5,16 @@
 // two columns of each 8-wide n-tile; the four threads of a quad share a row. Scores
 // arrive unscaled (masked ones as -inf); the running max is kept in log2 units, so each
 // probability is one FFMA and one EX2: exp2(s * scale * log2(e) - max). That needs
-// scale_log2 > 0 (the host passes the smallest normal float for scale = 0).
+// scale_log2 > 0 (the host passes the smallest normal float, MIN_SCALE_LOG2, for scale =
+// 0; a kernel that folds more into the scale keeps it there too).
 // The running sum stays thread-local (one partial per quad member) and is reduced
 // across the quad once, at the end: the rescale factor is the same for the whole quad.
 #pragma once
 #include "elem.cuh"
+
+// The smallest scale_log2 the softmax takes: float's smallest normal (cupyflash/_cuda.py
+// clamps the host's scale to it), so that a masked -inf score stays -inf.
+constexpr float MIN_SCALE_LOG2 = 1.17549435e-38f;
 
 template <typename Acc>
 __device__ __forceinline__ Acc quad_max(Acc x) {
