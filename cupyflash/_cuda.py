@@ -23,7 +23,7 @@ from ._kernels import (BACKWARD_MODES, BWD_ROW_PAD, BWD_SM90, BWD_SM90_SUB_M, CP
                        MODE_DENSE, MODE_TF32, MODES,
                        BackwardPlan, Variant, backward_mode, backward_plan, bwd_sm90_persistent, bwd_sm90_softcap_dbias,
                        bwd_sm90_splits_units, forward_variants, forward_variants_for, halves_passes, padded_head_dim,
-                       sm90_rows_box, sm90_unit_split)
+                       q_split_chunk_rows, sm90_rows_box, sm90_unit_split)
 from ._validate import check_flag
 
 MAX_GRID_YZ = 65535   # grid y (heads) and z (batch) extents
@@ -369,11 +369,17 @@ def attention_forward(q, k, v, o, lse, *, scale: float, causal: bool, mods=_mods
         _mods_addresses(params, mods)
     if plan.halves:
         # Kept alive until the forward is queued (a buffer freed before would be the next
-        # allocation's, the work counter's below).
-        block_n = plan.variant.tile[0]
-        halves = _halves_maps(plan.halves, 1 if plan.variant.mode & MODE_TF32 else 2, params,
-                              {"q_map": (q, plan.variant.block_m), "k_map": (k, block_n), "v_map": (v, block_n)},
-                              chunk_words=True)
+        # allocation's, the work counter's below). A kernel that splits q itself reads it
+        # as fp32, its passes write k's and v's halves alone.
+        variant, block_n = plan.variant, plan.variant.tile[0]
+        boxes = {"k_map": (k, block_n), "v_map": (v, block_n)}
+        if not variant.splits_q:
+            boxes = {"q_map": (q, variant.block_m), **boxes}
+        halves = _halves_maps(plan.halves, 1 if variant.mode & MODE_TF32 else 2, params, boxes, q=q,
+                              first=1 if variant.splits_q else 0, chunk_words=True)
+        if variant.splits_q:
+            q_rows = _q_split_rows(q, variant)
+            params.set(q_map=_tma.tensor_map(q_rows, q_split_chunk_rows(variant.head_dim)))
     if plan.map_specs is not None:
         specs = plan.map_specs + (() if plan.bias_spec is None else (plan.bias_spec,))
         params.set(**_tensor_maps(specs, (q, k, v, mods.bias), ("q_map", "k_map", "v_map", "bias_map")))
@@ -385,13 +391,29 @@ def attention_forward(q, k, v, o, lse, *, scale: float, causal: bool, mods=_mods
     _launch(plan.variant, plan.grid, q.device.id, params)
 
 
-def _halves_maps(passes, planes: int, params: _params.Params, boxes: dict, *, chunk_words: bool = False) -> tuple:
-    """fp32 on the Hopper kernels: the tensors of ``boxes`` ({map field: (q, k, v or dO,
-    box rows)}, in that order) as fp16 halves (`_halves_of`), and the map fields of
-    ``params`` set to describe them. Returns what the caller keeps until its kernel is
+def _q_split_rows(q, variant: Variant):
+    """The fp32 rows a forward that splits q itself reads through its q map
+    (kernels_cu/fwd_sm90.cu QSplit): q, or where the copy engine cannot describe q (rows not
+    16-byte aligned) a copy whose rows are, which the caller keeps until the kernel is
     queued."""
+    if _tma.map_spec(q, q_split_chunk_rows(variant.head_dim)) is not None:
+        return q
+    import cupy
+
+    B, H, N, d = q.shape
+    rows = cupy.empty((B, H, N, -(-d // 4) * 4), q.dtype)[..., :d]
+    rows[...] = q
+    return rows
+
+
+def _halves_maps(passes, planes: int, params: _params.Params, boxes: dict, *, q, first: int = 0,
+                 chunk_words: bool = False) -> tuple:
+    """fp32 on the Hopper kernels: the tensors of ``boxes`` ({map field: (q, k, v or dO,
+    box rows)}, in that order, from tensor ``first`` on) as fp16 halves (`_halves_of`), and
+    the map fields of ``params`` set to describe them. Returns what the caller keeps until
+    its kernel is queued."""
     tensors, rows = zip(*boxes.values())
-    halves, words = _halves_of(passes, planes, params, tensors, chunk_words=chunk_words)
+    halves, words = _halves_of(passes, planes, params, tensors, q=q, first=first, chunk_words=chunk_words)
     specs = _map_specs(*zip(halves, rows))
     if specs is None:
         raise RuntimeError("the driver refused a tensor map of fp16 halves")
@@ -399,8 +421,10 @@ def _halves_maps(passes, planes: int, params: _params.Params, boxes: dict, *, ch
     return halves, words
 
 
-def _halves_of(passes, planes: int, params: _params.Params, tensors, *, chunk_words: bool = False) -> tuple:
-    """fp32 on the Hopper kernels: ``tensors`` (q, k, v, and for the backward dO) as fp16
+def _halves_of(passes, planes: int, params: _params.Params, tensors, *, q, first: int = 0,
+               chunk_words: bool = False) -> tuple:
+    """fp32 on the Hopper kernels: ``tensors`` (q, k, v, and for the backward dO, from
+    tensor ``first`` on: the forward whose kernel splits q itself passes k and v) as fp16
     halves (kernels_cu/halves.cuh), written by ``passes`` (split_f32.cu) on the call's
     stream, and the words of their scales set in ``params``: the tensors' largest
     magnitudes (zeroed, for the passes that find them) and, with ``chunk_words`` (the
@@ -417,7 +441,7 @@ def _halves_of(passes, planes: int, params: _params.Params, tensors, *, chunk_wo
         return cupy.empty((B, planes * H, N, -(-cols // 8) * 8), cupy.float16)[..., :cols]
 
     halves = tuple(halves_of(x) for x in tensors)
-    q, k = tensors[:2]
+    k = tensors[1 - first]
     chunks = math.ceil(max(q.shape[2], k.shape[2]) / HALVES_ROWS)   # a CTA of the passes each
     words = []
     if any(v.name_expression == HALVES_MAX_PASS for v in passes):
@@ -430,8 +454,10 @@ def _halves_of(passes, planes: int, params: _params.Params, tensors, *, chunk_wo
         params.set(halves_chunk_max=words[-1].data.ptr, halves_chunks=chunks)
     # The passes' grid (split_f32.cu): the arrays' own rows and batch (under varlen the
     # packed (1, H, total, d) arrays), a z-slice of the grid per tensor.
-    passes_params = params.copy().set(**{f"halves_{name}": x.data.ptr for name, x in zip(("q", "k", "v", "do"), halves)},
-                                      nq=q.shape[2], nk=k.shape[2], grid_heads=q.shape[1], grid_batch=q.shape[0])
+    names = ("q", "k", "v", "do")[first:]
+    passes_params = params.copy().set(**{f"halves_{name}": x.data.ptr for name, x in zip(names, halves)},
+                                      nq=q.shape[2], nk=k.shape[2], grid_heads=q.shape[1], grid_batch=q.shape[0],
+                                      halves_first=first)
     grid = (chunks, q.shape[1], len(tensors) * q.shape[0])
     for variant in passes:
         _launch(variant, grid, q.device.id, passes_params)
@@ -682,7 +708,7 @@ def attention_backward(do, q, k, v, o, lse, dq, dk, dv, *, scale, causal, determ
             # allocation's).
             block_m, block_n = variant.tile[0], variant.block_m
             halves = _halves_maps(plan.halves, 2, params, {"q_map": (q, block_m), "k_map": (k, block_n),
-                                                           "v_map": (v, block_n), "dout_map": (do, block_m)})
+                                                           "v_map": (v, block_n), "dout_map": (do, block_m)}, q=q)
             if specs.bias is not None:
                 params.set(**_tensor_maps(specs.bias, (mods.bias,), ("bias_map",)))
         elif specs is not None:

@@ -200,6 +200,14 @@ PORTABLE_SMEM = 99 * 1024
 # mods.cuh MODS_SETUP: the option state of a MODE_EXT kernel in static shared memory,
 # beside the dynamic tiles (an upper bound of sizeof(Mods)).
 MODS_STATIC_SMEM = 256
+# fwd_sm90.cu SM90_FWD_Q_SPLIT_SMEM: the most dynamic shared memory of a forward with a
+# second Q buffer (sm_90's 227 KB a block less two Mods).
+SM90_FWD_Q_SPLIT_SMEM = 232448 - 2 * MODS_STATIC_SMEM
+
+
+def q_split_chunk_rows(D: int) -> int:
+    """fwd_sm90.cu QSplit::CHUNK_ROWS: the fp32 rows of q a TMA copy brings (its box)."""
+    return 64 if D <= 64 else 32 if D <= 128 else 16
 
 CPP_TYPE = {"float16": "half_t", "bfloat16": "bfloat16_t", "float32": "float", "float64": "double"}
 # dtypes served by the m16n8k16 kernels (fwd_sm80.cu, bwd_sm80.cu); the others by fwd_wide.cu
@@ -278,6 +286,7 @@ class Variant:
     # smaller one: sm90_head_dim); 0 for the element-wise passes, which serve every one.
     head_dim: int = 0
     grads: int = 0           # a key-block kernel's GRADS bits (bwd.cuh)
+    splits_q: bool = False   # an fp32 Hopper forward that splits Q into halves itself (fwd_sm90.cu QSplit)
 
     @property
     def source(self) -> str:
@@ -336,17 +345,30 @@ def _sm90_forward(dtype_name: str, D: int, tile, mode: int) -> Variant:
     block_n, consumers, stages = tile
     block_m = 64 * consumers
     f32 = dtype_name == "float32"
-    # fwd_sm90.cu Sm90FwdTile: Q, then a K tile and a V tile per stage, swizzled, of 16-bit
-    # elements (fp32: fp16 halves, two planes each, one with precision="tf32"), with the
-    # bias a (block_m, block_n) bias tile per stage (fp32: none); 1024 bytes to align them;
-    # then Sm90FwdBarriers (2 + 6 STAGES mbarriers of 8 bytes, then the schedule's STAGES +
-    # 1 ints and fp32's words, STAGES + 4 ints, padded to 8 bytes).
+    # fwd_sm90.cu Sm90FwdTile: Q (once or twice), then a K tile and a V tile per stage,
+    # swizzled, of 16-bit elements (fp32: fp16 halves, two planes each, one with
+    # precision="tf32"), with the bias a (block_m, block_n) bias tile per stage (fp32:
+    # none); 1024 bytes to align them; then Sm90FwdBarriers (2 Q_BUFFERS + 6 STAGES
+    # mbarriers of 8 bytes, then the schedule's STAGES + Q_BUFFERS ints, padded to 8 bytes),
+    # fp32's words first (Sm90FwdF32Words: 4 mbarriers, 4 Q_BUFFERS + STAGES + 29 ints,
+    # padded to 8 bytes). fp32 in dense mode splits Q itself where a second Q buffer and
+    # QSplit's two slots of fp32 rows fit (SM90_FWD_Q_SPLIT_SMEM).
     planes = 2 if f32 and not mode & MODE_TF32 else 1
     bias = stages * block_m * block_n if mode & MODE_BIAS and not f32 else 0
-    smem = ((planes * (block_m + 2 * stages * block_n) * D + bias) * 2 + 1024
-            + 8 * (2 + 6 * stages) + -(-4 * (2 * stages + 5) // 8) * 8)
+
+    def smem_bytes(q_buffers: int) -> int:
+        pad8 = lambda n: -(-n // 8) * 8   # noqa: E731
+        f32_words = 8 * 4 + pad8(4 * (4 * q_buffers + stages + 29)) if f32 else 0
+        ring = 2 * q_split_chunk_rows(D) * D * 4 if q_buffers == 2 else 0   # QSplit::RING_BYTES
+        return ((planes * (q_buffers * block_m + 2 * stages * block_n) * D + bias) * 2 + ring + 1024
+                + f32_words + 8 * (2 * q_buffers + 6 * stages) + pad8(4 * (stages + q_buffers)))
+
+    splits_q = (f32 and mode & ~MODE_TF32 == MODE_DENSE and 96 % (D // 4) == 0   # QSplit::SERVES
+                and smem_bytes(2) <= SM90_FWD_Q_SPLIT_SMEM)
+    smem = smem_bytes(2 if splits_q else 1)
     expr = f"flash_fwd_sm90<{CPP_TYPE[dtype_name]}, {D}, {block_n}, {consumers}, {stages}, {mode}, {smem}>"
-    return Variant(FWD_SM90, expr, (consumers + 1) * 128, block_m, smem, mode=mode, tile=tuple(tile), head_dim=D)
+    return Variant(FWD_SM90, expr, (consumers + 1) * 128, block_m, smem, mode=mode, tile=tuple(tile), head_dim=D,
+                   splits_q=splits_q)
 
 
 def _wide_forward(dtype_name: str, D: int, tile, mode: int) -> Variant:

@@ -67,7 +67,8 @@ ATTN = _struct([
     ("halves_chunk_max", "ptr"),
     ("scale", "f64"), ("scale_log2", "f64"),
     ("group", "i32"), ("nq", "i32"), ("nk", "i32"), ("d", "i32"), ("dim_v", "i32"), ("nq_pad", "i32"), ("dq_ld", "i32"),
-    ("causal", "i32"), ("vec", "i32"), ("halves_chunks", "i32"), ("grid_m", "i32"), ("grid_heads", "i32"), ("grid_batch", "i32"),
+    ("causal", "i32"), ("vec", "i32"), ("halves_chunks", "i32"),
+    ("halves_first", "i32"), ("grid_m", "i32"), ("grid_heads", "i32"), ("grid_batch", "i32"),
     ("grid_n", "i32"), ("whole_units", "i32"), ("unit_pieces", "i32"),
     ("mods", MODS),
 ])

@@ -34,6 +34,16 @@ __device__ __forceinline__ u32 smem_addr(const void* p) {
 __device__ __forceinline__ void store_shared_16(float* p, float4 v) {
     asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" :: "r"(smem_addr(p)), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w));
 }
+// 8 bytes at a shared-window address (smem_addr's).
+__device__ __forceinline__ void store_shared_8(u32 addr, uint2 v) {
+    asm volatile("st.shared.v2.b32 [%0], {%1, %2};\n" :: "r"(addr), "r"(v.x), "r"(v.y) : "memory");
+}
+// 16 bytes from a shared-window address, as floats.
+__device__ __forceinline__ float4 load_shared_16(u32 addr) {
+    float4 v;
+    asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(addr) : "memory");
+    return v;
+}
 
 // 16-byte asynchronous copy; bytes past `src_bytes` are zero-filled (0 reads nothing).
 __device__ __forceinline__ void cp_async_16(void* dst, const void* src, int src_bytes) {
@@ -43,6 +53,12 @@ __device__ __forceinline__ void cp_async_16(void* dst, const void* src, int src_
 // 4-byte asynchronous copy (through L1: .cg takes 16 bytes only).
 __device__ __forceinline__ void cp_async_4(void* dst, const void* src) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" :: "r"(smem_addr(dst)), "l"(src));
+}
+// A BYTES (4 or 16) asynchronous copy through L1 to a shared-window address; bytes past
+// `src_bytes` are zero-filled (0 reads nothing).
+template <int BYTES>
+__device__ __forceinline__ void cp_async_ca(u32 dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" :: "r"(dst), "l"(src), "n"(BYTES), "r"(src_bytes));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cp_async_wait() {

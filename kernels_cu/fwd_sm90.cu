@@ -64,29 +64,47 @@
 #include "warp_mm.cuh"
 #include "wgmma.cuh"
 
+// The most dynamic shared memory a forward with a second Q buffer (QSplit) may take:
+// sm_90's 227 KB a block less the option state's static shared memory (two Mods, 256
+// bytes each at most; cupyflash/_kernels.py mirrors it).
+#define SM90_FWD_Q_SPLIT_SMEM (232448 - 2 * 256)
+
 // Barriers of the pipeline, after the tiles in shared memory, and the schedule: with
 // the options the producer alone walks the key tiles (the mask's range, the block mask)
 // and writes each stage's tile before its "full" arrival (release; the consumers' wait
 // acquires): 4 tile, + 2 on the work tile's last, + 1 where it needs the element mask.
-// Beside Q's "full" arrival it writes the work word: 2 w, + 1 when the work tile visits
-// no key tile, or END when no work is left. fp32: the halves' chunk words (halves.cuh) of
-// each consumer warpgroup's Q rows, and each stage's K and V exponents in one word
-// (TileExponents), written once their copies are issued and announced by a second arrival
-// on Q's and K's "full" barriers.
+// Beside each Q buffer's "full" arrival the work word: 2 w, + 1 when the work tile visits
+// no key tile, or END when no work is left. fp32: each stage's K and V exponents in one
+// word (TileExponents), written once their copies are issued and announced by a second
+// arrival on K's "full" barrier; and the bits of each consumer warpgroup's largest |q|
+// (q_chunk), beside Q's work word: by the producer from the chunk words of the passes, or
+// where the kernel splits Q itself by QSplit's warps (below), which then also choose the
+// work tiles: the producer's loading warp takes each from its Q buffer's work word.
 // The words are written and read with atomics: the barriers order them, and
 // compute-sanitizer's racecheck, which does not follow mbarrier ordering, then sees no
 // plain write racing the plain reads of a stage's previous round.
-template <int STAGES>
-struct Sm90FwdBarriers {
+// fp32's words (none for 16-bit inputs: an empty base takes no bytes), first in
+// Sm90FwdBarriers; the q_split words serve QSplit alone.
+template <int STAGES, bool F32, int Q_BUFFERS>
+struct Sm90FwdF32Words {
+    u64 q_split_full[2], q_split_empty[2];   // QSplit's two slots of fp32 rows
+    int q_chunk[Q_BUFFERS][4];
+    int kv_exps[STAGES];
+    int q_split_max[2][3][4];   // QSplit's warps' largest |q| a warpgroup, by work tile parity
+    int q_split_tile[5];        // QSplit's work tile, from its first thread to all (QSplit::Tile)
+};
+template <int STAGES, int Q_BUFFERS>
+struct Sm90FwdF32Words<STAGES, false, Q_BUFFERS> {};
+
+template <int STAGES, bool F32, int Q_BUFFERS>
+struct Sm90FwdBarriers : Sm90FwdF32Words<STAGES, F32, Q_BUFFERS> {
     static constexpr int END = -1;
-    u64 q_full, q_empty;
+    u64 q_full[Q_BUFFERS], q_empty[Q_BUFFERS];
     u64 k_full[STAGES], v_full[STAGES];
     u64 k_empty[STAGES], v_empty[STAGES];
     u64 bias_full[STAGES], bias_empty[STAGES];   // MODE_BIAS with the bias by TMA
     int tile[STAGES];
-    int work;   // the work tile whose Q is in flight (END: none left)
-    int q_chunk[4];          // fp32: a word a consumer warpgroup
-    int kv_exps[STAGES];     // fp32: TileExponents
+    int work[Q_BUFFERS];   // the work tile in the Q buffer (END: none left)
 };
 
 // fp32: a key tile's K and V halves' exponents (halves.cuh halves_exponent, -112 .. 127)
@@ -121,6 +139,151 @@ struct Sm90Work {
         }
         return t;
     }
+};
+
+// fp32 in dense mode, where shared memory holds two Q buffers: Q split into fp16 halves by
+// the producer warpgroup's three warps that issue no copies, a work tile ahead of the
+// consumers, so that q is read once, as fp32, and split_f32.cu writes only K's and V's
+// halves. These warps choose the work tiles (the loading warp streams each tile's K and V
+// once its Q buffer's work word is out). For each tile, into Q buffer k % 2: each consumer
+// warpgroup's largest finite |q| over its 64 rows; then, once the consumers have given the
+// buffer back, the rows again, scaled by 2^(14 - e) (halves.cuh) and written as PLANES
+// fp16 planes in the 128-byte swizzle TMA writes (wgmma.cuh Swizzle128); then the work
+// word (2 w, + 1 without key tiles, or END) and each warpgroup's bits (q_chunk), and each
+// warp's arrival on the buffer's "full" barrier. The fp32 rows come CHUNK_ROWS at a time
+// by TMA (q_map describes q itself, 32 columns a box in the 128-byte swizzle; rows past q's
+// and columns past d arrive as zeros) through two slots, the next chunk in flight while
+// the warps read one: the producer warpgroup keeps 32 registers a thread, too few for
+// loads of their own in flight.
+template <int D, int BLOCK_M, int PLANES>
+struct QSplit {
+    static constexpr int WARPS = 3, THREADS = 32 * WARPS;
+    static constexpr int GROUPS = BLOCK_M / 64;   // consumer warpgroups
+    static constexpr int CHUNK_ROWS = D <= 64 ? 64 : D <= 128 ? 32 : 16;
+    static constexpr int CHUNKS = BLOCK_M / CHUNK_ROWS, GROUP_CHUNKS = 64 / CHUNK_ROWS;
+    static constexpr int BOX_COLS = 32;           // fp32 columns a box (the swizzle's 128 bytes)
+    static constexpr int CHUNK_BYTES = CHUNK_ROWS * D * 4;
+    static constexpr int RING_BYTES = 2 * CHUNK_BYTES;   // shared memory (cupyflash/_kernels.py mirrors it)
+    // A thread's runs of 4 columns: one column c, every ROW_STEP-th row.
+    static constexpr int ROW_RUNS = D / 4, ROW_STEP = THREADS / ROW_RUNS;
+    static constexpr int BARRIER = 2;             // named barrier of the three warps (1: the consumers')
+    static_assert(D % BOX_COLS == 0 && 64 % CHUNK_ROWS == 0, "whole boxes, chunks within a warpgroup");
+    static constexpr bool SERVES = THREADS % ROW_RUNS == 0;   // whole rows at a time (not d = 256)
+
+    // The work tile's words in shared memory (the first thread's, read where needed: in
+    // registers they outlived the loops, which then spilled).
+    enum Tile { NUMBER, WORD, ROW, HEAD, BATCH };
+
+    template <int FIRST_THREAD, bool HEADS_FIRST, typename Bars>
+    __device__ __forceinline__ static void run(const AttnParams& p, Bars& bars, half_t* sQ, u32 ring) {
+        static_assert(SERVES, "whole rows at a time");
+        const int tid = int(threadIdx.x) - FIRST_THREAD, lane = tid % 32;
+        int (&tile)[5] = bars.q_split_tile;
+        int t = 0;   // chunks through the slots so far: slot t % 2
+        for (int k = 0;; ++k) {
+            if (tid == 0) {   // the next work tile: its number, work word, first row, head and batch entry
+                const int w = k == 0                       ? int(blockIdx.x)
+                              : p.work_counter == nullptr ? tile[NUMBER] + int(gridDim.x)
+                                                          : int(gridDim.x) + atomicAdd(p.work_counter, 1);
+                const bool end = w >= p.grid_m * p.grid_heads * p.grid_batch;
+                const Sm90Work work = Sm90Work::decode<HEADS_FIRST>(end ? 0 : w, p);
+                Mods<float, float, MODE_DENSE> mods;
+                mods.set_bounds(p, work.b);
+                const int q0 = work.m_block * BLOCK_M;
+                const int2 tiles = mods.mask.key_tile_range(q0, q0 + BLOCK_M, 1);
+                tile[NUMBER] = w;
+                tile[WORD] = end ? Bars::END : 2 * w + (tiles.y <= tiles.x);
+                tile[ROW] = q0;
+                tile[HEAD] = work.h;
+                tile[BATCH] = work.b;
+            }
+            named_barrier(BARRIER, THREADS);
+            const bool end = tile[WORD] == Bars::END;
+            // The tile's chunks, twice (the maxima, then the split): chunk i's rows come into
+            // slot t % 2 (the first thread issues chunk i + 1 before the warps read chunk i),
+            // and f(i % CHUNKS, r, c, x) takes each of the thread's runs of it: row r of the
+            // tile, the 4 columns x from c.
+            auto issue = [&](int i, int slot_t) {
+                const int s = slot_t % 2;
+                mbar_wait(&bars.q_split_empty[s], ((slot_t / 2) & 1) ^ 1);
+                mbar_arrive_expect_tx(&bars.q_split_full[s], CHUNK_BYTES);
+                #pragma unroll
+                for (int box = 0; box < D / BOX_COLS; ++box)
+                    tma_load_4d(ring_at(ring, s) + box * CHUNK_ROWS * 128, p.q_map, &bars.q_split_full[s],
+                                box * BOX_COLS, tile[ROW] + i % CHUNKS * CHUNK_ROWS, tile[HEAD], tile[BATCH]);
+            };
+            auto for_each_run = [&](int i, auto&& f) {
+                if (tid == 0 && i + 1 < 2 * CHUNKS) issue(i + 1, t + 1);
+                const int s = t % 2;
+                mbar_wait(&bars.q_split_full[s], (t / 2) & 1);
+                const int c = tid % ROW_RUNS * 4;
+                // wgmma.cuh Swizzle128 of fp32: the column's box, then row r's 16-byte chunk
+                const u32 column = ring_at(ring, s) + c / BOX_COLS * CHUNK_ROWS * 128;
+                #pragma unroll 1
+                for (int r = tid / ROW_RUNS; r < CHUNK_ROWS; r += ROW_STEP) {
+                    const float4 v = load_shared_16(column + r * 128 + ((c % BOX_COLS / 4) ^ (r % 8)) * 16);
+                    const float x[4] = {v.x, v.y, v.z, v.w};
+                    f(i % CHUNKS * CHUNK_ROWS + r, c, x);
+                }
+                __syncwarp();
+                if (lane == 0) mbar_arrive(&bars.q_split_empty[s]);
+                ++t;
+            };
+            if (!end && tid == 0) issue(0, t);
+            int (&slots)[WARPS][4] = bars.q_split_max[k & 1];
+            #pragma unroll 1
+            for (int g = 0; g < GROUPS; ++g) {
+                u32 largest = 0;
+                if (!end)
+                    #pragma unroll 1
+                    for (int i = g * GROUP_CHUNKS; i < (g + 1) * GROUP_CHUNKS; ++i)
+                        for_each_run(i, [&](int, int, const float (&x)[4]) {
+                            #pragma unroll
+                            for (int e = 0; e < 4; ++e) largest = max(largest, finite_magnitude_bits(x[e]));
+                        });
+                largest = __reduce_max_sync(0xffffffffu, largest);
+                if (lane == 0) slots[tid / 32][g] = int(largest);
+            }
+            named_barrier(BARRIER, THREADS);   // (and every thread has read the tile's words)
+            auto group_largest = [&](int g) {
+                u32 m = 0;
+                #pragma unroll
+                for (int v = 0; v < WARPS; ++v) m = max(m, u32(slots[v][g]));
+                return m;
+            };
+            const int qb = k % 2;
+            mbar_wait(&bars.q_empty[qb], ((k / 2) & 1) ^ 1);   // the consumers' release of the buffer's last tile
+            const u32 buffer = smem_addr(sQ) + qb * PLANES * BLOCK_M * D * 2;
+            #pragma unroll 1
+            for (int g = 0; g < GROUPS; ++g) {
+                const float scale = halves_scale(group_largest(g));
+                if (!end)
+                    #pragma unroll 1
+                    for (int i = CHUNKS + g * GROUP_CHUNKS; i < CHUNKS + (g + 1) * GROUP_CHUNKS; ++i)
+                        for_each_run(i, [&](int r, int c, const float (&x)[4]) {
+                            uint2 hi, lo;
+                            split_run4(x, scale, hi, lo);
+                            // wgmma.cuh Swizzle128 of fp16: the column's panel, then row r's 16-byte
+                            // chunk c / 8 ^ r % 8
+                            const u32 at = buffer + c / 64 * BLOCK_M * 128 + r * 128 + ((c % 64 / 8) ^ (r % 8)) * 16 + c % 8 * 2;
+                            store_shared_8(at, hi);
+                            if (PLANES == 2) store_shared_8(at + BLOCK_M * D * 2, lo);
+                        });
+            }
+            fence_async_smem();   // the halves, to wgmma's reads
+            if (tid == 0) {
+                atomicExch(&bars.work[qb], tile[WORD]);
+                #pragma unroll
+                for (int g = 0; g < GROUPS; ++g) atomicExch(&bars.q_chunk[qb][g], int(group_largest(g)));
+            }
+            __syncwarp();
+            if (lane == 0) mbar_arrive(&bars.q_full[qb]);
+            if (end) return;
+        }
+    }
+
+    // Slot s of the ring (1024-byte aligned, as the swizzle needs).
+    __device__ __forceinline__ static u32 ring_at(u32 ring, int s) { return ring + s * CHUNK_BYTES; }
 };
 
 // A bias pair (keys j and j + 1 of a row) in the N words a consumer keeps it in: one u32
@@ -192,18 +355,33 @@ struct Sm90FwdTile {
     static constexpr int PANEL = 128 / sizeof(E);   // columns per TMA box (128 bytes, the swizzle span)
     static constexpr u32 Q_BYTES = Q_ELEMS * sizeof(E), KV_BYTES = KV_ELEMS * sizeof(E);   // a plane's
     static constexpr u32 BIAS_BYTES = BIAS_ELEMS * sizeof(E);
-    // Shared memory (cupyflash/_kernels.py mirrors it): Q, K x STAGES, V x STAGES (each
-    // PLANES planes), bias x STAGES (MODE_BIAS), each 1024-byte aligned; then the
-    // mbarriers and the schedule.
+    // Shared memory (cupyflash/_kernels.py mirrors it): Q x Q_BUFFERS, K x STAGES, V x
+    // STAGES (each PLANES planes), bias x STAGES (MODE_BIAS), each 1024-byte aligned, and
+    // with QSplit its ring; then the mbarriers and the schedule. The dynamic shared memory
+    // the host must give: the tiles, the slack to align them, the barriers.
     static constexpr int ALIGN = 1024;
-    static constexpr int TILE_BYTES = (PLANES * (Q_ELEMS + 2 * STAGES * KV_ELEMS) + STAGES * BIAS_ELEMS) * sizeof(E);
-    // The dynamic shared memory the host must give: the tiles, the slack to align them,
-    // the barriers.
-    static constexpr int SMEM_BYTES = TILE_BYTES + ALIGN + sizeof(Sm90FwdBarriers<STAGES>);
-    // Register budgets after setmaxnreg: the producer keeps 24 a thread, 56 where it
-    // walks the options' schedule (with less, its block-mask walk spills; build check);
-    // the consumers share the rest of the launch's registers (tma.cuh WarpgroupRegs).
-    static constexpr int PRODUCER_REGS = OPTIONS == MODE_DENSE ? 24 : 56;
+    // fp32 in dense mode: Q split by the kernel itself (QSplit: a second Q buffer and its
+    // ring of loads) where shared memory holds them; else by split_f32.cu's passes,
+    // through one buffer.
+    template <bool Q_SPLIT>
+    static constexpr int tile_bytes() {
+        return (PLANES * ((1 + Q_SPLIT) * Q_ELEMS + 2 * STAGES * KV_ELEMS) + STAGES * BIAS_ELEMS) * sizeof(E) +
+               (Q_SPLIT ? QSplit<D, BLOCK_M, PLANES>::RING_BYTES : 0);
+    }
+    template <bool Q_SPLIT>
+    static constexpr int smem_bytes() {
+        return tile_bytes<Q_SPLIT>() + ALIGN + sizeof(Sm90FwdBarriers<STAGES, F32, 1 + Q_SPLIT>);
+    }
+    static constexpr bool Q_SPLIT = F32 && OPTIONS == MODE_DENSE && QSplit<D, BLOCK_M, PLANES>::SERVES &&
+                                    smem_bytes<true>() <= SM90_FWD_Q_SPLIT_SMEM;
+    static constexpr int Q_BUFFERS = Q_SPLIT ? 2 : 1;
+    static constexpr int TILE_BYTES = tile_bytes<Q_SPLIT>();
+    static constexpr int SMEM_BYTES = smem_bytes<Q_SPLIT>();
+    // Register budgets after setmaxnreg: the producer keeps 24 a thread, 32 for QSplit (40
+    // with the low halves), 56 where it walks the options' schedule (with less, its
+    // block-mask walk spills; build check); the consumers share the rest of the launch's
+    // registers (tma.cuh WarpgroupRegs).
+    static constexpr int PRODUCER_REGS = OPTIONS != MODE_DENSE ? 56 : Q_SPLIT ? (PLANES == 2 ? 40 : 32) : 24;
     static constexpr int CONSUMER_REGS = WarpgroupRegs<THREADS, PRODUCER_REGS>::CONSUMER;
     static_assert(D % PANEL == 0 && BLOCK_N % PANEL == 0 && BLOCK_N <= 256 && D <= 256 && BLOCK_M <= 256,
                   "tile shape (TMA boxes take at most 256 rows)");
@@ -224,10 +402,11 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
     typedef typename C::E E;
     constexpr int PLANES = C::PLANES, Q_TILE = PLANES * C::Q_ELEMS, KV_TILE = PLANES * C::KV_ELEMS;
     E* sQ = reinterpret_cast<E*>(smem_raw + (C::ALIGN - smem_addr(smem_raw) % C::ALIGN) % C::ALIGN);
-    E* sK = sQ + Q_TILE;                  // STAGES K tiles
+    E* sK = sQ + C::Q_BUFFERS * Q_TILE;   // STAGES K tiles
     E* sV = sK + STAGES * KV_TILE;        // STAGES V tiles
     E* sBias = sV + STAGES * KV_TILE;     // STAGES buffers (MODE_BIAS)
-    auto& bars = *reinterpret_cast<Sm90FwdBarriers<STAGES>*>(reinterpret_cast<unsigned char*>(sQ) + C::TILE_BYTES);
+    const u32 sRing = smem_addr(sBias + STAGES * C::BIAS_ELEMS);   // QSplit's slots of fp32 rows
+    auto& bars = *reinterpret_cast<Sm90FwdBarriers<STAGES, C::F32, C::Q_BUFFERS>*>(reinterpret_cast<unsigned char*>(sQ) + C::TILE_BYTES);
     // The option state of the current work tile (mods.cuh), one copy for the producer
     // thread and one for the consumers, each written and read by its own side (the
     // producer runs a work tile ahead). In registers it would sit beside S, O and the
@@ -245,20 +424,30 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
     // (a tensor map describes it), else each thread loads its scores' bias (bias_tile).
     const bool bias_in_smem = (MODE & MODE_BIAS) != 0 && !C::F32 && p.mods.bias_tma;
     const int work_tiles = p.grid_m * p.grid_heads * p.grid_batch;
-    // fp32: the producer's second arrival on Q's and K's "full" barriers (the chunk words).
-    constexpr int FULL_ARRIVALS = C::F32 ? 2 : 1;
+    // fp32: a second arrival on Q's and K's "full" barriers (the words of their scales),
+    // or with QSplit each of its warps' on Q's.
+    typedef QSplit<D, BLOCK_M, PLANES> QSplitT;
+    constexpr int Q_FULL_ARRIVALS = C::Q_SPLIT ? QSplitT::WARPS : C::F32 ? 2 : 1, K_FULL_ARRIVALS = C::F32 ? 2 : 1;
     if (threadIdx.x == 0) {
-        mbar_init(&bars.q_full, FULL_ARRIVALS);
-        mbar_init(&bars.q_empty, CONSUMERS * 4);
+        #pragma unroll
+        for (int b = 0; b < C::Q_BUFFERS; ++b) {
+            mbar_init(&bars.q_full[b], Q_FULL_ARRIVALS);
+            mbar_init(&bars.q_empty[b], CONSUMERS * 4);
+        }
         #pragma unroll
         for (int s = 0; s < STAGES; ++s) {
-            mbar_init(&bars.k_full[s], FULL_ARRIVALS);
+            mbar_init(&bars.k_full[s], K_FULL_ARRIVALS);
             mbar_init(&bars.v_full[s], 1);
             mbar_init(&bars.k_empty[s], CONSUMERS * 4);
             mbar_init(&bars.v_empty[s], CONSUMERS * 4);
             mbar_init(&bars.bias_full[s], 1);
             mbar_init(&bars.bias_empty[s], CONSUMERS * 4);
         }
+        if constexpr (C::Q_SPLIT)
+            for (int s = 0; s < 2; ++s) {
+                mbar_init(&bars.q_split_full[s], 1);
+                mbar_init(&bars.q_split_empty[s], QSplitT::WARPS);
+            }
         mbar_init_fence();
     }
     __syncthreads();
@@ -286,27 +475,39 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
                 return warp_uniform(next);
             };
             int t = 0;   // key tiles loaded so far, over every work tile: stage t % STAGES
-            for (int w = blockIdx.x, k = 0;; w = next_work(w), ++k) {
-                mbar_wait(&bars.q_empty, (k & 1) ^ 1);
-                // The next work tile with query rows (varlen: the grid covers the longest
-                // sequence).
+            for (int w = blockIdx.x, k = 0;; ++k) {
                 Sm90Work work;
                 int q0 = 0, q_rows = 0;
-                for (; w < work_tiles; w = next_work(w)) {
+                // The next work tile: with QSplit its choice, once its Q buffer's work word is
+                // out (QSplit runs a work tile ahead); else the next with query rows (varlen:
+                // the grid covers the longest sequence), once Q's buffer is free again.
+                auto take = [&]() {
                     work = Sm90Work::decode<HEADS_FIRST>(w, p);
                     __syncwarp();   // every lane is past its reads of the previous state
                     if (leader) producer_mods.set_bounds(p, work.b);
                     __syncwarp();
                     q0 = work.m_block * BLOCK_M;
                     q_rows = min(BLOCK_M, mods.mask.nq - q0);
-                    if (q_rows > 0) break;
-                }
-                if (w >= work_tiles) {   // plain arrivals complete the phase
-                    if (leader) {
-                        atomicExch(&bars.work, bars.END);
-                        for (int i = 0; i < FULL_ARRIVALS; ++i) mbar_arrive(&bars.q_full);
+                };
+                if constexpr (C::Q_SPLIT) {
+                    mbar_wait(&bars.q_full[k % 2], (k / 2) & 1);
+                    const int word = read_word(&bars.work[k % 2]);
+                    if (word == bars.END) break;
+                    w = word >> 1;
+                    take();
+                } else {
+                    mbar_wait(&bars.q_empty[0], (k & 1) ^ 1);
+                    for (w = k == 0 ? w : next_work(w); w < work_tiles; w = next_work(w)) {
+                        take();
+                        if (q_rows > 0) break;
                     }
-                    break;
+                    if (w >= work_tiles) {   // plain arrivals complete the phase
+                        if (leader) {
+                            atomicExch(&bars.work[0], bars.END);
+                            for (int i = 0; i < Q_FULL_ARRIVALS; ++i) mbar_arrive(&bars.q_full[0]);
+                        }
+                        break;
+                    }
                 }
                 const int h = work.h, hk = h / p.group, kv_heads = p.grid_heads / p.group;
                 const int2 tiles = mods.mask.key_tile_range(q0, q0 + q_rows, BLOCK_N);
@@ -348,18 +549,18 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
                 };
                 int state;
                 int k_pos = next_visited(0, state);
-                if (leader) {
+                if (!C::Q_SPLIT && leader) {
                     // The work word: 2 w, + 1 when no key tile is visited.
-                    atomicExch(&bars.work, 2 * w + (k_pos >= walk_length));
-                    mbar_arrive_expect_tx(&bars.q_full, PLANES * C::Q_BYTES);
-                    load_tile(sQ, p.q_map, &bars.q_full, BLOCK_M, mods.q_base + q0, h, p.grid_heads);
+                    atomicExch(&bars.work[0], 2 * w + (k_pos >= walk_length));
+                    mbar_arrive_expect_tx(&bars.q_full[0], PLANES * C::Q_BYTES);
+                    load_tile(sQ, p.q_map, &bars.q_full[0], BLOCK_M, mods.q_base + q0, h, p.grid_heads);
                     if constexpr (C::F32) {
                         for (int wg = 0; wg < CONSUMERS; ++wg) {   // (a warpgroup past the rows: 0)
                             const int r = q0 + 64 * wg;
                             const u32 word = r < mods.mask.nq ? *halves_chunk_word(p, HALVES_Q, mods.tb, h, mods.q_base + r) : 0;
-                            atomicExch(&bars.q_chunk[wg], int(word));
+                            atomicExch(&bars.q_chunk[0][wg], int(word));
                         }
-                        mbar_arrive(&bars.q_full);
+                        mbar_arrive(&bars.q_full[0]);
                     }
                 }
                 for (; k_pos < walk_length; ++t) {
@@ -413,6 +614,8 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
                     state = next_state;
                 }
             }
+        } else if constexpr (C::Q_SPLIT) {
+            QSplitT::template run<C::CONSUMER_THREADS + 32, HEADS_FIRST>(p, bars, sQ, sRing);
         }
         return;
     }
@@ -442,13 +645,16 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
     float pv_unscale = 1.f;
 
     for (int k = 0;; ++k) {
-        mbar_wait(&bars.q_full, k & 1);
-        const int work_word = read_word(&bars.work);
+        // The work tile's Q buffer (two with QSplit, in turn).
+        const int qb = k % C::Q_BUFFERS;
+        const E* const sQk = sQ + qb * Q_TILE;
+        mbar_wait(&bars.q_full[qb], (k / C::Q_BUFFERS) & 1);
+        const int work_word = read_word(&bars.work[qb]);
         if (work_word == bars.END) break;
         const Sm90Work work = Sm90Work::decode<HEADS_FIRST>(work_word >> 1, p);
         const int h = work.h;
         if constexpr (C::F32) {
-            q_exp = halves_exponent(u32(read_word(&bars.q_chunk[warp / 4])));
+            q_exp = halves_exponent(u32(read_word(&bars.q_chunk[qb][warp / 4])));
             o_exp = NO_PV;   // no P V yet
         }
         // Every consumer thread is past the previous work tile (its reads of the state).
@@ -481,7 +687,7 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
             const E* sKb = sK + (t % STAGES) * KV_TILE;
             wgmma_fence();
             for_each_product<C::PRODUCTS>([&](int pa, int pb, bool first) {
-                const E* q = sQ + pa * C::Q_ELEMS;
+                const E* q = sQk + pa * C::Q_ELEMS;
                 const E* k = sKb + pb * C::KV_ELEMS;
                 #pragma unroll
                 for (int ks = 0; ks < C::KSTEPS; ++ks) {
@@ -739,7 +945,7 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
                 const u64 keep = keep_bits(jt);
                 wgmma_wait<0>();
                 land_s();
-                if (last) release_bar(&bars.q_empty);
+                if (last) release_bar(&bars.q_empty[qb]);
                 release(bars.k_empty, t);
                 BiasPairs bias;
                 bias_tile(t, jt, bias);
@@ -752,7 +958,7 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
                 land_pv();
                 release(bars.v_empty, t);
             }
-            if (work_word & 1) release_bar(&bars.q_empty);
+            if (work_word & 1) release_bar(&bars.q_empty[qb]);
         } else if ((work_word & 1) == 0) {
             int jt;
             bool masked, last;
@@ -790,7 +996,7 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
                 if (grew) softmax.rescale(acc, alpha);
                 round_p();
             }
-            release_bar(&bars.q_empty);
+            release_bar(&bars.q_empty[qb]);
             wait_full(bars.v_full, t);
             issue_pv(t);
             wgmma_wait<0>();
@@ -798,7 +1004,7 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
             release(bars.v_empty, t);
             ++t;
         } else {
-            release_bar(&bars.q_empty);
+            release_bar(&bars.q_empty[qb]);
         }
 
         float row_lse[1][2];

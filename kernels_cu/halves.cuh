@@ -87,6 +87,25 @@ __device__ __forceinline__ void split_half(float x, half_t& hi, half_t& lo) {
     lo = from_float<half_t>(rest == rest ? rest : 0.f);
 }
 
+// Four consecutive elements times `scale` as split_half's high halves and low halves,
+// each four in 8 bytes (the first element in the lowest bits).
+__device__ __forceinline__ void split_run4(const float (&x)[4], float scale, uint2& hi, uint2& lo) {
+    half_t h[4], l[4];
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) split_half(x[i] * scale, h[i], l[i]);
+    auto pack = [](const half_t (&e)[4]) {
+        return make_uint2(u32(e[0].bits) | u32(e[1].bits) << 16, u32(e[2].bits) | u32(e[3].bits) << 16);
+    };
+    hi = pack(h);
+    lo = pack(l);
+}
+
+// |x|'s bits, or 0 for an infinity or NaN (left out of the largest finite magnitude).
+__device__ __forceinline__ u32 finite_magnitude_bits(float x) {
+    const u32 m = __float_as_uint(x) & 0x7fffffffu;
+    return m < 0x7f800000u ? m : 0u;
+}
+
 // Two scaled floats as pack2's pair of high halves and the pair of their low halves.
 __device__ __forceinline__ void split_pack2(float a, float b, u32& hi, u32& lo) {
     hi = pack2<half_t>(a, b);

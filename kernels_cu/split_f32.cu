@@ -12,10 +12,11 @@
 //                     halves_chunk_max; else the tensor's, after f32_halves_max, and where
 //                     halves_chunk_max is given (the forward under varlen) every chunk's
 //                     word is the tensor's.
-// Grid (ceil(max(nq, nk) / HALVES_ROWS), Hq, 3 B, or 4 B with dO): blockIdx.z = tensor * B
-// + batch entry, the launch's nq and nk the arrays' rows (under varlen the packed total)
-// and grid_batch their batch; CTAs past a tensor's heads or rows return at once. A CTA's
-// rows are one chunk (HALVES_CHUNK_ROWS).
+// Grid (ceil(max(nq, nk) / HALVES_ROWS), Hq, T B): T tensors from halves_first on (the
+// forward's K and V, whose kernel splits Q itself; the backward's q, k, v and dO),
+// blockIdx.z = (tensor - halves_first) B + batch entry, the launch's nq and nk the arrays'
+// rows (under varlen the packed total) and grid_batch their batch; CTAs past a tensor's
+// heads or rows return at once. A CTA's rows are one chunk (HALVES_CHUNK_ROWS).
 #include "copy.cuh"
 #include "halves.cuh"
 #include "params.cuh"
@@ -41,7 +42,7 @@ struct HalvesSlice {
     int which, b, h, heads, rows, cols, row0, row_end;
 
     __device__ __forceinline__ explicit HalvesSlice(const AttnParams& p) {
-        which = blockIdx.z / p.grid_batch;
+        which = p.halves_first + int(blockIdx.z) / p.grid_batch;
         b = blockIdx.z % p.grid_batch;
         h = blockIdx.y;
         const bool query_rows = which == HALVES_Q || which == HALVES_DO;
@@ -112,12 +113,6 @@ __device__ __forceinline__ void with_reads(const AttnParams& p, const HalvesSlic
     } else {
         body(HalvesReads<1, false>());
     }
-}
-
-// |x|'s bits, or 0 for an infinity or NaN (left out of the largest finite magnitude).
-__device__ __forceinline__ u32 finite_magnitude_bits(float x) {
-    const u32 m = __float_as_uint(x) & 0x7fffffffu;
-    return m < 0x7f800000u ? m : 0u;
 }
 
 // The CTA's largest of each thread's `bits`, in every thread.
@@ -201,19 +196,17 @@ __device__ __forceinline__ void split_slice(const AttnParams& p, const HalvesSli
     s.for_each_run<R::RUN, R::SLOTS, R::UNROLL>([&](int slot, int row, int col) {
         float v[R::RUN];
         read_run<R>(s, staged, v, slot, row, col);
-        half_t hi[R::RUN], lo[R::RUN];
-        #pragma unroll
-        for (int i = 0; i < R::RUN; ++i) split_half(v[i] * scale, hi[i], lo[i]);
         half_t* const dst = high + (i64)row * row_elems + col;
         if constexpr (R::RUN == 4) {   // 8-byte stores: cols % 4 == 0 keeps them aligned
-            auto pairs = [](half_t a, half_t b, half_t c, half_t d) {
-                return make_uint2(u32(a.bits) | u32(b.bits) << 16, u32(c.bits) | u32(d.bits) << 16);
-            };
-            *reinterpret_cast<uint2*>(dst) = pairs(hi[0], hi[1], hi[2], hi[3]);
-            if (PLANES == 2) *reinterpret_cast<uint2*>(dst + plane_elems) = pairs(lo[0], lo[1], lo[2], lo[3]);
+            uint2 hi, lo;
+            split_run4(v, scale, hi, lo);
+            *reinterpret_cast<uint2*>(dst) = hi;
+            if (PLANES == 2) *reinterpret_cast<uint2*>(dst + plane_elems) = lo;
         } else {
-            dst[0] = hi[0];
-            if (PLANES == 2) dst[plane_elems] = lo[0];
+            half_t hi, lo;
+            split_half(v[0] * scale, hi, lo);
+            dst[0] = hi;
+            if (PLANES == 2) dst[plane_elems] = lo;
         }
     });
 }

@@ -88,14 +88,17 @@ __device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
 }
 
 // One box of a 4-D tensor map at coordinates (c0 innermost: the head-dim column; c1 row;
-// c2 head; c3 batch) into `dst` (1024-byte aligned for the 128-byte swizzle), its bytes
-// counted on `bar`.
-__device__ __forceinline__ void tma_load_4d(void* dst, const TmaMap& map, u64* bar, int c0, int c1, int c2, int c3) {
+// c2 head; c3 batch) into shared memory at `dst` (a shared-window address, 1024-byte aligned
+// for the 128-byte swizzle), its bytes counted on `bar`.
+__device__ __forceinline__ void tma_load_4d(u32 dst, const TmaMap& map, u64* bar, int c0, int c1, int c2, int c3) {
     asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
                  " [%0], [%1, {%2, %3, %4, %5}], [%6];\n"
-                 :: "r"(smem_addr(dst)), "l"(reinterpret_cast<u64>(&map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3),
+                 :: "r"(dst), "l"(reinterpret_cast<u64>(&map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3),
                     "r"(smem_addr(bar))
                  : "memory");
+}
+__device__ __forceinline__ void tma_load_4d(void* dst, const TmaMap& map, u64* bar, int c0, int c1, int c2, int c3) {
+    tma_load_4d(smem_addr(dst), map, bar, c0, c1, c2, c3);
 }
 
 // A tile of `rows` rows of D columns from row0 on (the map's coordinates) into `dst`, in
@@ -111,6 +114,12 @@ __device__ __forceinline__ void tma_load_planes(E* dst, const TmaMap& map, u64* 
         for (int panel = 0; panel < D / PANEL; ++panel)
             tma_load_4d(dst + (plane * D / PANEL + panel) * rows * PANEL, map, bar, panel * PANEL, row0,
                         head + plane * heads, batch);
+}
+
+// Starts bringing `bytes` (a multiple of 16) from `src` (16-byte aligned) into L2, without
+// a destination or a wait: the loads that follow find them there.
+__device__ __forceinline__ void bulk_prefetch_l2(const void* src, u32 bytes) {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" :: "l"(src), "r"(bytes) : "memory");
 }
 
 // Register budgets of warp-specialised kernels (sm_90a): the producer warpgroup gives
