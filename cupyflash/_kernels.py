@@ -135,7 +135,10 @@ FWD_SM90_TF32_BIAS_TILES = {
 # tile's 192 rows would pad (forward_variants_for, ROW_PADDING_SLACK): against it in one
 # process (H200, bench/results/h200-2026-12-04-5b0ce3a-ab-tf32-d64-256-row-tile-vs-192.log)
 # 1.07-1.10x at N = 1k (192 rows pad 1024 to 1152), 1.01x at 2k, 0.96-0.99x at 4k (3%).
-FWD_SM90_TF32_TILES = {**FWD_SM90_TILES, 64: ((128, 3, 2), (64, 4, 3)), 128: ((128, 2, 2),)}
+# Both with a stage more than the 16-bit tile, which the shared memory that the kernel's
+# own split of q leaves allows (fwd_sm90.cu QSplit; …-12-04-*-ab-tf32-d64-stages-*.log:
+# best of two 1.03-1.04x at 4k, 0.99-1.05x at 1k and 2k, within the runs' spread).
+FWD_SM90_TF32_TILES = {**FWD_SM90_TILES, 64: ((128, 3, 3), (64, 4, 4)), 128: ((128, 2, 2),)}
 # A later Hopper tile of the same table goes first where the first would pad the call's
 # query rows by more than this fraction over it: the 256-row tile runs ~7% slower a row.
 ROW_PADDING_SLACK = 1.07

@@ -355,14 +355,15 @@ def test_hopper_option_tile_at_d64(monkeypatch, block_size, causal, window, rows
 @pytest.mark.parametrize("causal", [False, True])
 def test_tf32_takes_the_16_bit_tiles(monkeypatch, D, causal):
     # precision="tf32" runs the fp16 high halves' one product (fwd_sm90.cu): the 16-bit
-    # kernels' tiles, but at d = 128 with two stages (tuned), and splits q itself (QSplit:
-    # a second Q buffer and two slots of fp32 rows beside the tiles).
+    # kernels' tiles, but at d = 64 with three stages and at d = 128 with two (tuned), and
+    # splits q itself (QSplit: a second Q buffer and two slots of fp32 rows beside the
+    # tiles).
     monkeypatch.setattr(_cuda, "_device_info", lambda device_id: ("sm_90a", HOPPER_SMEM))
     mods = _mods.Modifiers(tf32=True)
     chosen = _cuda._choose(_kernels.forward_variants_for("float32", D, mods, causal=causal), 0)
     assert chosen.family is _kernels.FWD_SM90 and chosen.mode == _kernels.MODE_DENSE | _kernels.MODE_TF32
     half = _cuda._choose(_kernels.forward_variants_for("float16", D, _mods.NONE, causal=causal), 0)
-    assert chosen.tile == (half.tile if D == 64 else (128, 2, 2))
+    assert chosen.tile == {64: half.tile[:2] + (3,), 128: (128, 2, 2)}[D]
     assert chosen.splits_q and not half.splits_q
 
 
