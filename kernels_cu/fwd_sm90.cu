@@ -8,7 +8,8 @@
 //       S = Q K^T (both operands by descriptor from shared memory), the mask and the
 //       online softmax in registers, O += P V (P from registers, V read N-major); O and
 //       the LSE go to global memory straight from the registers;
-//   producer (the last warpgroup; one warp works): loads each work tile's Q and
+//   producer (the last warpgroup; one warp works, and for fp32 in dense mode the other
+//       three split Q: QSplit below): loads each work tile's Q and
 //       streams the K and V tiles through STAGES shared-memory stages with TMA copies,
 //       each stage guarded by a "full" mbarrier (the copy has landed) and an "empty" one
 //       (every consumer warp has finished reading it). Q's buffer has the same pair: the
@@ -37,7 +38,8 @@
 //   - dropout zeroes P after the row sums took it; its keep bits (16 scores per Philox
 //     call) are drawn while S is on the tensor cores.
 // fp32 (T = float) runs on the 16-bit tensor cores at fp32 accuracy: split_f32.cu has
-// written q, k and v, each chunk of 128 rows scaled by its own power of two, as fp16 high
+// written k and v (and q, but where the kernel splits q itself: QSplit), each chunk of 128
+// rows scaled by its own power of two (q: each consumer warpgroup's 64 rows), as fp16 high
 // and low halves (halves.cuh), which TMA brings as two planes of every tile; a product is
 // three fp16 products, a_h b_h + a_h b_l + a_l b_h (S = Q K^T over the planes of Q and K;
 // P V from P split in registers, scaled by P_SCALE, over V's planes read N-major as in the

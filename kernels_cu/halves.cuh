@@ -23,7 +23,9 @@
 // move 10. Its tiles lie within chunks, so S is unscaled per key tile and V's scale is
 // undone per key tile (fwd_sm90.cu). Under varlen a tile does not start at a chunk, and
 // every chunk takes its tensor's scale (the two passes, the split writing every chunk's
-// word).
+// word). The dense forward kernels with room for a second Q buffer split q themselves
+// (fwd_sm90.cu QSplit), a scale for each consumer warpgroup's 64 rows: the pass writes k
+// and v alone.
 #pragma once
 #include "elem.cuh"
 #include "params.cuh"

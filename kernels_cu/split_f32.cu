@@ -1,5 +1,5 @@
-// fp32 q, k and v (and for the backward dO) as fp16 halves for the Hopper kernels (halves.cuh),
-// in passes before them:
+// fp32 q, k and v (and for the backward dO; for a forward that splits q itself, k and v
+// alone) as fp16 halves for the Hopper kernels (halves.cuh), in passes before them:
 //   f32_halves_max:   each tensor's largest finite |x|, as bits, by atomicMax into
 //                     AttnParams::halves_max (zeroed by the host);
 //   f32_halves<PLANES, CHUNKED>: each tensor scaled by a power of two and split into its

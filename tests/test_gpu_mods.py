@@ -971,7 +971,8 @@ CHUNK_SCALE_CASES = [
     for case in CHUNK_SCALE_CASES])
 def test_hopper_fp32_forward_scales_each_chunk(rng, monkeypatch, d, nq, nk, causal, options, precision):
     """The fp32 forward on Hopper scales each chunk of 128 rows of q, k and v on its own
-    (split_f32.cu's one pass, kernels_cu/halves.cuh): with chunks whose magnitudes differ
+    (split_f32.cu's one pass, kernels_cu/halves.cuh; q's 64-row warpgroup tiles in the
+    dense kernels that split it themselves): with chunks whose magnitudes differ
     by decades (q and k by up to 10^2, v by up to 10^2, a chunk of zeros), S is unscaled
     per key tile and V per key tile, walked upwards (the dense kernels) and downwards (the
     option kernels), at the precision's tolerance against float64, gradients included.
@@ -992,7 +993,12 @@ def test_hopper_fp32_forward_scales_each_chunk(rng, monkeypatch, d, nq, nk, caus
     launch = _cuda._launch
     monkeypatch.setattr(_cuda, "_launch", lambda variant, *a: (launched.append(variant), launch(variant, *a)))
     _check_fp32_at_precision([q, k, _scaled_by_chunk(rng, v, (-1, 1)), do], opts, precision)
-    assert any(v.family is _kernels.FWD_SM90 for v in launched), [v.name_expression for v in launched]
+    forward = [v for v in launched if v.family is _kernels.FWD_SM90]
+    assert forward, [v.name_expression for v in launched]
+    # Dense calls whose tile has room for a second Q buffer split q in the kernel
+    # (fwd_sm90.cu QSplit, each warpgroup's 64 rows a scale; d = 30 through a copy whose
+    # rows TMA can read): their pass writes k and v alone.
+    assert forward[0].splits_q == (not options and (precision == "tf32" or d <= 64)), forward[0].name_expression
     planes = 1 if precision == "tf32" else 2
     assert [v.name_expression for v in launched if v.family is _kernels.SPLIT_F32][0] == f"f32_halves<{planes}, true>"
     if precision == "highest":
