@@ -379,7 +379,10 @@ def attention_forward(q, k, v, o, lse, *, scale: float, causal: bool, mods=_mods
                               first=1 if variant.splits_q else 0, chunk_words=True)
         if variant.splits_q:
             q_rows = _q_split_rows(q, variant)
-            params.set(q_map=_tma.tensor_map(q_rows, q_split_chunk_rows(variant.head_dim)))
+            q_map = _tma.tensor_map(q_rows, q_split_chunk_rows(variant.head_dim))
+            if q_map is None:
+                raise RuntimeError("the driver refused the tensor map of q's fp32 rows")
+            params.set(q_map=q_map)
     if plan.map_specs is not None:
         specs = plan.map_specs + (() if plan.bias_spec is None else (plan.bias_spec,))
         params.set(**_tensor_maps(specs, (q, k, v, mods.bias), ("q_map", "k_map", "v_map", "bias_map")))
@@ -442,7 +445,8 @@ def _halves_of(passes, planes: int, params: _params.Params, tensors, *, q, first
 
     halves = tuple(halves_of(x) for x in tensors)
     k = tensors[1 - first]
-    chunks = math.ceil(max(q.shape[2], k.shape[2]) / HALVES_ROWS)   # a CTA of the passes each
+    # A CTA of the passes a chunk of the longest array they write.
+    chunks = math.ceil(max(q.shape[2] if first == 0 else 0, k.shape[2]) / HALVES_ROWS)
     words = []
     if any(v.name_expression == HALVES_MAX_PASS for v in passes):
         words.append(cupy.zeros(4, cupy.uint32))   # HALVES_Q, _K, _V, _DO (halves.cuh)

@@ -123,7 +123,7 @@ FWD_SM90_F32_EXT_TILES = {
 _FWD_SM90_F32_TABLES = {MODE_DENSE: FWD_SM90_F32_TILES, MODE_EXT: FWD_SM90_F32_EXT_TILES,
                         MODE_EXT | MODE_BIAS: FWD_SM90_F32_EXT_TILES}
 # precision="tf32": the high halves alone, one product each: the 16-bit tiles, but at d =
-# 128 two stages (H200, N = 1k / 4k, bench/results/h200-2026-11-29-42097c4-tune-fp32-tf32-halves.log:
+# 128 two stages (and at d = 64 a stage more, below) (H200, N = 1k / 4k, bench/results/h200-2026-11-29-42097c4-tune-fp32-tf32-halves.log:
 # (128, 2, 2) 243 / 467 TFLOP/s, causal 140 / 347, against three stages' 243 / 439, 138 /
 # 328), and with the bias, whose fp32 pairs (two words each, read from global memory)
 # spilled those tiles (build check), 64 keys and two consumers, to d = 128.
@@ -353,7 +353,7 @@ def _sm90_forward(dtype_name: str, D: int, tile, mode: int) -> Variant:
     # precision="tf32"), with the bias a (block_m, block_n) bias tile per stage (fp32:
     # none); 1024 bytes to align them; then Sm90FwdBarriers (2 Q_BUFFERS + 6 STAGES
     # mbarriers of 8 bytes, then the schedule's STAGES + Q_BUFFERS ints, padded to 8 bytes),
-    # fp32's words first (Sm90FwdF32Words: 4 mbarriers, 4 Q_BUFFERS + STAGES + 29 ints,
+    # fp32's words first (Sm90FwdF32Words: 4 mbarriers, 4 Q_BUFFERS + STAGES + 17 ints,
     # padded to 8 bytes). fp32 in dense mode splits Q itself where a second Q buffer and
     # QSplit's two slots of fp32 rows fit (SM90_FWD_Q_SPLIT_SMEM).
     planes = 2 if f32 and not mode & MODE_TF32 else 1
@@ -361,7 +361,7 @@ def _sm90_forward(dtype_name: str, D: int, tile, mode: int) -> Variant:
 
     def smem_bytes(q_buffers: int) -> int:
         pad8 = lambda n: -(-n // 8) * 8   # noqa: E731
-        f32_words = 8 * 4 + pad8(4 * (4 * q_buffers + stages + 29)) if f32 else 0
+        f32_words = 8 * 4 + pad8(4 * (4 * q_buffers + stages + 17)) if f32 else 0
         ring = 2 * q_split_chunk_rows(D) * D * 4 if q_buffers == 2 else 0   # QSplit::RING_BYTES
         return ((planes * (q_buffers * block_m + 2 * stages * block_n) * D + bias) * 2 + ring + 1024
                 + f32_words + 8 * (2 * q_buffers + 6 * stages) + pad8(4 * (stages + q_buffers)))

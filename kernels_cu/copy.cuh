@@ -54,12 +54,6 @@ __device__ __forceinline__ void cp_async_16(void* dst, const void* src, int src_
 __device__ __forceinline__ void cp_async_4(void* dst, const void* src) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" :: "r"(smem_addr(dst)), "l"(src));
 }
-// A BYTES (4 or 16) asynchronous copy through L1 to a shared-window address; bytes past
-// `src_bytes` are zero-filled (0 reads nothing).
-template <int BYTES>
-__device__ __forceinline__ void cp_async_ca(u32 dst, const void* src, int src_bytes) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" :: "r"(dst), "l"(src), "n"(BYTES), "r"(src_bytes));
-}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" :: "n"(N));

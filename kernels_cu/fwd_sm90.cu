@@ -9,7 +9,8 @@
 //       online softmax in registers, O += P V (P from registers, V read N-major); O and
 //       the LSE go to global memory straight from the registers;
 //   producer (the last warpgroup; one warp works, and for fp32 in dense mode the other
-//       three split Q: QSplit below): loads each work tile's Q and
+//       three split Q into a second buffer a work tile ahead: QSplit below): loads each
+//       work tile's Q (but QSplit's) and
 //       streams the K and V tiles through STAGES shared-memory stages with TMA copies,
 //       each stage guarded by a "full" mbarrier (the copy has landed) and an "empty" one
 //       (every consumer warp has finished reading it). Q's buffer has the same pair: the
@@ -39,7 +40,7 @@
 //     call) are drawn while S is on the tensor cores.
 // fp32 (T = float) runs on the 16-bit tensor cores at fp32 accuracy: split_f32.cu has
 // written k and v (and q, but where the kernel splits q itself: QSplit), each chunk of 128
-// rows scaled by its own power of two (q: each consumer warpgroup's 64 rows), as fp16 high
+// rows scaled by its own power of two (QSplit's q: each consumer warpgroup's 64 rows), as fp16 high
 // and low halves (halves.cuh), which TMA brings as two planes of every tile; a product is
 // three fp16 products, a_h b_h + a_h b_l + a_l b_h (S = Q K^T over the planes of Q and K;
 // P V from P split in registers, scaled by P_SCALE, over V's planes read N-major as in the
@@ -84,7 +85,8 @@
 // work tiles: the producer's loading warp takes each from its Q buffer's work word.
 // The words are written and read with atomics: the barriers order them, and
 // compute-sanitizer's racecheck, which does not follow mbarrier ordering, then sees no
-// plain write racing the plain reads of a stage's previous round.
+// plain write racing the plain reads of a stage's previous round. (QSplit's own words,
+// q_split_*, are plain: its named barriers order them.)
 // fp32's words (none for 16-bit inputs: an empty base takes no bytes), first in
 // Sm90FwdBarriers; the q_split words serve QSplit alone.
 template <int STAGES, bool F32, int Q_BUFFERS>
@@ -92,7 +94,7 @@ struct Sm90FwdF32Words {
     u64 q_split_full[2], q_split_empty[2];   // QSplit's two slots of fp32 rows
     int q_chunk[Q_BUFFERS][4];
     int kv_exps[STAGES];
-    int q_split_max[2][3][4];   // QSplit's warps' largest |q| a warpgroup, by work tile parity
+    int q_split_max[3][4];      // QSplit's warps' largest |q| a consumer warpgroup
     int q_split_tile[5];        // QSplit's work tile, from its first thread to all (QSplit::Tile)
 };
 template <int STAGES, int Q_BUFFERS>
@@ -145,8 +147,8 @@ struct Sm90Work {
 
 // fp32 in dense mode, where shared memory holds two Q buffers: Q split into fp16 halves by
 // the producer warpgroup's three warps that issue no copies, a work tile ahead of the
-// consumers, so that q is read once, as fp32, and split_f32.cu writes only K's and V's
-// halves. These warps choose the work tiles (the loading warp streams each tile's K and V
+// consumers, so that q comes from HBM once, as fp32 (its chunks a second time from L2),
+// and split_f32.cu writes only K's and V's halves. These warps choose the work tiles (the loading warp streams each tile's K and V
 // once its Q buffer's work word is out). For each tile, into Q buffer k % 2: each consumer
 // warpgroup's largest finite |q| over its 64 rows; then, once the consumers have given the
 // buffer back, the rows again, scaled by 2^(14 - e) (halves.cuh) and written as PLANES
@@ -155,9 +157,9 @@ struct Sm90Work {
 // warp's arrival on the buffer's "full" barrier. The fp32 rows come CHUNK_ROWS at a time
 // by TMA (q_map describes q itself, 32 columns a box in the 128-byte swizzle; rows past q's
 // and columns past d arrive as zeros) through two slots, the next chunk in flight while
-// the warps read one: the producer warpgroup keeps 32 registers a thread, too few for
-// loads of their own in flight.
-template <int D, int BLOCK_M, int PLANES>
+// the warps read one: the producer warpgroup keeps 32 registers a thread (40 with the low
+// halves), too few for loads of their own in flight.
+template <int D, int BLOCK_M, int BLOCK_N, int PLANES>
 struct QSplit {
     static constexpr int WARPS = 3, THREADS = 32 * WARPS;
     static constexpr int GROUPS = BLOCK_M / 64;   // consumer warpgroups
@@ -170,6 +172,7 @@ struct QSplit {
     static constexpr int ROW_RUNS = D / 4, ROW_STEP = THREADS / ROW_RUNS;
     static constexpr int BARRIER = 2;             // named barrier of the three warps (1: the consumers')
     static_assert(D % BOX_COLS == 0 && 64 % CHUNK_ROWS == 0, "whole boxes, chunks within a warpgroup");
+    static_assert(WARPS == 3 && GROUPS <= 4, "Sm90FwdF32Words' q_split_max and q_chunk");
     static constexpr bool SERVES = THREADS % ROW_RUNS == 0;   // whole rows at a time (not d = 256)
 
     // The work tile's words in shared memory (the first thread's, read where needed: in
@@ -191,8 +194,9 @@ struct QSplit {
                 const Sm90Work work = Sm90Work::decode<HEADS_FIRST>(end ? 0 : w, p);
                 Mods<float, float, MODE_DENSE> mods;
                 mods.set_bounds(p, work.b);
-                const int q0 = work.m_block * BLOCK_M;
-                const int2 tiles = mods.mask.key_tile_range(q0, q0 + BLOCK_M, 1);
+                // + 1 where the loading warp's walk visits no key tile (dense mode: the range)
+                const int q0 = work.m_block * BLOCK_M, q_rows = min(BLOCK_M, mods.mask.nq - q0);
+                const int2 tiles = mods.mask.key_tile_range(q0, q0 + q_rows, BLOCK_N);
                 tile[NUMBER] = w;
                 tile[WORD] = end ? Bars::END : 2 * w + (tiles.y <= tiles.x);
                 tile[ROW] = q0;
@@ -232,7 +236,9 @@ struct QSplit {
                 ++t;
             };
             if (!end && tid == 0) issue(0, t);
-            int (&slots)[WARPS][4] = bars.q_split_max[k & 1];
+            // (one set of slots serves every tile: the next tile's writes follow its first
+            // barrier, which every thread meets after its last read of these)
+            int (&slots)[WARPS][4] = bars.q_split_max;
             #pragma unroll 1
             for (int g = 0; g < GROUPS; ++g) {
                 u32 largest = 0;
@@ -254,7 +260,8 @@ struct QSplit {
                 return m;
             };
             const int qb = k % 2;
-            mbar_wait(&bars.q_empty[qb], ((k / 2) & 1) ^ 1);   // the consumers' release of the buffer's last tile
+            // the buffer's last tile done with: by the consumers, and its words read by the loading warp
+            mbar_wait(&bars.q_empty[qb], ((k / 2) & 1) ^ 1);
             const u32 buffer = smem_addr(sQ) + qb * PLANES * BLOCK_M * D * 2;
             #pragma unroll 1
             for (int g = 0; g < GROUPS; ++g) {
@@ -368,13 +375,13 @@ struct Sm90FwdTile {
     template <bool Q_SPLIT>
     static constexpr int tile_bytes() {
         return (PLANES * ((1 + Q_SPLIT) * Q_ELEMS + 2 * STAGES * KV_ELEMS) + STAGES * BIAS_ELEMS) * sizeof(E) +
-               (Q_SPLIT ? QSplit<D, BLOCK_M, PLANES>::RING_BYTES : 0);
+               (Q_SPLIT ? QSplit<D, BLOCK_M, BLOCK_N, PLANES>::RING_BYTES : 0);
     }
     template <bool Q_SPLIT>
     static constexpr int smem_bytes() {
         return tile_bytes<Q_SPLIT>() + ALIGN + sizeof(Sm90FwdBarriers<STAGES, F32, 1 + Q_SPLIT>);
     }
-    static constexpr bool Q_SPLIT = F32 && OPTIONS == MODE_DENSE && QSplit<D, BLOCK_M, PLANES>::SERVES &&
+    static constexpr bool Q_SPLIT = F32 && OPTIONS == MODE_DENSE && QSplit<D, BLOCK_M, BLOCK_N, PLANES>::SERVES &&
                                     smem_bytes<true>() <= SM90_FWD_Q_SPLIT_SMEM;
     static constexpr int Q_BUFFERS = Q_SPLIT ? 2 : 1;
     static constexpr int TILE_BYTES = tile_bytes<Q_SPLIT>();
@@ -428,13 +435,13 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
     const int work_tiles = p.grid_m * p.grid_heads * p.grid_batch;
     // fp32: a second arrival on Q's and K's "full" barriers (the words of their scales),
     // or with QSplit each of its warps' on Q's.
-    typedef QSplit<D, BLOCK_M, PLANES> QSplitT;
+    typedef QSplit<D, BLOCK_M, BLOCK_N, PLANES> QSplitT;
     constexpr int Q_FULL_ARRIVALS = C::Q_SPLIT ? QSplitT::WARPS : C::F32 ? 2 : 1, K_FULL_ARRIVALS = C::F32 ? 2 : 1;
     if (threadIdx.x == 0) {
         #pragma unroll
         for (int b = 0; b < C::Q_BUFFERS; ++b) {
             mbar_init(&bars.q_full[b], Q_FULL_ARRIVALS);
-            mbar_init(&bars.q_empty[b], CONSUMERS * 4);
+            mbar_init(&bars.q_empty[b], CONSUMERS * 4 + C::Q_SPLIT);   // QSplit: and the loading warp's
         }
         #pragma unroll
         for (int s = 0; s < STAGES; ++s) {
@@ -456,10 +463,11 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
 
     // ------------------------------------------------------------------ producer
     // For each work tile: Q (once the consumers have issued the previous tile's last
-    // S), then the key tiles through the stages. With a work counter the CTA is
-    // persistent and the next work tile's loads overlap this one's last products and
-    // its epilogue. The producer warpgroup's first warp runs it: lane 0 issues the copies
-    // and the barrier and schedule operations, the 32 lanes walk a block mask together.
+    // S; with QSplit, its warps' work and their choice of the tile), then the key tiles
+    // through the stages. With a work counter the CTA is persistent and the next work
+    // tile's loads overlap this one's last products and its epilogue. The producer
+    // warpgroup's first warp runs it: lane 0 issues the copies and the barrier and
+    // schedule operations, the 32 lanes walk a block mask together.
     if (warp >= CONSUMERS * 4) {
         warpgroup_release_regs<C::PRODUCER_REGS>();
         if (warp == CONSUMERS * 4) {
@@ -494,6 +502,9 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
                 if constexpr (C::Q_SPLIT) {
                     mbar_wait(&bars.q_full[k % 2], (k / 2) & 1);
                     const int word = read_word(&bars.work[k % 2]);
+                    // The buffer's words read: QSplit may fill it again once the consumers are
+                    // done with it too (a tile without key tiles gives it back at once).
+                    if (leader) mbar_arrive(&bars.q_empty[k % 2]);
                     if (word == bars.END) break;
                     w = word >> 1;
                     take();

@@ -78,8 +78,9 @@ struct AttnParams {
     // (the backward, varlen); null elsewhere. The forward scales each chunk of
     // HALVES_CHUNK_ROWS rows on its own: halves_chunk_max holds the bits of each chunk's
     // largest finite |x| (halves.cuh halves_chunk_word: halves_chunks words a tensor, head
-    // and batch entry), or null (the backward). The forward splits Q itself (fwd_sm90.cu
-    // QSplit): its passes write K and V alone, and halves_q is null.
+    // and batch entry), or null (the backward). A forward kernel that splits q itself
+    // (fwd_sm90.cu QSplit; the host's Variant.splits_q) has its passes write k and v alone,
+    // and halves_q null.
     void* halves_q;
     void* halves_k;
     void* halves_v;
@@ -96,7 +97,8 @@ struct AttnParams {
     int causal;
     int vec;                            // every row 16-byte aligned: wide copies
     int halves_chunks;                  // chunks of HALVES_CHUNK_ROWS rows of the longest fp32 halves array
-    int halves_first;                   // the first tensor split_f32.cu's passes write (HALVES_Q; the forward's HALVES_K)
+    int halves_first;                   // the first tensor split_f32.cu's passes write (HALVES_Q, or HALVES_K
+                                        // for a forward kernel that splits q itself)
     // A launch's query tiles, (query tile, head, batch entry): the Hopper forward's work
     // tiles, numbered in the order fwd_sm90.cu decodes: CTA i starts at tile i and, with a
     // (zeroed) work_counter, takes tile gridDim.x + atomicAdd(work_counter, 1) next

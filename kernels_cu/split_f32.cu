@@ -12,8 +12,8 @@
 //                     halves_chunk_max; else the tensor's, after f32_halves_max, and where
 //                     halves_chunk_max is given (the forward under varlen) every chunk's
 //                     word is the tensor's.
-// Grid (ceil(max(nq, nk) / HALVES_ROWS), Hq, T B): T tensors from halves_first on (the
-// forward's K and V, whose kernel splits Q itself; the backward's q, k, v and dO),
+// Grid (ceil(rows / HALVES_ROWS), Hq, T B): T tensors from halves_first on (k and v for a
+// forward kernel that splits q itself, else q, k, v and the backward's dO; rows the longest's),
 // blockIdx.z = (tensor - halves_first) B + batch entry, the launch's nq and nk the arrays'
 // rows (under varlen the packed total) and grid_batch their batch; CTAs past a tensor's
 // heads or rows return at once. A CTA's rows are one chunk (HALVES_CHUNK_ROWS).

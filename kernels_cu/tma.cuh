@@ -116,12 +116,6 @@ __device__ __forceinline__ void tma_load_planes(E* dst, const TmaMap& map, u64* 
                         head + plane * heads, batch);
 }
 
-// Starts bringing `bytes` (a multiple of 16) from `src` (16-byte aligned) into L2, without
-// a destination or a wait: the loads that follow find them there.
-__device__ __forceinline__ void bulk_prefetch_l2(const void* src, u32 bytes) {
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" :: "l"(src), "r"(bytes) : "memory");
-}
-
 // Register budgets of warp-specialised kernels (sm_90a): the producer warpgroup gives
 // registers back, the consumers take them. Both need the kernel's launch bound with one
 // CTA per SM (__launch_bounds__(threads, 1)), and every warp of a warpgroup executes them.

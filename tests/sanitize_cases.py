@@ -9,6 +9,7 @@ Optional arguments restrict the dtypes and head dims (racecheck is slow), e.g.
 Exits non-zero if any output is NaN; the sanitizer reports memory errors and races.
 """
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -65,6 +66,26 @@ def _options(kind, nq, nk, rng):
 
 
 
+@contextlib.contextmanager
+def _persistent_ctas(ctas):
+    """The Hopper forward's persistent grid held to ``ctas`` CTAs (0: as many as SMs),
+    with no plan kept from before (a plan keeps its grid)."""
+    from cupyflash import _cuda
+
+    if not ctas:
+        yield
+        return
+    sm_count, plans = _cuda._sm_count, dict(_cuda._FORWARD_PLANS)
+    _cuda._sm_count = lambda device_id: ctas
+    _cuda._FORWARD_PLANS.clear()
+    try:
+        yield
+    finally:
+        _cuda._sm_count = sm_count
+        _cuda._FORWARD_PLANS.clear()
+        _cuda._FORWARD_PLANS.update(plans)
+
+
 def main():
     rng = np.random.default_rng(0)
     bad = 0
@@ -111,17 +132,22 @@ def main():
             for x in (o, *vjp(cp.asarray(rng.standard_normal(o.shape).astype(dtype)))):
                 bad += bool(cp.isnan(x.astype(np.float32)).any())
         # fp32 with precision="tf32": the Hopper forward's one-product kernels (d = 64, 128;
-        # the dense ones split q themselves, fwd_sm90.cu QSplit).
+        # the dense ones split q themselves, fwd_sm90.cu QSplit: the last cases with a
+        # persistent grid of two CTAs, each taking its Q buffers in turn, some tiles without
+        # keys).
         if dtype == np.float32:
-            for (nq, nk, d), causal, options in (((33, 47, 64), False, None), ((129, 65, 128), True, None),
-                                                 ((129, 200, 64), True, "no bias"), ((700, 300, 64), False, None)):
+            for (nq, nk, d), causal, options, ctas in (((33, 47, 64), False, None, 0), ((129, 65, 128), True, None, 0),
+                                                       ((129, 200, 64), True, "no bias", 0),
+                                                       ((700, 300, 64), False, None, 2), ((1000, 200, 64), True, None, 2)):
                 if head_dims and d not in head_dims:
                     continue
                 q = cp.asarray(rng.standard_normal((1, 4, nq, d)).astype(dtype))
                 k, v = (cp.asarray(rng.standard_normal((1, 2, nk, d)).astype(dtype)) for _ in range(2))
                 extra = _options(options, nq, nk, rng) if options else {}
-                print(f"case float32 tf32 {nq}x{nk} d={d} causal={causal} options={options}", flush=True)
-                o = cupyflash.attention(q, k, v, causal=causal, precision="tf32", backend="cuda", **extra)
+                print(f"case float32 tf32 {nq}x{nk} d={d} causal={causal} options={options} ctas={ctas or 'all'}",
+                      flush=True)
+                with _persistent_ctas(ctas):
+                    o = cupyflash.attention(q, k, v, causal=causal, precision="tf32", backend="cuda", **extra)
                 bad += bool(cp.isnan(o).any())
     cp.cuda.runtime.deviceSynchronize()
     print(f"sanitize cases done, {bad} outputs with NaN")

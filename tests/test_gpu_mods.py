@@ -953,6 +953,32 @@ def _varlen_forward_at_precision(host, nq, nk, opts, precision):
     assert rel_err(_host(o).astype(np.float64), ref) < TOLERANCE["tf32"]
 
 
+@pytest.mark.parametrize("ctas", [1, 3])
+@pytest.mark.parametrize("precision,d,nq,nk,causal", [
+    ("tf32", 64, 1000, 200, True), ("highest", 64, 700, 300, False), ("tf32", 128, 513, 257, True),
+    ("tf32", 192, 300, 100, False)])
+def test_hopper_fp32_q_split_takes_its_buffers_in_turn(rng, monkeypatch, precision, d, nq, nk, causal, ctas):
+    """The dense fp32 forwards that split q themselves (fwd_sm90.cu QSplit) over many work
+    tiles a CTA: the persistent grid held to 1 or 3 CTAs, so that each takes dozens of
+    tiles through the two Q buffers, the slots of fp32 rows and their barriers, round after
+    round, some tiles without keys (causal with nq > nk), against float64 at the
+    precision's tolerance, gradients included."""
+    if DRY_RUN:
+        pytest.skip("pins a GPU kernel")
+    import cupy as cp
+    from cupyflash import _cuda
+    if _cuda._device_info(cp.cuda.Device().id)[0] != "sm_90a":
+        pytest.skip("not a Hopper GPU")
+    monkeypatch.setattr(_cuda, "_sm_count", lambda device_id: ctas)
+    monkeypatch.setattr(_cuda, "_FORWARD_PLANS", {})   # plans keep their grid
+    launched = []
+    launch = _cuda._launch
+    monkeypatch.setattr(_cuda, "_launch", lambda variant, *a: (launched.append((variant, a[0])), launch(variant, *a)))
+    _check_fp32_at_precision(_qkv(rng, "float32", d, nq, nk, 2, "bhsd"), dict(causal=causal), precision)
+    forward = [(v, grid) for v, grid in launched if v.family is _kernels.FWD_SM90]
+    assert forward and forward[0][0].splits_q and forward[0][1] == (ctas,), forward
+
+
 # (d, nq, nk, causal, options, precision): d = 30 reads rows that are not 16-byte aligned
 # (the pass's element-wise reads), d = 192 (precision="tf32" only on Hopper) rows wider than
 # the pass stages; d = 64 with precision="tf32" takes three consumer warpgroups.
