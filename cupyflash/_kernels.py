@@ -123,7 +123,8 @@ FWD_SM90_F32_EXT_TILES = {
 _FWD_SM90_F32_TABLES = {MODE_DENSE: FWD_SM90_F32_TILES, MODE_EXT: FWD_SM90_F32_EXT_TILES,
                         MODE_EXT | MODE_BIAS: FWD_SM90_F32_EXT_TILES}
 # precision="tf32": the high halves alone, one product each: the 16-bit tiles, but at d =
-# 128 two stages (and at d = 64 a stage more, below) (H200, N = 1k / 4k, bench/results/h200-2026-11-29-42097c4-tune-fp32-tf32-halves.log:
+# 64 a stage more (below) and at d = 128 two stages (H200, N = 1k / 4k,
+# bench/results/h200-2026-11-29-42097c4-tune-fp32-tf32-halves.log:
 # (128, 2, 2) 243 / 467 TFLOP/s, causal 140 / 347, against three stages' 243 / 439, 138 /
 # 328), and with the bias, whose fp32 pairs (two words each, read from global memory)
 # spilled those tiles (build check), 64 keys and two consumers, to d = 128.

@@ -148,13 +148,14 @@ struct Sm90Work {
 // fp32 in dense mode, where shared memory holds two Q buffers: Q split into fp16 halves by
 // the producer warpgroup's three warps that issue no copies, a work tile ahead of the
 // consumers, so that q comes from HBM once, as fp32 (its chunks a second time from L2),
-// and split_f32.cu writes only K's and V's halves. These warps choose the work tiles (the loading warp streams each tile's K and V
-// once its Q buffer's work word is out). For each tile, into Q buffer k % 2: each consumer
-// warpgroup's largest finite |q| over its 64 rows; then, once the consumers have given the
-// buffer back, the rows again, scaled by 2^(14 - e) (halves.cuh) and written as PLANES
-// fp16 planes in the 128-byte swizzle TMA writes (wgmma.cuh Swizzle128); then the work
-// word (2 w, + 1 without key tiles, or END) and each warpgroup's bits (q_chunk), and each
-// warp's arrival on the buffer's "full" barrier. The fp32 rows come CHUNK_ROWS at a time
+// and split_f32.cu writes only K's and V's halves. These warps choose the work tiles (the
+// loading warp streams each tile's K and V once its Q buffer's work word is out). For
+// each tile, into Q buffer k % 2: each consumer warpgroup's largest finite |q| over its 64
+// rows; then, once the buffer is given back (by the consumers, and by the loading warp
+// once it has read the words), the rows again, scaled by 2^(14 - e) (halves.cuh) and
+// written as PLANES fp16 planes in the 128-byte swizzle TMA writes (wgmma.cuh
+// Swizzle128); then the work word (2 w, + 1 without key tiles, or END) and each
+// warpgroup's bits (q_chunk), and each warp's arrival on the buffer's "full" barrier. The fp32 rows come CHUNK_ROWS at a time
 // by TMA (q_map describes q itself, 32 columns a box in the 128-byte swizzle; rows past q's
 // and columns past d arrive as zeros) through two slots, the next chunk in flight while
 // the warps read one: the producer warpgroup keeps 32 registers a thread (40 with the low
@@ -274,7 +275,8 @@ struct QSplit {
                             split_run4(x, scale, hi, lo);
                             // wgmma.cuh Swizzle128 of fp16: the column's panel, then row r's 16-byte
                             // chunk c / 8 ^ r % 8
-                            const u32 at = buffer + c / 64 * BLOCK_M * 128 + r * 128 + ((c % 64 / 8) ^ (r % 8)) * 16 + c % 8 * 2;
+                            const u32 at =
+                                buffer + c / 64 * BLOCK_M * 128 + r * 128 + ((c % 64 / 8) ^ (r % 8)) * 16 + c % 8 * 2;
                             store_shared_8(at, hi);
                             if (PLANES == 2) store_shared_8(at + BLOCK_M * D * 2, lo);
                         });
@@ -415,7 +417,8 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
     E* sV = sK + STAGES * KV_TILE;        // STAGES V tiles
     E* sBias = sV + STAGES * KV_TILE;     // STAGES buffers (MODE_BIAS)
     const u32 sRing = smem_addr(sBias + STAGES * C::BIAS_ELEMS);   // QSplit's slots of fp32 rows
-    auto& bars = *reinterpret_cast<Sm90FwdBarriers<STAGES, C::F32, C::Q_BUFFERS>*>(reinterpret_cast<unsigned char*>(sQ) + C::TILE_BYTES);
+    typedef Sm90FwdBarriers<STAGES, C::F32, C::Q_BUFFERS> Bars;
+    auto& bars = *reinterpret_cast<Bars*>(reinterpret_cast<unsigned char*>(sQ) + C::TILE_BYTES);
     // The option state of the current work tile (mods.cuh), one copy for the producer
     // thread and one for the consumers, each written and read by its own side (the
     // producer runs a work tile ahead). In registers it would sit beside S, O and the

@@ -136,9 +136,11 @@ def main():
         # persistent grid of two CTAs, each taking its Q buffers in turn, some tiles without
         # keys).
         if dtype == np.float32:
-            for (nq, nk, d), causal, options, ctas in (((33, 47, 64), False, None, 0), ((129, 65, 128), True, None, 0),
+            for (nq, nk, d), causal, options, ctas in (((33, 47, 64), False, None, 0),
+                                                       ((129, 65, 128), True, None, 0),
                                                        ((129, 200, 64), True, "no bias", 0),
-                                                       ((700, 300, 64), False, None, 2), ((1000, 200, 64), True, None, 2)):
+                                                       ((700, 300, 64), False, None, 2),
+                                                       ((1000, 200, 64), True, None, 2)):
                 if head_dims and d not in head_dims:
                     continue
                 q = cp.asarray(rng.standard_normal((1, 4, nq, d)).astype(dtype))
