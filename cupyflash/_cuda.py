@@ -378,10 +378,7 @@ def attention_forward(q, k, v, o, lse, *, scale: float, causal: bool, mods=_mods
         halves = _halves_maps(plan.halves, 1 if variant.mode & MODE_TF32 else 2, params, boxes, q=q,
                               first=1 if variant.splits_q else 0, chunk_words=True)
         if variant.splits_q:
-            q_rows = _q_split_rows(q, variant)
-            q_map = _tma.tensor_map(q_rows, q_split_chunk_rows(variant.head_dim))
-            if q_map is None:
-                raise RuntimeError("the driver refused the tensor map of q's fp32 rows")
+            q_rows, q_map = _q_split_map(q, variant)
             params.set(q_map=q_map)
     if plan.map_specs is not None:
         specs = plan.map_specs + (() if plan.bias_spec is None else (plan.bias_spec,))
@@ -394,19 +391,29 @@ def attention_forward(q, k, v, o, lse, *, scale: float, causal: bool, mods=_mods
     _launch(plan.variant, plan.grid, q.device.id, params)
 
 
-def _q_split_rows(q, variant: Variant):
-    """The fp32 rows a forward that splits q itself reads through its q map
-    (kernels_cu/fwd_sm90.cu QSplit): q, or where the copy engine cannot describe q (rows not
-    16-byte aligned) a copy whose rows are, which the caller keeps until the kernel is
-    queued."""
-    if _tma.map_spec(q, q_split_chunk_rows(variant.head_dim)) is not None:
-        return q
+def _rows_16b_aligned_empty(shape, dtype):
+    """An uninitialised (B, H, N, cols) array whose rows start 16 bytes apart, as TMA needs
+    (the padding past ``cols`` is never read: the maps' extents stop at ``cols``)."""
     import cupy
 
-    B, H, N, d = q.shape
-    rows = cupy.empty((B, H, N, -(-d // 4) * 4), q.dtype)[..., :d]
-    rows[...] = q
-    return rows
+    *lead, cols = shape
+    pad = 16 // np.dtype(dtype).itemsize
+    return cupy.empty((*lead, -(-cols // pad) * pad), dtype)[..., :cols]
+
+
+def _q_split_map(q, variant: Variant) -> tuple:
+    """The fp32 rows a forward that splits q itself reads (kernels_cu/fwd_sm90.cu QSplit)
+    and their tensor map: q, or where the copy engine cannot describe q (rows not 16-byte
+    aligned) a copy whose rows are, which the caller keeps until the kernel is queued."""
+    box = q_split_chunk_rows(variant.head_dim)
+    rows, q_map = q, _tma.tensor_map(q, box)
+    if q_map is None:
+        rows = _rows_16b_aligned_empty(q.shape, q.dtype)
+        rows[...] = q
+        q_map = _tma.tensor_map(rows, box)
+    if q_map is None:
+        raise RuntimeError("the driver refused the tensor map of q's fp32 rows")
+    return rows, q_map
 
 
 def _halves_maps(passes, planes: int, params: _params.Params, boxes: dict, *, q, first: int = 0,
@@ -441,7 +448,7 @@ def _halves_of(passes, planes: int, params: _params.Params, tensors, *, q, first
         B, H, N, cols = x.shape
         if cols > HALVES_MAX_COLS:
             raise RuntimeError(f"fp16 halves take rows of at most {HALVES_MAX_COLS} elements, not {cols}")
-        return cupy.empty((B, planes * H, N, -(-cols // 8) * 8), cupy.float16)[..., :cols]
+        return _rows_16b_aligned_empty((B, planes * H, N, cols), np.float16)
 
     halves = tuple(halves_of(x) for x in tensors)
     k = tensors[1 - first]

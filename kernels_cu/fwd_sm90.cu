@@ -166,7 +166,8 @@ struct QSplit {
     static constexpr int GROUPS = BLOCK_M / 64;   // consumer warpgroups
     static constexpr int CHUNK_ROWS = D <= 64 ? 64 : D <= 128 ? 32 : 16;
     static constexpr int CHUNKS = BLOCK_M / CHUNK_ROWS, GROUP_CHUNKS = 64 / CHUNK_ROWS;
-    static constexpr int BOX_COLS = 32;           // fp32 columns a box (the swizzle's 128 bytes)
+    typedef Swizzle128<float, CHUNK_ROWS> ChunkLayout;   // a chunk in its slot, a TMA box a panel
+    static constexpr int BOX_COLS = ChunkLayout::PANEL_COLS;   // fp32 columns a box (the swizzle's 128 bytes)
     static constexpr int CHUNK_BYTES = CHUNK_ROWS * D * 4;
     static constexpr int RING_BYTES = 2 * CHUNK_BYTES;   // shared memory (cupyflash/_kernels.py mirrors it)
     // A thread's runs of 4 columns: one column c, every ROW_STEP-th row.
@@ -216,7 +217,7 @@ struct QSplit {
                 mbar_arrive_expect_tx(&bars.q_split_full[s], CHUNK_BYTES);
                 #pragma unroll
                 for (int box = 0; box < D / BOX_COLS; ++box)
-                    tma_load_4d(ring_at(ring, s) + box * CHUNK_ROWS * 128, p.q_map, &bars.q_split_full[s],
+                    tma_load_4d(ring_at(ring, s) + box * ChunkLayout::PANEL_ELEMS * 4, p.q_map, &bars.q_split_full[s],
                                 box * BOX_COLS, tile[ROW] + i % CHUNKS * CHUNK_ROWS, tile[HEAD], tile[BATCH]);
             };
             auto for_each_run = [&](int i, auto&& f) {
@@ -224,11 +225,9 @@ struct QSplit {
                 const int s = t % 2;
                 mbar_wait(&bars.q_split_full[s], (t / 2) & 1);
                 const int c = tid % ROW_RUNS * 4;
-                // wgmma.cuh Swizzle128 of fp32: the column's box, then row r's 16-byte chunk
-                const u32 column = ring_at(ring, s) + c / BOX_COLS * CHUNK_ROWS * 128;
                 #pragma unroll 1
                 for (int r = tid / ROW_RUNS; r < CHUNK_ROWS; r += ROW_STEP) {
-                    const float4 v = load_shared_16(column + r * 128 + ((c % BOX_COLS / 4) ^ (r % 8)) * 16);
+                    const float4 v = load_shared_16(ring_at(ring, s) + ChunkLayout::index(r, c) * 4);
                     const float x[4] = {v.x, v.y, v.z, v.w};
                     f(i % CHUNKS * CHUNK_ROWS + r, c, x);
                 }
@@ -273,10 +272,7 @@ struct QSplit {
                         for_each_run(i, [&](int r, int c, const float (&x)[4]) {
                             uint2 hi, lo;
                             split_run4(x, scale, hi, lo);
-                            // wgmma.cuh Swizzle128 of fp16: the column's panel, then row r's 16-byte
-                            // chunk c / 8 ^ r % 8
-                            const u32 at =
-                                buffer + c / 64 * BLOCK_M * 128 + r * 128 + ((c % 64 / 8) ^ (r % 8)) * 16 + c % 8 * 2;
+                            const u32 at = buffer + (Swizzle128<half_t, BLOCK_M>::index(r, c & ~7) + c % 8) * 2;
                             store_shared_8(at, hi);
                             if (PLANES == 2) store_shared_8(at + BLOCK_M * D * 2, lo);
                         });

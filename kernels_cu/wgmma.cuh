@@ -41,6 +41,13 @@ struct Swizzle128 {
         const I chunk = (col % PANEL_COLS) / Chunk<T>::elems;
         return tile + (col / PANEL_COLS) * PANEL_ELEMS + r * PANEL_COLS + (chunk ^ (r % 8)) * Chunk<T>::elems;
     }
+    // The same element's index from the tile's start (times sizeof(T): its byte offset, for
+    // shared-window addresses). at() adds its terms to the pointer one by one, as the
+    // kernels built on it were tuned and tested with.
+    __device__ static __forceinline__ int index(int r, int col) {
+        const int chunk = (col % PANEL_COLS) / Chunk<T>::elems;
+        return (col / PANEL_COLS) * PANEL_ELEMS + r * PANEL_COLS + (chunk ^ (r % 8)) * Chunk<T>::elems;
+    }
 };
 
 // copy.cuh's load_tile into a Swizzle128 tile: the same zero-fill of missing rows and
