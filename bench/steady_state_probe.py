@@ -41,7 +41,7 @@ def host_ms(fn, calls=10):
     return wall
 
 
-CASES = [("float32", None), ("float32", "tf32"), ("float64", None), ("bfloat16", None)]
+CASES = [("float32", "highest"), ("float32", "tf32"), ("float64", "highest"), ("bfloat16", "highest")]
 PEER = {"float32": "EFFICIENT_ATTENTION", "float64": "MATH", "bfloat16": "FLASH_ATTENTION"}
 print(f"{'case':28} {'old ms':>8} {'busy ms':>8} {'old/busy':>8} {'host ms':>8}  TFLOP/s old / busy")
 for d in a.head_dims:
@@ -50,9 +50,9 @@ for d in a.head_dims:
         flop = bench.flops(B, H, N, d, False, "fwd")
         for dtype, precision in CASES:
             (q, k, v, _), (tq, tk, tv, _) = bench.make_inputs(dtype, (B, H, N, d), N)
-            calls = {f"cupyflash{'-' + precision if precision else ''}":
+            calls = {f"cupyflash{"-tf32" if precision == "tf32" else ""}":
                      lambda: cupyflash.attention(q, k, v, scale=1 / math.sqrt(d), precision=precision)}
-            if torch is not None and precision is None:
+            if torch is not None and precision == "highest":
                 backend = getattr(SDPBackend, PEER[dtype])
 
                 def peer():
