@@ -182,7 +182,11 @@ FWD_WIDE_TILES = {
     },
     "float64": {
         32: ((64, 64, 32, 4, 32),),
-        64: ((64, 32, 32, 4, 64), (32, 32, 16, 2, 64)),
+        # 16-key tiles of 72 KB: three CTAs an SM on Hopper (fwd_wide.cu MIN_BLOCKS), Q
+        # re-read from shared memory. H200, in one process: 34.8 TFLOP/s at N = 1k against
+        # 33.1 for (64, 32, 32, 4, 64), two CTAs with Q in registers; equal at 4k, causal
+        # 1.01x (bench/results/h200-2026-12-04-probe-f64-d64-fwd-tiles.log).
+        64: ((64, 16, 16, 4, 64),),
         96: ((64, 16, 16, 4, 96), (48, 16, 16, 3, 96)),
         # The 2- and 1-warp fallbacks split the output columns further than before the
         # kernels read one parameter struct: with it, their former tiles spilled.

@@ -43,20 +43,36 @@ struct WideFwdTile {
     typedef PairRows<T, D> QKRows;                             // Q and K
     typedef RowMajor<SmemTile<T, DV_TILE>::stride> VRows;
     static constexpr int LDQ = QKRows::stride, LDV = VRows::stride;
-    // Q's operands (split into TF32 pairs for fp32) stay in registers when they fit beside
-    // S, P and O; otherwise each warp re-reads its own Q rows for every sub-tile.
-    static constexpr bool Q_IN_REGS = MT * D <= 64;
     static constexpr int SMEM_ELEMS = BLOCK_M * LDQ + 2 * BLOCK_N * LDQ + 2 * BLOCK_N * LDV;
     static constexpr int SMEM_BYTES = SMEM_ELEMS * sizeof(T);
+    // fp64: as many CTAs an SM as its shared memory holds (up to 4; 1 KB a CTA reserved),
+    // given to ptxas as the launch bound's minimum, so that each thread keeps to its
+    // share of the registers and the CTAs are resident at once: more warps a scheduler to
+    // cover the DMMA and fp64 latencies. fp32 (the 3xTF32 kernels of GPUs before Hopper):
+    // one, as before (not measured otherwise).
+#if __CUDA_ARCH__ >= 900
+    static constexpr int SM_SMEM = 233472;
+#elif __CUDA_ARCH__ == 800
+    static constexpr int SM_SMEM = 167936;
+#else
+    static constexpr int SM_SMEM = 102400;
+#endif
+    static constexpr int FIT = SM_SMEM / (SMEM_BYTES + 1024);
+    static constexpr int MIN_BLOCKS = sizeof(T) == 8 && FIT > 1 ? (FIT < 4 ? FIT : 4) : 1;
+    // Q's operands (split into TF32 pairs for fp32) stay in registers when they fit beside
+    // S, P and O, with all 255 registers a thread; otherwise each warp re-reads its own Q
+    // rows for every sub-tile.
+    static constexpr bool Q_IN_REGS = MT * D <= 64 && 65536 / (MIN_BLOCKS * THREADS) >= 255;
     static_assert(ROWS_PER_WARP % 16 == 0 && SUB_N % 8 == 0 && BLOCK_N % SUB_N == 0, "tile shape");
     static_assert(D % 32 == 0 && DV_TILE % 16 == 0 && D % DV_TILE == 0, "conflict-free shared strides");
 };
 
-// Minimum one CTA per SM: without it ptxas aims at a third resident 4-warp CTA (168
-// registers) and spills, though shared memory allows at most two for most tiles.
-// SMEM_BYTES is the host's figure of the dynamic shared memory, checked against the tile.
+// The launch bound's minimum is the tile's MIN_BLOCKS: with none, ptxas aims at a third
+// resident 4-warp CTA (168 registers) and spills tiles whose shared memory allows two;
+// fp64 tiles state the count their shared memory allows. SMEM_BYTES is the host's figure
+// of the dynamic shared memory, checked against the tile.
 template <typename T, int D, int DV_TILE, int BLOCK_M, int BLOCK_N, int SUB_N, int WARPS, int MODE, int SMEM_BYTES>
-__global__ void __launch_bounds__(WARPS * 32, 1)
+__global__ void __launch_bounds__(WARPS * 32, WideFwdTile<T, D, DV_TILE, BLOCK_M, BLOCK_N, SUB_N, WARPS>::MIN_BLOCKS)
 flash_fwd_wide(const __grid_constant__ AttnParams p)
 {
     typedef WideFwdTile<T, D, DV_TILE, BLOCK_M, BLOCK_N, SUB_N, WARPS> C;
