@@ -235,6 +235,8 @@ def _mods_addresses(params: _params.Params, mods) -> None:
         seqlens_k=_params.address(mods.seqlens_k), bmask=_params.address(mods.block_mask),
         bias=_params.address(mods.bias), alibi=_params.address(mods.alibi_slopes),
         rng_seed=mods.seed, rng_offset=mods.rng_offset)
+    if mods.dropout_p > 0:
+        params.mods(rng_round_keys=_philox.round_keys(mods.seed))
     if mods.diagonal is not None:
         params.mods(row0=mods.row0, key0=mods.key0, diag=mods.diagonal)
 

@@ -54,6 +54,7 @@ MODS = _struct([
     ("win_left", "i32"), ("win_right", "i32"), ("block_q", "i32"), ("block_k", "i32"),
     ("drop_threshold", "u32"), ("bias_tma", "i32"),
     ("row0", "i32"), ("key0", "i32"), ("diag", "i32"),
+    ("rng_round_keys", np.dtype((np.uint32, 20))),
 ])
 ATTN = _struct([
     ("q_map", TMA_MAP), ("k_map", TMA_MAP), ("v_map", TMA_MAP), ("bias_map", TMA_MAP), ("dout_map", TMA_MAP),
@@ -80,6 +81,11 @@ _RAW = np.dtype((np.void, ATTN.itemsize))
 def _leaves(dt: np.dtype, prefix: str = "", base: int = 0):
     """(C member path, byte offset, byte size) of every scalar member of ``dt``; a tensor
     map's opaque words count as its first word."""
+    if dt.subdtype is not None:   # an array member: each element
+        element, (count,) = dt.subdtype
+        for i in range(count):
+            yield f"{prefix}[{i}]", base + i * element.itemsize, element.itemsize
+        return
     if dt.fields is None:
         path = prefix + ".opaque[0]" if dt.itemsize == TMA_MAP_BYTES else prefix
         yield path, base, 8 if dt.itemsize == TMA_MAP_BYTES else dt.itemsize

@@ -118,6 +118,22 @@ def _check_seed(seed) -> int:
 
 # The draw's resolution: one byte per score.
 DRAW_LEVELS = _validate.DROPOUT_LEVELS
+# The dropout stream's Philox rounds (mirror: PHILOX_ROUNDS in philox.cuh).
+DROPOUT_ROUNDS = 10
+
+
+def round_keys(seed) -> np.ndarray:
+    """The key of each of the dropout stream's 10 rounds under ``seed``, as uint32 words
+    (round r's at 2 r and 2 r + 1): the key (seed mod 2**32, seed >> 32) bumped r times by
+    Random123's Weyl increments, as `philox4x32` bumps it. The host hands the table to the
+    kernels (``ModsParams::rng_round_keys``; mirror: ``RoundKeys`` in philox.cuh), which
+    then read each round's key from their parameters rather than add it up per call."""
+    seed = _check_seed(seed)
+    lo, hi = seed & 0xFFFFFFFF, seed >> 32
+    w0, w1 = PHILOX_W32
+    # Python ints: a few microseconds of a call's host time, where NumPy's would be ~10.
+    return np.array([word for r in range(DROPOUT_ROUNDS)
+                     for word in ((lo + r * w0) & 0xFFFFFFFF, (hi + r * w1) & 0xFFFFFFFF)], np.uint32)
 
 
 def dropout_threshold(p) -> int:
@@ -148,7 +164,7 @@ def _dropout_words(seed: int, stream: int, x, y) -> np.ndarray:
     ``y`` (mirror: ``dropout_words``)."""
     x, y = np.broadcast_arrays(np.asarray(x, np.uint64), np.asarray(y, np.uint64))
     counter = np.stack([x, y, np.full_like(x, stream & 0xFFFFFFFF), np.full_like(x, stream >> 32)], axis=-1)
-    return philox4x32(counter, np.array([seed & 0xFFFFFFFF, seed >> 32], np.uint64))
+    return philox4x32(counter, np.array([seed & 0xFFFFFFFF, seed >> 32], np.uint64), rounds=DROPOUT_ROUNDS)
 
 
 def _counter_x(col):

@@ -1036,7 +1036,11 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                     [[maybe_unused]] auto keep_bits = [&](const auto& hm) {
                         const SharedMemoryWarpPair pair{sDropPairs + ((step * C::SUBTILES + sub) & 1) * C::CONSUMER_THREADS,
                                                         C::DROP_PAIR_BARRIER0 + warp / 2};
-                        return hm.template keep_bits_key_rows<QT>(kr0, qc0, pair);
+                        // The key schedule from the parameters' table (philox.cuh RoundKeys) where
+                        // the registers allow; at d = 128 its loads spilled the lean dropout
+                        // consumers 20-24 bytes (build check), which add it up from the seed.
+                        if constexpr (D <= 64) return hm.template keep_bits_key_rows<QT>(kr0, qc0, RoundKeys{p.mods.rng_round_keys}, pair);
+                        else return hm.template keep_bits_key_rows<QT>(kr0, qc0, seed_key(hm.seed), pair);
                     };
                     if constexpr (C::LEAN) {
                         float unused_dtanh[1][1][4];

@@ -772,7 +772,7 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
         auto keep_bits = [&](int jt) {
             if constexpr (C::OPTIONS != MODE_DENSE)
                 if (head_mods.dropout())
-                    return head_mods.template keep_bits<NT>(q0 + warp_row0, jt * BLOCK_N);
+                    return head_mods.template keep_bits<NT>(q0 + warp_row0, jt * BLOCK_N, RoundKeys{p.mods.rng_round_keys});
             return ~0ull;
         };
         auto drop = [&](u64 keep) {

@@ -50,6 +50,10 @@ struct ModsParams {
     // the MODE_EXT kernels read them; the host gives a placed call no dense kernel.
     int row0, key0;
     int diag;
+    // Dropout's Philox key schedule (philox.cuh RoundKeys, _philox.round_keys): round r's
+    // key at 2 r, 2 r + 1, for the 10 rounds (PHILOX_ROUNDS), from rng_seed; where the
+    // kernels read it here a round's key is a constant-bank operand, not two adds a call.
+    u32 rng_round_keys[20];
 };
 
 struct AttnParams {

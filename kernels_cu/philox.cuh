@@ -21,16 +21,32 @@ __device__ __forceinline__ uint4 philox_round(uint4 c, uint2 k) {
     return r;
 }
 
-// _philox.philox4x32: counter words x..w are Random123's ctr[0..3], key x, y its key[0..1].
-template <int ROUNDS = 10>
-__device__ __forceinline__ uint4 philox4x32(uint4 counter, uint2 key) {
-    counter = philox_round(counter, key);
+#define PHILOX_ROUNDS 10
+
+// The key schedule: round r's key is Random123's key bumped r times by (W0, W1). Either
+// added up round by round from the key (SeedKey: two adds a round, which the kernels
+// repeat for every call), or read from the host's table of the rounds' keys
+// (_philox.round_keys), the ModsParams::rng_round_keys of a kernel's parameters, which
+// sit in the constant bank: a round's XOR then takes its key as an operand, no
+// instruction of its own.
+struct SeedKey {
+    uint2 key;
+    __device__ __forceinline__ uint2 round(int r) const { return {key.x + r * PHILOX_W0, key.y + r * PHILOX_W1}; }
+};
+struct RoundKeys {
+    const u32* words;   // 2 PHILOX_ROUNDS: round r's key at 2 r, 2 r + 1
+    __device__ __forceinline__ uint2 round(int r) const { return {words[2 * r], words[2 * r + 1]}; }
+};
+__device__ __forceinline__ SeedKey seed_key(u64 seed) {
+    return {{static_cast<u32>(seed), static_cast<u32>(seed >> 32)}};
+}
+
+// _philox.philox4x32: counter words x..w are Random123's ctr[0..3], the key's round(0)
+// its key[0..1].
+template <int ROUNDS = PHILOX_ROUNDS, typename Key>
+__device__ __forceinline__ uint4 philox4x32(uint4 counter, const Key& key) {
 #pragma unroll
-    for (int r = 1; r < ROUNDS; ++r) {
-        key.x += PHILOX_W0;
-        key.y += PHILOX_W1;
-        counter = philox_round(counter, key);
-    }
+    for (int r = 0; r < ROUNDS; ++r) counter = philox_round(counter, key.round(r));
     return counter;
 }
 
@@ -63,10 +79,10 @@ __device__ __forceinline__ uint2 dropout_counter_base(u32 row0, u32 key0) {
 }
 
 // _philox._dropout_words: the four words of counter (x, y) of one stream.
-__device__ __forceinline__ uint4 dropout_words(u64 seed, u64 stream, u32 x, u32 y) {
+template <typename Key>
+__device__ __forceinline__ uint4 dropout_words(const Key& key, u64 stream, u32 x, u32 y) {
     const uint4 counter = {x, y, static_cast<u32>(stream), static_cast<u32>(stream >> 32)};
-    const uint2 key = {static_cast<u32>(seed), static_cast<u32>(seed >> 32)};
-    return philox4x32<10>(counter, key);
+    return philox4x32(counter, key);
 }
 
 // Byte b (0 .. 15) of a call's words.
@@ -82,7 +98,7 @@ __device__ __forceinline__ bool dropout_keep(u64 seed, u64 stream, u64 row, u64 
     const u32 x = base.x + static_cast<u32>((col >> 5) * 4 + ((col >> 1) & 3));
     const u32 y = base.y + static_cast<u32>((row >> 4) * 8 + (row & 7));
     const u32 b = static_cast<u32>(((row >> 3) & 1) * 8 + ((col >> 3) & 3) * 2 + (col & 1));
-    return dropout_byte(dropout_words(seed, stream, x, y), b) >= threshold;
+    return dropout_byte(dropout_words(seed_key(seed), stream, x, y), b) >= threshold;
 }
 
 // Bits 0-3: whether bytes 0-3 of `word` are >= the threshold (1 .. 255), four compares in
@@ -110,8 +126,8 @@ __device__ __forceinline__ u32 bytes_at_least(u32 word, u32 repeated) {
 // (a multiple of 32), counted from the origin of `base`: bit 4 nt + e for element e of
 // n-tile nt, one Philox call per 4 n-tiles. They depend on indices alone, so a kernel
 // draws them while the tensor cores compute the scores.
-template <int NT>
-__device__ __forceinline__ u64 dropout_keep_bits(u64 seed, u64 stream, int r0, int c0, u32 threshold, uint2 base) {
+template <int NT, typename Key>
+__device__ __forceinline__ u64 dropout_keep_bits(const Key& key, u64 stream, int r0, int c0, u32 threshold, uint2 base) {
     static_assert(NT % 4 == 0 && 4 * NT <= 64, "whole 32-column blocks, at most 64 scores");
     const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const u32 y = base.y + static_cast<u32>((r0 >> 4) * 8 + g);
@@ -119,7 +135,7 @@ __device__ __forceinline__ u64 dropout_keep_bits(u64 seed, u64 stream, int r0, i
     u64 bits = 0;
     #pragma unroll
     for (int blk = 0; blk < NT / 4; ++blk) {
-        const uint4 w = dropout_words(seed, stream, base.x + static_cast<u32>(((c0 >> 5) + blk) * 4 + t), y);
+        const uint4 w = dropout_words(key, stream, base.x + static_cast<u32>(((c0 >> 5) + blk) * 4 + t), y);
         // Word 2 E + N holds the bytes of elements 2 E, 2 E + 1 of n-tiles 2 N, 2 N + 1 (byte
         // (nt % 2) * 2 + e % 2): their bits 4 nt + e are two pairs 4 apart from 8 N + 2 E. One
         // multiply puts the four top bits at 26, 27, 30 and 31 (bytes_at_least's way).
@@ -167,8 +183,8 @@ struct SharedMemoryWarpPair {
         return slots[threadIdx.x];
     }
 };
-template <int NT, typename WarpPair = SoloWarp>
-__device__ __forceinline__ u32 dropout_keep_bits_key_rows(u64 seed, u64 stream, int key0, int q0, u32 threshold,
+template <int NT, typename Key, typename WarpPair = SoloWarp>
+__device__ __forceinline__ u32 dropout_keep_bits_key_rows(const Key& key, u64 stream, int key0, int q0, u32 threshold,
                                                           uint2 base, const WarpPair& pair = WarpPair()) {
     constexpr bool PAIRED = WarpPair::PAIRED;
     static_assert(NT % (PAIRED ? 4 : 2) == 0 && 4 * NT <= 32, "pairs (a warp pair: quads) of query n-tiles, at most 32 scores");
@@ -189,7 +205,7 @@ __device__ __forceinline__ u32 dropout_keep_bits_key_rows(u64 seed, u64 stream, 
     #pragma unroll
     for (int i = 0; i < NT / 2 / (PAIRED ? 2 : 1); ++i) {
         const int m = PAIRED ? 2 * i + high_word : i;
-        const uint4 w = dropout_words(seed, stream, x, base.y + static_cast<u32>(((q0 >> 4) + m) * 8 + 2 * t + u));
+        const uint4 w = dropout_words(key, stream, x, base.y + static_cast<u32>(((q0 >> 4) + m) * 8 + 2 * t + u));
         #pragma unroll
         for (int half = 0; half < 2; ++half) {          // n-tile 2 m + half: query bit 3
             const u32 key_bit4_clear = half ? w.z : w.x, key_bit4_set = half ? w.w : w.y;

@@ -343,7 +343,7 @@ def test_gpu_m_tile_bits_match_numpy(p, r0, c0, row_origin, key_origin):
     seed, stream = 2**63 + 54321, 91
     keep = cupy.full((16, 64), 7, dtype=cupy.uint8)   # poisoned
     _gpu_kernel("dropout_m_tile_kernel<8>")((1,), (32,), (
-        np.uint64(seed), np.uint64(stream), np.int32(r0), np.int32(c0), np.uint32(row_origin),
+        cupy.asarray(_philox.round_keys(seed)), np.uint64(stream), np.int32(r0), np.int32(c0), np.uint32(row_origin),
         np.uint32(key_origin), np.uint32(_philox.dropout_threshold(p)), keep))
     rows, keys = np.meshgrid(np.arange(row_origin + r0, row_origin + r0 + 16),
                              np.arange(key_origin + c0, key_origin + c0 + 64), indexing="ij")
@@ -368,10 +368,35 @@ def test_gpu_key_rows_bits_match_numpy(paired, p, key0, q0, row_origin, key_orig
     key0 = key0 // 32 * 32 if paired else key0
     keep = cupy.full((16 * warps, 64), 7, dtype=cupy.uint8)   # poisoned
     kernel = _gpu_kernel(f"dropout_key_rows_kernel<8, {str(paired).lower()}>")
-    kernel((1,), (32 * warps,), (np.uint64(seed), np.uint64(stream), np.int32(key0), np.int32(q0),
+    kernel((1,), (32 * warps,), (cupy.asarray(_philox.round_keys(seed)), np.uint64(stream), np.int32(key0), np.int32(q0),
                                  np.uint32(row_origin), np.uint32(key_origin),
                                  np.uint32(_philox.dropout_threshold(p)), keep))
     keys, queries = np.meshgrid(np.arange(key_origin + key0, key_origin + key0 + 16 * warps),
                                 np.arange(row_origin + q0, row_origin + q0 + 64), indexing="ij")
     expected = _philox.dropout_keep(seed, stream, 0, 0, queries.ravel(), keys.ravel(), p=p, heads=1)
     np.testing.assert_array_equal(cupy.asnumpy(keep), expected.reshape(16 * warps, 64).astype(np.uint8))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 0x0123456789ABCDEF, 2**64 - 1])
+def test_round_keys_are_the_key_schedule(seed):
+    """The table the kernels read each round's key from (philox.cuh RoundKeys) is the key
+    philox4x32 bumps round by round: Philox with the table's round-0 key and one round
+    per entry retraced gives the 10-round words."""
+    keys = _philox.round_keys(seed)
+    assert keys.dtype == np.uint32 and keys.shape == (2 * _philox.DROPOUT_ROUNDS,)
+    assert (int(keys[0]), int(keys[1])) == (seed % 2**32, seed >> 32)
+    w0, w1 = _philox.PHILOX_W32
+    for r in range(1, _philox.DROPOUT_ROUNDS):
+        assert int(keys[2 * r]) == (int(keys[2 * r - 2]) + w0) % 2**32
+        assert int(keys[2 * r + 1]) == (int(keys[2 * r - 1]) + w1) % 2**32
+    # The schedule is the one philox4x32 applies: one round under key r per round.
+    counter = np.array([[1, 2, 3, 4]], np.uint32)
+    words = counter.astype(np.uint64)
+    m0, m1 = _philox.PHILOX_M4x32
+    for r in range(_philox.DROPOUT_ROUNDS):
+        c0, c1, c2, c3 = (int(x) for x in words[0])
+        p0, p1 = m0 * c0, m1 * c2
+        words = np.array([[(p1 >> 32) ^ c1 ^ int(keys[2 * r]), p1 % 2**32,
+                           (p0 >> 32) ^ c3 ^ int(keys[2 * r + 1]), p0 % 2**32]], np.uint64)
+    np.testing.assert_array_equal(words.astype(np.uint32),
+                                  _philox.philox4x32(counter, [[seed % 2**32, seed >> 32]]))
