@@ -1040,7 +1040,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ AttnParams p)
                         // the registers allow; at d = 128 its loads spilled the lean dropout
                         // consumers 20-24 bytes (build check), which add it up from the seed.
                         if constexpr (D <= 64) return hm.template keep_bits_key_rows<QT>(kr0, qc0, RoundKeys{p.mods.rng_round_keys}, pair);
-                        else return hm.template keep_bits_key_rows<QT>(kr0, qc0, seed_key(hm.seed), pair);
+                        else return hm.template keep_bits_key_rows<QT>(kr0, qc0, hm.seed, pair);
                     };
                     if constexpr (C::LEAN) {
                         float unused_dtanh[1][1][4];

@@ -103,17 +103,17 @@ struct DropoutTerm {
     __device__ __forceinline__ bool keep(int i, int j) const {
         return !dropout() || dropout_keep(seed, stream, i, j, threshold, drop_base);
     }
-    // philox.cuh dropout_keep_bits of the m-tile at row r0, keys from c0. `key`: the
-    // seed's schedule as the kernel's parameters hold it (RoundKeys of
-    // ModsParams::rng_round_keys, read from the constant bank), the same as seed_key(seed).
+    // philox.cuh dropout_keep_bits of the m-tile at row r0, keys from c0. `key`: the seed,
+    // or its schedule as the kernel's parameters hold it (RoundKeys of
+    // ModsParams::rng_round_keys, read from the constant bank): the same bits.
     template <int NT, typename Key>
-    __device__ __forceinline__ u64 keep_bits(int r0, int c0, const Key& key) const {
+    __device__ __forceinline__ u64 keep_bits(int r0, int c0, Key key) const {
         return dropout_keep_bits<NT>(key, stream, r0, c0, threshold, drop_base);
     }
     // philox.cuh dropout_keep_bits_key_rows of the keys from k0 and queries from q0 (with
     // a WarpPair, the calls split with the warp of the keys k0 ^ 16); `key` as above.
     template <int NT, typename Key, typename WarpPair = SoloWarp>
-    __device__ __forceinline__ u32 keep_bits_key_rows(int k0, int q0, const Key& key,
+    __device__ __forceinline__ u32 keep_bits_key_rows(int k0, int q0, Key key,
                                                       const WarpPair& pair = WarpPair()) const {
         return dropout_keep_bits_key_rows<NT>(key, stream, k0, q0, threshold, drop_base, pair);
     }

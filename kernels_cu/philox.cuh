@@ -28,25 +28,34 @@ __device__ __forceinline__ uint4 philox_round(uint4 c, uint2 k) {
 // repeat for every call), or read from the host's table of the rounds' keys
 // (_philox.round_keys), the ModsParams::rng_round_keys of a kernel's parameters, which
 // sit in the constant bank: a round's XOR then takes its key as an operand, no
-// instruction of its own.
+// instruction of its own. next(k, r): round r's key from round r - 1's, k.
 struct SeedKey {
     uint2 key;
-    __device__ __forceinline__ uint2 round(int r) const { return {key.x + r * PHILOX_W0, key.y + r * PHILOX_W1}; }
+    __device__ __forceinline__ uint2 first() const { return key; }
+    __device__ __forceinline__ uint2 next(uint2 k, int) const { return {k.x + PHILOX_W0, k.y + PHILOX_W1}; }
 };
 struct RoundKeys {
     const u32* words;   // 2 PHILOX_ROUNDS: round r's key at 2 r, 2 r + 1
-    __device__ __forceinline__ uint2 round(int r) const { return {words[2 * r], words[2 * r + 1]}; }
+    __device__ __forceinline__ uint2 first() const { return {words[0], words[1]}; }
+    __device__ __forceinline__ uint2 next(uint2, int r) const { return {words[2 * r], words[2 * r + 1]}; }
 };
-__device__ __forceinline__ SeedKey seed_key(u64 seed) {
+// The schedule of a key given as either: Random123's 64-bit key (the seed) or the table.
+__device__ __forceinline__ SeedKey key_schedule(u64 seed) {
     return {{static_cast<u32>(seed), static_cast<u32>(seed >> 32)}};
 }
+__device__ __forceinline__ RoundKeys key_schedule(RoundKeys keys) { return keys; }
 
-// _philox.philox4x32: counter words x..w are Random123's ctr[0..3], the key's round(0)
+// _philox.philox4x32: counter words x..w are Random123's ctr[0..3], the key's first()
 // its key[0..1].
 template <int ROUNDS = PHILOX_ROUNDS, typename Key>
-__device__ __forceinline__ uint4 philox4x32(uint4 counter, const Key& key) {
+__device__ __forceinline__ uint4 philox4x32(uint4 counter, Key schedule) {
+    uint2 key = schedule.first();
+    counter = philox_round(counter, key);
 #pragma unroll
-    for (int r = 0; r < ROUNDS; ++r) counter = philox_round(counter, key.round(r));
+    for (int r = 1; r < ROUNDS; ++r) {
+        key = schedule.next(key, r);
+        counter = philox_round(counter, key);
+    }
     return counter;
 }
 
@@ -78,11 +87,12 @@ __device__ __forceinline__ uint2 dropout_counter_base(u32 row0, u32 key0) {
     return make_uint2((key0 >> 5) * 4, (row0 >> 4) * 8);
 }
 
-// _philox._dropout_words: the four words of counter (x, y) of one stream.
+// _philox._dropout_words: the four words of counter (x, y) of one stream. `key`, here and
+// below: the seed (u64) or its RoundKeys.
 template <typename Key>
-__device__ __forceinline__ uint4 dropout_words(const Key& key, u64 stream, u32 x, u32 y) {
+__device__ __forceinline__ uint4 dropout_words(Key key, u64 stream, u32 x, u32 y) {
     const uint4 counter = {x, y, static_cast<u32>(stream), static_cast<u32>(stream >> 32)};
-    return philox4x32(counter, key);
+    return philox4x32(counter, key_schedule(key));
 }
 
 // Byte b (0 .. 15) of a call's words.
@@ -98,7 +108,7 @@ __device__ __forceinline__ bool dropout_keep(u64 seed, u64 stream, u64 row, u64 
     const u32 x = base.x + static_cast<u32>((col >> 5) * 4 + ((col >> 1) & 3));
     const u32 y = base.y + static_cast<u32>((row >> 4) * 8 + (row & 7));
     const u32 b = static_cast<u32>(((row >> 3) & 1) * 8 + ((col >> 3) & 3) * 2 + (col & 1));
-    return dropout_byte(dropout_words(seed_key(seed), stream, x, y), b) >= threshold;
+    return dropout_byte(dropout_words(seed, stream, x, y), b) >= threshold;
 }
 
 // Bits 0-3: whether bytes 0-3 of `word` are >= the threshold (1 .. 255), four compares in
@@ -127,7 +137,7 @@ __device__ __forceinline__ u32 bytes_at_least(u32 word, u32 repeated) {
 // n-tile nt, one Philox call per 4 n-tiles. They depend on indices alone, so a kernel
 // draws them while the tensor cores compute the scores.
 template <int NT, typename Key>
-__device__ __forceinline__ u64 dropout_keep_bits(const Key& key, u64 stream, int r0, int c0, u32 threshold, uint2 base) {
+__device__ __forceinline__ u64 dropout_keep_bits(Key key, u64 stream, int r0, int c0, u32 threshold, uint2 base) {
     static_assert(NT % 4 == 0 && 4 * NT <= 64, "whole 32-column blocks, at most 64 scores");
     const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const u32 y = base.y + static_cast<u32>((r0 >> 4) * 8 + g);
@@ -184,7 +194,7 @@ struct SharedMemoryWarpPair {
     }
 };
 template <int NT, typename Key, typename WarpPair = SoloWarp>
-__device__ __forceinline__ u32 dropout_keep_bits_key_rows(const Key& key, u64 stream, int key0, int q0, u32 threshold,
+__device__ __forceinline__ u32 dropout_keep_bits_key_rows(Key key, u64 stream, int key0, int q0, u32 threshold,
                                                           uint2 base, const WarpPair& pair = WarpPair()) {
     constexpr bool PAIRED = WarpPair::PAIRED;
     static_assert(NT % (PAIRED ? 4 : 2) == 0 && 4 * NT <= 32, "pairs (a warp pair: quads) of query n-tiles, at most 32 scores");
