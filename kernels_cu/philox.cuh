@@ -23,39 +23,33 @@ __device__ __forceinline__ uint4 philox_round(uint4 c, uint2 k) {
 
 #define PHILOX_ROUNDS 10
 
-// The key schedule: round r's key is Random123's key bumped r times by (W0, W1). Either
-// added up round by round from the key (SeedKey: two adds a round, which the kernels
-// repeat for every call), or read from the host's table of the rounds' keys
-// (_philox.round_keys), the ModsParams::rng_round_keys of a kernel's parameters, which
-// sit in the constant bank: a round's XOR then takes its key as an operand, no
-// instruction of its own. next(k, r): round r's key from round r - 1's, k.
-struct SeedKey {
-    uint2 key;
-    __device__ __forceinline__ uint2 first() const { return key; }
-    __device__ __forceinline__ uint2 next(uint2 k, int) const { return {k.x + PHILOX_W0, k.y + PHILOX_W1}; }
-};
-struct RoundKeys {
-    const u32* words;   // 2 PHILOX_ROUNDS: round r's key at 2 r, 2 r + 1
-    __device__ __forceinline__ uint2 first() const { return {words[0], words[1]}; }
-    __device__ __forceinline__ uint2 next(uint2, int r) const { return {words[2 * r], words[2 * r + 1]}; }
-};
-// The schedule of a key given as either: Random123's 64-bit key (the seed) or the table.
-__device__ __forceinline__ SeedKey key_schedule(u64 seed) {
-    return {{static_cast<u32>(seed), static_cast<u32>(seed >> 32)}};
-}
-__device__ __forceinline__ RoundKeys key_schedule(RoundKeys keys) { return keys; }
-
-// _philox.philox4x32: counter words x..w are Random123's ctr[0..3], the key's first()
-// its key[0..1].
-template <int ROUNDS = PHILOX_ROUNDS, typename Key>
-__device__ __forceinline__ uint4 philox4x32(uint4 counter, Key schedule) {
-    uint2 key = schedule.first();
+// _philox.philox4x32: counter words x..w are Random123's ctr[0..3], key x, y its key[0..1],
+// which each round after the first bumps by (W0, W1).
+template <int ROUNDS = PHILOX_ROUNDS>
+__device__ __forceinline__ uint4 philox4x32(uint4 counter, uint2 key) {
     counter = philox_round(counter, key);
 #pragma unroll
     for (int r = 1; r < ROUNDS; ++r) {
-        key = schedule.next(key, r);
+        key.x += PHILOX_W0;
+        key.y += PHILOX_W1;
         counter = philox_round(counter, key);
     }
+    return counter;
+}
+
+// The same rounds with the key schedule read from the host's table (_philox.round_keys:
+// round r's key at 2 r, 2 r + 1), the ModsParams::rng_round_keys of a kernel's
+// parameters, which sit in the constant bank: a round's XOR takes its key as an operand
+// instead of the two adds a round of each call above. Where the dropout draws below get
+// a RoundKeys for their `key` they use it; a u64 key is the seed.
+struct RoundKeys {
+    const u32* words;
+};
+template <int ROUNDS = PHILOX_ROUNDS>
+__device__ __forceinline__ uint4 philox4x32(uint4 counter, RoundKeys keys) {
+    static_assert(ROUNDS <= PHILOX_ROUNDS, "the table holds PHILOX_ROUNDS keys");
+#pragma unroll
+    for (int r = 0; r < ROUNDS; ++r) counter = philox_round(counter, make_uint2(keys.words[2 * r], keys.words[2 * r + 1]));
     return counter;
 }
 
@@ -87,12 +81,15 @@ __device__ __forceinline__ uint2 dropout_counter_base(u32 row0, u32 key0) {
     return make_uint2((key0 >> 5) * 4, (row0 >> 4) * 8);
 }
 
-// _philox._dropout_words: the four words of counter (x, y) of one stream. `key`, here and
-// below: the seed (u64) or its RoundKeys.
-template <typename Key>
-__device__ __forceinline__ uint4 dropout_words(Key key, u64 stream, u32 x, u32 y) {
+// _philox._dropout_words: the four words of counter (x, y) of one stream.
+__device__ __forceinline__ uint4 dropout_words(u64 seed, u64 stream, u32 x, u32 y) {
     const uint4 counter = {x, y, static_cast<u32>(stream), static_cast<u32>(stream >> 32)};
-    return philox4x32(counter, key_schedule(key));
+    const uint2 key = {static_cast<u32>(seed), static_cast<u32>(seed >> 32)};
+    return philox4x32<PHILOX_ROUNDS>(counter, key);
+}
+__device__ __forceinline__ uint4 dropout_words(RoundKeys keys, u64 stream, u32 x, u32 y) {
+    const uint4 counter = {x, y, static_cast<u32>(stream), static_cast<u32>(stream >> 32)};
+    return philox4x32<PHILOX_ROUNDS>(counter, keys);
 }
 
 // Byte b (0 .. 15) of a call's words.

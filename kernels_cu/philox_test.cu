@@ -6,7 +6,7 @@
 template <int ROUNDS>
 __global__ void philox4x32_kernel(const uint4* counters, const uint2* keys, uint4* out, int n) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) out[i] = philox4x32<ROUNDS>(counters[i], SeedKey{keys[i]});
+    if (i < n) out[i] = philox4x32<ROUNDS>(counters[i], keys[i]);
 }
 
 // keep[i] = dropout_keep(...) of score (row0 + rows[i], key0 + cols[i]) of one (batch,
