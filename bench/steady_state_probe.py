@@ -50,8 +50,8 @@ for d in a.head_dims:
         flop = bench.flops(B, H, N, d, False, "fwd")
         for dtype, precision in CASES:
             (q, k, v, _), (tq, tk, tv, _) = bench.make_inputs(dtype, (B, H, N, d), N)
-            calls = {f"cupyflash{"-tf32" if precision == "tf32" else ""}":
-                     lambda: cupyflash.attention(q, k, v, scale=1 / math.sqrt(d), precision=precision)}
+            name = "cupyflash-tf32" if precision == "tf32" else "cupyflash"
+            calls = {name: lambda: cupyflash.attention(q, k, v, scale=1 / math.sqrt(d), precision=precision)}
             if torch is not None and precision == "highest":
                 backend = getattr(SDPBackend, PEER[dtype])
 
