@@ -100,6 +100,7 @@ for name, vec in (("convert4 (the library's)", 1), ("convert_vec2", 2), ("conver
 k = mod.get_function("convert_stride")
 for per_sm in (4, 8, 16):
     report(f"convert_stride {per_sm} CTAs/SM", time_us(lambda: k((sms * per_sm,), (256,), (src, dst, cp.int64(n4), cp.float32(0.125)))), conv_bytes)
+# (The zeroing rows write over src: the conversions above have run.)
 zero = mod.get_function("zero4")
 report("zero4 (128 MB)", time_us(lambda: zero((-(-(n // 4) // 1024),), (256,), (src, cp.int64(n // 4)))), n * 4)
 report("cupy memset (128 MB)", time_us(lambda: src.fill(0)), n * 4)

@@ -11,7 +11,8 @@ for args in "--seqlen 2048 --head-dim 64" "--seqlen 2048 --head-dim 128 --causal
     for rep in 1 2; do
         for tree in "$OLD" .; do
             echo "== $tree $args ($rep)"
-            timeout 60 python3 "$tree/bench/backward_timeline.py" $args 2>&1 | grep -E 'prep|convert|dkdv|span'
+            # (180 s: a cold kernel cache builds the call's kernels first)
+            timeout 180 python3 "$tree/bench/backward_timeline.py" $args 2>&1 | grep -E 'prep|convert|dkdv|span'
         done
     done
 done

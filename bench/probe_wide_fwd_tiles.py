@@ -34,6 +34,14 @@ def main(argv):
     tiles = [tuple(int(x) for x in t.split(",")) for t in a.tiles]
     table = _kernels.FWD_WIDE_TILES[a.dtype]
     original = table[d]
+    try:
+        probe(a, d, tiles, table)
+    finally:
+        table[d] = original
+        _cuda._FORWARD_PLANS.clear()
+
+
+def probe(a, d, tiles, table):
     for N in a.seqlens:
         H, B = bench.HIDDEN // d, bench.TOKENS // N
         (q, k, v, _), _ = bench.make_inputs(a.dtype, (B, H, N, d), N)
@@ -48,7 +56,6 @@ def main(argv):
         for t in tiles:
             print(f"{a.dtype} d={d} N={N} causal={int(a.causal)} tile={t}: "
                   + " / ".join(f"{x:.1f}" for x in readings[t]) + " TFLOP/s", flush=True)
-    table[d] = original
 
 
 if __name__ == "__main__":

@@ -1,12 +1,15 @@
-"""What the first call's host time did to bench.time_ms: each case timed with the GPU kept
-busy before the run (the benchmark's method since session 36) and without (before it),
-and the host's time per call.
+"""What the first call's host time did to bench.time_ms: each case timed the benchmark's
+way since session 36 (each run started one call ahead: `ahead`) and the way before (the
+first timed call's Python before any GPU work: `old`), and the host's time per call.
 
     python bench/steady_state_probe.py [--seqlens 1024 4096] [--head-dims 64 128]
 
 Cases: fp32 (default and precision="tf32"), fp64 and bf16 forwards, and torch SDPA's peer
 for each dtype (efficient, math, flash). Host time per call: the wall time of issuing 10
-calls while the GPU is kept busy (no call waits for the GPU), over 10.
+calls while a spinning kernel keeps the GPU busy (no call waits for the GPU), over 10.
+(Session 36's log, `…-dbb3f3c-steady-state-probe.log`, timed its "busy" column with a 5 ms
+spin before each run instead of a call ahead: the same wherever the host's time per call
+is below the GPU's, and too fast where it is not.)
 """
 
 import argparse
@@ -22,17 +25,28 @@ import cupy as cp  # noqa: E402
 import cupyflash  # noqa: E402
 from cupyflash import bench  # noqa: E402
 
+BUSY = r"""
+extern "C" __global__ void busy_for(unsigned long long ns) {
+    unsigned long long start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    do {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    } while (now - start < ns);
+}
+"""
+
 p = argparse.ArgumentParser()
 p.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096])
 p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
 a = p.parse_args()
 torch, SDPBackend, sdpa_kernel = bench._torch()
+busy_for = cp.RawKernel(BUSY, "busy_for")
 
 
 def host_ms(fn, calls=10):
     fn()
     cp.cuda.Device().synchronize()
-    bench.busy_gpu(200)
+    busy_for((1,), (1,), (cp.uint64(200_000_000),))   # 200 ms: every call below issues before it ends
     t0 = time.perf_counter()
     for _ in range(calls):
         fn()
@@ -43,7 +57,7 @@ def host_ms(fn, calls=10):
 
 CASES = [("float32", "highest"), ("float32", "tf32"), ("float64", "highest"), ("bfloat16", "highest")]
 PEER = {"float32": "EFFICIENT_ATTENTION", "float64": "MATH", "bfloat16": "FLASH_ATTENTION"}
-print(f"{'case':28} {'old ms':>8} {'busy ms':>8} {'old/busy':>8} {'host ms':>8}  TFLOP/s old / busy")
+print(f"{'case':28} {'old ms':>8} {'ahead ms':>8} {'old/ahead':>9} {'host ms':>8}  TFLOP/s old / ahead")
 for d in a.head_dims:
     for N in a.seqlens:
         H, B = bench.HIDDEN // d, bench.TOKENS // N
@@ -60,7 +74,9 @@ for d in a.head_dims:
                         return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, scale=1 / math.sqrt(d))
                 calls[f"torch-{PEER[dtype].split('_')[0].lower()}"] = peer
             for name, fn in calls.items():
-                old = bench.time_ms(fn, lead_ms=0)
-                busy = bench.time_ms(fn)
-                print(f"{name + ' ' + dtype + f' d={d} N={N}':28} {old:8.3f} {busy:8.3f} {old / busy:8.3f} "
-                      f"{host_ms(fn):8.3f}  {flop / old / 1e9:7.1f} / {flop / busy / 1e9:7.1f}", flush=True)
+                # old, ahead, old, ahead: the better of two readings each, so that the order
+                # favours neither
+                old, ahead = (min(x) for x in zip(*[(bench.time_ms(fn, ahead=False), bench.time_ms(fn))
+                                                    for _ in range(2)]))
+                print(f"{name + ' ' + dtype + f' d={d} N={N}':28} {old:8.3f} {ahead:8.3f} {old / ahead:9.3f} "
+                      f"{host_ms(fn):8.3f}  {flop / old / 1e9:7.1f} / {flop / ahead / 1e9:7.1f}", flush=True)

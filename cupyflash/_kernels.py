@@ -160,12 +160,13 @@ FWD_SM80_EXT_TILES = {
 # SUB_N, WARPS, DV_TILE), in order of preference as above: fwd_wide.cu computes SUB_N keys
 # of each loaded BLOCK_N-key tile at a time, and DV_TILE < D splits the output columns
 # over D / DV_TILE CTAs. From the build check (no spills) and shared memory: two 4-warp
-# CTAs per H100/H200 SM where they fit, else one of 6-8 warps; then A100's 163 KB; the
-# last entry fits ~100 KB.
+# CTAs per H100/H200 SM where they fit (fp64 d = 64: three, fwd_wide.cu MIN_BLOCKS), else
+# one of 6-8 warps; then A100's 163 KB; the last entry fits ~100 KB.
 # Measured on an H200 (bench/bench_attention.py --tune, N = 16k, non-causal): fp32 d = 64
 # (128, 64, 32, 8) 57.9 TFLOP/s against (64, 64, 32, 4) 56.4; d = 128 (128, 64, 32, 8) 58.7
 # against (64, 32, 32, 4) 55.1; fp64 d = 128 (128, 16, 16, 8) 38.9 against (128, 16, 8, 8)
-# 32.2 and (64, 16, 16, 4) 24.3; fp64 d = 64 (64, 32, 32, 4) 33.2, the best of three.
+# 32.2 and (64, 16, 16, 4) 24.3; fp64 d = 64 (64, 32, 32, 4) 33.2, the best of three then,
+# since session 36 (64, 16, 16, 4) with three CTAs an SM (below).
 FWD_WIDE_TILES = {
     "float32": {
         32: ((64, 64, 32, 4, 32),),
@@ -185,7 +186,8 @@ FWD_WIDE_TILES = {
         # 16-key tiles of 72 KB: three CTAs an SM on Hopper (fwd_wide.cu MIN_BLOCKS), Q
         # re-read from shared memory. H200, in one process: 34.8 TFLOP/s at N = 1k against
         # 33.1 for (64, 32, 32, 4, 64), two CTAs with Q in registers; equal at 4k, causal
-        # 1.01x (bench/results/h200-2026-12-04-probe-f64-d64-fwd-tiles.log).
+        # 1.01-1.03x (bench/results/h200-2026-12-04-probe-f64-d64-fwd-tiles.log, …-79ac903-ab-…).
+        # It fits every GPU the former fallback (32, 32, 16, 2, 64), 89 KB, did.
         64: ((64, 16, 16, 4, 64),),
         96: ((64, 16, 16, 4, 96), (48, 16, 16, 3, 96)),
         # The 2- and 1-warp fallbacks split the output columns further than before the

@@ -6,9 +6,10 @@ precision="tf32", impl "cupyflash-tf32"). TFLOP/s counts
 4*B*H*N^2*d for the forward (half for causal) and 2.5x that for the backward. Peers are
 measured in the same process on the same GPU: torch SDPA's flash (FlashAttention-2),
 cudnn, efficient and math backends when torch is importable, and a naive CuPy attention.
-Times are medians of CUDA event timings of back-to-back calls after warm-up, the GPU kept
-busy before each timed run so that the first call's host work hides too; memory is the
-peak of allocations made during one call, inputs excluded.
+Times are medians of CUDA event timings of back-to-back calls after warm-up, each run
+started one call ahead so that every timed call's host work overlaps the GPU's work on
+the call before (the steady state of a loop of calls); memory is the peak of allocations
+made during one call, inputs excluded.
 
     python -m cupyflash.bench --out results.json --plot     # the grid; JSON and PNG plots
     python -m cupyflash.bench --seqlens 4096 16384 --head-dims 128 --dtypes bfloat16
@@ -76,40 +77,20 @@ WIDE_PEERS = {"float32": "torch-efficient", "float64": "torch-math"}
 # --------------------------------------------------------------------------- measuring
 
 
-# bench.time_ms: how long a kernel keeps the GPU busy before each timed run (see there).
-LEAD_MS = 5.0
-_BUSY_SOURCE = r"""
-extern "C" __global__ void busy_for(unsigned long long ns) {
-    unsigned long long start, now;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-    do {
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-    } while (now - start < ns);
-}
-"""
-
-
-def busy_gpu(ms):
-    """Keep the current stream's GPU busy for ``ms`` milliseconds (one thread reading the
-    global timer), without waiting for it on the host."""
-    import cupy as cp
-
-    kernel = cp.RawKernel(_BUSY_SOURCE, "busy_for")   # CuPy caches the compiled module
-    kernel((1,), (1,), (np.uint64(ms * 1e6),))
-
-
-def time_ms(fn, repeat=7, warmup=3, calls=5, lead_ms=LEAD_MS):
+def time_ms(fn, repeat=7, warmup=3, calls=5, ahead=True):
     """Median milliseconds per call of `fn` on the GPU: CUDA events around `calls`
     back-to-back calls, `repeat` times after warm-up. Back to back, as an application
     issues them and as flash-attn's own benchmark times them: the host's Python work
     before a launch then overlaps the previous call's GPU work. (With events around
     each call and a synchronization between calls, that host time shows as GPU idle
-    time: 0.13 ms of a 0.96 ms forward at N = 2048, bench/NOTES.md.) Before each run a
-    kernel keeps the GPU busy for `lead_ms`, so that the first call's host work overlaps
-    GPU work too: the run measures the steady state of a loop of calls. Without it the
-    first call's host time (0.1-0.4 ms of Python) counted as GPU time, a fifth of it per
-    call, which moved short calls by up to ~10% (bench/NOTES.md, session 36). Where the
-    host is slower than the GPU its time still shows, as it would in the loop."""
+    time: 0.13 ms of a 0.96 ms forward at N = 2048, bench/NOTES.md.) With `ahead` each
+    run starts one call ahead: an untimed call, then the start event behind its kernels,
+    so that the first timed call's Python overlaps that call's GPU work as every later
+    one's does, and the run measures the steady state of a loop of calls: where the host
+    takes longer per call than the GPU, the difference shows, as in the loop. Without
+    it (the method before session 36) the first call's host time (0.1-0.5 ms of Python)
+    counted as GPU time, a fifth of it per call, which moved short calls by up to ~20%
+    (bench/NOTES.md, session 36)."""
     import cupy as cp
 
     for _ in range(warmup):
@@ -117,8 +98,8 @@ def time_ms(fn, repeat=7, warmup=3, calls=5, lead_ms=LEAD_MS):
     start, stop = cp.cuda.Event(), cp.cuda.Event()
     times = []
     for _ in range(repeat):
-        if lead_ms:
-            busy_gpu(lead_ms)
+        if ahead:
+            fn()
         start.record()
         for _ in range(calls):
             fn()

@@ -45,17 +45,19 @@ struct WideFwdTile {
     static constexpr int LDQ = QKRows::stride, LDV = VRows::stride;
     static constexpr int SMEM_ELEMS = BLOCK_M * LDQ + 2 * BLOCK_N * LDQ + 2 * BLOCK_N * LDV;
     static constexpr int SMEM_BYTES = SMEM_ELEMS * sizeof(T);
-    // fp64: as many CTAs an SM as its shared memory holds (up to 4; 1 KB a CTA reserved),
-    // given to ptxas as the launch bound's minimum, so that each thread keeps to its
-    // share of the registers and the CTAs are resident at once: more warps a scheduler to
-    // cover the DMMA and fp64 latencies. fp32 (the 3xTF32 kernels of GPUs before Hopper):
-    // one, as before (not measured otherwise).
-#if __CUDA_ARCH__ >= 900
+    // fp64 on Hopper (sm_90, 228 KB of shared memory an SM): as many CTAs an SM as its
+    // shared memory holds (up to 4; 1 KB a CTA reserved; MODE_EXT's static option state,
+    // 512 bytes at most, is not counted: it moves none of the tables' fp64 tiles across a
+    // count), given to ptxas as the launch bound's
+    // minimum, so that each thread keeps to its share of the registers and the CTAs are
+    // resident at once: more warps a scheduler to cover the DMMA and fp64 latencies.
+    // Elsewhere one, as before: other GPUs (and a PTX target standing for a newer GPU)
+    // have other shared memory and were not measured, and fp32 runs these kernels only
+    // before Hopper.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)   // sm_90a, the Hopper target (_nvrtc.target_for)
     static constexpr int SM_SMEM = 233472;
-#elif __CUDA_ARCH__ == 800
-    static constexpr int SM_SMEM = 167936;
 #else
-    static constexpr int SM_SMEM = 102400;
+    static constexpr int SM_SMEM = 0;
 #endif
     static constexpr int FIT = SM_SMEM / (SMEM_BYTES + 1024);
     static constexpr int MIN_BLOCKS = sizeof(T) == 8 && FIT > 1 ? (FIT < 4 ? FIT : 4) : 1;

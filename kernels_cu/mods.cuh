@@ -91,6 +91,8 @@ template <typename T, typename Acc> struct SoftcapTerm {
     }
 };
 
+static_assert(sizeof(ModsParams::rng_round_keys) == 2 * PHILOX_ROUNDS * sizeof(u32), "a key a round");
+
 // Dropout's per-score draws, for HeadMods of either path: keep (row, key) iff its Philox
 // draw >= threshold (0: off). Kept scores' scale: Mods::drop_scale in the forward, the
 // row workspaces in the backward (bwd.cuh).

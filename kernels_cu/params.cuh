@@ -51,8 +51,10 @@ struct ModsParams {
     int row0, key0;
     int diag;
     // Dropout's Philox key schedule (philox.cuh RoundKeys, _philox.round_keys): round r's
-    // key at 2 r, 2 r + 1, for the 10 rounds (PHILOX_ROUNDS), from rng_seed; where the
-    // kernels read it here a round's key is a constant-bank operand, not two adds a call.
+    // key at 2 r, 2 r + 1, for the 10 rounds (PHILOX_ROUNDS, mods.cuh checks), from
+    // rng_seed; written only where dropout is on. The Hopper backward's keep bits at
+    // d <= 64 read it (a round's key a constant-bank operand, not two adds a call); the
+    // other kernels draw from rng_seed.
     u32 rng_round_keys[20];
 };
 

@@ -276,8 +276,10 @@ def test_single_element_arguments_are_checked():
 
 # --------------------------------------------------------------------------- kernels
 
-KERNELS = ("philox4x32_kernel<10>", "philox4x32_kernel<7>", "dropout_keep_kernel", "dropout_m_tile_kernel<8>",
-           "dropout_key_rows_kernel<8, false>", "dropout_key_rows_kernel<8, true>")
+KERNELS = ("philox4x32_kernel<10>", "philox4x32_kernel<7>", "dropout_keep_kernel",
+           *(f"dropout_m_tile_kernel<8, {table}>" for table in ("false", "true")),
+           *(f"dropout_key_rows_kernel<8, {paired}, {table}>" for paired in ("false", "true")
+             for table in ("false", "true")))
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_test_kernels_build(arch):
@@ -334,16 +336,18 @@ def test_gpu_dropout_keep_matches_numpy(p, row0, key0, rng):
 @pytest.mark.parametrize("p", [0.0, 0.1, 0.5, 1 - 1 / 256])
 @pytest.mark.parametrize("r0,c0", [(0, 0), (16, 64), (4096 + 48, 2**20 + 32)])
 @pytest.mark.parametrize("row_origin, key_origin", [(0, 0), (384, 2**20 + 160)])
-def test_gpu_m_tile_bits_match_numpy(p, r0, c0, row_origin, key_origin):
+@pytest.mark.parametrize("table", [False, True])
+def test_gpu_m_tile_bits_match_numpy(p, r0, c0, row_origin, key_origin, table):
     """The forward's keep bits (fwd_sm90.cu: one Philox call a thread for 4 n-tiles, the
     byte compares a word at a time) against the per-score draw of the NumPy twin, over a
-    warp's 16 rows x 64 keys, counted from an origin (a chunk pair's) or from 0."""
+    warp's 16 rows x 64 keys, counted from an origin (a chunk pair's) or from 0; the key
+    as the seed or as the host's table of its rounds' keys."""
     import cupy
 
     seed, stream = 2**63 + 54321, 91
     keep = cupy.full((16, 64), 7, dtype=cupy.uint8)   # poisoned
-    _gpu_kernel("dropout_m_tile_kernel<8>")((1,), (32,), (
-        cupy.asarray(_philox.round_keys(seed)), np.uint64(stream), np.int32(r0), np.int32(c0), np.uint32(row_origin),
+    _gpu_kernel(f"dropout_m_tile_kernel<8, {str(table).lower()}>")((1,), (32,), (
+        np.uint64(seed), cupy.asarray(_philox.round_keys(seed)), np.uint64(stream), np.int32(r0), np.int32(c0), np.uint32(row_origin),
         np.uint32(key_origin), np.uint32(_philox.dropout_threshold(p)), keep))
     rows, keys = np.meshgrid(np.arange(row_origin + r0, row_origin + r0 + 16),
                              np.arange(key_origin + c0, key_origin + c0 + 64), indexing="ij")
@@ -356,19 +360,21 @@ def test_gpu_m_tile_bits_match_numpy(p, r0, c0, row_origin, key_origin):
 @pytest.mark.parametrize("p", [0.1, 0.5])
 @pytest.mark.parametrize("key0,q0", [(0, 0), (16, 64), (48, 4096 + 16), (2**20 + 32, 2**21 + 48)])
 @pytest.mark.parametrize("row_origin, key_origin", [(0, 0), (384, 2**20 + 160)])
-def test_gpu_key_rows_bits_match_numpy(paired, p, key0, q0, row_origin, key_origin):
+@pytest.mark.parametrize("table", [False, True])
+def test_gpu_key_rows_bits_match_numpy(paired, p, key0, q0, row_origin, key_origin, table):
     """The backward's keep bits (two lanes sharing each Philox call; paired, two warps too,
     bwd_sm90.cu) against the per-score draw of the NumPy twin, over a warp's 16 keys (a
     pair's 32, from key0 rounded down to 32) x 64 queries, counted from an origin (a chunk
-    pair's) or from 0."""
+    pair's) or from 0; the key as the seed or as the host's table of its rounds' keys."""
     import cupy
 
     seed, stream = 2**63 + 12345, 77
     warps = 2 if paired else 1
     key0 = key0 // 32 * 32 if paired else key0
     keep = cupy.full((16 * warps, 64), 7, dtype=cupy.uint8)   # poisoned
-    kernel = _gpu_kernel(f"dropout_key_rows_kernel<8, {str(paired).lower()}>")
-    kernel((1,), (32 * warps,), (cupy.asarray(_philox.round_keys(seed)), np.uint64(stream), np.int32(key0), np.int32(q0),
+    kernel = _gpu_kernel(f"dropout_key_rows_kernel<8, {str(paired).lower()}, {str(table).lower()}>")
+    kernel((1,), (32 * warps,), (np.uint64(seed), cupy.asarray(_philox.round_keys(seed)), np.uint64(stream),
+                                 np.int32(key0), np.int32(q0),
                                  np.uint32(row_origin), np.uint32(key_origin),
                                  np.uint32(_philox.dropout_threshold(p)), keep))
     keys, queries = np.meshgrid(np.arange(key_origin + key0, key_origin + key0 + 16 * warps),
