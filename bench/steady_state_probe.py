@@ -5,54 +5,34 @@ first timed call's Python before any GPU work: `old`), and the host's time per c
     python bench/steady_state_probe.py [--seqlens 1024 4096] [--head-dims 64 128]
 
 Cases: fp32 (default and precision="tf32"), fp64 and bf16 forwards, and torch SDPA's peer
-for each dtype (efficient, math, flash). Host time per call: the wall time of issuing 10
-calls while a spinning kernel keeps the GPU busy (no call waits for the GPU), over 10.
-(Session 36's log, `…-dbb3f3c-steady-state-probe.log`, timed its "busy" column with a 5 ms
-spin before each run instead of a call ahead: the same wherever the host's time per call
-is below the GPU's, and too fast where it is not.)
+for each dtype (efficient, math, flash). Host time per call: `cupyx.profiler.benchmark`'s
+CPU time, as bench/host_overhead.py takes it. (Session 36's log, `…-dbb3f3c-steady-state-probe.log`,
+timed its "busy" column with a 5 ms spin before each run instead of a call ahead: the same
+wherever the host's time per call is below the GPU's, and too fast where it is not; and
+took the host's time as the wall time of issuing calls behind such a spin.)
 """
 
 import argparse
 import math
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import cupy as cp  # noqa: E402
+from cupyx.profiler import benchmark  # noqa: E402
 
 import cupyflash  # noqa: E402
 from cupyflash import bench  # noqa: E402
-
-BUSY = r"""
-extern "C" __global__ void busy_for(unsigned long long ns) {
-    unsigned long long start, now;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-    do {
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-    } while (now - start < ns);
-}
-"""
 
 p = argparse.ArgumentParser()
 p.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096])
 p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
 a = p.parse_args()
 torch, SDPBackend, sdpa_kernel = bench._torch()
-busy_for = cp.RawKernel(BUSY, "busy_for")
 
 
-def host_ms(fn, calls=10):
-    fn()
-    cp.cuda.Device().synchronize()
-    busy_for((1,), (1,), (cp.uint64(200_000_000),))   # 200 ms: every call below issues before it ends
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    wall = (time.perf_counter() - t0) / calls * 1e3
-    cp.cuda.Device().synchronize()
-    return wall
+def host_ms(fn):
+    return benchmark(fn, n_repeat=20).cpu_times.mean() * 1e3
 
 
 CASES = [("float32", "highest"), ("float32", "tf32"), ("float64", "highest"), ("bfloat16", "highest")]

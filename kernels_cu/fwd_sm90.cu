@@ -143,6 +143,12 @@ struct Sm90Work {
         }
         return t;
     }
+    // The number of the CTA's work tile after tile w (one thread claims it): the grid's
+    // stride without a work counter, else the counter's next (a persistent CTA's first
+    // tile is its blockIdx.x).
+    __device__ __forceinline__ static int next(int w, const AttnParams& p) {
+        return p.work_counter == nullptr ? w + int(gridDim.x) : int(gridDim.x) + atomicAdd(p.work_counter, 1);
+    }
 };
 
 // fp32 in dense mode, where shared memory holds two Q buffers: Q split into fp16 halves by
@@ -189,9 +195,7 @@ struct QSplit {
         int t = 0;   // chunks through the slots so far: slot t % 2
         for (int k = 0;; ++k) {
             if (tid == 0) {   // the next work tile: its number, work word, first row, head and batch entry
-                const int w = k == 0                       ? int(blockIdx.x)
-                              : p.work_counter == nullptr ? tile[NUMBER] + int(gridDim.x)
-                                                          : int(gridDim.x) + atomicAdd(p.work_counter, 1);
+                const int w = k == 0 ? int(blockIdx.x) : Sm90Work::next(tile[NUMBER], p);
                 const bool end = w >= p.grid_m * p.grid_heads * p.grid_batch;
                 const Sm90Work work = Sm90Work::decode<HEADS_FIRST>(end ? 0 : w, p);
                 Mods<float, float, MODE_DENSE> mods;
@@ -480,7 +484,7 @@ flash_fwd_sm90(const __grid_constant__ AttnParams p)
             auto next_work = [&](int w) {
                 if (p.work_counter == nullptr) return w + int(gridDim.x);
                 int next = 0;
-                if (leader) next = int(gridDim.x) + atomicAdd(p.work_counter, 1);
+                if (leader) next = Sm90Work::next(w, p);
                 return warp_uniform(next);
             };
             int t = 0;   // key tiles loaded so far, over every work tile: stage t % STAGES
