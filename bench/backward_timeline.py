@@ -2,6 +2,10 @@
 as CUPTI records them (torch.profiler sees CuPy's launches too), and the GPU's idle gaps.
 
     python bench/backward_timeline.py [--seqlen 2048] [--head-dim 64] [--causal] [--window 256] [--calls 20]
+        [--peer torch-cudnn]
+
+--peer times a torch SDPA backend's backward (bench.PEERS' torch names) on the same
+tensors instead, so that its kernels and passes can be read beside cupyflash's.
 
 Prints per activity (kernel or memset name, shortened) its mean microseconds per call,
 share of the span and the GPU's idle time before it, then the span and the idle time per
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -25,21 +30,33 @@ from cupyflash import bench  # noqa: E402
 def main(argv):
     import cupy as cp
     import torch
+    from torch.nn.attention import SDPBackend
     from torch.profiler import ProfilerActivity, profile
 
     p = argparse.ArgumentParser()
     bench.add_backward_case_arguments(p, seqlen=2048)
     p.add_argument("--calls", type=int, default=20)
+    p.add_argument("--peer", choices=[name for name in bench.TORCH_BACKENDS], default=None)
     a = p.parse_args(argv)
     (q, k, v, do), options = bench.backward_case(a)
     B, H, N, d = q.shape
-    _, ctx = cupyflash.attention_forward(q, k, v, **options)
+    if a.peer is None:
+        _, ctx = cupyflash.attention_forward(q, k, v, **options)
+        call = lambda: cupyflash.attention_backward(do, ctx)  # noqa: E731
+    else:
+        if options.get("window") is not None:
+            p.error("--peer takes no --window")
+        t = [torch.from_dlpack(x) for x in (q, k, v, do)]
+        backend = getattr(SDPBackend, bench.TORCH_BACKENDS[a.peer])
+        call = bench._torch_runs(torch, backend, *t, is_causal=options["causal"])["bwd"]()
     for _ in range(3):
-        cupyflash.attention_backward(do, ctx)
+        call()
     cp.cuda.Device().synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        issue = time.perf_counter()
         for _ in range(a.calls):
-            cupyflash.attention_backward(do, ctx)
+            call()
+        issue = time.perf_counter() - issue   # the host's time to queue the calls
         cp.cuda.Device().synchronize()
     events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
                     key=lambda e: e.time_range.start)
@@ -51,11 +68,12 @@ def main(argv):
             gap_before[name] += e.time_range.start - before.time_range.end
     span = events[-1].time_range.end - events[0].time_range.start
     busy = sum(total.values())
-    print(f"B={B} H={H} N={N} d={d} {options}: {a.calls} calls, {len(events) / a.calls:.1f} activities a call")
+    print(f"{a.peer or 'cupyflash'} B={B} H={H} N={N} d={d} {options}: {a.calls} calls, {len(events) / a.calls:.1f} activities a call")
     for name, us in sorted(total.items(), key=lambda kv: -kv[1]):
         idle = gap_before[name] / a.calls
         print(f"  {us / a.calls:9.1f} us  {us / span:6.1%}  {name}  (idle before it {idle:.1f} us)")
-    print(f"  span {span / a.calls:.1f} us a call, idle {(span - busy) / a.calls:.1f} us a call")
+    print(f"  span {span / a.calls:.1f} us a call, idle {(span - busy) / a.calls:.1f} us a call; "
+          f"the host queued a call in {issue * 1e6 / a.calls:.1f} us (profiler on)")
 
 
 if __name__ == "__main__":
