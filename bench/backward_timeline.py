@@ -4,12 +4,13 @@ as CUPTI records them (torch.profiler sees CuPy's launches too), and the GPU's i
     python bench/backward_timeline.py [--seqlen 2048] [--head-dim 64] [--causal] [--window 256] [--calls 20]
         [--peer torch-cudnn]
 
---peer times a torch SDPA backend's backward (bench.PEERS' torch names) on the same
-tensors instead, so that its kernels and passes can be read beside cupyflash's.
+--peer profiles a torch SDPA backend's backward (a key of bench.TORCH_BACKENDS) on the
+same tensors instead, so that its kernels and passes can be read beside cupyflash's.
 
 Prints per activity (kernel or memset name, shortened) its mean microseconds per call,
 share of the span and the GPU's idle time before it, then the span and the idle time per
-call. The profiler itself delays some launches: read the idle time beside an A/B by CUDA
+call, and the host's time to queue a call (a loop of the same calls before the profiled
+one, without the profiler). The profiler itself delays some launches: read the idle time beside an A/B by CUDA
 events (bench/ab_versions.py), not alone (bench/NOTES.md, session 26). Timing only.
 """
 
@@ -36,7 +37,7 @@ def main(argv):
     p = argparse.ArgumentParser()
     bench.add_backward_case_arguments(p, seqlen=2048)
     p.add_argument("--calls", type=int, default=20)
-    p.add_argument("--peer", choices=[name for name in bench.TORCH_BACKENDS], default=None)
+    p.add_argument("--peer", choices=list(bench.TORCH_BACKENDS), default=None)
     a = p.parse_args(argv)
     (q, k, v, do), options = bench.backward_case(a)
     B, H, N, d = q.shape
@@ -52,11 +53,14 @@ def main(argv):
     for _ in range(3):
         call()
     cp.cuda.Device().synchronize()
+    issue = time.perf_counter()   # the host's time to queue the calls, without the profiler
+    for _ in range(a.calls):
+        call()
+    issue = time.perf_counter() - issue
+    cp.cuda.Device().synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        issue = time.perf_counter()
         for _ in range(a.calls):
             call()
-        issue = time.perf_counter() - issue   # the host's time to queue the calls
         cp.cuda.Device().synchronize()
     events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
                     key=lambda e: e.time_range.start)
@@ -73,7 +77,7 @@ def main(argv):
         idle = gap_before[name] / a.calls
         print(f"  {us / a.calls:9.1f} us  {us / span:6.1%}  {name}  (idle before it {idle:.1f} us)")
     print(f"  span {span / a.calls:.1f} us a call, idle {(span - busy) / a.calls:.1f} us a call; "
-          f"the host queued a call in {issue * 1e6 / a.calls:.1f} us (profiler on)")
+          f"the host queued a call in {issue * 1e6 / a.calls:.1f} us (without the profiler)")
 
 
 if __name__ == "__main__":
