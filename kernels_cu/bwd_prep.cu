@@ -34,18 +34,23 @@ flash_bwd_prep(const __grid_constant__ AttnParams p)
     const Strided<const T> O = tensor<const T>(p.o), dO = tensor<const T>(p.dout);
     // The CTA's rows of the dQ workspace zeroed, where the call has one, for the key-block
     // kernels to add into (beside the loads: this pass waits on their latency, and a memset
-    // of its own cost 34 us at B N = 16k, H = 32, d = 64 on an H200). Rows of whole 16-byte
-    // chunks by chunks (its base is the allocator's, 256-byte aligned), else by words.
+    // of its own cost 34 us at B N = 16k, H = 32, d = 64 on an H200). Only each row's d
+    // columns: the Hopper kernels' rows are padded (dq_ld = D + 8, their bulk reductions
+    // add whole padded rows), but the conversion reads the d columns alone, so the padding
+    // may hold anything (12% of the bytes at d = 64). By 16-byte chunks where the rows
+    // allow (the base is the allocator's, 256-byte aligned), else by words.
     if (p.dq_accum != nullptr) {
         const int row0 = blockIdx.x * PREP_ROWS, rows = min(PREP_ROWS, nq - row0);
         const i64 row_bytes = (i64)p.dq_ld * sizeof(Acc);
         char* const base = static_cast<char*>(p.dq_accum) + (((i64)b * gridDim.y + h) * nq + row0) * row_bytes;
-        const i64 bytes = rows > 0 ? rows * row_bytes : 0;
-        if (row_bytes % 16 == 0) {
-            for (i64 i = threadIdx.x; i < bytes / 16; i += PREP_THREADS)
-                reinterpret_cast<uint4*>(base)[i] = uint4{0, 0, 0, 0};
-        } else {
-            for (i64 i = threadIdx.x; i < bytes / 4; i += PREP_THREADS) reinterpret_cast<u32*>(base)[i] = 0u;
+        const bool by_chunks = row_bytes % 16 == 0 && p.d * sizeof(Acc) % 16 == 0;
+        const int unit = by_chunks ? 16 : 4;
+        const int units = int(p.d * sizeof(Acc)) / unit;   // a row's units in use
+        for (int i = threadIdx.x; i < max(rows, 0) * units; i += PREP_THREADS) {
+            const int r = i / units;
+            char* const at = base + r * row_bytes + (i - r * units) * unit;
+            if (by_chunks) *reinterpret_cast<uint4*>(at) = uint4{0, 0, 0, 0};
+            else *reinterpret_cast<u32*>(at) = 0u;
         }
     }
     // Every lane of a warp takes the same number of turns (PREP_ROWS is a multiple of
