@@ -718,8 +718,8 @@ BWD_SIMT_BLOCK = {"float32": 64, "float64": 32}
 BWD_ROW_PAD = 128
 # Bits of the GRADS template argument (bwd.cuh).
 GRAD_DV, GRAD_DK, GRAD_DQ, GRAD_DQ_ORDERED = 1, 2, 4, 8
-PREP_ROWS = 128        # bwd_prep.cu: rows per CTA of the pre-pass (PREP_THREADS threads)
-PREP_THREADS = 256
+PREP_ROWS = 32         # bwd_prep.cu: rows per CTA of the pre-pass (PREP_THREADS threads)
+PREP_THREADS = 128
 CONVERT_ELEMS = 1024   # bwd_prep.cu: elements per CTA of the dq conversion
 
 
