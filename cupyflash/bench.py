@@ -216,64 +216,89 @@ def _print_row(row):
           f"{'  ' + row['variant'] if row.get('variant') else ''}", flush=True)
 
 
-def bench_case(dtype, d, causal, N, passes, peers, rows, naive_max_n):
-    """Measure cupyflash and `peers` on one case; append a row per (impl, pass) to `rows`."""
+def bench_case(dtype, d, causal, N, passes, peers, rows, naive_max_n, rounds=1):
+    """Measure cupyflash and `peers` on one case; append a row per (impl, pass) to `rows`.
+    With `rounds` > 1 every implementation is timed once a round, in turn, and a row
+    holds the median of its readings (ms) and their range (ms_min, ms_max): a drift of
+    the GPU's clocks over the case then falls on all of them alike (bench/NOTES.md,
+    session 37: one reading of a backward cell ranges over +-3-5% within a run)."""
     import cupyflash
 
     torch, SDPBackend, sdpa_kernel = _torch()
     H, B = HIDDEN // d, TOKENS // N
     scale = 1.0 / math.sqrt(d)
     (q, k, v, do), (tq, tk, tv, tdo) = make_inputs(dtype, (B, H, N, d), N * d + causal)
+    timed = []   # (impl, pass, run, peak_fn), in the order each round times them
 
-    def record(impl, pass_, ms, peak):
-        rows.append(make_row(impl, pass_, dtype, d, causal, N, B, H, ms, peak, flops(B, H, N, d, causal, pass_)))
+    def record(impl, pass_, readings, peak):
+        ms = float(np.median(readings)) if readings else None
+        extra = dict(ms_min=min(readings), ms_max=max(readings), rounds=len(readings)) if rounds > 1 and readings else {}
+        rows.append(make_row(impl, pass_, dtype, d, causal, N, B, H, ms, peak, flops(B, H, N, d, causal, pass_),
+                             **extra))
         _print_row(rows[-1])
 
-    def guarded(impl, pass_, run, peak_fn):
-        try:
-            ms = time_ms(run)
-            record(impl, pass_, ms, peak_fn(run))
-        except Exception as exc:  # a case an implementation cannot run is recorded, not fatal
-            print(f"{impl} {pass_}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
-            record(impl, pass_, None, None)
+    def failed(impl, pass_, exc):   # a case an implementation cannot run is recorded, not fatal
+        print(f"{impl} {pass_}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+        record(impl, pass_, [], None)
 
     if "fwd" in passes:
-        guarded("cupyflash", "fwd", lambda: cupyflash.attention(q, k, v, causal=causal, scale=scale), cupy_peak)
+        timed.append(("cupyflash", "fwd", lambda: cupyflash.attention(q, k, v, causal=causal, scale=scale), cupy_peak))
         if dtype == "float32":   # the forward with precision="tf32" (impl "cupyflash-tf32")
-            guarded("cupyflash-tf32", "fwd",
-                    lambda: cupyflash.attention(q, k, v, causal=causal, scale=scale, precision="tf32"), cupy_peak)
+            timed.append(("cupyflash-tf32", "fwd",
+                          lambda: cupyflash.attention(q, k, v, causal=causal, scale=scale, precision="tf32"),
+                          cupy_peak))
     if "bwd" in passes:
         try:
             o, ctx = cupyflash.attention_forward(q, k, v, causal=causal, scale=scale)
-            guarded("cupyflash", "bwd", lambda: cupyflash.attention_backward(do, ctx), cupy_peak)
+            timed.append(("cupyflash", "bwd", lambda: cupyflash.attention_backward(do, ctx), cupy_peak))
         except NotImplementedError as exc:
             print(f"cupyflash bwd: {exc}")
     for impl in peers:
         if impl == "naive-cupy":
             if N <= naive_max_n and "fwd" in passes:
-                guarded(impl, "fwd", lambda: naive_attention(q, k, v, scale, causal), cupy_peak)
+                timed.append((impl, "fwd", lambda: naive_attention(q, k, v, scale, causal), cupy_peak))
             continue
         if torch is None:
             continue
         backend = getattr(SDPBackend, TORCH_BACKENDS[impl])
         sdpa = torch.nn.functional.scaled_dot_product_attention
+        torch_peak_of = lambda f: torch_peak(torch, f)  # noqa: E731
 
-        def fwd():
+        def fwd(backend=backend):
             with sdpa_kernel(backend):
                 return sdpa(tq, tk, tv, is_causal=causal, scale=scale)
 
         if "fwd" in passes:
-            guarded(impl, "fwd", fwd, lambda f: torch_peak(torch, f))
+            timed.append((impl, "fwd", fwd, torch_peak_of))
         if "bwd" in passes:
             try:
                 xs = [t.detach().requires_grad_() for t in (tq, tk, tv)]
                 with sdpa_kernel(backend):
                     out = sdpa(*xs, is_causal=causal, scale=scale)
-                guarded(impl, "bwd", lambda: torch.autograd.grad(out, xs, tdo, retain_graph=True),
-                        lambda f: torch_peak(torch, f))
+                timed.append((impl, "bwd", lambda out=out, xs=xs: torch.autograd.grad(out, xs, tdo, retain_graph=True),
+                               torch_peak_of))
             except Exception as exc:
-                print(f"{impl} bwd: {type(exc).__name__}: {str(exc)[:200]}")
-                record(impl, "bwd", None, None)
+                failed(impl, "bwd", exc)
+
+    readings = [[] for _ in timed]
+    errors = [None] * len(timed)
+    for _ in range(rounds):
+        for i, (_, _, run, _) in enumerate(timed):
+            if errors[i] is None:
+                try:
+                    readings[i].append(time_ms(run))
+                except Exception as exc:
+                    errors[i] = exc
+    for (impl, pass_, run, peak_fn), ms, exc in zip(timed, readings, errors):
+        if exc is not None:
+            failed(impl, pass_, exc)
+            continue
+        try:
+            peak = peak_fn(run)
+        except Exception as exc:
+            failed(impl, pass_, exc)
+            continue
+        record(impl, pass_, ms, peak)
 
 
 # --------------------------------------------------------------------------- modifiers (--mods)
@@ -597,11 +622,13 @@ def run_grid(args):
         for d in args.head_dims:
             for causal in (False, True):
                 for N in args.seqlens:
-                    bench_case(dtype, d, causal, N, args.passes, half_peers, rows, args.naive_max_n)
+                    bench_case(dtype, d, causal, N, args.passes, half_peers, rows, args.naive_max_n,
+                               args.rounds)
     for dtype, peer in WIDE_PEERS.items():
         for d in args.head_dims:
             for N in args.wide_dtypes_seqlens:
-                bench_case(dtype, d, False, N, args.passes, [peer] if peer in args.peers else [], rows, 0)
+                bench_case(dtype, d, False, N, args.passes, [peer] if peer in args.peers else [], rows, 0,
+                           args.rounds)
     return rows
 
 
@@ -685,6 +712,9 @@ def parse_args(argv=None):
     p.add_argument("--passes", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"])
     p.add_argument("--peers", nargs="*", default=list(PEERS), choices=PEERS,
                    help="implementations measured beside cupyflash (none: cupyflash alone)")
+    p.add_argument("--rounds", type=int, default=1, metavar="R",
+                   help="time every implementation of a grid case R times, in turn, and keep the median "
+                        "and the range (default 1: one reading each)")
     p.add_argument("--naive-max-n", type=int, default=8192,
                    help="largest N for naive-cupy (its N x N matrix runs out of memory)")
     p.add_argument("--mods", action="store_true",

@@ -73,6 +73,22 @@ def test_tiny_grid_on_gpu(tmp_path):
     assert len(ours) == 2 and all(r["tflops"] and r["peak_mem_bytes"] for r in ours)
 
 
+@pytest.mark.gpu
+def test_tiny_grid_in_rounds_keeps_the_median_and_range(tmp_path):
+    out = tmp_path / "bench.json"
+    assert bench.main(["--seqlens", "512", "--head-dims", "64", "--dtypes", "float16",
+                       "--wide-dtypes-seqlens", "--passes", "fwd", "bwd", "--peers",
+                       "--rounds", "3", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["pass"] for r in rows} == {"fwd", "bwd"}
+    for r in rows:
+        assert r["rounds"] == 3 and r["ms_min"] <= r["ms"] <= r["ms_max"]
+
+
+def test_one_round_by_default():
+    assert bench.parse_args([]).rounds == 1
+
+
 # --------------------------------------------------------------------------- --mods
 
 
