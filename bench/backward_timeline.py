@@ -24,32 +24,20 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import cupyflash  # noqa: E402
 from cupyflash import bench  # noqa: E402
 
 
 def main(argv):
     import cupy as cp
     import torch
-    from torch.nn.attention import SDPBackend
     from torch.profiler import ProfilerActivity, profile
 
     p = argparse.ArgumentParser()
     bench.add_backward_case_arguments(p, seqlen=2048)
     p.add_argument("--calls", type=int, default=20)
-    p.add_argument("--peer", choices=list(bench.TORCH_BACKENDS), default=None)
+    bench.add_backward_peer_argument(p)
     a = p.parse_args(argv)
-    (q, k, v, do), options = bench.backward_case(a)
-    B, H, N, d = q.shape
-    if a.peer is None:
-        _, ctx = cupyflash.attention_forward(q, k, v, **options)
-        call = lambda: cupyflash.attention_backward(do, ctx)  # noqa: E731
-    else:
-        if options.get("window") is not None:
-            p.error("--peer takes no --window")
-        t = [torch.from_dlpack(x) for x in (q, k, v, do)]
-        backend = getattr(SDPBackend, bench.TORCH_BACKENDS[a.peer])
-        call = bench._torch_runs(torch, backend, *t, is_causal=options["causal"])["bwd"]()
+    call, (B, H, N, d), options = bench.backward_call(a, p)
     for _ in range(3):
         call()
     cp.cuda.Device().synchronize()

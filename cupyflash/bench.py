@@ -357,6 +357,34 @@ def backward_case(args):
     return (q, k, v, do), options
 
 
+def add_backward_peer_argument(parser):
+    """--peer: a torch SDPA backend (a key of TORCH_BACKENDS) runs the backward call of
+    `backward_call` instead of cupyflash."""
+    parser.add_argument("--peer", choices=list(TORCH_BACKENDS), default=None,
+                        help="time this torch SDPA backend's backward instead of cupyflash's")
+
+
+def backward_call(args, parser):
+    """A callable that runs one backward of the case `args` describes
+    (`add_backward_case_arguments`, `add_backward_peer_argument`): cupyflash's, or the
+    torch backend's that args.peer names, its forward run once here; and the case's
+    (B, H, N, d) and options."""
+    import cupyflash
+
+    (q, k, v, do), options = backward_case(args)
+    if args.peer is None:
+        _, ctx = cupyflash.attention_forward(q, k, v, **options)
+        return (lambda: cupyflash.attention_backward(do, ctx)), q.shape, options
+    torch, SDPBackend, _ = _torch()
+    if torch is None:
+        parser.error("--peer needs torch with CUDA")
+    if options.get("window") is not None:
+        parser.error("--peer takes no --window")
+    t = [torch.from_dlpack(x) for x in (q, k, v, do)]
+    backend = getattr(SDPBackend, TORCH_BACKENDS[args.peer])
+    return _torch_runs(torch, backend, *t, is_causal=options["causal"])["bwd"](), q.shape, options
+
+
 def varlen_packed(tensors, rng):
     """(B, H, N, d) tensors' B N tokens as the ``varlen`` row's VARLEN_SEQS packed sequences
     of random lengths: the (B N, H, d) views, cu_seqlens, the longest length and the lengths.
