@@ -2,7 +2,9 @@
 # The backward's whole-tensor passes under ncu, cupyflash's beside a torch backend's
 # (default cuDNN: compute_dot_do_o and convert_dq_to_16bits against flash_bwd_prep and
 # flash_bwd_dq_convert), on one call shape: time, DRAM bytes and throughput, occupancy,
-# the launch's shape. The third call's two passes (the first two build and warm).
+# the launch's shape. The third call's two passes (the first two build and warm): a case
+# whose backward has both passes (cupyflash's 16-bit Hopper path, d <= 128; else ncu
+# profiles the wrong launches or none). Run from the repository's root; appends to the log.
 #   bash bench/passes_ncu.sh [OUTDIR] [case args, default --seqlen 2048 --head-dim 64]
 set -u -o pipefail
 OUT_DIR=${1:-${OUT:-/tmp}}

@@ -742,7 +742,7 @@ def parse_args(argv=None):
                    help="implementations measured beside cupyflash (none: cupyflash alone)")
     p.add_argument("--rounds", type=int, default=1, metavar="R",
                    help="time every implementation of a grid case R times, in turn, and keep the median "
-                        "and the range (default 1: one reading each)")
+                        "and the range (default 1: one reading each; the --mods rows take one)")
     p.add_argument("--naive-max-n", type=int, default=8192,
                    help="largest N for naive-cupy (its N x N matrix runs out of memory)")
     p.add_argument("--mods", action="store_true",
@@ -760,6 +760,8 @@ def parse_args(argv=None):
     from . import _bench_cpu
     _bench_cpu.add_arguments(p)
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error("--rounds must be 1 or more")
     if args.plot and not args.out:
         p.error("--plot writes the plots beside the results: give --out too")
     return args

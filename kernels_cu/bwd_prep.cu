@@ -7,15 +7,16 @@
 #include "bwd.cuh"
 #include "tensor.cuh"
 
-// CTAs of 32 rows and 128 threads, about cuDNN's pass's shape (16 rows of 128): with CTAs of
-// 128 rows and 256 threads (40 registers, six CTAs an SM) the 4096 CTAs of B N = 16k,
-// H = 32, d = 64 ran 5.2 waves, the last a sixth full, and the pass trailed cuDNN's by
-// 8-11 us (ncu, bench/NOTES.md session 38). 16 rows left d = 64 a CTA's two loads a thread,
-// too few bytes in flight (77 us); 64 rows left d = 128 a tail (76 us); 32: 72 us at both.
+// CTAs of 32 rows and 128 threads, near cuDNN's pass's shape (128 threads; 16 rows at d = 64,
+// 8 at d = 128): with CTAs of 128 rows and 256 threads (40 registers, six CTAs an SM) the
+// 4096 CTAs of B N = 16k, H = 32, d = 64 ran 5.2 waves, the last a sixth full, and the pass
+// trailed cuDNN's by 8-11 us (ncu, bench/NOTES.md session 38). 16 rows left d = 64 a CTA's
+// two loads a thread, too few bytes in flight (77 us); 64 rows left d = 128 a tail (76 us);
+// 32: 72 us at both.
 #define PREP_ROWS 32       // rows a CTA (cupyflash/_kernels.py PREP_ROWS; BWD_ROW_PAD a multiple of it)
 #define PREP_THREADS 128   // (cupyflash/_kernels.py PREP_THREADS)
 static_assert(BWD_ROW_PAD % PREP_ROWS == 0, "a CTA's rows lie within one (batch, head)'s padded rows");
-static_assert(PREP_ROWS % 16 == 0, "a warp's 32 / lanes rows (at most 16) take the same turns");
+static_assert(PREP_ROWS % 16 == 0 && PREP_THREADS % 32 == 0, "a warp's 32 / lanes rows (at most 16) take the same turns");
 
 // Each row's o . dO by a group of `lanes` lanes of a warp; grid (nq_pad / PREP_ROWS, Hq, B).
 // 16-bit rows of 8-element groups (2 to 32 of them): one 16-byte load of each row a lane,
@@ -69,9 +70,9 @@ flash_bwd_prep(const __grid_constant__ AttnParams p)
     }
     // Every lane of a warp takes the same number of turns (a warp's 32 / lanes rows lie in
     // one aligned group, and PREP_ROWS is a multiple of the group), so that the shuffles
-    // below see whole warps; at d = 16 some warps have no row. Unrolled, with
-    // read-only loads that the compiler may move past the row stores, so that a thread has
-    // several rows' loads in flight.
+    // below see whole warps; at d = 16 in 16 bits (two lanes a row) warps 2 and 3 have no
+    // row. Unrolled, with read-only loads that the compiler may move past the row stores,
+    // so that a thread has several rows' loads in flight.
     #pragma unroll 4
     for (int r = threadIdx.x / lanes; r < PREP_ROWS; r += PREP_THREADS / lanes) {
         const int row = blockIdx.x * PREP_ROWS + r;

@@ -89,6 +89,82 @@ def test_one_round_by_default():
     assert bench.parse_args([]).rounds == 1
 
 
+def test_rounds_must_be_positive(capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--rounds", "0"])
+    assert "--rounds" in capsys.readouterr().err
+
+
+def test_rounds_time_each_implementation_in_turn(monkeypatch):
+    """bench_case without a GPU (cupyflash, torch and the timer stand-ins): each round
+    times every implementation once, in order; a row keeps the median and the range of
+    its readings; each torch row runs its own backend; one that fails is recorded as
+    failed and not timed again."""
+    import contextlib
+    import types
+
+    import cupyflash
+
+    log, failures = [], []
+    backend = [None]
+
+    @contextlib.contextmanager
+    def sdpa_kernel(b):
+        backend[0] = b
+        yield
+
+    def grad(out, xs, tdo, retain_graph):
+        log.append(("bwd", out))
+        if out == "EFFICIENT":
+            failures.append(out)
+            raise RuntimeError("no such kernel here")
+
+    class Tensor:
+        def detach(self):
+            return self
+
+        def requires_grad_(self):
+            return self
+
+    torch = types.SimpleNamespace(
+        nn=types.SimpleNamespace(functional=types.SimpleNamespace(
+            scaled_dot_product_attention=lambda *a, **k: (log.append(("fwd", backend[0])), backend[0])[1])),
+        autograd=types.SimpleNamespace(grad=grad))
+    backends = types.SimpleNamespace(FLASH_ATTENTION="FLASH", CUDNN_ATTENTION="CUDNN",
+                                     EFFICIENT_ATTENTION="EFFICIENT", MATH="MATH")
+    monkeypatch.setattr(bench, "_torch", lambda: (torch, backends, sdpa_kernel))
+    monkeypatch.setattr(bench, "make_inputs", lambda *a: ((1, 2, 3, 4), tuple(Tensor() for _ in range(4))))
+    monkeypatch.setattr(bench, "cupy_peak", lambda run: 7)
+    monkeypatch.setattr(bench, "torch_peak", lambda torch, run: 5)
+    monkeypatch.setattr(cupyflash, "attention", lambda *a, **k: log.append(("fwd", "cupyflash")))
+    monkeypatch.setattr(cupyflash, "attention_forward", lambda *a, **k: (None, "ctx"))
+    monkeypatch.setattr(cupyflash, "attention_backward", lambda do, ctx: log.append(("bwd", "cupyflash")))
+    readings = iter(range(1, 100))
+
+    def time_ms(run):
+        log.clear()
+        run()
+        return float(next(readings))
+
+    monkeypatch.setattr(bench, "time_ms", time_ms)
+    rows = []
+    bench.bench_case("float16", 64, False, 512, ["bwd"], ["torch-flash", "torch-efficient", "torch-cudnn"],
+                     rows, 0, rounds=3)
+    by_impl = {r["impl"]: r for r in rows}
+    assert set(by_impl) == {"cupyflash", "torch-flash", "torch-efficient", "torch-cudnn"}
+    # Round 1 reads 1 (cupyflash), 2 (flash), efficient fails, 3 (cuDNN); rounds 2 and 3 read
+    # 4-6 and 7-9 without the failed one.
+    assert [(by_impl[i]["ms_min"], by_impl[i]["ms"], by_impl[i]["ms_max"]) for i in ("cupyflash", "torch-flash", "torch-cudnn")] \
+        == [(1.0, 4.0, 7.0), (2.0, 5.0, 8.0), (3.0, 6.0, 9.0)]
+    assert all(by_impl[i]["rounds"] == 3 for i in ("cupyflash", "torch-flash", "torch-cudnn"))
+    failed = by_impl["torch-efficient"]
+    assert failed["ms"] is None and failed["tflops"] is None and "rounds" not in failed
+    assert failures == ["EFFICIENT"]   # timed once, not in every round
+    assert by_impl["torch-cudnn"]["peak_mem_bytes"] == 5 and by_impl["cupyflash"]["peak_mem_bytes"] == 7
+    # The last reading was cuDNN's own backward: each row's closure ran its own backend.
+    assert log == [("bwd", "CUDNN")]
+
+
 # --------------------------------------------------------------------------- --mods
 
 
