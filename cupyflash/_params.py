@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ._philox import DROPOUT_ROUNDS
+
 # C scalar types of the header, as NumPy dtypes (pointers are 64-bit addresses).
 _C_TYPES = {
     "ptr": np.dtype(np.uint64), "i64": np.dtype(np.int64), "u64": np.dtype(np.uint64),
@@ -54,7 +56,7 @@ MODS = _struct([
     ("win_left", "i32"), ("win_right", "i32"), ("block_q", "i32"), ("block_k", "i32"),
     ("drop_threshold", "u32"), ("bias_tma", "i32"),
     ("row0", "i32"), ("key0", "i32"), ("diag", "i32"),
-    ("rng_round_keys", np.dtype((np.uint32, 20))),
+    ("rng_round_keys", np.dtype((np.uint32, 2 * DROPOUT_ROUNDS))),   # a key (two words) a round
 ])
 ATTN = _struct([
     ("q_map", TMA_MAP), ("k_map", TMA_MAP), ("v_map", TMA_MAP), ("bias_map", TMA_MAP), ("dout_map", TMA_MAP),

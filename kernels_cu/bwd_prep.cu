@@ -18,6 +18,29 @@
 static_assert(BWD_ROW_PAD % PREP_ROWS == 0, "a CTA's rows lie within one (batch, head)'s padded rows");
 static_assert(PREP_ROWS % 16 == 0 && PREP_THREADS % 32 == 0, "a warp's 32 / lanes rows (at most 16) take the same turns");
 
+// Where a thread's elements `stride` apart lie in a plane of rows `width` wide: row and
+// column step from the first by a fixed amount and at most one carry (stride % width <
+// width), so that the thread divides once. (A division an element made these passes
+// issue-bound: the dQ conversion took 122 us for 34M elements on an H100, twice its
+// memory time.)
+template <typename Index>
+struct PlaneCursor {
+    Index row;
+    int col;
+    const int width, step_rows, step_cols;
+    __device__ __forceinline__ PlaneCursor(Index first, int stride, int width_)
+        : row(first / width_), col(int(first - row * width_)), width(width_), step_rows(stride / width_),
+          step_cols(stride % width_) {}
+    __device__ __forceinline__ void advance() {
+        row += step_rows;
+        col += step_cols;
+        if (col >= width) {
+            col -= width;
+            ++row;
+        }
+    }
+};
+
 // Each row's o . dO by a group of `lanes` lanes of a warp; grid (nq_pad / PREP_ROWS, Hq, B).
 // 16-bit rows of 8-element groups (2 to 32 of them): one 16-byte load of each row a lane,
 // lanes the groups' count rounded up to a power of two, so that at d = 64 a warp's loads
@@ -53,19 +76,10 @@ flash_bwd_prep(const __grid_constant__ AttnParams p)
         const bool by_chunks = row_bytes % 16 == 0 && p.d * sizeof(Acc) % 16 == 0;
         const int unit = by_chunks ? 16 : 4;
         const int units = int(p.d * sizeof(Acc)) / unit;   // a row's units in use
-        // The thread's units are PREP_THREADS apart: row and unit step by a fixed carry
-        // from the first: one division a thread, not one a unit.
-        const int step_rows = PREP_THREADS / units, step_units = PREP_THREADS % units;
-        int r = threadIdx.x / units, c = threadIdx.x - r * units;
-        for (; r < rows; r += step_rows) {
-            char* const at = base + r * row_bytes + c * unit;
-            if (by_chunks) *reinterpret_cast<uint4*>(at) = uint4{0, 0, 0, 0};
-            else *reinterpret_cast<u32*>(at) = 0u;
-            c += step_units;
-            if (c >= units) {
-                c -= units;
-                ++r;
-            }
+        for (PlaneCursor<int> at(threadIdx.x, PREP_THREADS, units); at.row < rows; at.advance()) {
+            char* const unit_at = base + at.row * row_bytes + at.col * unit;
+            if (by_chunks) *reinterpret_cast<uint4*>(unit_at) = uint4{0, 0, 0, 0};
+            else *reinterpret_cast<u32*>(unit_at) = 0u;
         }
     }
     // Every lane of a warp takes the same number of turns (a warp's 32 / lanes rows lie in
@@ -113,10 +127,7 @@ flash_bwd_prep(const __grid_constant__ AttnParams p)
 
 // dq (B, Hq, nq, d) from the accumulator (B, Hq, nq, dq_ld), contiguous, whose rows may
 // be padded past d (bwd_sm90.cu's); grid (ceil(nq * d / (256 * CONVERT_PER_THREAD)), Hq, B).
-// A thread's elements are 256 apart in the (nq, d) plane: their row and column follow
-// from the first one's by a fixed step and a carry, so that a thread divides once (64-bit
-// divisions per element made this kernel compute-bound: 122 us for 34M elements on an
-// H100, about twice its memory time).
+// A thread's elements are 256 apart in the (nq, d) plane (PlaneCursor).
 template <typename T>
 __global__ void __launch_bounds__(256)
 flash_bwd_dq_convert(const __grid_constant__ AttnParams p)
@@ -141,18 +152,8 @@ flash_bwd_dq_convert(const __grid_constant__ AttnParams p)
             return;
         }
     }
-    const i64 e0 = (i64)blockIdx.x * CONVERT_PER_THREAD * blockDim.x + threadIdx.x;
-    i64 row = e0 / d;
-    int col = int(e0 - row * d);
-    const int step_rows = int(blockDim.x) / d, step_cols = int(blockDim.x) % d;   // d <= 256: step_cols < d
+    PlaneCursor<i64> at((i64)blockIdx.x * CONVERT_PER_THREAD * blockDim.x + threadIdx.x, int(blockDim.x), d);
     #pragma unroll
-    for (int i = 0; i < CONVERT_PER_THREAD; ++i) {
-        if (row * d + col < plane) DQ.at(b, h, row)[col] = from_acc<T>(src[row * p.dq_ld + col] * scale);
-        row += step_rows;
-        col += step_cols;
-        if (col >= d) {
-            col -= d;
-            ++row;
-        }
-    }
+    for (int i = 0; i < CONVERT_PER_THREAD; ++i, at.advance())
+        if (at.row * d + at.col < plane) DQ.at(b, h, at.row)[at.col] = from_acc<T>(src[at.row * p.dq_ld + at.col] * scale);
 }

@@ -81,15 +81,18 @@ __device__ __forceinline__ uint2 dropout_counter_base(u32 row0, u32 key0) {
     return make_uint2((key0 >> 5) * 4, (row0 >> 4) * 8);
 }
 
-// _philox._dropout_words: the four words of counter (x, y) of one stream.
-__device__ __forceinline__ uint4 dropout_words(u64 seed, u64 stream, u32 x, u32 y) {
-    const uint4 counter = {x, y, static_cast<u32>(stream), static_cast<u32>(stream >> 32)};
-    const uint2 key = {static_cast<u32>(seed), static_cast<u32>(seed >> 32)};
-    return philox4x32<PHILOX_ROUNDS>(counter, key);
+// The Philox key of a dropout draw's `key`: the seed's two words, or the round keys as given.
+__device__ __forceinline__ uint2 philox_key(u64 seed) {
+    return make_uint2(static_cast<u32>(seed), static_cast<u32>(seed >> 32));
 }
-__device__ __forceinline__ uint4 dropout_words(RoundKeys keys, u64 stream, u32 x, u32 y) {
+__device__ __forceinline__ RoundKeys philox_key(RoundKeys keys) { return keys; }
+
+// _philox._dropout_words: the four words of counter (x, y) of one stream, under the seed
+// or its round keys (the same words).
+template <typename Key>
+__device__ __forceinline__ uint4 dropout_words(Key key, u64 stream, u32 x, u32 y) {
     const uint4 counter = {x, y, static_cast<u32>(stream), static_cast<u32>(stream >> 32)};
-    return philox4x32<PHILOX_ROUNDS>(counter, keys);
+    return philox4x32<PHILOX_ROUNDS>(counter, philox_key(key));
 }
 
 // Byte b (0 .. 15) of a call's words.
